@@ -1,0 +1,29 @@
+# Two commands for a newcomer: `make serve` and `make test`. Both set up first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup test serve bench-decode clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/cpu.txt scripts/ensure_ffmpeg.sh
+	@scripts/ensure_ffmpeg.sh
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements/cpu.txt -e '.[torchcodec,test]'
+	@touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q
+
+# Until the server exists, the main job decodes a generated sample video with flashcodec.
+serve: setup
+	$(PY) scripts/demo_decode.py
+
+bench-decode: setup
+	$(PY) -m pip install -q -r requirements/bench.txt
+	$(PY) bench/decode/bench_decode.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

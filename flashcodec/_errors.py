@@ -1,0 +1,32 @@
+"""Exceptions for user-facing failures. Each message is one line that says what to do."""
+
+from __future__ import annotations
+
+
+class FlashCodecError(Exception):
+    """Base class of every error flashcodec raises for bad input."""
+
+
+class SourceNotFoundError(FlashCodecError, FileNotFoundError):
+    """The path given does not exist or is not a readable file."""
+
+
+class NotAVideoError(FlashCodecError, ValueError):
+    """The source could not be opened as a container with a video stream."""
+
+
+class UnsupportedCodecError(FlashCodecError, ValueError):
+    """The container holds a video stream whose codec no available decoder handles."""
+
+
+class CorruptVideoError(FlashCodecError, ValueError):
+    """The stream is truncated or damaged where the requested frames lie."""
+
+    def __init__(self, message: str, failed_frame_indices: list[int] | None = None):
+        super().__init__(message)
+        #: Display-order indices of the target frames that could not be decoded.
+        self.failed_frame_indices = list(failed_frame_indices or [])
+
+
+class NoFramesError(FlashCodecError, ValueError):
+    """The video stream has no frames (or too few to sample)."""

@@ -1,0 +1,235 @@
+"""Decoder backends. A backend opens per-thread *segment decoders* for one video.
+
+Contract: a :class:`SegmentDecoder` belongs to one thread and one video. ``decode_segment``
+decodes packets ``start_position..stop_position`` and calls ``emit(display_index, frame)`` once
+per target frame, with ``frame`` a uint8 ``[H, W, 3]`` RGB array already at the plan's output
+size and in display orientation. Non-target frames are decoded but never converted. It returns
+the target indices it could not produce.
+
+Backends per decoder kind: ``pyav`` and ``torchcodec`` (CPU software decode) exist today; an
+NVDEC backend slots in as another :class:`Backend` whose ranks are CUDA devices.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import av
+import numpy as np
+
+from flashcodec.plan.segments import GopSegment
+from flashcodec.probe import VideoInfo
+from flashcodec.source import Source
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[[int, np.ndarray], None]
+
+#: Forward gaps up to this many packets are skipped by demuxing (cheap) instead of seeking.
+MAX_DEMUX_SKIP_PACKETS = 600
+
+
+class SegmentDecoder(ABC):
+    @abstractmethod
+    def decode_segment(self, segment: GopSegment, emit: Emit) -> list[int]: ...
+
+    def close(self) -> None:
+        pass
+
+
+class Backend(ABC):
+    """A kind of decoder. ``device`` names the rank it runs on (``"cpu"`` here)."""
+
+    name: str
+    device: str = "cpu"
+
+    @abstractmethod
+    def open(self, source: Source, info: VideoInfo, height: int, width: int) -> SegmentDecoder: ...
+
+
+def rotate_display(frame: np.ndarray, rotation: int) -> np.ndarray:
+    """Turn a stored-orientation ``[H, W, 3]`` frame into display orientation.
+
+    FFmpeg's display-matrix angle is counter-clockwise, so 90 means a quarter turn anticlockwise.
+    """
+    k = (rotation // 90) % 4
+    return frame if k == 0 else np.ascontiguousarray(np.rot90(frame, k=k))
+
+
+def stored_size(info: VideoInfo, height: int, width: int) -> tuple[int, int]:
+    """The conversion size in stored orientation for a display-orientation output size."""
+    return (width, height) if info.rotation in (90, 270) else (height, width)
+
+
+class PyAVSegmentDecoder(SegmentDecoder):
+    """Software decode through PyAV (FFmpeg), one FFmpeg thread; the GIL is released inside FFmpeg."""
+
+    def __init__(self, source: Source, info: VideoInfo, height: int, width: int, interpolation: str = "BICUBIC"):
+        self._info = info
+        self._container = av.open(source.open(), mode="r")
+        self._stream = self._container.streams[info.stream_index]
+        self._context = self._stream.codec_context
+        self._context.thread_count = 1  # parallelism comes from GOP segments, not FFmpeg threads
+        self._out_h, self._out_w = stored_size(info, height, width)
+        self._interpolation = interpolation
+        # decode position -> pts, and pts -> display index
+        self._pts_by_position = np.empty(info.num_frames, dtype=np.int64)
+        self._pts_by_position[info.decode_positions] = info.frame_pts
+        self._display_by_pts = {int(p): i for i, p in enumerate(info.frame_pts.tolist())}
+        self._packets = None  # demux iterator, positioned at self._position
+        self._position = -1
+
+    def _seek_to(self, position: int) -> None:
+        target_pts = int(self._pts_by_position[position])
+        if self._packets is not None and self._position <= position <= self._position + MAX_DEMUX_SKIP_PACKETS:
+            pass  # close ahead: skip packets by demuxing only
+        else:
+            self._container.seek(target_pts, backward=True, any_frame=False, stream=self._stream)
+            self._packets = self._container.demux(self._stream)
+            self._position = None  # unknown until the keyframe packet is found
+        for packet in self._packets:
+            if packet.size == 0:
+                continue
+            pts = packet.pts if packet.pts is not None else packet.dts
+            if pts == target_pts:
+                self._position = position
+                self._pending = packet
+                return
+        self._packets, self._position = None, -1
+        raise EOFError(f"packet at decode position {position} not found")
+
+    def decode_segment(self, segment: GopSegment, emit: Emit) -> list[int]:
+        targets = set(segment.target_indices)
+        if self._position != segment.start_position:
+            self._context.flush_buffers()
+            self._seek_to(segment.start_position)
+        else:
+            self._pending = None
+        position = segment.start_position
+        packet = self._pending
+        packets = self._packets
+        try:
+            while position <= segment.stop_position:
+                if packet is None:
+                    packet = next(packets)
+                    if packet.size == 0:
+                        packet = None
+                        continue
+                self._decode_packet(packet, targets, emit)
+                packet = None
+                position += 1
+            self._decode_packet(None, targets, emit)  # drain the reorder delay
+        except StopIteration:  # truncated stream: what was decoded stands, the rest is reported
+            self._decode_packet(None, targets, emit)
+            self._packets, position = None, -1
+        self._context.flush_buffers()
+        self._position = position
+        return sorted(targets)
+
+    def _decode_packet(self, packet, targets: set[int], emit: Emit) -> None:
+        try:
+            frames = self._context.decode(packet)
+        except (av.error.InvalidDataError, av.error.EOFError, ValueError) as e:
+            log.debug("decode error at pts %s: %s", getattr(packet, "pts", None), e)
+            return
+        for frame in frames:
+            pts = frame.pts
+            display = self._display_by_pts.get(pts) if pts is not None else None
+            if display is None or display not in targets or frame.is_corrupt:
+                continue  # a corrupt target stays in `targets` and is reported as failed
+            rgb = frame.to_ndarray(
+                width=self._out_w, height=self._out_h, format="rgb24", interpolation=self._interpolation
+            )  # [H, W, 3] uint8
+            emit(display, rotate_display(rgb, self._info.rotation))
+            targets.discard(display)
+
+    def close(self) -> None:
+        self._container.close()
+
+
+class PyAVBackend(Backend):
+    name = "pyav"
+
+    def open(self, source, info, height, width):
+        return PyAVSegmentDecoder(source, info, height, width)
+
+
+class TorchCodecSegmentDecoder(SegmentDecoder):
+    """Software decode through torchcodec, seeded with our probe's frame table (no second scan)."""
+
+    def __init__(self, source: Source, info: VideoInfo, height: int, width: int):
+        from torchcodec.decoders import VideoDecoder
+        from torchcodec.transforms import Resize
+
+        durations = np.diff(info.frame_pts, append=info.frame_pts[-1] + (info.frame_pts[-1] - info.frame_pts[-2]
+                                                                          if info.num_frames > 1 else 1))
+        keyframes = set(int(p) for p in info.frame_pts[np.isin(info.decode_positions, info.keyframe_positions)])
+        mappings = json.dumps({"frames": [
+            {"pts": int(p), "duration": int(d), "key_frame": int(int(p) in keyframes)}
+            for p, d in zip(info.frame_pts.tolist(), durations.tolist())
+        ]})
+        self._decoder = VideoDecoder(
+            source.path if source.path is not None else source.data,
+            stream_index=info.stream_index,
+            dimension_order="NHWC",
+            num_ffmpeg_threads=1,
+            custom_frame_mappings=mappings,
+            transforms=[Resize((height, width))],
+        )
+
+    def decode_segment(self, segment: GopSegment, emit: Emit) -> list[int]:
+        indices = list(segment.target_indices)
+        try:
+            batch = self._decoder.get_frames_at(indices)
+        except RuntimeError as e:  # torchcodec reports decode failures as RuntimeError
+            log.debug("torchcodec failed on segment %s: %s", segment, e)
+            return self._one_by_one(indices, emit)
+        for display, frame in zip(indices, batch.data.numpy()):
+            emit(display, frame)
+        return []
+
+    def _one_by_one(self, indices: list[int], emit: Emit) -> list[int]:
+        failed = []
+        for display in indices:
+            try:
+                emit(display, self._decoder.get_frame_at(display).data.numpy())
+            except RuntimeError:
+                failed.append(display)
+        return failed
+
+
+class TorchCodecBackend(Backend):
+    name = "torchcodec"
+
+    def open(self, source, info, height, width):
+        return TorchCodecSegmentDecoder(source, info, height, width)
+
+
+BACKENDS: dict[str, type[Backend]] = {"pyav": PyAVBackend, "torchcodec": TorchCodecBackend}
+#: The default CPU backend, chosen by bench/decode (see docs/benchmarks.md).
+DEFAULT_BACKEND = "pyav"
+
+
+def available_backends() -> list[str]:
+    names = ["pyav"]
+    try:
+        import torchcodec.decoders  # noqa: F401
+
+        names.append("torchcodec")
+    except Exception:  # torchcodec raises OSError/RuntimeError when FFmpeg libraries are missing
+        pass
+    return names
+
+
+def get_backend(name: str) -> Backend:
+    if name == "auto":
+        name = DEFAULT_BACKEND
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(['auto', *BACKENDS])}")
+    if name not in available_backends():
+        raise ValueError(f"backend {name!r} is not usable here: install it with `pip install torchcodec` "
+                         "and the system FFmpeg libraries")
+    return BACKENDS[name]()

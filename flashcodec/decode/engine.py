@@ -1,0 +1,318 @@
+"""The asynchronous decode API (paper §5) and the one-call ``decode_video``.
+
+``analyse_bitstream`` probes and plans (cheap, demux only) and returns a key id;
+``add_decoding_request`` queues the key's GOP segments on every rank's decoder slots;
+``get_decoding_output`` blocks, without holding the GIL, until a request is done.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from flashcodec._errors import CorruptVideoError
+from flashcodec.decode.backends import Backend, get_backend
+from flashcodec.decode.scheduler import RankJob, RankScheduler
+from flashcodec.plan.sampling import SamplingOptions
+from flashcodec.plan.video import VideoPlan, plan_video
+from flashcodec.probe import VideoInfo, probe
+from flashcodec.source import Source, SourceLike
+
+OUTPUTS = ("rgb", "patches")
+ON_CORRUPT = ("error", "repeat")
+
+
+@dataclass(frozen=True, eq=False)
+class BitstreamAnalysis:
+    """What ``analyse_bitstream`` learned: enough to count tokens before decoding anything."""
+
+    key_id: int
+    info: VideoInfo
+    plan: VideoPlan
+    probe_s: float
+    source: Source = field(repr=False)
+
+
+@dataclass(eq=False)
+class DecodedVideo:
+    """A decoded request. ``frames`` holds the padded output (a multiple of the temporal patch)."""
+
+    key_id: int
+    frames: torch.Tensor | None  # uint8 [T, 3, H, W], RGB, display orientation
+    patches: torch.Tensor | None  # float32 [grid_t*grid_h*grid_w, 3*2*14*14], Qwen2.5-VL layout
+    grid_thw: tuple[int, int, int]
+    frame_indices: list[int]  # display indices of the sampled frames (before padding)
+    sample_fps: float
+    info: VideoInfo
+    failed_frame_indices: list[int]  # targets that could not be decoded (see on_corrupt)
+    probe_s: float
+    decode_s: float
+
+    @property
+    def frame_times_s(self) -> list[float]:
+        times = self.info.frame_times_s
+        return [float(times[i]) for i in self.frame_indices]
+
+    def __repr__(self) -> str:
+        out = (f"frames=uint8{list(self.frames.shape)}" if self.frames is not None
+               else f"patches=float32{list(self.patches.shape)}")
+        return (f"DecodedVideo(key_id={self.key_id}, {out}, grid_thw={self.grid_thw}, "
+                f"num_frames={len(self.frame_indices)}, sample_fps={self.sample_fps:.3f}, "
+                f"failed={len(self.failed_frame_indices)}, decode_s={self.decode_s:.3f})")
+
+
+class _Request:
+    """Collects one request's frames from every rank and assembles the output when all finish."""
+
+    def __init__(self, analysis: BitstreamAnalysis, output: str, on_corrupt: str, patch_spec,
+                 progress: Callable[[int, int], None] | None, done: Callable[["_Request"], None]):
+        self.analysis = analysis
+        self.output = output
+        self.on_corrupt = on_corrupt
+        self.patch_spec = patch_spec
+        self.progress = progress
+        self._done = done
+        self.frames: dict[int, np.ndarray] = {}  # display index -> [H, W, 3] uint8 at output size
+        self.failed: set[int] = set()
+        self.rank_outputs: dict[int, torch.Tensor] = {}
+        self.errors: list[BaseException] = []
+        self.ranks_left = len(analysis.plan.ranks)
+        self.cost_done = 0
+        self.started = time.perf_counter()
+        self.result: DecodedVideo | None = None
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def emit(self, display: int, frame: np.ndarray) -> None:
+        self.frames[display] = frame
+
+    def segment_done(self, segment, failed: list[int]) -> None:
+        with self._lock:
+            self.failed.update(failed)
+            self.cost_done += segment.cost
+            done = self.cost_done
+        if self.progress is not None:
+            self.progress(done, self.analysis.plan.decode_cost)
+
+    def rank_finished(self, job: RankJob, error: BaseException | None) -> None:
+        if error is None:
+            try:
+                self.rank_outputs[job.plan.rank] = self._assemble_rank(job)
+            except BaseException as e:
+                error = e
+        with self._lock:
+            if error is not None:
+                self.errors.append(error)
+            self.ranks_left -= 1
+            last = self.ranks_left == 0
+        if last:
+            self._finish()
+
+    def _assemble_rank(self, job: RankJob) -> torch.Tensor:
+        """Output memory is allocated here, once the rank has decoded all its segments."""
+        plan = self.analysis.plan
+        indices = list(job.plan.frame_indices)
+        out = torch.empty((job.plan.num_output_frames, 3, plan.height, plan.width), dtype=torch.uint8)
+        good = [i for i in indices if i in self.frames and i not in self.failed]
+        for row, display in enumerate(indices):
+            if display in self.failed or display not in self.frames:
+                self.failed.add(display)
+                if self.on_corrupt == "error" or not good:
+                    continue
+                display = min(good, key=lambda g: (abs(g - display), g))  # nearest decoded frame
+            out[row].copy_(torch.from_numpy(self.frames[display]).permute(2, 0, 1))  # [H,W,3] -> [3,H,W]
+        if job.plan.num_pad_frames:
+            out[len(indices):] = out[len(indices) - 1]
+        for display in indices:
+            self.frames.pop(display, None)
+        return out
+
+    def _finish(self) -> None:
+        a = self.analysis
+        try:
+            if self.errors:
+                raise self.errors[0]
+            failed = sorted(self.failed)
+            if failed and (self.on_corrupt == "error" or len(failed) == a.plan.num_frames):
+                shown = ", ".join(map(str, failed[:8])) + (" ..." if len(failed) > 8 else "")
+                raise CorruptVideoError(
+                    f"{a.source.name}: {len(failed)} of {a.plan.num_frames} sampled frames could not be decoded "
+                    f"(display indices {shown}); the stream is corrupt or truncated there"
+                    + ("" if len(failed) == a.plan.num_frames else "; use on_corrupt='repeat' to decode the rest"),
+                    failed,
+                )
+            frames = torch.cat([self.rank_outputs[r.rank] for r in a.plan.ranks])  # [T, 3, H, W]
+            patches = None
+            grid = a.plan.grid_thw()
+            if self.output == "patches":
+                from flashcodec.patches import frames_to_patches
+
+                patches, grid = frames_to_patches(frames, self.patch_spec) if self.patch_spec else \
+                    frames_to_patches(frames)
+                frames = None
+            self.result = DecodedVideo(
+                key_id=a.key_id, frames=frames, patches=patches, grid_thw=tuple(grid),
+                frame_indices=list(a.plan.frame_indices), sample_fps=a.plan.sample_fps, info=a.info,
+                failed_frame_indices=failed, probe_s=a.probe_s, decode_s=time.perf_counter() - self.started,
+            )
+        except BaseException as e:
+            self.error = e
+        self.frames.clear()
+        self.rank_outputs.clear()
+        self._done(self)
+
+
+class DecodeEngine:
+    """A process-wide pool of decoders (ranks x slots) serving many requests at once.
+
+    Args:
+        backend: ``"auto"``, ``"pyav"`` or ``"torchcodec"`` (CPU software decoders).
+        num_threads: decoder slots on the CPU rank; default: one per core. This bounds the
+            decoder threads for all requests together.
+    """
+
+    def __init__(self, backend: str | Backend = "auto", num_threads: int | None = None):
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {num_threads}")
+        self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
+        self.num_threads = num_threads or os.cpu_count() or 1
+        self._ranks = [RankScheduler(self.backend, self.num_threads, name=self.backend.device)]
+        self._keys = itertools.count(1)
+        self._lock = threading.Lock()
+        self._analyses: dict[int, BitstreamAnalysis] = {}
+        self._done = threading.Condition()
+        self._finished: dict[int, _Request] = {}
+        self._in_flight: set[int] = set()
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self._ranks)
+
+    def analyse_bitstream(self, source: SourceLike, options: SamplingOptions | None = None, *,
+                          frame_indices: list[int] | None = None, **sampling) -> BitstreamAnalysis:
+        """Probe and plan a video. ``sampling`` takes :class:`SamplingOptions` fields (fps, ...)."""
+        if options is None:
+            options = SamplingOptions(**sampling)
+        elif sampling:
+            raise TypeError("give either options or sampling keywords, not both")
+        started = time.perf_counter()
+        src = Source.of(source)
+        info = probe(src)
+        plan = plan_video(info, options, num_ranks=self.num_ranks,
+                          decoders_per_rank=self._ranks[0].num_slots, frame_indices=frame_indices)
+        analysis = BitstreamAnalysis(next(self._keys), info, plan, time.perf_counter() - started, src)
+        with self._lock:
+            self._analyses[analysis.key_id] = analysis
+        return analysis
+
+    def add_decoding_request(self, key_id: int, *, output: str = "rgb", on_corrupt: str = "error",
+                             patch_spec=None, progress: Callable[[int, int], None] | None = None) -> None:
+        """Queue the decode of an analysed video. Returns at once.
+
+        Args:
+            output: ``"rgb"`` (uint8 frames) or ``"patches"`` (normalised Qwen2.5-VL patches).
+            on_corrupt: ``"error"`` fails the request if any sampled frame cannot be decoded;
+                ``"repeat"`` fills such frames with the nearest decoded one and lists them in
+                ``failed_frame_indices``.
+            progress: called as ``progress(frames_decoded, frames_to_decode)`` from decoder threads.
+        """
+        if output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
+        if on_corrupt not in ON_CORRUPT:
+            raise ValueError(f"on_corrupt must be one of {ON_CORRUPT}, got {on_corrupt!r}")
+        with self._lock:
+            analysis = self._analyses.pop(key_id, None)
+            if analysis is None:
+                raise KeyError(f"unknown or already queued key id {key_id}")
+            self._in_flight.add(key_id)
+        request = _Request(analysis, output, on_corrupt, patch_spec, progress, self._request_done)
+        plan = analysis.plan
+        for rank_plan, scheduler in zip(plan.ranks, self._ranks):
+            scheduler.submit(RankJob(
+                key_id, rank_plan,
+                open_decoder=lambda b=scheduler.backend: b.open(analysis.source, analysis.info, plan.height, plan.width),
+                emit=request.emit, on_segment_done=request.segment_done, on_finished=request.rank_finished,
+            ))
+
+    def _request_done(self, request: _Request) -> None:
+        with self._done:
+            self._in_flight.discard(request.analysis.key_id)
+            self._finished[request.analysis.key_id] = request
+            self._done.notify_all()
+
+    def get_decoding_output(self, key_id: int | None = None, timeout: float | None = None) -> DecodedVideo:
+        """Wait for a request (``key_id``) or for any finished one, and return it.
+
+        The wait releases the GIL. Raises the request's error (e.g. :class:`CorruptVideoError`),
+        ``KeyError`` for an unknown key, or ``TimeoutError``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._done:
+            while True:
+                if key_id is None and self._finished:
+                    key = next(iter(self._finished))
+                elif key_id is not None and key_id in self._finished:
+                    key = key_id
+                else:
+                    if key_id is not None and key_id not in self._in_flight:
+                        raise KeyError(f"key id {key_id} was never queued (call add_decoding_request first)")
+                    if key_id is None and not self._in_flight:
+                        raise KeyError("no decoding request is in flight")
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError(f"decoding did not finish within {timeout} s")
+                    self._done.wait(remaining)
+                    continue
+                request = self._finished.pop(key)
+                break
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    def decode_video(self, source: SourceLike, *, output: str = "rgb", on_corrupt: str = "error",
+                     frame_indices: list[int] | None = None, patch_spec=None,
+                     progress: Callable[[int, int], None] | None = None, **sampling) -> DecodedVideo:
+        """Probe, plan and decode in one call. See :class:`SamplingOptions` for ``sampling``."""
+        analysis = self.analyse_bitstream(source, frame_indices=frame_indices, **sampling)
+        self.add_decoding_request(analysis.key_id, output=output, on_corrupt=on_corrupt,
+                                  patch_spec=patch_spec, progress=progress)
+        return self.get_decoding_output(analysis.key_id)
+
+    def close(self) -> None:
+        for scheduler in self._ranks:
+            scheduler.shutdown()
+
+    def __enter__(self) -> "DecodeEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_default_engine: DecodeEngine | None = None
+_default_lock = threading.Lock()
+
+
+def default_engine() -> DecodeEngine:
+    """The process-wide engine used by the module-level functions (one slot per core)."""
+    global _default_engine
+    with _default_lock:
+        if _default_engine is None:
+            _default_engine = DecodeEngine()
+        return _default_engine
+
+
+def decode_video(source: SourceLike, *, backend: str | None = None, num_threads: int | None = None,
+                 **kwargs) -> DecodedVideo:
+    """One-call decode. A ``backend``/``num_threads`` other than the default uses a private engine."""
+    if backend in (None, "auto") and num_threads is None:
+        return default_engine().decode_video(source, **kwargs)
+    with DecodeEngine(backend or "auto", num_threads) as engine:
+        return engine.decode_video(source, **kwargs)

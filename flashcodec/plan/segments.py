@@ -1,0 +1,199 @@
+"""GOP segments, their distribution over ranks x decoders, and temporal-patch alignment.
+
+Pure bookkeeping over integer frame positions; no media, no torch. Vocabulary:
+
+- *display index*: a frame's position in presentation order (what users and models count);
+- *decode position*: the position of the frame's packet in decode (bitstream) order;
+- *GOP segment*: packets ``[start_position, stop_position]`` that one decoder decodes in order,
+  starting at a keyframe and stopping at the segment's last target frame;
+- *rank*: a device (the CPU, or one GPU); each rank has several decoders (threads or NVDEC engines).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class GopTable:
+    """The two facts planning needs from a probe."""
+
+    #: decode position of each display index (a permutation of ``range(num_frames)``).
+    decode_positions: Sequence[int]
+    #: decode positions of keyframes, ascending; the first is 0.
+    keyframe_positions: Sequence[int]
+
+    def __post_init__(self) -> None:
+        if not self.keyframe_positions or self.keyframe_positions[0] != 0:
+            raise ValueError("keyframe_positions must start at decode position 0")
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.decode_positions)
+
+    def gop_of_position(self, position: int) -> int:
+        return bisect.bisect_right(self.keyframe_positions, position) - 1
+
+    def first_display_index_of_gop(self, gop: int) -> int:
+        """Display index of the GOP's keyframe: frames shown before it are open-GOP leading frames."""
+        return self._keyframe_display[gop]
+
+    @property
+    def _keyframe_display(self) -> list[int]:
+        cached = self.__dict__.get("_kd")
+        if cached is None:
+            inverse = [0] * self.num_frames
+            for display, position in enumerate(self.decode_positions):
+                inverse[position] = display
+            cached = [inverse[p] for p in self.keyframe_positions]
+            object.__setattr__(self, "_kd", cached)
+        return cached
+
+
+@dataclass(frozen=True)
+class GopSegment:
+    """Decode packets ``start_position..stop_position`` (inclusive) and keep ``target_indices``."""
+
+    start_position: int
+    stop_position: int
+    target_indices: tuple[int, ...]  # display indices, ascending, unique
+
+    @property
+    def cost(self) -> int:
+        """Decode cost: the number of frames that must be decoded."""
+        return self.stop_position - self.start_position + 1
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's share: the frames it outputs, and its segments split into decoder lanes."""
+
+    rank: int
+    frame_indices: tuple[int, ...]  # display indices it outputs, in order (may repeat)
+    num_pad_frames: int  # copies of the last frame appended to make the count even
+    lanes: tuple[tuple[GopSegment, ...], ...]  # one ordered list of segments per decoder
+
+    @property
+    def num_output_frames(self) -> int:
+        return len(self.frame_indices) + self.num_pad_frames
+
+    @property
+    def segments(self) -> list[GopSegment]:
+        return sorted((s for lane in self.lanes for s in lane), key=lambda s: s.start_position)
+
+    @property
+    def cost(self) -> int:
+        return sum(s.cost for lane in self.lanes for s in lane)
+
+
+def build_segments(targets: Sequence[int], table: GopTable) -> list[GopSegment]:
+    """Group target frames into GOP segments, ordered by start position.
+
+    A target is decoded from the keyframe of the GOP that holds its packet; an open-GOP leading
+    frame (shown before its GOP's keyframe) needs the previous GOP too, so it starts there. GOPs
+    that hold no target are never part of a segment, except as that previous GOP.
+    """
+    by_start: dict[int, list[int]] = {}
+    for display in sorted(set(targets)):
+        if not 0 <= display < table.num_frames:
+            raise ValueError(f"frame index {display} is out of range for {table.num_frames} frames")
+        gop = table.gop_of_position(table.decode_positions[display])
+        if display < table.first_display_index_of_gop(gop) and gop > 0:
+            gop -= 1
+        by_start.setdefault(table.keyframe_positions[gop], []).append(display)
+    return [
+        GopSegment(start, max(table.decode_positions[d] for d in members), tuple(members))
+        for start, members in sorted(by_start.items())
+    ]
+
+
+def partition_contiguous(costs: Sequence[int], num_parts: int) -> list[range]:
+    """Split ``costs`` into ``num_parts`` contiguous ranges of near-equal total cost.
+
+    Each cut is placed at the prefix sum nearest to its ideal share, so every part's cost is
+    within one item's cost of ``total / num_parts``. Parts may be empty.
+    """
+    if num_parts < 1:
+        raise ValueError("num_parts must be at least 1")
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    total = prefix[-1]
+    cuts = [0]
+    for part in range(1, num_parts):
+        ideal = total * part / num_parts
+        i = bisect.bisect_left(prefix, ideal, lo=cuts[-1])
+        if i > cuts[-1] and (i == len(prefix) or ideal - prefix[i - 1] <= prefix[i] - ideal):
+            i -= 1
+        cuts.append(min(max(i, cuts[-1]), len(costs)))
+    cuts.append(len(costs))
+    return [range(a, b) for a, b in zip(cuts, cuts[1:])]
+
+
+def align_rank_boundaries(counts: Sequence[int], factor: int = 2) -> tuple[list[int], int]:
+    """Make every rank's frame count but the last divisible by ``factor`` by *increasing* it.
+
+    Returns ``(new_counts, num_pad_frames)``; padding (repeating the last frame) happens only on
+    the last rank. Raising counts moves the next rank's first frames backwards, which costs at
+    most a few extra decoded frames, where lowering them would cost nearly a whole GOP
+    (FlashCodec paper, Fig. 7b).
+    """
+    total = sum(counts)
+    cap = total - total % factor  # no rank boundary may pass the last full temporal patch
+    bounds, acc = [], 0
+    for c in counts[:-1]:
+        acc += c
+        b = min(-(-acc // factor) * factor, cap)
+        bounds.append(max(b, bounds[-1] if bounds else 0))
+    edges = [0] + bounds + [total]
+    new_counts = [b - a for a, b in zip(edges, edges[1:])]
+    return new_counts, (-new_counts[-1]) % factor
+
+
+def plan_distribution(
+    frame_indices: Sequence[int],
+    table: GopTable,
+    *,
+    num_ranks: int = 1,
+    decoders_per_rank: int = 1,
+    temporal_patch_size: int = 2,
+) -> list[RankPlan]:
+    """Spread the target frames over ``num_ranks`` x ``decoders_per_rank`` by decode cost.
+
+    Ranks receive contiguous runs of frames (so each rank's temporal patches are whole and the
+    concatenated output equals a single-rank decode); within a rank, decoders receive contiguous
+    runs of segments so one decoder can continue from one GOP into the next without seeking.
+    """
+    if num_ranks < 1 or decoders_per_rank < 1:
+        raise ValueError("num_ranks and decoders_per_rank must be at least 1")
+    frame_indices = list(frame_indices)
+    if frame_indices != sorted(frame_indices):
+        raise ValueError("frame indices must be in display order")
+    segments = build_segments(frame_indices, table)
+
+    # 1. Ranks by cost, at segment granularity, then as frame counts.
+    counts = []
+    for part in partition_contiguous([s.cost for s in segments], num_ranks):
+        members = {d for s in segments[part.start:part.stop] for d in s.target_indices}
+        counts.append(sum(1 for d in frame_indices if d in members))
+    # 2. Temporal-patch alignment across ranks.
+    counts, num_pad = align_rank_boundaries(counts, temporal_patch_size)
+
+    plans, offset = [], 0
+    for rank, count in enumerate(counts):
+        rank_frames = tuple(frame_indices[offset:offset + count])
+        offset += count
+        rank_segments = build_segments(rank_frames, table) if rank_frames else []
+        lanes = tuple(
+            tuple(rank_segments[p.start:p.stop])
+            for p in partition_contiguous([s.cost for s in rank_segments], decoders_per_rank)
+        )
+        plans.append(RankPlan(rank, rank_frames, num_pad if rank == num_ranks - 1 else 0, lanes))
+    return plans
+
+
+def decode_floor_cost(frame_indices: Sequence[int], table: GopTable) -> int:
+    """Frames that must be decoded to produce ``frame_indices`` (the sum of segment costs)."""
+    return sum(s.cost for s in build_segments(frame_indices, table))

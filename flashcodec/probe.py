@@ -1,0 +1,233 @@
+"""Demux-only scan of a video: metadata, per-frame timestamps and the GOP table, no full decode.
+
+The scan reads every packet header of the video stream (what a container index would give) and
+decodes exactly one packet, the first keyframe, to learn the display rotation and to fail early
+on streams no decoder can read. Its cost is a small fraction of a full decode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import av
+import numpy as np
+
+from flashcodec._errors import CorruptVideoError, NoFramesError, NotAVideoError, UnsupportedCodecError
+from flashcodec.source import Source, SourceLike
+
+
+@dataclass(frozen=True)
+class Gop:
+    """A group of pictures: packets ``[start_position, end_position)`` in decode order."""
+
+    index: int
+    start_position: int  # decode-order position of the keyframe packet
+    end_position: int  # exclusive
+    keyframe_index: int  # display-order index of the keyframe
+
+    @property
+    def num_frames(self) -> int:
+        return self.end_position - self.start_position
+
+
+@dataclass(frozen=True, eq=False)
+class VideoInfo:
+    """What the probe learned about the video stream. Frame indices are display-order positions."""
+
+    codec: str
+    width: int  # stored (coded) size; see display_width/height for the rotated size
+    height: int
+    rotation: int  # degrees, one of 0/90/180/270, as FFmpeg's display matrix reports it
+    pix_fmt: str | None
+    time_base: Fraction
+    average_fps: float
+    duration_s: float
+    num_frames: int
+    header_num_frames: int | None  # what the container claimed; may be wrong or missing
+    stream_index: int
+    container_format: str
+    #: int64 [num_frames]: pts of each frame, display order (ascending).
+    frame_pts: np.ndarray = field(repr=False)
+    #: int64 [num_frames]: decode-order packet position of each display-order frame.
+    decode_positions: np.ndarray = field(repr=False)
+    #: int64 [num_keyframes]: decode-order positions of the keyframe packets, ascending.
+    keyframe_positions: np.ndarray = field(repr=False)
+
+    @property
+    def display_height(self) -> int:
+        return self.width if self.rotation in (90, 270) else self.height
+
+    @property
+    def display_width(self) -> int:
+        return self.height if self.rotation in (90, 270) else self.width
+
+    @property
+    def num_keyframes(self) -> int:
+        return len(self.keyframe_positions)
+
+    @property
+    def keyframe_indices(self) -> list[int]:
+        """Display-order indices of the keyframes."""
+        order = np.argsort(self.decode_positions)  # decode position -> display index
+        return [int(order[p]) for p in self.keyframe_positions]
+
+    @property
+    def gops(self) -> list[Gop]:
+        order = np.argsort(self.decode_positions)
+        ends = list(self.keyframe_positions[1:]) + [self.num_frames]
+        return [
+            Gop(i, int(s), int(e), int(order[s]))
+            for i, (s, e) in enumerate(zip(self.keyframe_positions, ends))
+        ]
+
+    @property
+    def frame_times_s(self) -> np.ndarray:
+        """float64 [num_frames]: presentation time of each frame in seconds from the first."""
+        return (self.frame_pts - self.frame_pts[0]).astype(np.float64) * float(self.time_base)
+
+    @property
+    def is_vfr(self) -> bool:
+        if self.num_frames < 3:
+            return False
+        deltas = np.diff(self.frame_pts)
+        return bool(deltas.max() - deltas.min() > max(1, 0.01 * np.median(deltas)))
+
+    def to_dict(self) -> dict:
+        return {
+            "codec": self.codec,
+            "width": self.width,
+            "height": self.height,
+            "rotation": self.rotation,
+            "pix_fmt": self.pix_fmt,
+            "time_base": str(self.time_base),
+            "average_fps": self.average_fps,
+            "duration_s": self.duration_s,
+            "num_frames": self.num_frames,
+            "header_num_frames": self.header_num_frames,
+            "is_vfr": self.is_vfr,
+            "container_format": self.container_format,
+            "stream_index": self.stream_index,
+            "num_keyframes": self.num_keyframes,
+            "keyframe_indices": self.keyframe_indices,
+            "frame_pts": self.frame_pts.tolist(),
+        }
+
+
+def _open_container(source: Source):
+    try:
+        return av.open(source.open(), mode="r")
+    except av.error.FFmpegError as e:
+        raise NotAVideoError(f"{source.name}: not a readable video container ({_ffmpeg_reason(e)})") from None
+
+
+def _ffmpeg_reason(e: Exception) -> str:
+    return getattr(e, "strerror", None) or str(e).splitlines()[0]
+
+
+def probe(source: SourceLike | Source) -> VideoInfo:
+    """Scan a video's packets and return its :class:`VideoInfo`.
+
+    Raises:
+        SourceNotFoundError: the path does not exist.
+        NotAVideoError: not a container, or no video stream in it.
+        UnsupportedCodecError: no decoder for the video codec.
+        NoFramesError: the video stream holds no frames.
+        CorruptVideoError: the first keyframe cannot be decoded.
+    """
+    src = Source.of(source)
+    with _open_container(src) as container:
+        if not container.streams.video:
+            raise NotAVideoError(f"{src.name}: the container has no video stream")
+        stream = container.streams.video[0]
+        try:
+            codec_context = stream.codec_context
+            codec = codec_context.name if codec_context is not None else None
+        except av.error.FFmpegError:
+            codec = None
+        if not codec:
+            raise UnsupportedCodecError(f"{src.name}: no decoder available for this video stream's codec")
+
+        pts_list: list[int] = []
+        keyframe_positions: list[int] = []
+        first_keyframe = None
+        last_duration = 0
+        try:
+            for packet in container.demux(stream):
+                if packet.size == 0:
+                    continue  # the demuxer's end-of-stream marker
+                pts = packet.pts if packet.pts is not None else packet.dts
+                if pts is None:  # no timestamps at all (raw streams): count frames
+                    pts = len(pts_list)
+                if packet.is_keyframe:
+                    keyframe_positions.append(len(pts_list))
+                    if first_keyframe is None:
+                        first_keyframe = packet
+                pts_list.append(pts)
+                last_duration = packet.duration or last_duration
+        except av.error.FFmpegError as e:
+            if not pts_list:
+                raise CorruptVideoError(f"{src.name}: cannot read video packets ({_ffmpeg_reason(e)})") from None
+            # A truncated tail: keep the packets read so far.
+
+        if not pts_list:
+            raise NoFramesError(f"{src.name}: the video stream has no frames")
+        if not keyframe_positions or keyframe_positions[0] != 0:
+            # The stream starts mid-GOP; decoding from packet 0 is the best anyone can do.
+            keyframe_positions.insert(0, 0)
+
+        rotation = _first_frame_rotation(src, stream, first_keyframe)
+
+        decode_pts = np.asarray(pts_list, dtype=np.int64)
+        decode_positions = np.argsort(decode_pts, kind="stable")  # display index -> decode position
+        frame_pts = decode_pts[decode_positions]
+        time_base = stream.time_base or Fraction(1, 1)
+        num_frames = len(frame_pts)
+        duration_s = float((int(frame_pts[-1]) - int(frame_pts[0]) + (last_duration or 0)) * time_base)
+        average_fps = _average_fps(stream, num_frames, duration_s)
+        if duration_s <= 0:
+            duration_s = num_frames / average_fps
+
+        return VideoInfo(
+            codec=codec,
+            width=int(stream.codec_context.width),
+            height=int(stream.codec_context.height),
+            rotation=rotation,
+            pix_fmt=stream.codec_context.pix_fmt,
+            time_base=Fraction(time_base),
+            average_fps=average_fps,
+            duration_s=duration_s,
+            num_frames=num_frames,
+            header_num_frames=int(stream.frames) or None,
+            stream_index=stream.index,
+            container_format=container.format.name,
+            frame_pts=frame_pts,
+            decode_positions=decode_positions.astype(np.int64),
+            keyframe_positions=np.asarray(keyframe_positions, dtype=np.int64),
+        )
+
+
+def _average_fps(stream, num_frames: int, duration_s: float) -> float:
+    rate = stream.average_rate or stream.guessed_rate or stream.base_rate
+    if rate and float(rate) > 0 and math.isfinite(float(rate)):
+        return float(rate)
+    if duration_s > 0:
+        return num_frames / duration_s
+    return 1.0
+
+
+def _first_frame_rotation(src: Source, stream, keyframe_packet) -> int:
+    """Decode one keyframe packet; return its display rotation folded to 0/90/180/270."""
+    if keyframe_packet is None:
+        return 0
+    context = stream.codec_context
+    context.thread_count = 1
+    try:
+        frames = list(context.decode(keyframe_packet)) + list(context.decode(None))
+    except av.error.FFmpegError as e:
+        raise CorruptVideoError(f"{src.name}: the first keyframe cannot be decoded ({_ffmpeg_reason(e)})") from None
+    if not frames:
+        return 0
+    rotation = getattr(frames[0], "rotation", 0) or 0
+    return int(round(rotation / 90.0)) * 90 % 360
