@@ -67,8 +67,10 @@ def stored_size(info: VideoInfo, height: int, width: int) -> tuple[int, int]:
 class PyAVSegmentDecoder(SegmentDecoder):
     """Software decode through PyAV (FFmpeg), one FFmpeg thread; the GIL is released inside FFmpeg."""
 
-    def __init__(self, source: Source, info: VideoInfo, height: int, width: int, interpolation: str = "BICUBIC"):
+    def __init__(self, source: Source, info: VideoInfo, height: int, width: int, interpolation: str = "BICUBIC",
+                 convert: bool = True):
         self._info = info
+        self._convert = convert  # False only to measure pure decode time (bench/decode's floor)
         self._container = av.open(source.open(), mode="r")
         self._stream = self._container.streams[info.stream_index]
         self._context = self._stream.codec_context
@@ -79,6 +81,7 @@ class PyAVSegmentDecoder(SegmentDecoder):
         self._pts_by_position = np.empty(info.num_frames, dtype=np.int64)
         self._pts_by_position[info.decode_positions] = info.frame_pts
         self._display_by_pts = {int(p): i for i, p in enumerate(info.frame_pts.tolist())}
+        self._skip = "DEFAULT"
         self._packets = None  # demux iterator, positioned at self._position
         self._position = -1
 
@@ -103,6 +106,9 @@ class PyAVSegmentDecoder(SegmentDecoder):
 
     def decode_segment(self, segment: GopSegment, emit: Emit) -> list[int]:
         targets = set(segment.target_indices)
+        # Frames that are neither targets nor references of later frames need not be decoded at
+        # all: the decoder skips them (skip_frame=NONREF) and every other frame stays bit-exact.
+        target_positions = {int(self._info.decode_positions[t]) for t in targets}
         if self._position != segment.start_position:
             self._context.flush_buffers()
             self._seek_to(segment.start_position)
@@ -118,6 +124,9 @@ class PyAVSegmentDecoder(SegmentDecoder):
                     if packet.size == 0:
                         packet = None
                         continue
+                skip = "DEFAULT" if position in target_positions else "NONREF"
+                if skip != self._skip:
+                    self._context.skip_frame = self._skip = skip
                 self._decode_packet(packet, targets, emit)
                 packet = None
                 position += 1
@@ -140,6 +149,10 @@ class PyAVSegmentDecoder(SegmentDecoder):
             display = self._display_by_pts.get(pts) if pts is not None else None
             if display is None or display not in targets or frame.is_corrupt:
                 continue  # a corrupt target stays in `targets` and is reported as failed
+            if not self._convert:
+                emit(display, None)
+                targets.discard(display)
+                continue
             rgb = frame.to_ndarray(
                 width=self._out_w, height=self._out_h, format="rgb24", interpolation=self._interpolation
             )  # [H, W, 3] uint8

@@ -1,0 +1,246 @@
+"""``flashcodec`` command line: probe a video, decode the frames a model needs, benchmark decoders."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+#: Show a progress bar when a decode has at least this many frames to decode.
+PROGRESS_MIN_FRAMES = 1000
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        h, w = (int(v) for v in text.lower().split("x"))
+        if h <= 0 or w <= 0:
+            raise ValueError
+        return h, w
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HEIGHTxWIDTH, e.g. 224x392, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("frame sampling (defaults: Qwen2.5-VL rules, as qwen-vl-utils)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--fps", type=_positive_float, help="frames sampled per second of video (default 2)")
+    x.add_argument("--num-frames", type=_positive_int, help="sample exactly this many frames (rounded to even)")
+    g.add_argument("--min-frames", type=_positive_int, help="lower bound on sampled frames (default 4)")
+    g.add_argument("--max-frames", type=_positive_int, help="upper bound on sampled frames (default 768)")
+    s = p.add_argument_group("output size (multiples of 28; defaults: Qwen2.5-VL video budgets)")
+    s.add_argument("--size", type=_size, metavar="HxW", help="explicit output size, rounded to multiples of 28")
+    s.add_argument("--min-pixels", type=_positive_int, help="minimum pixels per frame (default 128*28*28)")
+    s.add_argument("--max-pixels", type=_positive_int, help="maximum pixels per frame (default 768*28*28)")
+    s.add_argument("--total-pixels", type=_positive_int, help="pixel budget of the whole video")
+
+
+def _sampling_kwargs(args) -> dict:
+    kw = {k: getattr(args, k) for k in ("fps", "num_frames", "min_frames", "max_frames", "min_pixels",
+                                        "max_pixels", "total_pixels") if getattr(args, k) is not None}
+    if args.size:
+        kw["height"], kw["width"] = args.size
+    return kw
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flashcodec",
+        description="Decode the frames a vision-language model needs from a video, GOP-parallel on all cores.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("probe", help="show a video's metadata and GOP table (demux only, no decode)",
+                       description="Scan a video's packets (no full decode) and print its metadata.")
+    p.add_argument("file", help="video file")
+    p.add_argument("--json", action="store_true", help="print JSON (includes per-frame pts and keyframes)")
+
+    d = sub.add_parser("decode", help="decode the frames a model samples from a video",
+                       description="Decode the sampled frames of a video at the model's input size. Prints "
+                                   "the frame count, size and time; --out saves them.")
+    d.add_argument("file", help="video file")
+    _add_sampling_args(d)
+    d.add_argument("--backend", default="auto", help="decoder backend: auto, pyav or torchcodec (default auto)")
+    d.add_argument("--threads", type=_positive_int, default=None,
+                   help=f"decoder threads (default: one per core, {os.cpu_count()} here)")
+    d.add_argument("--output", choices=("rgb", "patches"), default="rgb",
+                   help="rgb: uint8 frames [T,3,H,W]; patches: normalised Qwen2.5-VL patches [N,1176]")
+    d.add_argument("--out", type=Path, help="save to FILE.npy, FILE.pt, or a folder of PNGs (rgb only)")
+    d.add_argument("--on-corrupt", choices=("error", "repeat"), default="error",
+                   help="if sampled frames cannot be decoded: fail (default), or repeat the nearest good frame")
+    d.add_argument("--no-progress", action="store_true", help="never show a progress bar")
+    d.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    b = sub.add_parser("bench", help="time flashcodec against other decoders on a video",
+                       description="Decode the same frames with flashcodec and with each installed peer "
+                                   "(PyAV, torchcodec, decord, DeepCodec, OpenCV); check frames, print times and "
+                                   "ratios. The full benchmark with generated clips is bench/decode/bench_decode.py.")
+    b.add_argument("file", help="video file")
+    b.add_argument("--sampling", choices=("dense", "sparse"), default="dense",
+                   help="dense: Qwen rules (2 fps, <= 768 frames); sparse: 32 frames spread uniformly")
+    b.add_argument("--peers", default="all", help="comma-separated peers, or 'all' installed (default)")
+    b.add_argument("--repeat", type=_positive_int, default=1, help="timed runs per decoder (best is kept)")
+    b.add_argument("--threads", type=_positive_int, default=None, help="flashcodec decoder threads")
+    b.add_argument("--json", type=Path, help="also write the results as JSON to this file")
+    return parser
+
+
+def _print_probe(info, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(info.to_dict()))
+        return
+    gops = info.gops
+    sizes = [g.num_frames for g in gops]
+    rows = [
+        ("codec", f"{info.codec} ({info.pix_fmt})"),
+        ("container", info.container_format),
+        ("size", f"{info.width}x{info.height}" + (f" (rotation {info.rotation}°, displayed "
+                                                  f"{info.display_width}x{info.display_height})" if info.rotation else "")),
+        ("frames", f"{info.num_frames}" + ("" if info.header_num_frames == info.num_frames else
+                                           f" (header says {info.header_num_frames})")),
+        ("frame rate", f"{info.average_fps:.3f} fps" + (" (variable)" if info.is_vfr else "")),
+        ("duration", f"{info.duration_s:.3f} s"),
+        ("time base", str(info.time_base)),
+        ("keyframes", f"{info.num_keyframes}"),
+        ("GOP length", f"min {min(sizes)}, mean {sum(sizes) / len(sizes):.1f}, max {max(sizes)} frames"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+def _save(result, out: Path) -> str:
+    import numpy as np
+    import torch
+
+    tensor = result.frames if result.frames is not None else result.patches
+    if out.suffix == ".npy":
+        np.save(out, tensor.numpy())
+    elif out.suffix == ".pt":
+        torch.save({"frames": result.frames, "patches": result.patches, "grid_thw": result.grid_thw,
+                    "frame_indices": result.frame_indices, "sample_fps": result.sample_fps}, out)
+    elif out.suffix == "":
+        if result.frames is None:
+            raise ValueError("a folder of PNGs needs --output rgb")
+        from PIL import Image
+
+        out.mkdir(parents=True, exist_ok=True)
+        for i, frame in enumerate(result.frames):
+            Image.fromarray(frame.permute(1, 2, 0).numpy()).save(out / f"frame_{i:05d}.png")
+    else:
+        raise ValueError(f"--out must end in .npy or .pt, or name a folder (got {out})")
+    return str(out)
+
+
+def _decode(args) -> int:
+    import flashcodec
+
+    if args.out is not None and args.out.suffix not in ("", ".npy", ".pt"):
+        raise ValueError(f"--out must end in .npy or .pt, or name a folder (got {args.out})")
+    if args.out is not None and args.out.suffix == "" and args.output == "patches":
+        raise ValueError("a folder of PNGs needs --output rgb")
+    started = time.perf_counter()
+    with flashcodec.DecodeEngine(args.backend, args.threads) as engine:
+        analysis = engine.analyse_bitstream(args.file, **_sampling_kwargs(args))
+        plan = analysis.plan
+        bar = None
+        if not args.no_progress and plan.decode_cost >= PROGRESS_MIN_FRAMES:
+            from tqdm import tqdm
+
+            bar = tqdm(total=plan.decode_cost, unit="frame", desc="decoding", leave=False, file=sys.stderr)
+        last = [0]
+
+        def progress(done: int, total: int) -> None:
+            bar.update(done - last[0])
+            last[0] = done
+
+        engine.add_decoding_request(analysis.key_id, output=args.output, on_corrupt=args.on_corrupt,
+                                    progress=progress if bar else None)
+        try:
+            result = engine.get_decoding_output(analysis.key_id)
+        finally:
+            if bar:
+                bar.close()
+    total_s = time.perf_counter() - started
+    saved = _save(result, args.out) if args.out is not None else None
+    summary = {
+        "file": args.file, "backend": engine.backend.name, "threads": engine.num_threads,
+        "num_frames": len(result.frame_indices), "num_output_frames": plan.num_output_frames,
+        "height": plan.height, "width": plan.width, "sample_fps": result.sample_fps,
+        "grid_thw": list(result.grid_thw), "frames_decoded": plan.decode_cost,
+        "video_frames": analysis.info.num_frames, "failed_frame_indices": result.failed_frame_indices,
+        "probe_s": round(result.probe_s, 4), "decode_s": round(result.decode_s, 4), "total_s": round(total_s, 4),
+        "out": saved,
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        what = (f"patches float32[{result.patches.shape[0]}, {result.patches.shape[1]}]"
+                if result.patches is not None else f"frames uint8{list(result.frames.shape)}")
+        print(f"{summary['num_frames']} frames at {plan.height}x{plan.width} ({what}, grid_thw "
+              f"{tuple(result.grid_thw)}), sampled at {result.sample_fps:.2f} fps from "
+              f"{analysis.info.num_frames} frames")
+        print(f"decoded {plan.decode_cost} frames in {result.decode_s:.3f} s (probe {result.probe_s:.3f} s, "
+              f"total {total_s:.3f} s) with {engine.backend.name} on {engine.num_threads} threads")
+        if result.failed_frame_indices:
+            print(f"warning: {len(result.failed_frame_indices)} frames could not be decoded and repeat a "
+                  f"neighbour: {result.failed_frame_indices[:16]}")
+        if saved:
+            print(f"saved to {saved}")
+    return 0
+
+
+def _bench(args) -> int:
+    from flashcodec.benchmark import run_file_benchmark
+
+    run_file_benchmark(args.file, sampling=args.sampling, peers=args.peers, repeat=args.repeat,
+                       num_threads=args.threads, json_path=args.json)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from flashcodec._errors import FlashCodecError
+
+    try:
+        if args.command == "probe":
+            from flashcodec.probe import probe
+
+            _print_probe(probe(args.file), args.json)
+            return 0
+        if args.command == "decode":
+            return _decode(args)
+        return _bench(args)
+    except (FlashCodecError, ValueError, OSError) as e:
+        print(f"flashcodec: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("flashcodec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
