@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 
 Emit = Callable[[int, np.ndarray], None]
 
+#: Codecs whose FFmpeg decoders skip exactly the unreferenced frames under skip_frame=NONREF
+#: (verified bit-exact by tests); others (e.g. libdav1d for AV1) may drop needed frames.
+NONREF_SKIP_CODECS = frozenset({"h264", "hevc", "mpeg4"})
+
 #: Forward gaps up to this many packets are skipped by demuxing (cheap) instead of seeking.
 MAX_DEMUX_SKIP_PACKETS = 600
 
@@ -82,6 +86,7 @@ class PyAVSegmentDecoder(SegmentDecoder):
         self._pts_by_position[info.decode_positions] = info.frame_pts
         self._display_by_pts = {int(p): i for i, p in enumerate(info.frame_pts.tolist())}
         self._skip = "DEFAULT"
+        self._may_skip = info.codec in NONREF_SKIP_CODECS
         self._packets = None  # demux iterator, positioned at self._position
         self._position = -1
 
@@ -108,7 +113,7 @@ class PyAVSegmentDecoder(SegmentDecoder):
         targets = set(segment.target_indices)
         # Frames that are neither targets nor references of later frames need not be decoded at
         # all: the decoder skips them (skip_frame=NONREF) and every other frame stays bit-exact.
-        target_positions = {int(self._info.decode_positions[t]) for t in targets}
+        target_positions = {int(self._info.decode_positions[t]) for t in targets} if self._may_skip else None
         if self._position != segment.start_position:
             self._context.flush_buffers()
             self._seek_to(segment.start_position)
@@ -124,7 +129,7 @@ class PyAVSegmentDecoder(SegmentDecoder):
                     if packet.size == 0:
                         packet = None
                         continue
-                skip = "DEFAULT" if position in target_positions else "NONREF"
+                skip = "DEFAULT" if target_positions is None or position in target_positions else "NONREF"
                 if skip != self._skip:
                     self._context.skip_frame = self._skip = skip
                 self._decode_packet(packet, targets, emit)

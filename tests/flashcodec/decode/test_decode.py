@@ -1,0 +1,184 @@
+"""Decoded frames equal a sequential PyAV decode converted the same way, for every codec and container."""
+
+import threading
+import time
+
+import av
+import numpy as np
+import pytest
+import torch
+import synthetic_video
+
+import flashcodec
+from flashcodec.decode.backends import rotate_display
+
+TINY = dict(width=128, height=96, duration_s=2.0, fps=24.0, gop=12)
+
+CASES = [
+    ("h264", ".mp4", dict(bframes=2)),
+    ("h264", ".mkv", dict(bframes=3)),
+    ("h264", ".mov", dict()),
+    ("h264", ".mp4", dict(bframes=2, open_gop=True)),
+    ("h264", ".mkv", dict(vfr=True)),
+    ("hevc", ".mp4", dict(bframes=2)),
+    ("hevc", ".mkv", dict(bframes=2, open_gop=True)),
+    ("vp9", ".webm", dict(preset="realtime")),
+    ("vp9", ".mkv", dict(preset="realtime")),
+    ("av1", ".mp4", dict()),
+    ("av1", ".webm", dict()),
+    ("mpeg4", ".avi", dict()),
+    ("mpeg4", ".mp4", dict(bframes=2)),
+]
+
+
+def sequential_reference(path, indices, height, width):
+    """Decode every frame in order with PyAV and convert the wanted ones, the obvious way."""
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        frames = list(container.decode(stream))
+    out = []
+    for i in indices:
+        f = frames[i]
+        h, w = (width, height) if f.rotation % 180 else (height, width)
+        rgb = f.to_ndarray(width=w, height=h, format="rgb24", interpolation="BICUBIC")
+        out.append(rotate_display(rgb, int(f.rotation) % 360).transpose(2, 0, 1))
+    return np.stack(out)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with flashcodec.DecodeEngine("pyav", num_threads=2) as e:
+        yield e
+
+
+@pytest.mark.parametrize("codec,suffix,extra", CASES, ids=[f"{c}{s}{'-' + '-'.join(e) if e else ''}" for c, s, e in CASES])
+def test_pyav_backend_equals_sequential_decode(video_factory, engine, codec, suffix, extra):
+    path = video_factory(codec=codec, suffix=suffix, **TINY, **extra)
+    result = engine.decode_video(path, num_frames=16)  # spread over every GOP
+    assert result.frames.dtype == torch.uint8 and result.frames.shape[1] == 3
+    assert len(result.frame_indices) == 16 and result.failed_frame_indices == []
+    expected = sequential_reference(path, result.frame_indices, *result.frames.shape[2:])
+    assert np.array_equal(result.frames.numpy(), expected)  # bit-exact
+    for row, display in enumerate(result.frame_indices):
+        assert synthetic_video.read_frame_index(result.frames[row].permute(1, 2, 0).numpy()) == display
+
+
+@pytest.mark.parametrize("codec,suffix", [("h264", ".mp4"), ("hevc", ".mkv"), ("vp9", ".webm")])
+def test_torchcodec_backend_returns_the_same_frames(video_factory, codec, suffix):
+    pytest.importorskip("torchcodec.decoders")
+    path = video_factory(codec=codec, suffix=suffix, bframes=2 if codec != "vp9" else 0, **TINY)
+    with flashcodec.DecodeEngine("torchcodec", num_threads=2) as engine:
+        result = engine.decode_video(path, fps=12.0)
+    with flashcodec.DecodeEngine("pyav", num_threads=1) as engine:
+        reference = engine.decode_video(path, fps=12.0)
+    assert result.frames.shape == reference.frames.shape
+    for row, display in enumerate(result.frame_indices):
+        assert synthetic_video.read_frame_index(result.frames[row].permute(1, 2, 0).numpy()) == display
+    # torchcodec scales with its own filter; the pictures agree closely, not bit for bit
+    diff = (result.frames.float() - reference.frames.float()).abs().mean().item()
+    assert diff < 8.0
+
+
+@pytest.mark.parametrize("rotation", [90, 180, 270])
+def test_rotated_video_comes_out_in_display_orientation(video_factory, engine, rotation):
+    path = video_factory(codec="h264", suffix=".mp4", rotation=rotation, **TINY)
+    result = engine.decode_video(path, num_frames=8)
+    h, w = result.frames.shape[2:]
+    assert (h > w) == (rotation in (90, 270))
+    expected = sequential_reference(path, result.frame_indices, h, w)
+    assert np.array_equal(result.frames.numpy(), expected)
+    for row, display in enumerate(result.frame_indices):
+        frame = result.frames[row].permute(1, 2, 0).numpy()
+        assert synthetic_video.read_frame_index(frame, rotation=rotation) == display
+
+
+@pytest.mark.parametrize("rotation", [90, 180, 270])
+def test_rotation_matches_torchcodec(video_factory, rotation):
+    import torch
+
+    tc = pytest.importorskip("torchcodec.decoders")
+    path = video_factory(codec="h264", suffix=".mp4", rotation=rotation, **TINY)
+    decoded = flashcodec.decode_video(path, num_frames=4)
+    theirs = tc.VideoDecoder(str(path)).get_frames_at(decoded.frame_indices).data.float()  # torchcodec rotates
+    ours = torch.nn.functional.interpolate(decoded.frames.float(), size=theirs.shape[2:], mode="bilinear")
+    same = (ours - theirs).abs().mean().item()
+    flipped = (torch.rot90(ours, 2, dims=(2, 3)) - theirs).abs().mean().item()
+    assert same < 8.0 and flipped > 4 * same
+
+
+def test_patch_output_matches_frames(tiny_h264, engine):
+    from flashcodec.patches import frames_to_patches
+
+    rgb = engine.decode_video(tiny_h264, num_frames=6)
+    patches = engine.decode_video(tiny_h264, num_frames=6, output="patches")
+    expected, grid = frames_to_patches(rgb.frames)
+    assert patches.grid_thw == tuple(grid) == rgb.grid_thw
+    assert patches.patches.shape == (grid[0] * grid[1] * grid[2], 1176)
+    assert patches.frames is None and np.array_equal(patches.patches.numpy(), expected.numpy())
+
+
+def test_sources_path_bytes_and_file_object_agree(tiny_h264, engine):
+    by_path = engine.decode_video(str(tiny_h264), num_frames=6).frames
+    by_bytes = engine.decode_video(tiny_h264.read_bytes(), num_frames=6).frames
+    with open(tiny_h264, "rb") as f:
+        by_file = engine.decode_video(f, num_frames=6).frames
+    assert np.array_equal(by_path.numpy(), by_bytes.numpy()) and np.array_equal(by_path.numpy(), by_file.numpy())
+
+
+def test_two_concurrent_videos_both_come_back_right(video_factory, engine):
+    a = video_factory(codec="h264", suffix=".mp4", bframes=2, seed=1, **TINY)
+    b = video_factory(codec="hevc", suffix=".mkv", seed=2, **TINY)
+    alone_a = engine.decode_video(a, fps=12.0).frames
+    alone_b = engine.decode_video(b, fps=6.0).frames
+    key_a = engine.analyse_bitstream(a, fps=12.0).key_id
+    key_b = engine.analyse_bitstream(b, fps=6.0).key_id
+    engine.add_decoding_request(key_a)
+    engine.add_decoding_request(key_b)
+    got = {}
+    for _ in range(2):
+        out = engine.get_decoding_output(timeout=60)  # whichever finishes first
+        got[out.key_id] = out.frames
+    assert np.array_equal(got[key_a].numpy(), alone_a.numpy())
+    assert np.array_equal(got[key_b].numpy(), alone_b.numpy())
+
+
+def test_many_requests_share_a_bounded_set_of_decoder_threads(tiny_h264):
+    before = threading.active_count()
+    with flashcodec.DecodeEngine("pyav", num_threads=2) as engine:
+        keys = [engine.analyse_bitstream(tiny_h264, num_frames=8).key_id for _ in range(12)]
+        for k in keys:
+            engine.add_decoding_request(k)
+        assert threading.active_count() - before == 2
+        results = [engine.get_decoding_output(k, timeout=60) for k in keys]
+    first = results[0].frames.numpy()
+    assert all(np.array_equal(r.frames.numpy(), first) for r in results)
+
+
+def test_decoder_threads_run_in_parallel_so_the_gil_is_released(video_factory):
+    """Two decoder threads must burn more than one core's worth of CPU time while they run.
+
+    If decoding held the GIL, process CPU time could not exceed wall time by much.
+    """
+    import os
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs two cores")
+    path = video_factory(codec="h264", suffix=".mp4", width=640, height=360, duration_s=4.0, fps=30.0, gop=30)
+    with flashcodec.DecodeEngine("pyav", num_threads=2) as engine:
+        engine.decode_video(path, num_frames=8)  # warm up
+        best = 0.0
+        for _ in range(3):
+            wall, cpu = time.perf_counter(), time.process_time()
+            engine.decode_video(path, fps=30.0, max_frames=120)
+            best = max(best, (time.process_time() - cpu) / (time.perf_counter() - wall))
+    assert best > 1.3, f"CPU/wall ratio {best:.2f}: decoder threads did not run in parallel"
+
+
+def test_get_decoding_output_errors(engine, tiny_h264):
+    with pytest.raises(KeyError):
+        engine.get_decoding_output(12345, timeout=1)
+    with pytest.raises(KeyError):
+        engine.add_decoding_request(12345)
+    key = engine.analyse_bitstream(tiny_h264, num_frames=4).key_id
+    with pytest.raises(ValueError, match="output"):
+        engine.add_decoding_request(key, output="jpeg")
