@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 import flashcodec
-from flashcodec.decode.backends import PyAVSegmentDecoder
+from flashcodec.decode.backends import DEFAULT_INTERPOLATION, PyAVSegmentDecoder
 from flashcodec.plan.video import VideoPlan, floor_cost
 from flashcodec.source import Source
 
@@ -38,7 +38,7 @@ def peer_pyav(path, indices, height, width, threads):
         stream.thread_type = "AUTO"
         for i, frame in enumerate(container.decode(stream)):
             if i in wanted:
-                frames[i] = frame.to_ndarray(width=width, height=height, format="rgb24", interpolation="BICUBIC")
+                frames[i] = frame.to_ndarray(width=width, height=height, format="rgb24", interpolation=DEFAULT_INTERPOLATION)
             if i >= last:
                 break
     return np.stack([frames[i] for i in indices]).transpose(0, 3, 1, 2)

@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 
 Emit = Callable[[int, np.ndarray], None]
 
+#: swscale filter for the single colour-convert + resize of each target frame. AREA is as close to
+#: an antialiased bicubic resize (what qwen-vl-utils does) as swscale's BICUBIC (mean |diff| 1.48 vs
+#: 1.51 on 720p -> 392x728) and 2.7x cheaper (3.1 ms vs 8.4 ms a frame on this project's CI machine).
+DEFAULT_INTERPOLATION = "AREA"
+
 #: Codecs whose FFmpeg decoders skip exactly the unreferenced frames under skip_frame=NONREF
 #: (verified bit-exact by tests); others (e.g. libdav1d for AV1) may drop needed frames.
 NONREF_SKIP_CODECS = frozenset({"h264", "hevc", "mpeg4"})
@@ -71,7 +76,8 @@ def stored_size(info: VideoInfo, height: int, width: int) -> tuple[int, int]:
 class PyAVSegmentDecoder(SegmentDecoder):
     """Software decode through PyAV (FFmpeg), one FFmpeg thread; the GIL is released inside FFmpeg."""
 
-    def __init__(self, source: Source, info: VideoInfo, height: int, width: int, interpolation: str = "BICUBIC",
+    def __init__(self, source: Source, info: VideoInfo, height: int, width: int,
+                 interpolation: str = DEFAULT_INTERPOLATION,
                  convert: bool = True):
         self._info = info
         self._convert = convert  # False only to measure pure decode time (bench/decode's floor)
@@ -247,7 +253,7 @@ def get_backend(name: str) -> Backend:
         name = DEFAULT_BACKEND
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(['auto', *BACKENDS])}")
-    if name not in available_backends():
+    if name == "torchcodec" and name not in available_backends():  # importing torchcodec is slow: only here
         raise ValueError(f"backend {name!r} is not usable here: install it with `pip install torchcodec` "
                          "and the system FFmpeg libraries")
     return BACKENDS[name]()

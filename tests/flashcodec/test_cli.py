@@ -1,0 +1,96 @@
+"""The flashcodec CLI: output formats, and one-line errors (no traceback, non-zero exit) on bad input."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import synthetic_video
+import torch
+
+from flashcodec.cli import main
+
+TINY = dict(width=128, height=96, duration_s=2.0, fps=24.0, gop=12)
+
+
+def run_cli(*args):
+    """Run the real entry point in a subprocess, as a user would."""
+    return subprocess.run([sys.executable, "-m", "flashcodec.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_probe_table_and_json(tiny_h264, capsys):
+    assert main(["probe", str(tiny_h264)]) == 0
+    out = capsys.readouterr().out
+    assert "h264" in out and "48" in out and "GOP length" in out
+    assert main(["probe", "--json", str(tiny_h264)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["num_frames"] == 48 and data["keyframe_indices"] == [0, 12, 24, 36]
+
+
+def test_decode_to_npy_pt_and_png_folder(tiny_h264, tmp_path, capsys):
+    npy, pt, pngs = tmp_path / "f.npy", tmp_path / "f.pt", tmp_path / "frames"
+    assert main(["decode", str(tiny_h264), "--num-frames", "6", "--out", str(npy)]) == 0
+    out = capsys.readouterr().out
+    assert "6 frames at" in out and "decoded" in out
+    frames = np.load(npy)
+    assert frames.shape[0] == 6 and frames.dtype == np.uint8
+    assert main(["decode", str(tiny_h264), "--num-frames", "6", "--output", "patches", "--out", str(pt)]) == 0
+    saved = torch.load(pt)
+    assert saved["patches"].shape[1] == 1176 and saved["frames"] is None
+    assert main(["decode", str(tiny_h264), "--num-frames", "6", "--out", str(pngs), "--size", "112x140"]) == 0
+    files = sorted(pngs.glob("*.png"))
+    assert len(files) == 6
+    from PIL import Image
+
+    assert Image.open(files[0]).size == (140, 112)
+
+
+def test_decode_json_summary(tiny_h264, capsys):
+    assert main(["decode", str(tiny_h264), "--fps", "4", "--threads", "2", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["num_frames"] == 8 and summary["threads"] == 2 and summary["failed_frame_indices"] == []
+    assert summary["height"] % 28 == 0 and summary["width"] % 28 == 0
+
+
+@pytest.mark.parametrize("make_bad,needle", [
+    (lambda tmp, good: tmp / "missing.mp4", "does not exist"),
+    (lambda tmp, good: (tmp / "text.mp4", (tmp / "text.mp4").write_text("hello " * 100))[0], "not a readable video"),
+    (lambda tmp, good: synthetic_video.truncate_file(good, tmp / "cut.mp4", keep_fraction=0.3), "error"),
+])
+def test_user_mistakes_get_one_line_errors(tiny_h264, tmp_path, make_bad, needle):
+    bad = make_bad(tmp_path, tiny_h264)
+    result = run_cli("decode", bad)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("flashcodec: error:") and needle in lines[0]
+
+
+def test_bad_flags_exit_with_usage_error(tiny_h264):
+    for args in (["--fps", "0"], ["--size", "axb"], ["--fps", "2", "--num-frames", "4"], ["--out", "x.gif"]):
+        result = run_cli("decode", tiny_h264, *args)
+        assert result.returncode != 0 and "Traceback" not in result.stderr
+
+
+def test_corrupt_gop_in_the_middle(video_factory, tmp_path):
+    """Documented behaviour: by default a corrupt GOP fails the decode with the frames it lost;
+    --on-corrupt repeat decodes the rest and repeats the nearest good frame in their place."""
+    good = video_factory(codec="h264", suffix=".mp4", **{**TINY, "duration_s": 2.0})
+    bad = synthetic_video.corrupt_middle(good, tmp_path / "corrupt.mp4", seed=3)
+    strict = run_cli("decode", bad, "--fps", "24", "--json")
+    lenient = run_cli("decode", bad, "--fps", "24", "--json", "--on-corrupt", "repeat")
+    assert lenient.returncode == 0, lenient.stderr
+    summary = json.loads(lenient.stdout)
+    if summary["failed_frame_indices"]:
+        assert strict.returncode == 1 and "could not be decoded" in strict.stderr and "Traceback" not in strict.stderr
+        assert len(summary["failed_frame_indices"]) < summary["num_frames"]
+    else:  # FFmpeg concealed the damage in every frame: both modes succeed
+        assert strict.returncode == 0
+
+
+def test_help_explains_each_command():
+    for cmd in ("probe", "decode", "bench"):
+        result = run_cli(cmd, "--help")
+        assert result.returncode == 0 and "usage: flashcodec" in result.stdout

@@ -1,0 +1,123 @@
+"""The probe reads metadata, display-order pts and the GOP table without decoding the video."""
+
+import av
+import numpy as np
+import pytest
+
+import flashcodec
+from flashcodec import NoFramesError, NotAVideoError, SourceNotFoundError, UnsupportedCodecError
+
+TINY = dict(width=128, height=96, duration_s=2.0, fps=24.0, gop=12)
+
+
+def decoded_pts(path):
+    with av.open(str(path)) as c:
+        return sorted(f.pts for f in c.decode(video=0))
+
+
+@pytest.mark.parametrize("codec,suffix,extra", [
+    ("h264", ".mp4", dict(bframes=2)), ("h264", ".mkv", {}), ("h264", ".mov", {}), ("h264", ".avi", {}),
+    ("hevc", ".mp4", dict(bframes=2)), ("vp9", ".webm", dict(preset="realtime")), ("av1", ".mkv", {}),
+    ("mpeg4", ".avi", {}),
+])
+def test_probe_matches_a_full_decode(video_factory, codec, suffix, extra):
+    path = video_factory(codec=codec, suffix=suffix, **TINY, **extra)
+    info = flashcodec.probe(path)
+    assert info.codec in (codec, "libdav1d") and (info.width, info.height) == (128, 96)
+    assert info.num_frames == 48
+    assert info.frame_pts.tolist() == decoded_pts(path)
+    assert info.average_fps == pytest.approx(24.0, rel=0.01)
+    assert info.duration_s == pytest.approx(2.0, rel=0.05)
+    assert info.keyframe_indices[0] == 0 and len(info.gops) == info.num_keyframes
+    assert sum(g.num_frames for g in info.gops) == 48
+    if codec in ("h264", "hevc"):
+        assert info.keyframe_indices == list(range(0, 48, 12))  # closed GOPs of 12
+
+
+def test_bframes_make_decode_order_differ_from_display_order(video_factory):
+    info = flashcodec.probe(video_factory(codec="h264", suffix=".mp4", bframes=3, **TINY))
+    assert sorted(info.decode_positions.tolist()) == list(range(48))
+    assert info.decode_positions.tolist() != list(range(48))
+
+
+def test_open_gop_has_leading_frames_shown_before_their_keyframe(video_factory):
+    info = flashcodec.probe(video_factory(codec="h264", suffix=".mkv", bframes=2, open_gop=True, **TINY))
+    gops = info.gops
+    assert len(gops) > 1
+    # some frame decoded after the second keyframe is displayed before it
+    order = np.argsort(info.decode_positions)  # decode position -> display index
+    second = gops[1]
+    assert any(order[p] < second.keyframe_index for p in range(second.start_position, second.end_position))
+
+
+def test_variable_frame_rate(video_factory):
+    info = flashcodec.probe(video_factory(codec="h264", suffix=".mkv", vfr=True, **TINY))
+    assert info.is_vfr
+    deltas = np.diff(info.frame_pts)
+    assert deltas.max() > deltas.min()
+
+
+def test_rotation_and_display_size(video_factory):
+    # FFmpeg reports the display matrix's angle anticlockwise: the generator's 90 (clockwise) is 270.
+    info = flashcodec.probe(video_factory(codec="h264", suffix=".mp4", rotation=90, **TINY))
+    assert info.rotation in (90, 270)
+    assert (info.display_width, info.display_height) == (96, 128)
+    info = flashcodec.probe(video_factory(codec="h264", suffix=".mp4", rotation=180, **TINY))
+    assert info.rotation == 180 and (info.display_width, info.display_height) == (128, 96)
+
+
+def test_frame_count_comes_from_the_packets_not_the_header(video_factory):
+    # Matroska/WebM headers carry no frame count; the probe counts packets.
+    info = flashcodec.probe(video_factory(codec="vp9", suffix=".webm", preset="realtime", **TINY))
+    assert info.header_num_frames in (None, 48) and info.num_frames == 48
+
+
+def test_sources_and_json(tiny_h264):
+    a = flashcodec.probe(tiny_h264)
+    b = flashcodec.probe(tiny_h264.read_bytes())
+    assert a.to_dict() == b.to_dict()
+    assert a.to_dict()["num_frames"] == 48 and len(a.to_dict()["frame_pts"]) == 48
+
+
+def test_bad_inputs(tmp_path, tiny_h264):
+    with pytest.raises(SourceNotFoundError):
+        flashcodec.probe(tmp_path / "missing.mp4")
+    text = tmp_path / "notes.mp4"
+    text.write_text("not a video at all\n" * 50)
+    with pytest.raises(NotAVideoError):
+        flashcodec.probe(text)
+    with pytest.raises(NotAVideoError):
+        flashcodec.probe(b"")
+
+
+def test_container_without_video_stream(tmp_path):
+    path = tmp_path / "audio.wav"
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("pcm_s16le", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), dtype=np.int16), format="s16", layout="mono")
+        frame.sample_rate = 8000
+        for p in s.encode(frame):
+            c.mux(p)
+    with pytest.raises(NotAVideoError, match="no video stream"):
+        flashcodec.probe(path)
+
+
+def test_zero_frames(tmp_path, video_factory):
+    # A Matroska file cut right after its first cluster header: a video track, no packets.
+    data = video_factory(codec="h264", suffix=".mkv", **TINY).read_bytes()
+    cluster = data.find(bytes.fromhex("1F43B675"))
+    path = tmp_path / "empty.mkv"
+    path.write_bytes(data[:cluster + 8])
+    with pytest.raises(NoFramesError):
+        flashcodec.probe(path)
+
+
+def test_unsupported_codec(tmp_path, video_factory):
+    # An AVI whose codec tag no decoder knows.
+    data = bytearray(video_factory(codec="mpeg4", suffix=".avi", **TINY).read_bytes())
+    for tag in (b"FMP4", b"fmp4", b"XVID", b"xvid", b"DIVX", b"divx", b"DX50", b"mp4v"):
+        data = data.replace(tag, b"QQQQ")
+    path = tmp_path / "unknown.avi"
+    path.write_bytes(bytes(data))
+    with pytest.raises(UnsupportedCodecError):
+        flashcodec.probe(path)
