@@ -10,7 +10,7 @@ import torch
 import synthetic_video
 
 import flashcodec
-from flashcodec.decode.backends import rotate_display
+from flashcodec.decode.backends import DEFAULT_INTERPOLATION, rotate_display
 
 TINY = dict(width=128, height=96, duration_s=2.0, fps=24.0, gop=12)
 
@@ -40,7 +40,7 @@ def sequential_reference(path, indices, height, width):
     for i in indices:
         f = frames[i]
         h, w = (width, height) if f.rotation % 180 else (height, width)
-        rgb = f.to_ndarray(width=w, height=h, format="rgb24", interpolation="BICUBIC")
+        rgb = f.to_ndarray(width=w, height=h, format="rgb24", interpolation=DEFAULT_INTERPOLATION)
         out.append(rotate_display(rgb, int(f.rotation) % 360).transpose(2, 0, 1))
     return np.stack(out)
 
