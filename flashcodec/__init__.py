@@ -24,6 +24,7 @@ from flashcodec.decode.engine import (
     decode_video,
     default_engine,
 )
+from flashcodec.image import DecodedImage, ImageDecodeError, decode_image
 from flashcodec.plan.sampling import SamplingOptions
 from flashcodec.plan.video import VideoPlan, plan_video
 from flashcodec.probe import Gop, VideoInfo, probe
@@ -47,8 +48,8 @@ def get_decoding_output(key_id: int | None = None, timeout: float | None = None)
 __version__ = "0.1.0"
 
 __all__ = [
-    "BitstreamAnalysis", "CorruptVideoError", "DecodeEngine", "DecodedVideo", "FlashCodecError", "Gop",
+    "BitstreamAnalysis", "CorruptVideoError", "DecodeEngine", "DecodedImage", "DecodedVideo", "ImageDecodeError", "FlashCodecError", "Gop",
     "NoFramesError", "NotAVideoError", "SamplingOptions", "SourceNotFoundError", "UnsupportedCodecError",
     "VideoInfo", "VideoPlan", "add_decoding_request", "analyse_bitstream", "available_backends",
-    "decode_video", "default_engine", "get_decoding_output", "plan_video", "probe",
+    "decode_image", "decode_video", "default_engine", "get_decoding_output", "plan_video", "probe",
 ]

@@ -180,6 +180,15 @@ def run_file_benchmark(path: str, *, sampling: str = "dense", peers: str = "all"
         if not exact:
             raise AssertionError("flashcodec frames differ from a sequential PyAV decode; refusing to time")
         fc_s, _ = _timed(run, repeat)
+    if "torchcodec" in installed_peers():  # the other backend, to pick the default by measurement
+        with flashcodec.DecodeEngine("torchcodec", threads) as engine:
+            engine.decode_video(path, frame_indices=indices)  # warmup
+            tc_s, tc_out = _timed(lambda: engine.decode_video(path, frame_indices=indices), repeat)
+        tc_frames = tc_out.frames[: len(target)].numpy()
+        results_backend = {"seconds": tc_s, "mean_abs_diff": float(np.abs(
+            tc_frames.astype(np.int16) - reference.astype(np.int16)).mean())}
+    else:
+        results_backend = None
     floor_1t = measure_decode_floor(path, info, plan)
     floor_s = floor_1t / threads
     must_decode = floor_cost(info, target)
@@ -187,6 +196,8 @@ def run_file_benchmark(path: str, *, sampling: str = "dense", peers: str = "all"
         f"{sampling}: {len(target)} frames at {h}x{w}; {must_decode} frames must be decoded")
     say(f"probe {probe_s:.3f} s ({probe_s / fc_s * 100:.1f}% of the decode)")
     results = {"flashcodec": {"seconds": fc_s, "exact_vs_pyav": exact, "mean_abs_diff": 0.0}}
+    if results_backend is not None:
+        results["flashcodec[torchcodec]"] = results_backend
     for name in names:
         try:
             _timed(lambda: PEERS[name](path, target, h, w, threads), 1) if repeat > 1 else None
@@ -195,7 +206,7 @@ def run_file_benchmark(path: str, *, sampling: str = "dense", peers: str = "all"
             results[name] = {"seconds": seconds, "mean_abs_diff": diff, "shape": list(frames.shape)}
         except Exception as e:  # a peer's failure is reported, not fatal
             results[name] = {"error": f"{type(e).__name__}: {e}"}
-    timed_peers = {k: v["seconds"] for k, v in results.items() if k != "flashcodec" and "seconds" in v}
+    timed_peers = {k: v["seconds"] for k, v in results.items() if not k.startswith("flashcodec") and "seconds" in v}
     fastest = min(timed_peers, key=timed_peers.get) if timed_peers else None
     summary = {
         "file": str(path), "codec": info.codec, "size": [info.width, info.height], "video_frames": info.num_frames,
@@ -205,12 +216,12 @@ def run_file_benchmark(path: str, *, sampling: str = "dense", peers: str = "all"
         "speedup_vs_fastest_peer": (timed_peers[fastest] / fc_s) if fastest else None,
         "results": results, "machine": machine_info(),
     }
-    say(f"{'decoder':<12} {'seconds':>8} {'vs flashcodec':>14} {'mean |diff|':>12}")
+    say(f"{'decoder':<22} {'seconds':>8} {'vs flashcodec':>14} {'mean |diff|':>12}")
     for name, r in results.items():
         if "seconds" in r:
-            say(f"{name:<12} {r['seconds']:>8.3f} {r['seconds'] / fc_s:>13.2f}x {r['mean_abs_diff']:>12.2f}")
+            say(f"{name:<22} {r['seconds']:>8.3f} {r['seconds'] / fc_s:>13.2f}x {r['mean_abs_diff']:>12.2f}")
         else:
-            say(f"{name:<12} {'failed':>8}  {r['error'][:60]}")
+            say(f"{name:<22} {'failed':>8}  {r['error'][:60]}")
     say(f"decode floor (1-thread decode of the needed frames / {threads} cores): {floor_s:.3f} s; "
         f"flashcodec = {fc_s / floor_s:.2f}x floor" + (f"; {summary['speedup_vs_fastest_peer']:.2f}x faster than "
                                                        f"the fastest peer ({fastest})" if fastest else ""))

@@ -77,10 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="video file")
     p.add_argument("--json", action="store_true", help="print JSON (includes per-frame pts and keyframes)")
 
-    d = sub.add_parser("decode", help="decode the frames a model samples from a video",
+    d = sub.add_parser("decode", help="decode the frames a model samples from a video (or an image)",
                        description="Decode the sampled frames of a video at the model's input size. Prints "
-                                   "the frame count, size and time; --out saves them.")
-    d.add_argument("file", help="video file")
+                                   "the frame count, size and time; --out saves them. A .jpg/.png/.webp file is "
+                                   "decoded as one image at the Qwen2.5-VL image size.")
+    d.add_argument("file", help="video file, or a JPEG/PNG/WebP image")
     _add_sampling_args(d)
     d.add_argument("--backend", default="auto", help="decoder backend: auto, pyav or torchcodec (default auto)")
     d.add_argument("--threads", type=_positive_int, default=None,
@@ -131,31 +132,65 @@ def _print_probe(info, as_json: bool) -> None:
         print(f"{k:<{width}}  {v}")
 
 
-def _save(result, out: Path) -> str:
+def _save(out: Path, frames, patches, grid_thw, frame_indices, sample_fps) -> str:
+    """Write frames ``[T,3,H,W]`` (or patches) to ``.npy``, ``.pt`` or a folder of PNGs."""
     import numpy as np
     import torch
 
-    tensor = result.frames if result.frames is not None else result.patches
     if out.suffix == ".npy":
-        np.save(out, tensor.numpy())
+        np.save(out, (frames if frames is not None else patches).numpy())
     elif out.suffix == ".pt":
-        torch.save({"frames": result.frames, "patches": result.patches, "grid_thw": result.grid_thw,
-                    "frame_indices": result.frame_indices, "sample_fps": result.sample_fps}, out)
+        torch.save({"frames": frames, "patches": patches, "grid_thw": grid_thw,
+                    "frame_indices": frame_indices, "sample_fps": sample_fps}, out)
     elif out.suffix == "":
-        if result.frames is None:
+        if frames is None:
             raise ValueError("a folder of PNGs needs --output rgb")
         from PIL import Image
 
         out.mkdir(parents=True, exist_ok=True)
-        for i, frame in enumerate(result.frames):
+        for i, frame in enumerate(frames):
             Image.fromarray(frame.permute(1, 2, 0).numpy()).save(out / f"frame_{i:05d}.png")
     else:
         raise ValueError(f"--out must end in .npy or .pt, or name a folder (got {out})")
     return str(out)
 
 
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+
+
+def _decode_image(args) -> int:
+    from flashcodec.image import decode_image
+
+    started = time.perf_counter()
+    kw = {k: getattr(args, k) for k in ("min_pixels", "max_pixels") if getattr(args, k) is not None}
+    if args.size:
+        kw["height"], kw["width"] = args.size
+    image = decode_image(args.file, **kw)
+    frames = image.pixels.unsqueeze(0)  # [1, 3, H, W]
+    patches, grid = image.to_patches() if args.output == "patches" else (None, None)
+    elapsed = time.perf_counter() - started
+
+    saved = None
+    if args.out is not None:
+        saved = _save(args.out, None if patches is not None else frames, patches, grid, [0], None)
+    h, w = image.size
+    summary = {"file": args.file, "height": h, "width": w, "original_size": list(image.original_size),
+               "grid_thw": list(grid) if grid else None, "decode_s": round(elapsed, 4), "out": saved}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"image at {h}x{w} (from {image.original_size[0]}x{image.original_size[1]}) in {elapsed:.3f} s"
+              + (f", patches float32[{patches.shape[0]}, {patches.shape[1]}]" if patches is not None else ""))
+        if saved:
+            print(f"saved to {saved}")
+    return 0
+
+
 def _decode(args) -> int:
     import flashcodec
+
+    if Path(args.file).suffix.lower() in IMAGE_SUFFIXES:
+        return _decode_image(args)
 
     if args.out is not None and args.out.suffix not in ("", ".npy", ".pt"):
         raise ValueError(f"--out must end in .npy or .pt, or name a folder (got {args.out})")
@@ -184,7 +219,10 @@ def _decode(args) -> int:
             if bar:
                 bar.close()
     total_s = time.perf_counter() - started
-    saved = _save(result, args.out) if args.out is not None else None
+    saved = None
+    if args.out is not None:
+        saved = _save(args.out, result.frames, result.patches, result.grid_thw, result.frame_indices,
+                      result.sample_fps)
     summary = {
         "file": args.file, "backend": engine.backend.name, "threads": engine.num_threads,
         "num_frames": len(result.frame_indices), "num_output_frames": plan.num_output_frames,

@@ -94,3 +94,21 @@ def test_help_explains_each_command():
     for cmd in ("probe", "decode", "bench"):
         result = run_cli(cmd, "--help")
         assert result.returncode == 0 and "usage: flashcodec" in result.stdout
+
+
+@pytest.mark.parametrize("suffix", [".jpg", ".png", ".webp"])
+def test_decode_image_files(image_factory, tmp_path, suffix, capsys):
+    path = image_factory(suffix, width=97, height=61)
+    out = tmp_path / "img.npy"
+    assert main(["decode", str(path), "--out", str(out)]) == 0
+    assert "image at 56x84" in capsys.readouterr().out
+    assert np.load(out).shape == (1, 3, 56, 84)
+    assert main(["decode", str(path), "--output", "patches", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["grid_thw"] == [1, 4, 6]
+
+
+def test_corrupt_image_is_a_one_line_error(tmp_path):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40)
+    result = run_cli("decode", bad)
+    assert result.returncode == 1 and "Traceback" not in result.stderr and "flashcodec: error:" in result.stderr
