@@ -38,6 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="flashcodec threads (default: all cores)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where JSON and PNG go")
     p.add_argument("--cache", type=Path, default=None, help="clip cache (default ~/.cache/flashcodec/videos)")
+    p.add_argument("--from-json", type=Path, help="only re-render the Markdown table of an earlier run's JSON")
     return p.parse_args(argv)
 
 
@@ -75,8 +76,29 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=80)
 
 
+def markdown_table(results: list[dict]) -> str:
+    """The results as a Markdown table: seconds per decoder, and flashcodec's ratios."""
+    peers = [n for n in results[0]["results"] if n != "flashcodec"]
+    head = ["clip", "sampling", "frames", "flashcodec s", "floor s", "vs floor"] + [f"{p} s" for p in peers] + \
+        ["fastest peer / flashcodec"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        cells = [r["codec"], r["sampling"], f"{r['num_frames']} @ {r['out_size'][0]}x{r['out_size'][1]}",
+                 f"**{r['flashcodec_s']:.2f}**", f"{r['decode_floor_s']:.2f}", f"{r['flashcodec_vs_floor']:.2f}x"]
+        for p in peers:
+            v = r["results"].get(p, {})
+            cells.append(f"{v['seconds']:.2f}" if "seconds" in v else "failed")
+        speedup = r["speedup_vs_fastest_peer"]
+        cells.append(f"**{speedup:.2f}x** ({r['fastest_peer']})" if speedup else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        print(markdown_table(json.loads(args.from_json.read_text())["results"]))
+        return 0
     width, height = (int(v) for v in args.size.lower().split("x"))
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
@@ -99,7 +121,9 @@ def main(argv=None) -> int:
                                      "cache": str(args.cache)}, "results": results}, indent=2, default=str))
     png_path = args.out / f"decode-{stamp}.png"
     plot(results, png_path)
-    print(f"wrote {json_path} and {png_path}")
+    md_path = args.out / f"decode-{stamp}.md"
+    md_path.write_text(markdown_table(results) + "\n")
+    print(f"wrote {json_path}, {png_path} and {md_path}")
     return 0
 
 
