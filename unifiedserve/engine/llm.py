@@ -1,0 +1,214 @@
+"""The in-process engine: ``LLM(model).generate(requests)`` or ``add_request`` + ``step()``.
+
+A step is schedule -> run the model -> sample and post-process (stop conditions, detokenize).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from unifiedserve.engine.inputs import VisionInput
+from unifiedserve.engine.request import Request
+from unifiedserve.engine.runner import ModelRunner
+from unifiedserve.engine.sampling import SamplerState, SamplingParams, sample
+from unifiedserve.engine.scheduler import Scheduler, SchedulerConfig
+from unifiedserve.memory.block_manager import BlockManager
+from unifiedserve.memory.pages import PageAllocator
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Memory pools and budgets of one engine. Defaults suit the CPU demo model."""
+
+    num_kv_blocks: int = 1024
+    block_size: int = 16
+    num_patch_pages: int = 512
+    num_visual_pages: int = 256
+    page_size: int = 256  # rows per page of the patch and visual-token buffers
+    dtype: str = "float32"
+    device: str = "cpu"
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("num_kv_blocks", "block_size", "num_patch_pages", "num_visual_pages", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass
+class RequestOutput:
+    """Progress of one request after a step. ``new_token_ids``/``new_text`` are this step's delta."""
+
+    request_id: str
+    prompt_len: int
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+
+@dataclass
+class _Live:
+    request: Request
+    sampler: SamplerState
+    stop_ids: frozenset[int]
+    decoder: Any
+    text: str = ""
+
+
+class LLM:
+    """Qwen2.5-VL with paged KV cache, chunked vision encode, chunked prefill and batched decode.
+
+    Args:
+        model: checkpoint directory (HF format). ``None``: the demo model (written on first use).
+        config: pools, budgets, dtype.
+    """
+
+    def __init__(self, model: str | Path | None = None, config: EngineConfig = EngineConfig()):
+        from unifiedserve.model.demo import DEFAULT_DEMO_PATH, write_demo_model
+        from unifiedserve.model.loader import load_model
+        from unifiedserve.model.processor import load_processor
+
+        if model is None:
+            model = DEFAULT_DEMO_PATH
+            if not (Path(model) / "config.json").exists():
+                write_demo_model(model)
+        self.config = config
+        self.model, self.model_config = load_model(model, DTYPES[config.dtype], config.device)
+        self.model.eval()
+        self.processor = load_processor(model)
+        self.runner = ModelRunner(self.model, num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
+                                  num_patch_pages=config.num_patch_pages, num_visual_pages=config.num_visual_pages,
+                                  page_size=config.page_size, device=config.device)
+        self.scheduler = Scheduler(config.scheduler, BlockManager(config.num_kv_blocks, config.block_size),
+                                   PageAllocator(config.num_patch_pages, config.page_size),
+                                   PageAllocator(config.num_visual_pages, config.page_size))
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+
+    # -- building requests -------------------------------------------------------------------
+    def build_prompt(self, messages: Sequence[dict]) -> tuple[list[int], list[VisionInput]]:
+        """Render chat messages whose parts may hold ``{"type": "image"|"video", "vision": VisionInput}``.
+
+        Returns the prompt token ids with placeholders expanded, and the vision inputs in prompt order.
+        """
+        vision: list[VisionInput] = []
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, list):
+                for part in content:
+                    if part.get("type") in ("image", "video"):
+                        v = part.get("vision")
+                        if not isinstance(v, VisionInput) or v.kind != part["type"]:
+                            raise ValueError(f"a {part['type']} part needs 'vision': a VisionInput of that kind")
+                        vision.append(v)
+        ids = self.processor.tokenize(self.processor.render_chat(messages))
+        return self.expand(ids, vision), vision
+
+    def expand(self, ids: list[int], vision: list[VisionInput]) -> list[int]:
+        return self.processor.expand_vision_tokens(
+            ids, [v.grid_thw for v in vision if v.kind == "image"], [v.grid_thw for v in vision if v.kind == "video"])
+
+    def add_request(self, prompt_token_ids: list[int], vision: Sequence[VisionInput] = (),
+                    params: SamplingParams = SamplingParams(), request_id: str | None = None) -> str:
+        """Queue a request whose image/video placeholders are already expanded (see :meth:`build_prompt`)."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        cfg = self.model_config
+        merge = cfg.vision.spatial_merge_size
+        items = [item for i, v in enumerate(vision) for item in v.encode_items(i, merge)]
+        visual_ids = {cfg.image_token_id, cfg.video_token_id}
+        positions = [i for i, t in enumerate(prompt_token_ids) if t in visual_ids]
+        request = Request(request_id, list(prompt_token_ids), params, items, positions)
+        self.scheduler.add(request)
+        self.runner.add_request(request, list(vision))
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        self._live[request_id] = _Live(request, SamplerState.for_params(params), stop_ids,
+                                       self.processor.incremental_decoder())
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._live:
+            self._finish(request_id, "abort")
+
+    # -- running -----------------------------------------------------------------------------
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run, sample. Returns outputs of requests that got tokens or finished."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("no request can be admitted: the KV cache or patch buffer is too small")
+            return []
+        logits = self.runner.execute(out, self.scheduler.requests)
+        self.scheduler.commit(out)
+        results = []
+        if logits:
+            ids = list(logits)
+            live = [self._live[r] for r in ids]
+            tokens = sample(torch.stack([logits[r] for r in ids]), [x.request.params for x in live],
+                            [x.sampler for x in live])
+            for rid, token in zip(ids, tokens):
+                results.append(self._append(rid, token))
+        return results
+
+    def _append(self, request_id: str, token: int) -> RequestOutput:
+        live = self._live[request_id]
+        req = live.request
+        req.output_token_ids.append(token)
+        new_text, reason = "", None
+        if token in live.stop_ids:
+            reason = "stop"
+        else:
+            new_text = live.decoder.step(token)
+            text = live.text + new_text
+            hit = [text.find(s, max(0, len(live.text) - len(s))) for s in req.params.stop]
+            hit = [h for h in hit if h >= 0]
+            if hit:
+                new_text = text[len(live.text):min(hit)] if min(hit) >= len(live.text) else ""
+                live.text = text[:min(hit)]
+                reason = "stop"
+            else:
+                live.text = text
+        if reason is None and len(req.output_token_ids) >= req.params.max_tokens:
+            reason = "length"
+        out = RequestOutput(request_id, req.prompt_len, list(req.output_token_ids), live.text, [token], new_text,
+                            reason is not None, reason)
+        if reason is not None:
+            self._finish(request_id, reason)
+        return out
+
+    def _finish(self, request_id: str, reason: str) -> None:
+        self.scheduler.finish(request_id, reason)
+        self.runner.release(request_id)
+        self._live.pop(request_id)
+
+    def generate(self, prompts: Sequence[tuple[list[int], Sequence[VisionInput], SamplingParams]]) -> list[RequestOutput]:
+        """Run requests ``(prompt_token_ids, vision, params)`` to completion; outputs in input order."""
+        ids = [self.add_request(p, v, s) for p, v, s in prompts]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished:
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        return [final[i] for i in ids]
+
+    # -- pool usage (leak checks, metrics) ---------------------------------------------------------
+    def pool_usage(self) -> dict[str, int]:
+        s = self.scheduler
+        return {"kv_blocks_used": s.blocks.num_used_blocks, "patch_pages_used": s.patch_pages.num_used_pages,
+                "visual_pages_used": s.visual_pages.num_used_pages}

@@ -1,0 +1,210 @@
+"""The engine's scheduler: encode budget, chunked prefill, continuous-batching decode.
+
+Pure bookkeeping over request counters and integer block/page ids (no tensors). Each step it
+returns one fully built :class:`SchedulerOutput`; the model runner executes it and the engine
+commits the results with :meth:`Scheduler.commit`.
+
+Order within a step follows the paper's Algorithm 3: prefill chunks of running requests come
+first, new requests are admitted once their KV blocks and patch pages can be allocated, vision
+encoding of admitted requests proceeds under the encode budget even when prefill cannot (e.g.
+it waits on encoding or on KV blocks), and every request past prefill decodes one token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from unifiedserve.engine.request import Request, Status
+from unifiedserve.memory.block_manager import BlockManager
+from unifiedserve.memory.pages import PageAllocator, PagedStream, RaggedIndex, can_plan_write, plan_read, plan_write
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step budgets. Defaults suit the CPU demo model."""
+
+    prefill_token_budget: int = 512  # tau: prompt tokens prefilled per step, at most
+    encode_token_budget: int = 4096  # alpha: patch tokens encoded per step (a unit may exceed it)
+    max_num_seqs: int = 64  # requests admitted at once
+    enable_chunked_prefill: bool = True  # False: a prompt is prefilled in one step, whatever its size
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_token_budget", "encode_token_budget", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    request_id: str
+    start: int  # first prompt position in this chunk
+    num_tokens: int
+    is_last: bool  # the chunk completes the prompt: sample the first output token
+
+
+@dataclass(frozen=True)
+class EncodeWork:
+    request_id: str
+    item_index: int
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run in one step. Built in full by the scheduler; the runner only executes it.
+
+    The runner executes in this order: patch writes, vision encode (patch reads, visual-token
+    writes), then one LLM forward over the prefill chunks and decode tokens (visual-token reads).
+    Pages consumed by this step's reads are already back in their allocators, which is safe
+    because nothing allocates again before the runner has finished this step.
+    """
+
+    admitted: list[str] = field(default_factory=list)  # write all their vision patches this step
+    #: KV block tables of the admitted requests (reserved for prompt + max_tokens: they never change)
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
+    patch_write: RaggedIndex | None = None  # rows: admitted requests' patches, in admitted order
+    encode: list[EncodeWork] = field(default_factory=list)
+    patch_read: RaggedIndex | None = None  # rows: the encode items' patches, in encode order
+    visual_write: RaggedIndex | None = None  # rows: the encode items' visual tokens, in encode order
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    visual_read: RaggedIndex | None = None  # rows: visual tokens of the prefill chunks, in chunk order
+    decode: list[str] = field(default_factory=list)  # one new token each
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.admitted or self.encode or self.prefill or self.decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefill)
+
+
+class Scheduler:
+    """Owns request state and the allocators' policy (who gets KV blocks and patch/visual pages)."""
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, patch_pages: PageAllocator,
+                 visual_pages: PageAllocator):
+        self.config = config
+        self.blocks = blocks
+        self.patch_pages = patch_pages
+        self.visual_pages = visual_pages
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self.requests: dict[str, Request] = {}
+        self.patch_streams: dict[str, PagedStream] = {}
+        self.visual_streams: dict[str, PagedStream] = {}
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        if capacity < request.max_total_tokens:
+            raise ValueError(f"request {request.request_id!r} needs {request.max_total_tokens} tokens of KV cache "
+                             f"(prompt + max_tokens), more than the whole cache holds ({capacity})")
+        if self.patch_pages.num_pages * self.patch_pages.page_size < request.num_patch_tokens:
+            raise ValueError(f"request {request.request_id!r} has {request.num_patch_tokens} patch tokens, more than "
+                             f"the patch buffer holds")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        freed_patch, freed_visual = [], []
+        # 1. admit new requests while KV blocks (prompt + max_tokens) and patch pages fit
+        admitted_writes = []
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            stream = PagedStream(req.request_id, self.patch_pages.page_size, req.num_patch_tokens)
+            writes = admitted_writes + ([(stream, req.num_patch_tokens)] if req.num_patch_tokens else [])
+            if not (self.blocks.can_allocate(req.max_total_tokens) and can_plan_write(writes, self.patch_pages)):
+                break
+            self.waiting.popleft()
+            out.block_tables[req.request_id] = self.blocks.allocate(req.request_id, req.max_total_tokens)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.admitted.append(req.request_id)
+            self.patch_streams[req.request_id] = stream
+            self.visual_streams[req.request_id] = PagedStream(req.request_id, self.visual_pages.page_size,
+                                                              req.num_visual_tokens)
+            admitted_writes = writes
+        if admitted_writes:
+            out.patch_write = plan_write(admitted_writes, self.patch_pages)
+        # 2. vision encoding under its budget, in admission order; it proceeds even when prefill
+        #    cannot (waiting for KV blocks or on earlier slices)
+        encode_tokens, reads, writes = 0, [], []
+        for req in self.running:
+            n_patch = n_visual = 0
+            while req.num_scheduled_items < len(req.encode_items) and encode_tokens < self.config.encode_token_budget:
+                item = req.encode_items[req.num_scheduled_items]
+                trial = writes + [(self.visual_streams[req.request_id], n_visual + item.num_visual_tokens)]
+                if not can_plan_write(trial, self.visual_pages):
+                    break
+                out.encode.append(EncodeWork(req.request_id, req.num_scheduled_items))
+                req.num_scheduled_items += 1
+                encode_tokens += item.num_patch_tokens
+                n_patch += item.num_patch_tokens
+                n_visual += item.num_visual_tokens
+            if n_patch:
+                reads.append((self.patch_streams[req.request_id], n_patch))
+                writes.append((self.visual_streams[req.request_id], n_visual))
+        if reads:
+            out.patch_read, freed = plan_read(reads, self.patch_pages.page_size)
+            freed_patch += freed
+            out.visual_write = plan_write(writes, self.visual_pages)
+        # 3. prefill chunks under the token budget, oldest first; a chunk stops before the first
+        #    visual token that is not encoded yet (this step's encodes run first)
+        budget, visual_reads = self.config.prefill_token_budget, []
+        for req in self.running:
+            if req.is_prefill_done or budget <= 0:
+                continue
+            size = self._prefill_size(req, budget)
+            if size <= 0:
+                continue
+            start = req.num_computed_tokens
+            out.prefill.append(PrefillChunk(req.request_id, start, size, is_last=start + size == req.prompt_len))
+            budget -= size
+            n_visual = req.visual_tokens_before(start + size) - req.visual_tokens_before(start)
+            if n_visual:
+                visual_reads.append((self.visual_streams[req.request_id], n_visual))
+        if visual_reads:
+            out.visual_read, freed = plan_read(visual_reads, self.visual_pages.page_size)
+            freed_visual += freed
+        # 4. every request past its prompt decodes one token
+        out.decode = [r.request_id for r in self.running if r.is_prefill_done and r.output_token_ids]
+        # consumed pages go back now: nothing allocates again before this step has run
+        self.patch_pages.free(freed_patch)
+        self.visual_pages.free(freed_visual)
+        return out
+
+    def _prefill_size(self, req: Request, budget: int) -> int:
+        start = req.num_computed_tokens
+        encoded = sum(i.num_visual_tokens for i in req.encode_items[:req.num_scheduled_items])
+        ready = (req.visual_positions[encoded] if encoded < req.num_visual_tokens else req.prompt_len) - start
+        if not self.config.enable_chunked_prefill:
+            # the whole prompt in one step, once all of it is ready
+            return req.prompt_len if start == 0 and ready == req.prompt_len else 0
+        return min(ready, budget)
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """Record that the step ran: advance counters (output tokens are appended by the engine)."""
+        for work in out.encode:
+            self.requests[work.request_id].num_encoded_items += 1
+        for chunk in out.prefill:
+            self.requests[chunk.request_id].num_computed_tokens += chunk.num_tokens
+
+    def finish(self, request_id: str, reason: str) -> Request:
+        """Mark finished (or aborted) and free everything it holds: KV blocks and unread pages."""
+        req = self.requests.pop(request_id)
+        req.status, req.finish_reason = Status.FINISHED, reason
+        if req in self.running:
+            self.running.remove(req)
+            self.blocks.free(request_id)
+            self.patch_pages.free(self.patch_streams.pop(request_id).release())
+            self.visual_pages.free(self.visual_streams.pop(request_id).release())
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        return req
