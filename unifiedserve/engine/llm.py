@@ -15,7 +15,8 @@ import torch
 from unifiedserve.engine.inputs import VisionInput
 from unifiedserve.engine.request import Request
 from unifiedserve.engine.runner import ModelRunner
-from unifiedserve.engine.sampling import SamplerState, SamplingParams, sample
+from unifiedserve.engine.params import SamplingParams
+from unifiedserve.engine.sampling import SamplerState, sample
 from unifiedserve.engine.scheduler import Scheduler, SchedulerConfig
 from unifiedserve.memory.block_manager import BlockManager
 from unifiedserve.memory.pages import PageAllocator

@@ -6,7 +6,7 @@ import bisect
 import enum
 from dataclasses import dataclass, field
 
-from unifiedserve.engine.sampling import SamplingParams
+from unifiedserve.engine.params import SamplingParams
 
 
 class Status(enum.Enum):

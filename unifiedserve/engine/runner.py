@@ -76,7 +76,8 @@ class ModelRunner:
             self.patch_buffer.write(torch.cat(rows), out.patch_write)  # [P, patch_dim]
         for r in out.admitted:
             self._tensors[r].patches = None  # now only in the patch buffer
-            self._tensors[r].block_table = out.block_tables[r]
+        for r, table in out.block_tables.items():
+            self._tensors[r].block_table = table
         if out.encode:
             patches = self.patch_buffer.read(out.patch_read)  # [P, patch_dim]
             grids = [self._tensors[w.request_id].grids[w.item_index] for w in out.encode]

@@ -1,43 +1,12 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+"""The sampler: greedy, temperature, top-k, top-p, per-request seeds."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` means greedy."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()  # stop strings; the matched text is not returned
-    ignore_eos: bool = False  # keep going past the model's end-of-sequence token (benchmarks)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+from unifiedserve.engine.params import SamplingParams
 
 
 @dataclass

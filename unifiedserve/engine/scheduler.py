@@ -4,10 +4,12 @@ Pure bookkeeping over request counters and integer block/page ids (no tensors). 
 returns one fully built :class:`SchedulerOutput`; the model runner executes it and the engine
 commits the results with :meth:`Scheduler.commit`.
 
-Order within a step follows the paper's Algorithm 3: prefill chunks of running requests come
-first, new requests are admitted once their KV blocks and patch pages can be allocated, vision
-encoding of admitted requests proceeds under the encode budget even when prefill cannot (e.g.
-it waits on encoding or on KV blocks), and every request past prefill decodes one token.
+Within a step, following the paper's Algorithm 3: new requests are admitted once their patch
+pages fit; vision encoding of admitted requests proceeds under the encode budget alpha (whole
+images or single video slices, at least one per step) even when prefill cannot run; prefill
+chunks fill the token budget tau, older requests first, each stopping before the first visual
+token not yet encoded, and a request takes its KV blocks (prompt + max_tokens) when its prefill
+starts; every request past its prompt decodes one token.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class SchedulerOutput:
     """
 
     admitted: list[str] = field(default_factory=list)  # write all their vision patches this step
-    #: KV block tables of the admitted requests (reserved for prompt + max_tokens: they never change)
+    #: KV block tables of requests whose prefill starts this step (prompt + max_tokens: never change)
     block_tables: dict[str, list[int]] = field(default_factory=dict)
     patch_write: RaggedIndex | None = None  # rows: admitted requests' patches, in admitted order
     encode: list[EncodeWork] = field(default_factory=list)
@@ -114,16 +116,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         freed_patch, freed_visual = [], []
-        # 1. admit new requests while KV blocks (prompt + max_tokens) and patch pages fit
+        # 1. admit new requests (FIFO) while their patch pages fit: their vision work can start
+        #    now; KV blocks are only needed when their prefill starts (step 3)
         admitted_writes = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             stream = PagedStream(req.request_id, self.patch_pages.page_size, req.num_patch_tokens)
             writes = admitted_writes + ([(stream, req.num_patch_tokens)] if req.num_patch_tokens else [])
-            if not (self.blocks.can_allocate(req.max_total_tokens) and can_plan_write(writes, self.patch_pages)):
+            if not can_plan_write(writes, self.patch_pages):
                 break
             self.waiting.popleft()
-            out.block_tables[req.request_id] = self.blocks.allocate(req.request_id, req.max_total_tokens)
             req.status = Status.RUNNING
             self.running.append(req)
             out.admitted.append(req.request_id)
@@ -157,13 +159,20 @@ class Scheduler:
             out.visual_write = plan_write(writes, self.visual_pages)
         # 3. prefill chunks under the token budget, oldest first; a chunk stops before the first
         #    visual token that is not encoded yet (this step's encodes run first)
-        budget, visual_reads = self.config.prefill_token_budget, []
+        budget, visual_reads, kv_blocked = self.config.prefill_token_budget, [], False
         for req in self.running:
             if req.is_prefill_done or budget <= 0:
                 continue
             size = self._prefill_size(req, budget)
             if size <= 0:
                 continue
+            if req.request_id not in self.blocks:
+                # KV blocks for prompt + max_tokens, taken in admission order; a request that does
+                # not fit blocks the ones behind it (no overtaking), while encoding carries on
+                if kv_blocked or not self.blocks.can_allocate(req.max_total_tokens):
+                    kv_blocked = True
+                    continue
+                out.block_tables[req.request_id] = self.blocks.allocate(req.request_id, req.max_total_tokens)
             start = req.num_computed_tokens
             out.prefill.append(PrefillChunk(req.request_id, start, size, is_last=start + size == req.prompt_len))
             budget -= size
@@ -202,7 +211,8 @@ class Scheduler:
         req.status, req.finish_reason = Status.FINISHED, reason
         if req in self.running:
             self.running.remove(req)
-            self.blocks.free(request_id)
+            if request_id in self.blocks:
+                self.blocks.free(request_id)
             self.patch_pages.free(self.patch_streams.pop(request_id).release())
             self.visual_pages.free(self.visual_streams.pop(request_id).release())
         elif req in self.waiting:

@@ -1,0 +1,167 @@
+// Paged embedding-buffer copies (patch buffer, visual-token buffer), CPU kernels.
+//
+// Ops (schemas in TORCH_LIBRARY below):
+//   unifiedserve::paged_scatter(buffer, src, <index>)  writes src's rows into buffer's pages
+//   unifiedserve::paged_gather(buffer, <index>)        reads them back into a packed [N, ...] tensor
+// where <index> is the paper's RaggedIndex (§4.2, Fig. 10): pv_indptr [B+1], pv_page_indptr [B+1],
+// pv_page_indices [P], pv_cu_page_len [B], all int64. Request b's chunk rows
+// pv_indptr[b]..pv_indptr[b+1] are its tokens pv_cu_page_len[b].., starting at slot
+// o = pv_cu_page_len[b] % page_size of its first listed page; its listed pages are exactly the
+// ceil((o + n) / page_size) pages touched. The torch reference is unifiedserve/ops/reference.py.
+//
+// Work unit: one (request, listed page) pair = one contiguous run of rows inside one page, copied with
+// a single memcpy. at::parallel_for splits the flat list of pages, so a long request is spread over
+// threads as well as many short ones.
+//
+// Only the CPU dispatch key is registered here; the CUDA kernels will register
+// TORCH_LIBRARY_IMPL(unifiedserve, CUDA, m) in csrc/paged_copy.cu against the same schemas.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace unifiedserve {
+namespace {
+
+// Aim for at least this many bytes per parallel task so thread start-up does not dominate.
+constexpr int64_t kGrainBytes = 64 * 1024;
+
+struct Index {
+  const int64_t* indptr;        // [B+1]
+  const int64_t* page_indptr;   // [B+1]
+  const int64_t* page_indices;  // [num_entries]
+  const int64_t* cu_page_len;   // [B]
+  int64_t num_requests;
+  int64_t num_entries;
+};
+
+void check_index_tensor(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 1, name, " must be 1-D, got shape ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU for the CPU kernel, got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// Validates the whole index before any byte moves, so a bad index never half-writes the buffer.
+Index check_index(const at::Tensor& buffer, const at::Tensor& pv_indptr, const at::Tensor& pv_page_indptr,
+                  const at::Tensor& pv_page_indices, const at::Tensor& pv_cu_page_len) {
+  TORCH_CHECK(buffer.dim() >= 2, "buffer must be [num_pages, page_size, ...], got shape ", buffer.sizes());
+  TORCH_CHECK(buffer.device().is_cpu(), "buffer must be on the CPU for the CPU kernel, got ", buffer.device());
+  TORCH_CHECK(buffer.is_contiguous(), "buffer must be contiguous");
+  check_index_tensor(pv_indptr, "pv_indptr");
+  check_index_tensor(pv_page_indptr, "pv_page_indptr");
+  check_index_tensor(pv_page_indices, "pv_page_indices");
+  check_index_tensor(pv_cu_page_len, "pv_cu_page_len");
+
+  Index ix{pv_indptr.data_ptr<int64_t>(), pv_page_indptr.data_ptr<int64_t>(),
+           pv_page_indices.data_ptr<int64_t>(), pv_cu_page_len.data_ptr<int64_t>(),
+           pv_cu_page_len.size(0), pv_page_indices.size(0)};
+  const int64_t B = ix.num_requests;
+  TORCH_CHECK(pv_indptr.size(0) == B + 1, "pv_indptr must have ", B + 1, " entries (B+1), got ", pv_indptr.size(0));
+  TORCH_CHECK(pv_page_indptr.size(0) == B + 1, "pv_page_indptr must have ", B + 1, " entries (B+1), got ",
+              pv_page_indptr.size(0));
+  TORCH_CHECK(ix.indptr[0] == 0 && ix.page_indptr[0] == 0, "pv_indptr and pv_page_indptr must start at 0");
+  TORCH_CHECK(ix.page_indptr[B] == ix.num_entries, "pv_page_indptr[-1] (", ix.page_indptr[B],
+              ") must equal len(pv_page_indices) (", ix.num_entries, ")");
+
+  const int64_t num_pages = buffer.size(0);
+  const int64_t page_size = buffer.size(1);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = ix.indptr[b + 1] - ix.indptr[b];
+    const int64_t have = ix.page_indptr[b + 1] - ix.page_indptr[b];
+    TORCH_CHECK(n >= 0 && have >= 0 && ix.cu_page_len[b] >= 0, "request ", b,
+                ": negative row count, page count or pv_cu_page_len");
+    const int64_t need = n == 0 ? 0 : (ix.cu_page_len[b] % page_size + n + page_size - 1) / page_size;
+    TORCH_CHECK(have == need, "request ", b, ": ", n, " rows from token ", ix.cu_page_len[b], " span ", need,
+                " pages of ", page_size, ", but the index lists ", have);
+  }
+  for (int64_t j = 0; j < ix.num_entries; ++j) {
+    TORCH_CHECK(ix.page_indices[j] >= 0 && ix.page_indices[j] < num_pages, "pv_page_indices[", j, "] = ",
+                ix.page_indices[j], " is out of range for a buffer of ", num_pages, " pages");
+  }
+  return ix;
+}
+
+// kToPages: rows -> pages (scatter); otherwise pages -> rows (gather).
+template <bool kToPages>
+void copy_runs(char* pages, char* rows, int64_t page_size, int64_t row_bytes, const Index& ix) {
+  const int64_t page_bytes = page_size * row_bytes;
+  const int64_t grain = std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(page_bytes, 1));
+  at::parallel_for(0, ix.num_entries, grain, [&](int64_t begin, int64_t end) {
+    // the request owning listed page `begin`: the last b with page_indptr[b] <= begin
+    int64_t b = std::upper_bound(ix.page_indptr, ix.page_indptr + ix.num_requests + 1, begin) - ix.page_indptr - 1;
+    for (int64_t j = begin; j < end; ++j) {
+      while (ix.page_indptr[b + 1] <= j) ++b;
+      const int64_t k = j - ix.page_indptr[b];  // k-th page of request b this iteration
+      const int64_t offset = ix.cu_page_len[b] % page_size;
+      const int64_t n = ix.indptr[b + 1] - ix.indptr[b];
+      // token positions counted from the start of the request's first listed page
+      const int64_t lo = std::max(offset, k * page_size);
+      const int64_t hi = std::min(offset + n, (k + 1) * page_size);
+      char* page_ptr = pages + ix.page_indices[j] * page_bytes + (lo - k * page_size) * row_bytes;
+      char* row_ptr = rows + (ix.indptr[b] + lo - offset) * row_bytes;
+      const size_t num_bytes = static_cast<size_t>((hi - lo) * row_bytes);
+      if (kToPages) {
+        std::memcpy(page_ptr, row_ptr, num_bytes);
+      } else {
+        std::memcpy(row_ptr, page_ptr, num_bytes);
+      }
+    }
+  });
+}
+
+int64_t row_bytes_of(const at::Tensor& buffer) {
+  int64_t row_elems = 1;  // buffer is [num_pages, page_size, ...]: a row is one token's trailing dims
+  for (int64_t d = 2; d < buffer.dim(); ++d) row_elems *= buffer.size(d);
+  return row_elems * static_cast<int64_t>(buffer.element_size());
+}
+
+void paged_scatter_cpu(const at::Tensor& buffer, const at::Tensor& src, const at::Tensor& pv_indptr,
+                       const at::Tensor& pv_page_indptr, const at::Tensor& pv_page_indices,
+                       const at::Tensor& pv_cu_page_len) {
+  const Index ix = check_index(buffer, pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len);
+  TORCH_CHECK(src.scalar_type() == buffer.scalar_type(), "src dtype ", src.scalar_type(), " must match buffer dtype ",
+              buffer.scalar_type());
+  TORCH_CHECK(src.device().is_cpu(), "src must be on the CPU for the CPU kernel, got ", src.device());
+  TORCH_CHECK(src.dim() == buffer.dim() - 1 && src.sizes().slice(1) == buffer.sizes().slice(2),
+              "src must be [N, ", buffer.sizes().slice(2), "] to match buffer ", buffer.sizes(), ", got ", src.sizes());
+  TORCH_CHECK(src.size(0) == ix.indptr[ix.num_requests], "src has ", src.size(0), " rows, pv_indptr[-1] is ",
+              ix.indptr[ix.num_requests]);
+  const at::Tensor rows = src.contiguous();  // [N, dim]
+  copy_runs<true>(static_cast<char*>(buffer.data_ptr()), static_cast<char*>(rows.data_ptr()), buffer.size(1),
+                  row_bytes_of(buffer), ix);
+}
+
+at::Tensor paged_gather_cpu(const at::Tensor& buffer, const at::Tensor& pv_indptr, const at::Tensor& pv_page_indptr,
+                            const at::Tensor& pv_page_indices, const at::Tensor& pv_cu_page_len) {
+  const Index ix = check_index(buffer, pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len);
+  std::vector<int64_t> shape(buffer.sizes().begin() + 1, buffer.sizes().end());
+  shape[0] = ix.indptr[ix.num_requests];
+  at::Tensor out = at::empty(shape, buffer.options());  // [N, dim]
+  copy_runs<false>(static_cast<char*>(buffer.data_ptr()), static_cast<char*>(out.data_ptr()), buffer.size(1),
+                   row_bytes_of(buffer), ix);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(unifiedserve, m) {
+  m.def(
+      "paged_scatter(Tensor(a!) buffer, Tensor src, Tensor pv_indptr, Tensor pv_page_indptr, "
+      "Tensor pv_page_indices, Tensor pv_cu_page_len) -> ()");
+  m.def(
+      "paged_gather(Tensor buffer, Tensor pv_indptr, Tensor pv_page_indptr, Tensor pv_page_indices, "
+      "Tensor pv_cu_page_len) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(unifiedserve, CPU, m) {
+  m.impl("paged_scatter", &paged_scatter_cpu);
+  m.impl("paged_gather", &paged_gather_cpu);
+}
+
+}  // namespace unifiedserve

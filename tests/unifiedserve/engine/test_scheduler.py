@@ -1,0 +1,132 @@
+"""Scheduler invariants over random workloads, driven as the engine drives it (no torch, no model)."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unifiedserve.engine.params import SamplingParams
+from unifiedserve.engine.request import EncodeItem, Request
+from unifiedserve.engine.scheduler import Scheduler, SchedulerConfig
+from unifiedserve.memory.block_manager import BlockManager
+from unifiedserve.memory.pages import PageAllocator
+
+
+def make_request(rid, text_before, slices, text_after, max_tokens, patches_per_slice=8):
+    """A prompt with one video of ``slices`` temporal slices (each 8 patch tokens -> 2 visual tokens)."""
+    visual = patches_per_slice // 4 * slices
+    ids = [1] * text_before + [9] * visual + [1] * text_after
+    items = [EncodeItem(0, patches_per_slice, patches_per_slice // 4, (1, 2, 4)) for _ in range(slices)]
+    positions = list(range(text_before, text_before + visual))
+    return Request(rid, ids, SamplingParams(max_tokens=max_tokens), items, positions)
+
+
+def drive(scheduler, requests, check_step=None, max_steps=10_000):
+    """Run to completion, producing one fake token per sampled request; returns the outputs."""
+    for r in requests:
+        scheduler.add(r)
+    steps = 0
+    while scheduler.has_work:
+        out = scheduler.schedule()
+        assert not out.is_empty, "scheduler stalled with work left"
+        if check_step:
+            check_step(out)
+        scheduler.commit(out)
+        sampled = [c.request_id for c in out.prefill if c.is_last] + out.decode
+        for rid in sampled:
+            req = scheduler.requests[rid]
+            req.output_token_ids.append(0)
+            if len(req.output_token_ids) >= req.params.max_tokens:
+                scheduler.finish(rid, "length")
+        steps += 1
+        assert steps < max_steps
+    return steps
+
+
+workloads = st.lists(st.tuples(st.integers(0, 20), st.integers(0, 6), st.integers(0, 20), st.integers(1, 5)),
+                     min_size=1, max_size=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(workload=workloads, tau=st.integers(1, 40), alpha=st.integers(1, 40), kv_blocks=st.integers(8, 40),
+       pages=st.integers(3, 30), chunked=st.booleans())
+def test_budgets_readiness_and_no_leaks(workload, tau, alpha, kv_blocks, pages, chunked):
+    requests = [make_request(f"r{i}", a, n, b, m) for i, (a, n, b, m) in enumerate(workload)
+                if a + n * 2 + b > 0]
+    if not requests:
+        return
+    blocks = BlockManager(kv_blocks, block_size=4)
+    patch_pages, visual_pages = PageAllocator(pages, 4), PageAllocator(pages, 4)
+    cfg = SchedulerConfig(prefill_token_budget=tau, encode_token_budget=alpha, enable_chunked_prefill=chunked)
+    s = Scheduler(cfg, blocks, patch_pages, visual_pages)
+    fits = [r for r in requests if r.max_total_tokens <= kv_blocks * 4 and r.num_patch_tokens <= pages * 4]
+    by_id = {r.request_id: r for r in fits}
+
+    def check(out):
+        if chunked:
+            assert out.num_prefill_tokens <= tau
+        encode_tokens = [by_id[w.request_id].encode_items[w.item_index].num_patch_tokens for w in out.encode]
+        # alpha is a threshold: items are added while the running total is below it
+        assert sum(encode_tokens[:-1]) < alpha or len(encode_tokens) <= 1
+        for chunk in out.prefill:
+            req = by_id[chunk.request_id]
+            scheduled_visual = sum(i.num_visual_tokens for i in req.encode_items[:req.num_scheduled_items])
+            needed = req.visual_tokens_before(chunk.start + chunk.num_tokens)
+            assert needed <= scheduled_visual, "prefill read a visual token that is not encoded"
+            assert chunk.request_id in s.blocks
+
+    drive(s, fits, check)
+    assert all(r.is_prefill_done and r.output_token_ids for r in fits)
+    assert blocks.num_used_blocks == 0 and patch_pages.num_used_pages == 0 and visual_pages.num_used_pages == 0
+
+
+def test_encoding_proceeds_while_prefill_waits_for_kv_blocks():
+    blocks = BlockManager(4, block_size=4)  # 16 tokens of KV cache
+    s = Scheduler(SchedulerConfig(prefill_token_budget=64, encode_token_budget=8), blocks,
+                  PageAllocator(16, 4), PageAllocator(16, 4))
+    first = make_request("a", 4, 1, 4, max_tokens=6)  # 16 tokens: takes the whole cache
+    second = make_request("b", 2, 3, 2, max_tokens=2)  # needs KV that only frees when `a` finishes
+    s.add(first)
+    s.add(second)
+    out = s.schedule()
+    s.commit(out)
+    assert {c.request_id for c in out.prefill} == {"a"}
+    encoded_b = [w for w in out.encode if w.request_id == "b"]
+    for _ in range(3):  # while `a` decodes, `b` keeps encoding though it cannot prefill
+        out = s.schedule()
+        s.commit(out)
+        assert all(c.request_id != "b" for c in out.prefill)
+        encoded_b += [w for w in out.encode if w.request_id == "b"]
+        s.requests["a"].output_token_ids.append(0)
+    assert len(encoded_b) == 3 and "b" not in blocks
+
+
+def test_prefill_never_overtakes_an_older_request_waiting_for_kv():
+    blocks = BlockManager(6, block_size=4)
+    s = Scheduler(SchedulerConfig(prefill_token_budget=100), blocks, PageAllocator(8, 4), PageAllocator(8, 4))
+    s.add(make_request("big", 20, 0, 0, max_tokens=4))  # 24 tokens: all 6 blocks
+    s.add(make_request("small", 2, 0, 0, max_tokens=1))
+    out = s.schedule()
+    assert [c.request_id for c in out.prefill] == ["big"]
+
+
+def test_chunking_off_prefills_whole_prompt_once_ready():
+    s = Scheduler(SchedulerConfig(prefill_token_budget=3, encode_token_budget=8, enable_chunked_prefill=False),
+                  BlockManager(64, 4), PageAllocator(16, 4), PageAllocator(16, 4))
+    s.add(make_request("v", 3, 2, 3, max_tokens=1))
+    sizes = []
+    while s.has_work:
+        out = s.schedule()
+        s.commit(out)
+        sizes += [c.num_tokens for c in out.prefill]
+        for c in out.prefill:
+            s.finish(c.request_id, "length")
+    assert sizes == [10]
+
+
+def test_rejects_requests_that_can_never_fit():
+    import pytest
+
+    s = Scheduler(SchedulerConfig(), BlockManager(2, 4), PageAllocator(1, 4), PageAllocator(1, 4))
+    with pytest.raises(ValueError, match="KV cache"):
+        s.add(make_request("x", 10, 0, 0, max_tokens=1))
+    with pytest.raises(ValueError, match="patch"):
+        s.add(make_request("y", 0, 1, 0, max_tokens=1, patches_per_slice=8))

@@ -1,0 +1,62 @@
+"""PagedBuffer over the planners, and shared-memory tensors seen from a spawned process."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from unifiedserve.memory import (PageAllocator, PagedBuffer, PagedStream, SharedTensorHandle, plan_read, plan_write,
+                                 shared_cpu_tensor)
+
+
+def test_write_then_read_in_chunks():
+    buffer = PagedBuffer(num_pages=8, page_size=4, dim=1176, dtype=torch.bfloat16)
+    alloc = PageAllocator(8, 4)
+    stream = PagedStream("video", 4, num_tokens=21)
+    rows = torch.randn(21, 1176).to(torch.bfloat16)  # patch rows
+    for start, stop in [(0, 5), (5, 6), (6, 21)]:
+        buffer.write(rows[start:stop], plan_write([(stream, stop - start)], alloc))
+    got = []
+    for n in [3, 10, 8]:
+        index, to_free = plan_read([(stream, n)], 4)
+        got.append(buffer.read(index))
+        alloc.free(to_free)
+    assert torch.equal(torch.cat(got), rows)
+    assert alloc.num_free_pages == 8
+
+
+def test_storage_is_wrapped_not_copied_and_checked():
+    storage = shared_cpu_tensor((3, 2, 5))
+    buffer = PagedBuffer(3, 2, 5, storage=storage)
+    assert buffer.tensor.data_ptr() == storage.data_ptr() and buffer.num_bytes == 3 * 2 * 5 * 4
+    with pytest.raises(ValueError, match="storage"):
+        PagedBuffer(3, 2, 6, storage=storage)
+    with pytest.raises(ValueError, match="page_size"):
+        buffer.read(plan_read([], page_size=4)[0])
+    assert PagedBuffer.num_pages_for_budget(2**20, page_size=16, dim=256, dtype=torch.bfloat16) == 128
+
+
+def _child(handle: SharedTensorHandle, queue) -> None:
+    tensor = handle.open()
+    queue.put(float(tensor[1, 0, 0]))  # the parent's write, seen here
+    tensor[2].fill_(7.0)  # a write the parent must see
+    queue.put("done")
+
+
+def test_spawned_child_sees_and_makes_writes():
+    tensor = shared_cpu_tensor((4, 2, 3), torch.float32)
+    assert tensor.is_shared() and not tensor.any()
+    tensor[1].fill_(3.0)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child, args=(SharedTensorHandle.export(tensor), queue))
+    child.start()
+    try:
+        assert queue.get(timeout=60) == 3.0
+        assert queue.get(timeout=60) == "done"
+    finally:
+        child.join(timeout=60)
+    assert child.exitcode == 0
+    assert torch.all(tensor[2] == 7.0) and not tensor[3].any()

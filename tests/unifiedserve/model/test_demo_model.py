@@ -1,0 +1,77 @@
+"""The demo checkpoint writer and the ``unifiedserve demo-model`` command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from unifiedserve.cli import main
+from unifiedserve.model import ModelConfig, load_processor
+from unifiedserve.model.demo import (
+    decode_step_flops,
+    encode_decode_flop_ratio,
+    vision_slice_flops,
+    write_demo_model,
+)
+
+FILES = {"config.json", "generation_config.json", "model.safetensors", "preprocessor_config.json",
+         "tokenizer.json", "tokenizer_config.json"}
+
+
+def test_deterministic_by_seed(tmp_path):
+    a = write_demo_model(tmp_path / "a", seed=7)
+    b = write_demo_model(tmp_path / "b", seed=7)
+    c = write_demo_model(tmp_path / "c", seed=8)
+    assert {p.name for p in a.iterdir()} == FILES
+    for name in FILES:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+    assert (a / "tokenizer.json").read_bytes() == (c / "tokenizer.json").read_bytes()
+
+
+def test_demo_config_keeps_the_serving_geometry(tmp_path):
+    path = write_demo_model(tmp_path)
+    config = ModelConfig.from_json(path)
+    v, t = config.vision, config.text
+    assert (v.patch_size, v.spatial_merge_size, v.window_size, v.temporal_patch_size) == (14, 2, 112, 2)
+    assert v.fullatt_block_indexes and len(v.fullatt_block_indexes) < v.depth
+    assert t.num_attention_heads > t.num_key_value_heads
+    assert t.mrope_section == (8, 12, 12) and sum(t.mrope_section) == t.head_dim // 2
+    processor = load_processor(path)
+    assert config.image_token_id == processor.image_token_id
+    assert config.eos_token_ids == (processor.eos_token_id,)
+    assert t.vocab_size % 64 == 0 and t.vocab_size >= processor.tokenizer.get_vocab_size()
+    generation = json.loads((path / "generation_config.json").read_text())
+    assert processor.eos_token_id in generation["eos_token_id"]
+
+
+def test_rewriting_switches_between_single_file_and_shards(tmp_path):
+    write_demo_model(tmp_path, num_shards=2)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    write_demo_model(tmp_path, num_shards=1)
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+
+
+def test_qwen2_5_vl_7b_flop_ratio():
+    config = ModelConfig()
+    assert vision_slice_flops(config.vision) == pytest.approx(1.93e12, rel=0.01)
+    assert decode_step_flops(config.text) == pytest.approx(1.43e10, rel=0.01)
+    assert 130 < encode_decode_flop_ratio() < 140
+
+
+def test_cli_demo_model(tmp_path, capsys):
+    assert main(["demo-model", str(tmp_path / "m"), "--shards", "2", "--seed", "3"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 2
+
+
+def test_cli_reports_bad_arguments_in_one_line(tmp_path, capsys):
+    assert main(["demo-model", str(tmp_path), "--shards", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("unifiedserve: error: num_shards") and err.count("\n") == 1
+    with pytest.raises(SystemExit) as info:
+        main(["demo-model", "--help"])
+    assert info.value.code == 0

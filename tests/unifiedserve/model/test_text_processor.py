@@ -1,0 +1,130 @@
+"""Processor: chat template, tokenizer, placeholder expansion, streaming detokenization."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashcodec.patches import PatchSpec
+from unifiedserve.model import load_processor
+from unifiedserve.model.demo import SPECIAL_TOKENS, write_demo_model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_demo_model(tmp_path_factory.mktemp("demo"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def processor(checkpoint):
+    return load_processor(checkpoint)
+
+
+MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "video"},
+                                         {"type": "text", "text": "What is in the video?"}]}]
+
+
+def test_render_chat_qwen2_vl_format(processor):
+    assert processor.render_chat(MESSAGES) == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
+        "<|vision_start|><|video_pad|><|vision_end|>What is in the video?<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello."}]
+    assert processor.render_chat(turns, add_generation_prompt=False) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello.<|im_end|>\n")
+
+
+def test_render_chat_matches_transformers(checkpoint, processor):
+    transformers = pytest.importorskip("transformers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
+    template = json.loads((checkpoint / "tokenizer_config.json").read_text())["chat_template"]
+    for generation_prompt in (True, False):
+        ref = tokenizer.apply_chat_template(MESSAGES, chat_template=template, tokenize=False,
+                                            add_generation_prompt=generation_prompt)
+        assert processor.render_chat(MESSAGES, add_generation_prompt=generation_prompt) == ref
+
+
+def test_special_tokens_are_single_ids(processor):
+    vocab_size = processor.tokenizer.get_vocab_size()
+    assert 1000 <= vocab_size <= 2000
+    for token in SPECIAL_TOKENS:
+        ids = processor.tokenize(f"a{token}b")
+        assert len(ids) == 3 and ids[1] == processor.tokenizer.token_to_id(token)
+    assert processor.eos_token_id == processor.tokenizer.token_to_id("<|im_end|>")
+
+
+@pytest.mark.parametrize("text", ["The quick brown fox.", "Zebras 2026: naïve café — 日本語 ✓ 🙂",
+                                  " two  spaces\n"])
+def test_tokenize_decode_round_trip(processor, text):
+    assert processor.decode(processor.tokenize(text)) == text
+
+
+def test_expand_vision_tokens(processor):
+    ids = processor.tokenize(processor.render_chat(MESSAGES))
+    image, video = processor.image_token_id, processor.video_token_id
+    expanded = processor.expand_vision_tokens(ids, [(1, 4, 6)], [(3, 6, 10)])
+    assert expanded.count(image) == 6 and expanded.count(video) == 45
+    assert len(expanded) == len(ids) + 5 + 44
+    # The order of everything else is kept.
+    assert [t for t in expanded if t not in (image, video)] == [t for t in ids if t not in (image, video)]
+    assert processor.expand_vision_tokens(ids, [(1, 4, 4)], [(1, 4, 4)], merge_size=1).count(image) == 16
+
+
+@pytest.mark.parametrize("images, videos, match", [
+    ([], [(1, 4, 4)], "more image placeholders"),
+    ([(1, 4, 4), (1, 4, 4)], [(1, 4, 4)], "2 image grids given but the prompt has 1"),
+    ([(1, 4, 4)], [(1, 4, 4), (2, 4, 4)], "2 video grids"),
+])
+def test_expand_vision_tokens_errors(processor, images, videos, match):
+    ids = processor.tokenize(processor.render_chat(MESSAGES))
+    with pytest.raises(ValueError, match=match):
+        processor.expand_vision_tokens(ids, images, videos)
+
+
+def test_incremental_decoder_streams_multibyte_characters(processor):
+    text = "café 日本 🙂!"
+    ids = processor.tokenize(text)
+    decoder = processor.incremental_decoder()
+    pieces = [decoder.step(t) for t in ids] + [decoder.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)  # partial characters are held back, never emitted
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 1279), max_size=24), st.booleans())
+def test_incremental_decoder_equals_full_decode(processor, ids, skip_special):
+    ids = [i for i in ids if i < processor.tokenizer.get_vocab_size()]
+    decoder = processor.incremental_decoder(skip_special_tokens=skip_special)
+    pieces = [decoder.step(t) for t in ids] + [decoder.flush()]
+    assert "".join(pieces) == processor.decode(ids, skip_special_tokens=skip_special)
+
+
+def test_preprocessor_config(processor):
+    assert processor.patch_spec == PatchSpec()
+    assert (processor.image_min_pixels, processor.image_max_pixels) == (3136, 12845056)
+    assert processor.image_size(61, 97) == (56, 84)
+    assert processor.merge_size == 2
+
+
+def test_transformers5_size_layout_and_missing_files(tmp_path, checkpoint):
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, path)
+    cfg = json.loads((path / "preprocessor_config.json").read_text())
+    del cfg["min_pixels"], cfg["max_pixels"]
+    cfg["size"] = {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 4}
+    (path / "preprocessor_config.json").write_text(json.dumps(cfg))
+    processor = load_processor(path)
+    assert processor.image_size(200, 200) == (56, 56)
+    (path / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="tokenizer.json not found"):
+        load_processor(path)

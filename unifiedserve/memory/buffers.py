@@ -1,0 +1,100 @@
+"""Paged embedding buffers (patch buffer, visual-token buffer) and shared-memory CPU tensors.
+
+Bookkeeping (which pages a request holds) lives in :mod:`unifiedserve.memory.pages`; this module owns
+the storage and moves rows in and out of it with the ops of :mod:`unifiedserve.ops`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions with ForkingPickler)
+
+from unifiedserve import ops
+from unifiedserve.memory.pages import RaggedIndex
+
+
+class PagedBuffer:
+    """Storage ``[num_pages, page_size, dim]`` addressed by :class:`RaggedIndex` batches.
+
+    Args:
+        num_pages: pages in the buffer.
+        page_size: rows (tokens) per page.
+        dim: features per row (patch buffer: 1176 for Qwen2.5-VL; visual-token buffer: the LLM hidden size).
+        dtype, device: of a buffer allocated here.
+        storage: an existing contiguous tensor of that shape to wrap instead (shared memory, a CUDA IPC
+            handle); the buffer then never allocates.
+
+    Raises:
+        ValueError: a size is not positive, or ``storage`` has the wrong shape or is not contiguous.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, dim: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", storage: torch.Tensor | None = None):
+        if min(num_pages, page_size, dim) <= 0:
+            raise ValueError(f"num_pages, page_size and dim must be positive, got {num_pages}, {page_size}, {dim}")
+        shape = (num_pages, page_size, dim)
+        if storage is None:
+            storage = torch.zeros(shape, dtype=dtype, device=device)
+        elif tuple(storage.shape) != shape or not storage.is_contiguous():
+            raise ValueError(f"storage must be a contiguous {shape} tensor, got {tuple(storage.shape)}")
+        self.tensor = storage  # [num_pages, page_size, dim]
+        self.num_pages, self.page_size, self.dim = shape
+
+    def __repr__(self) -> str:
+        return (f"PagedBuffer(num_pages={self.num_pages}, page_size={self.page_size}, dim={self.dim}, "
+                f"dtype={self.tensor.dtype}, device={self.tensor.device}, MiB={self.num_bytes / 2**20:.1f})")
+
+    @property
+    def num_bytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    @staticmethod
+    def num_pages_for_budget(num_bytes: int, page_size: int, dim: int, dtype: torch.dtype) -> int:
+        """Whole pages that fit in a memory budget of ``num_bytes``."""
+        return max(0, num_bytes // (page_size * dim * dtype.itemsize))
+
+    def write(self, src: torch.Tensor, index: RaggedIndex) -> None:
+        """Write the packed chunk ``src`` [N, dim] where ``index`` (from ``plan_write``) says."""
+        if index.page_size != self.page_size:
+            raise ValueError(f"index was planned for page_size {index.page_size}, buffer has {self.page_size}")
+        ops.paged_scatter(self.tensor, src, index)
+
+    def read(self, index: RaggedIndex) -> torch.Tensor:
+        """The rows ``index`` (from ``plan_read``) names, as a new packed [N, dim] tensor."""
+        if index.page_size != self.page_size:
+            raise ValueError(f"index was planned for page_size {index.page_size}, buffer has {self.page_size}")
+        return ops.paged_gather(self.tensor, index)
+
+
+def shared_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A zero-filled CPU tensor in shared memory, for buffers that several processes map."""
+    if any(s < 0 for s in shape) or math.prod(shape) == 0:
+        raise ValueError(f"shape must be non-empty with positive sizes, got {shape}")
+    return torch.zeros(shape, dtype=dtype).share_memory_()
+
+
+@dataclass(frozen=True)
+class SharedTensorHandle:
+    """Bytes that reopen a shared-memory CPU tensor in another process (torch.multiprocessing reductions).
+
+    A handle is for one receiver: export one per process that opens it. It opens only in processes
+    started through :mod:`multiprocessing` from the exporting process's tree (they share its authkey),
+    and only while the exporting process is alive.
+    """
+
+    #: ForkingPickler bytes of the tensor's reduction: the storage's shared-memory handle, no tensor data.
+    payload: bytes
+
+    @classmethod
+    def export(cls, tensor: torch.Tensor) -> "SharedTensorHandle":
+        if tensor.device.type != "cpu" or not tensor.is_shared():
+            raise ValueError("export a CPU tensor in shared memory (see shared_cpu_tensor)")
+        return cls(bytes(ForkingPickler.dumps(tensor)))
+
+    def open(self) -> torch.Tensor:
+        """The tensor, mapping the same memory as the exporter's."""
+        return ForkingPickler.loads(self.payload)

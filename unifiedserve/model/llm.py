@@ -1,0 +1,178 @@
+"""The Qwen2 language model of Qwen2.5-VL, written for a flattened, paged-KV runtime.
+
+A step's tokens from all sequences are one flat batch of ``N`` rows; attention is delegated to an
+:class:`~unifiedserve.attention.AttentionBackend`, which writes each layer's K/V to the paged cache
+and attends over every sequence's cached prefix. Positions are M-RoPE positions ``[3, N]``
+(temporal, height, width), see :mod:`unifiedserve.model.rope`.
+
+Two visible performance choices: Q/K/V are one fused projection (``qkv_proj``) and gate/up are one
+fused projection (``gate_up_proj``); the loader concatenates the checkpoint's separate tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from unifiedserve.attention import AttentionBackend
+from unifiedserve.model.config import TextConfig
+
+__all__ = ["LanguageModel", "RMSNorm", "activation", "mrope_cos_sin", "rotate_half"]
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)``, normalised in float32 and cast back before the scale (as Qwen2)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """The ``hidden_act`` of a Hugging Face config, applied to ``x``."""
+    if name == "silu":
+        return F.silu(x)
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "gelu_pytorch_tanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "quick_gelu":
+        return x * torch.sigmoid(1.702 * x)
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` over the last dim (the rotary pairing Qwen uses)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def mrope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, mrope_section: tuple[int, ...],
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multimodal rotary tables: frequency pair ``i`` turns with the position of axis ``section(i)``.
+
+    Args:
+        positions: int64 ``[3, N]`` (temporal, height, width) positions.
+    Returns:
+        ``(cos, sin)``, each ``[N, head_dim]`` in ``dtype`` (computed in float32).
+    """
+    device = positions.device
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))  # [D/2]
+    axis = torch.repeat_interleave(torch.arange(3, device=device),
+                                   torch.tensor(mrope_section, device=device))  # [D/2]: 0..0 1..1 2..2
+    pos = positions[axis].T.float()  # [N, D/2]: the position each frequency pair turns with
+    freqs = pos * inv_freq  # [N, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with biased Q/K/V (Qwen2), M-RoPE, paged KV via the backend."""
+
+    def __init__(self, config: TextConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_q_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_q_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_q_heads, self.head_dim)  # q: [N, Hq, D]
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # k: [N, Hkv, D]
+        v = v.view(n, self.num_kv_heads, self.head_dim)  # v: [N, Hkv, D]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, D]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = attn.forward(self.layer_idx, q, k, v)  # [N, Hq, D]
+        return self.o_proj(out.reshape(n, self.q_size))  # [N, hidden]
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(act(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.hidden_act = hidden_act
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, I] each
+        return self.down_proj(activation(self.hidden_act, gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LanguageModel(nn.Module):
+    """Qwen2 decoder over a flattened batch of tokens.
+
+    Invariant: ``forward`` runs layers ``0..num_hidden_layers-1`` in order and calls
+    ``attn.forward(layer_idx, ...)`` once per layer, so the backend's metadata (set with
+    ``attn.begin``) must describe exactly the ``N`` rows passed in.
+    """
+
+    def __init__(self, config: TextConfig, tie_word_embeddings: bool = False):
+        super().__init__()
+        self.config = config
+        # Random init only off the meta device: normal_ on meta costs ~1.5 s the first time.
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size,
+                                           _weight=torch.empty(config.vocab_size, config.hidden_size))
+        if not self.tok_embeddings.weight.is_meta:
+            nn.init.normal_(self.tok_embeddings.weight)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``[N]`` int64 token ids -> ``[N, hidden]`` embeddings."""
+        return self.tok_embeddings(token_ids)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """Run the decoder.
+
+        Args:
+            inputs_embeds: ``[N, hidden]`` (text embeddings with visual tokens scattered in).
+            positions: int64 ``[3, N]`` M-RoPE positions.
+            attn: the attention backend, already ``begin``-ed with this step's metadata.
+        Returns:
+            ``[N, hidden]`` final hidden states (final RMSNorm applied).
+        """
+        if positions.dim() != 2 or positions.shape[0] != 3 or positions.shape[1] != inputs_embeds.shape[0]:
+            raise ValueError(f"positions must be [3, {inputs_embeds.shape[0]}], got {list(positions.shape)}")
+        cfg = self.config
+        cos, sin = mrope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.mrope_section,
+                                 inputs_embeds.dtype)  # [N, D] each
+        x = inputs_embeds
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)  # [N, hidden]
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[M, hidden]`` -> ``[M, vocab_size]`` (the tied embedding when there is no lm_head)."""
+        weight = self.tok_embeddings.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)

@@ -1,0 +1,218 @@
+"""Text side of a Qwen2.5-VL checkpoint: chat template, tokenizer, placeholders, detokenizer.
+
+Reads three files of a checkpoint directory, without transformers:
+
+* ``tokenizer.json`` with the ``tokenizers`` library;
+* ``tokenizer_config.json``: the Jinja chat template and special tokens;
+* ``preprocessor_config.json``: patch geometry and normalisation
+  (:class:`flashcodec.patches.PatchSpec`) and the image pixel budget.
+
+A prompt is built in three steps::
+
+    text = processor.render_chat(messages)                  # one <|image_pad|> / <|video_pad|> per media
+    ids = processor.tokenize(text)
+    ids = processor.expand_vision_tokens(ids, image_grids, video_grids)   # one pad per visual token
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from flashcodec.patches import PatchSpec
+from flashcodec.plan.sampling import IMAGE_MAX_PIXELS, IMAGE_MIN_PIXELS, smart_resize
+
+__all__ = ["IncrementalDecoder", "Processor", "load_processor"]
+
+IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+
+
+class Processor:
+    """Chat template, tokenizer and placeholder expansion of one checkpoint."""
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None, patch_spec: PatchSpec,
+                 image_min_pixels: int = IMAGE_MIN_PIXELS, image_max_pixels: int = IMAGE_MAX_PIXELS,
+                 eos_token: str | None = None, pad_token: str | None = None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.patch_spec = patch_spec
+        self.image_min_pixels = int(image_min_pixels)
+        self.image_max_pixels = int(image_max_pixels)
+        self.eos_token = eos_token
+        self.pad_token = pad_token
+        self.image_token_id = self._special_id(IMAGE_PAD)
+        self.video_token_id = self._special_id(VIDEO_PAD)
+        self._template = None
+
+    def _special_id(self, token: str) -> int:
+        token_id = self.tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"the tokenizer has no {token} token; is this a Qwen2-VL / Qwen2.5-VL tokenizer?")
+        return token_id
+
+    @property
+    def merge_size(self) -> int:
+        return self.patch_spec.merge_size
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self.tokenizer.token_to_id(self.eos_token)
+
+    def image_size(self, height: int, width: int) -> tuple[int, int]:
+        """Model input ``(height, width)`` of an image: multiples of 28 within the pixel budget."""
+        return smart_resize(height, width, factor=self.patch_spec.factor,
+                            min_pixels=self.image_min_pixels, max_pixels=self.image_max_pixels)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render OpenAI/Hugging Face style messages with the checkpoint's chat template.
+
+        ``content`` is a string or a list of parts ``{"type": "text", "text": ...}``,
+        ``{"type": "image"}``, ``{"type": "video"}``; each image/video part becomes one
+        ``<|vision_start|><|image_pad|><|vision_end|>`` (or ``<|video_pad|>``) in the text.
+
+        Raises:
+            ValueError: the checkpoint has no chat template.
+        """
+        if self.chat_template is None:
+            raise ValueError("tokenizer_config.json has no chat_template; pass a prompt string instead")
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                     eos_token=self.eos_token, pad_token=self.pad_token)
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text map to their ids."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def expand_vision_tokens(self, ids: Sequence[int], image_grid_thws: Sequence[Sequence[int]] = (),
+                             video_grid_thws: Sequence[Sequence[int]] = (), merge_size: int | None = None) -> list[int]:
+        """Replace the i-th single image (video) pad by ``t*h*w / merge**2`` copies for the i-th grid.
+
+        Raises:
+            ValueError: the number of pads differs from the number of grids.
+        """
+        merge = self.merge_size if merge_size is None else merge_size
+        grids = {self.image_token_id: list(image_grid_thws), self.video_token_id: list(video_grid_thws)}
+        seen = {self.image_token_id: 0, self.video_token_id: 0}
+        out: list[int] = []
+        for token in ids:
+            if token not in grids:
+                out.append(token)
+                continue
+            k = seen[token]
+            if k >= len(grids[token]):
+                kind = "image" if token == self.image_token_id else "video"
+                raise ValueError(f"the prompt has more {kind} placeholders than the "
+                                 f"{len(grids[token])} {kind} grids given")
+            t, h, w = grids[token][k]
+            out.extend([token] * (t * h * w // merge**2))
+            seen[token] = k + 1
+        for token, count in seen.items():
+            if count != len(grids[token]):
+                kind = "image" if token == self.image_token_id else "video"
+                raise ValueError(f"{len(grids[token])} {kind} grids given but the prompt has "
+                                 f"{count} {kind} placeholders")
+        return out
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        """A streaming detokenizer for one sequence's generated tokens."""
+        return IncrementalDecoder(self.tokenizer, skip_special_tokens)
+
+
+class IncrementalDecoder:
+    """Turns generated tokens into text pieces as they arrive.
+
+    Byte-level BPE tokens may end inside a UTF-8 character; such text is held back (it decodes
+    to U+FFFD) until a later token completes it. Concatenating every piece returned by
+    :meth:`step` and :meth:`flush` gives ``decode(all_ids)``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        # ids[prefix:read] were emitted already and are decoded again only as context for the next
+        # tokens (a byte-level token's text can depend on its neighbours); ids[read:] are pending.
+        self._prefix = 0
+        self._read = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+    def step(self, token_id: int) -> str:
+        """Add one token; return the new text it completes (possibly empty)."""
+        self._ids.append(token_id)
+        emitted = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        if len(text) <= len(emitted) or text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(emitted):]
+
+    def flush(self) -> str:
+        """Text held back at the end of the sequence (an incomplete character decodes to U+FFFD)."""
+        emitted = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return text[len(emitted):]
+
+
+def load_processor(path: str | Path) -> Processor:
+    """Read the tokenizer, chat template and preprocessor config of a local checkpoint directory.
+
+    Raises:
+        ValueError: ``tokenizer.json`` is missing or a config file is not valid JSON.
+    """
+    path = Path(path).expanduser()
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.exists():
+        raise ValueError(f"{tokenizer_file} not found; the processor needs a tokenizers-format tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    tok_cfg = _read_json(path / "tokenizer_config.json")
+    pre_cfg = _read_json(path / "preprocessor_config.json")
+    size = pre_cfg.get("size") or {}
+    return Processor(
+        tokenizer,
+        chat_template=tok_cfg.get("chat_template") or _read_template(path),
+        patch_spec=PatchSpec.from_preprocessor_config(pre_cfg),
+        image_min_pixels=pre_cfg.get("min_pixels", size.get("shortest_edge", IMAGE_MIN_PIXELS)),
+        image_max_pixels=pre_cfg.get("max_pixels", size.get("longest_edge", IMAGE_MAX_PIXELS)),
+        eos_token=_token_text(tok_cfg.get("eos_token")),
+        pad_token=_token_text(tok_cfg.get("pad_token")),
+    )
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    if not file.exists():
+        return {}
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+
+
+def _read_template(path: Path) -> str | None:
+    """transformers 5 may store the template next to the tokenizer config instead of inside it."""
+    jinja = path / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text()
+    return _read_json(path / "chat_template.json").get("chat_template")
+
+
+def _token_text(token: Any) -> str | None:
+    """``"<|im_end|>"`` or ``{"content": "<|im_end|>", ...}`` (older tokenizer configs)."""
+    if isinstance(token, Mapping):
+        return token.get("content")
+    return token

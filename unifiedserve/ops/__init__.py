@@ -1,0 +1,137 @@
+"""Native ops from ``csrc/`` with a torch fallback: the one module that binds them.
+
+On first use the extension is compiled against the installed torch with
+``torch.utils.cpp_extension.load`` (ninja, JIT) into a per-torch-version cache directory, and later
+processes just load it. If there is no compiler or the build fails, one warning is logged and every op
+runs its torch reference (:mod:`unifiedserve.ops.reference`) instead. Set ``UNIFIEDSERVE_NO_NATIVE=1``
+to force the reference; ``UNIFIEDSERVE_CACHE_DIR`` moves the build cache.
+
+Ops: :func:`paged_scatter`, :func:`paged_gather` (paged embedding buffers, index semantics in
+:class:`unifiedserve.memory.RaggedIndex`) and :func:`kv_slot_scatter`. CUDA tensors take the reference
+until the CUDA kernels land.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import pathlib
+import threading
+import time
+
+import torch
+
+from unifiedserve.memory.pages import RaggedIndex
+from unifiedserve.ops import reference
+from unifiedserve.ops.reference import RaggedIndexTensors, kv_slot_scatter
+
+__all__ = ["RaggedIndexTensors", "build_info", "cache_dir", "kv_slot_scatter", "native_available", "paged_gather",
+           "paged_scatter"]
+
+logger = logging.getLogger(__name__)
+
+_EXTENSION_NAME = "unifiedserve_ops"
+_SOURCES = [pathlib.Path(__file__).resolve().parents[2] / "csrc" / "paged_copy.cpp"]
+_CFLAGS = ["-O3", "-fopenmp"]  # -fopenmp: at::parallel_for is inline OpenMP; without it the copy runs serially
+_LDFLAGS = ["-fopenmp"]
+
+_load_lock = threading.Lock()
+_native: bool | None = None  # None until the first attempt
+_info: dict = {}
+
+
+def cache_dir() -> pathlib.Path:
+    """Where the compiled extension lives: one directory per torch version."""
+    root = os.environ.get("UNIFIEDSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "unifiedserve")
+    return pathlib.Path(root) / "ops" / f"torch-{torch.__version__}"
+
+
+def native_available() -> bool:
+    """Whether the native ops are loaded; builds or loads them on the first call (seconds, once)."""
+    global _native
+    if _native is None:
+        with _load_lock:
+            if _native is None:
+                _native = _load()
+    return _native
+
+
+def build_info() -> dict:
+    """How the ops were loaded: ``native``, ``seconds`` (build or load), ``built`` (compiled now), ``reason``."""
+    native_available()
+    return dict(_info)
+
+
+def paged_scatter(buffer: torch.Tensor, src: torch.Tensor, index: RaggedIndex | RaggedIndexTensors) -> None:
+    """Write the packed chunk ``src`` [N, ...] into the pages of ``buffer`` [num_pages, page_size, ...].
+
+    Row ``r`` of ``src`` goes where ``index`` puts it (see :class:`~unifiedserve.memory.RaggedIndex`).
+    ``buffer`` must be contiguous and share ``src``'s dtype; rows may start at any slot of a page and
+    cross page boundaries. The index must not name one slot twice.
+
+    Raises:
+        RuntimeError: shapes, dtypes or the index do not fit (nothing is written then).
+    """
+    ix = RaggedIndexTensors.from_index(index, buffer.device)
+    if buffer.device.type == "cpu" and native_available():
+        torch.ops.unifiedserve.paged_scatter(buffer, src, *ix)
+    else:
+        reference.paged_scatter(buffer, src, ix)
+
+
+def paged_gather(buffer: torch.Tensor, index: RaggedIndex | RaggedIndexTensors) -> torch.Tensor:
+    """Read the rows ``index`` names from ``buffer`` [num_pages, page_size, ...] into a new [N, ...] tensor.
+
+    Raises:
+        RuntimeError: the buffer or the index do not fit.
+    """
+    ix = RaggedIndexTensors.from_index(index, buffer.device)
+    if buffer.device.type == "cpu" and native_available():
+        return torch.ops.unifiedserve.paged_gather(buffer, *ix)
+    return reference.paged_gather(buffer, ix)
+
+
+def _load() -> bool:
+    if os.environ.get("UNIFIEDSERVE_NO_NATIVE", "") not in ("", "0"):
+        _info.update(native=False, seconds=0.0, built=False, reason="UNIFIEDSERVE_NO_NATIVE is set")
+        logger.debug("unifiedserve.ops: UNIFIEDSERVE_NO_NATIVE is set; using the torch reference")
+        return False
+    start = time.perf_counter()
+    build_dir = cache_dir()
+    try:
+        missing = [str(s) for s in _SOURCES if not s.is_file()]
+        if missing:
+            raise FileNotFoundError(f"sources not found: {', '.join(missing)} (install from a source checkout)")
+        from torch.utils import cpp_extension
+
+        build_dir.mkdir(parents=True, exist_ok=True)
+        library = build_dir / f"{_EXTENSION_NAME}.so"
+        before = library.stat().st_mtime_ns if library.exists() else None
+        # cpp_extension's own lock is a file that stays behind if a build is killed, and then every later
+        # load waits forever. We serialise builds with an flock instead (released by the kernel when a
+        # process dies), so a 'lock' file seen while holding it is such a leftover.
+        with open(build_dir / "build.flock", "w") as flock:
+            fcntl.flock(flock, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            cpp_extension.load(name=_EXTENSION_NAME, sources=[str(s) for s in _SOURCES], build_directory=str(build_dir),
+                               extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, is_python_module=False, verbose=False)
+        built = library.exists() and library.stat().st_mtime_ns != before
+    except Exception as exc:  # no compiler, no ninja, a compile error: all mean "use the reference"
+        reason = f"{type(exc).__name__}: {_first_error_line(str(exc))}"
+        _info.update(native=False, seconds=time.perf_counter() - start, built=False, reason=reason)
+        logger.warning("unifiedserve.ops: native kernels unavailable (%s); using the torch reference "
+                       "(set UNIFIEDSERVE_NO_NATIVE=1 to skip the build)", reason)
+        return False
+    seconds = time.perf_counter() - start
+    _info.update(native=True, seconds=seconds, built=built, reason="", cache_dir=str(build_dir))
+    logger.info("unifiedserve.ops: native kernels %s in %.1f s (%s)", "built" if built else "loaded", seconds, build_dir)
+    return True
+
+
+def _first_error_line(message: str) -> str:
+    """The compiler's first ``error:`` line if there is one (a build log is long), else the first line."""
+    lines = [line.strip() for line in message.strip().splitlines()] or [""]
+    errors = [line for line in lines if "error:" in line.lower()]
+    return (errors or lines)[0][:200]

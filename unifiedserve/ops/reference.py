@@ -1,0 +1,88 @@
+"""Torch references for the native ops in ``csrc/`` (and the fallback when they are not built).
+
+Every function here is device-agnostic torch, written for clarity first; the native kernels must
+match them exactly (they only move bytes). Index semantics: :class:`unifiedserve.memory.RaggedIndex`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from unifiedserve.memory.pages import RaggedIndex
+
+
+class RaggedIndexTensors(NamedTuple):
+    """A :class:`RaggedIndex` as int64 tensors on the buffer's device (argument order of the ops)."""
+
+    pv_indptr: torch.Tensor  # [B+1]
+    pv_page_indptr: torch.Tensor  # [B+1]
+    pv_page_indices: torch.Tensor  # [num listed pages]
+    pv_cu_page_len: torch.Tensor  # [B]
+
+    @classmethod
+    def from_index(cls, index: RaggedIndex | "RaggedIndexTensors",
+                   device: str | torch.device = "cpu") -> "RaggedIndexTensors":
+        """Tensors for ``index`` on ``device`` (tensors already there are passed through)."""
+        return cls(*(torch.as_tensor(a, dtype=torch.int64, device=device)
+                     for a in (index.pv_indptr, index.pv_page_indptr, index.pv_page_indices, index.pv_cu_page_len)))
+
+
+def token_slots(index: RaggedIndexTensors, page_size: int, num_pages: int) -> torch.Tensor:
+    """Flat buffer slot (``page * page_size + slot``) of every chunk row: int64 ``[N]``.
+
+    Raises:
+        RuntimeError: the index breaks the invariants of :class:`RaggedIndex` (same checks as ``csrc/``).
+    """
+    pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len = index
+    num_requests = pv_cu_page_len.shape[0]
+    if pv_indptr.shape[0] != num_requests + 1 or pv_page_indptr.shape[0] != num_requests + 1:
+        raise RuntimeError("pv_indptr and pv_page_indptr must have B+1 entries")
+    counts = pv_indptr[1:] - pv_indptr[:-1]  # [B] rows per request
+    num_listed = pv_page_indptr[1:] - pv_page_indptr[:-1]  # [B] pages per request
+    offsets = pv_cu_page_len % page_size  # [B] slot of each request's first row in its first page
+    needed = torch.where(counts > 0, (offsets + counts + page_size - 1) // page_size, 0)
+    if (int(pv_indptr[0]) != 0 or int(pv_page_indptr[0]) != 0 or int(pv_page_indptr[-1]) != pv_page_indices.shape[0]
+            or bool((counts < 0).any()) or bool((pv_cu_page_len < 0).any()) or not torch.equal(needed, num_listed)):
+        raise RuntimeError("invalid RaggedIndex: check pv_indptr/pv_page_indptr bounds and that each request "
+                           "lists exactly the ceil((cu % page_size + n) / page_size) pages it touches")
+    if pv_page_indices.numel() and bool(((pv_page_indices < 0) | (pv_page_indices >= num_pages)).any()):
+        raise RuntimeError(f"pv_page_indices out of range for a buffer of {num_pages} pages")
+
+    num_rows = int(pv_indptr[-1])
+    request = torch.repeat_interleave(torch.arange(num_requests, device=counts.device), counts,
+                                      output_size=num_rows)  # [N] request of each row
+    t = torch.arange(num_rows, device=counts.device) - pv_indptr[:-1][request]  # [N] row within its request
+    position = offsets[request] + t  # [N] from the start of the request's first listed page
+    page = pv_page_indices[pv_page_indptr[:-1][request] + position // page_size]  # [N]
+    return page * page_size + position % page_size
+
+
+def paged_scatter(buffer: torch.Tensor, src: torch.Tensor, index: RaggedIndexTensors) -> None:
+    """Write ``src`` [N, ...] into ``buffer`` [num_pages, page_size, ...] at the rows ``index`` names."""
+    _check_buffer(buffer)
+    if src.dtype != buffer.dtype or tuple(src.shape[1:]) != tuple(buffer.shape[2:]):
+        raise RuntimeError(f"src {src.dtype} {tuple(src.shape)} does not match buffer {buffer.dtype} "
+                           f"{tuple(buffer.shape)}: expected [N, {', '.join(map(str, buffer.shape[2:]))}]")
+    slots = token_slots(index, buffer.shape[1], buffer.shape[0])
+    if slots.shape[0] != src.shape[0]:
+        raise RuntimeError(f"src has {src.shape[0]} rows, pv_indptr[-1] is {slots.shape[0]}")
+    buffer.view(-1, *buffer.shape[2:]).index_copy_(0, slots, src)
+
+
+def paged_gather(buffer: torch.Tensor, index: RaggedIndexTensors) -> torch.Tensor:
+    """Read the rows ``index`` names from ``buffer`` [num_pages, page_size, ...] into a new [N, ...] tensor."""
+    _check_buffer(buffer)
+    slots = token_slots(index, buffer.shape[1], buffer.shape[0])
+    return buffer.view(-1, *buffer.shape[2:]).index_select(0, slots)
+
+
+def kv_slot_scatter(cache_flat: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write K or V rows ``src`` [N, kv_heads, head_dim] to ``cache_flat`` [slots, kv_heads, head_dim]."""
+    cache_flat.index_copy_(0, slot_mapping, src.to(cache_flat.dtype))
+
+
+def _check_buffer(buffer: torch.Tensor) -> None:
+    if buffer.dim() < 2 or not buffer.is_contiguous():
+        raise RuntimeError(f"buffer must be a contiguous [num_pages, page_size, ...] tensor, got {tuple(buffer.shape)}")
