@@ -140,3 +140,13 @@ def test_batch_of_requests_of_different_lengths(demo_path, reference, media, mon
     assert engine.pool_usage() == {"kv_blocks_used": 0, "patch_pages_used": 0, "visual_pages_used": 0}
 
 
+
+
+def test_several_images(demo_path, reference, media, image_factory, monkeypatch):
+    second = VisionInput.from_image(flashcodec.decode_image(image_factory(".jpg", width=150, height=90, seed=3)))
+    engine = LLM(demo_path, EngineConfig(scheduler=SchedulerConfig(prefill_token_budget=9)))
+    ids, vision = build(engine, [("image", media["image"]), ("image", second)], "Compare the two pictures.")
+    (out,), (logits,) = run_ours(engine, [(ids, vision)], monkeypatch)
+    ref_tokens, ref_logits = hf_generate(reference, ids, vision)
+    assert out.token_ids == ref_tokens
+    assert torch.allclose(logits, ref_logits, atol=LOGITS_ATOL, rtol=0)
