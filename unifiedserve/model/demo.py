@@ -11,11 +11,16 @@ Sizes keep Qwen2.5-VL-7B's shapes where they matter for serving (patch 14, merge
 full-attention blocks at the end of each group of blocks, vision head_dim 80, GQA, M-RoPE
 sections in 7B's 1:1.5:1.5 proportion) and shrink the widths so that CPU runs are quick.
 
-Encode/decode cost (fp32, CPU, after warmup; ``unifiedserve demo-model --measure``): encoding one
-temporal slice of a 392x728 frame pair (1456 patch tokens, 364 visual tokens) takes about
-{MEASURED} one batch-1 decode step with a 400-token context. For reference, by FLOPs
-Qwen2.5-VL-7B's slice costs about 1.96 TFLOP and its decode step about 14.2 GFLOP, a ratio of
-about 138 (:func:`encode_decode_flop_ratio`).
+Encode/decode cost, measured with ``unifiedserve demo-model --measure`` (fp32, torch 2.13, 2 CPU
+cores shared with other jobs, median of 9 after warmup, four runs): encoding one temporal slice of a
+392x728 frame pair (1456 patch tokens -> 364 visual tokens) took 114-135 ms and one batch-1 decode
+step over a 400-token context 4.9-7.8 ms: a ratio of about 16-28 (28 on one thread: 198 / 7.2 ms).
+The decode step is bound by reading the weights, as on a GPU; by FLOPs the demo's ratio is 925.
+
+For reference, Qwen2.5-VL-7B by FLOPs (:func:`encode_decode_flop_ratio`): the slice costs 1.93 TFLOP
+and a decode step 14.3 GFLOP (28 layers + lm_head, 400-token context), a ratio of about 135. On a
+GPU the time ratio is far lower than that, since the decode step is bound by memory bandwidth
+(about 15 GB of bf16 weights per step) while the encode is bound by compute.
 """
 
 from __future__ import annotations
@@ -279,7 +284,7 @@ def encode_decode_flop_ratio(config: ModelConfig | None = None, height: int = 39
 
 
 def measure_encode_decode_ratio(path: str | Path = DEFAULT_DEMO_PATH, height: int = 392, width: int = 728,
-                                context_len: int = 400, repeats: int = 5) -> dict[str, float]:
+                                context_len: int = 400, repeats: int = 9) -> dict[str, float]:
     """Time (median of ``repeats``, after one warmup) the encode of one ``height x width`` frame pair
     and one batch-1 decode step over ``context_len`` cached tokens, fp32, on the CPU."""
     from unifiedserve.attention import AttentionMetadata, KVCache, TorchPagedAttention
