@@ -68,7 +68,7 @@ def plot(results: list[dict], path: Path) -> None:
         ax.axhline(r["decode_floor_s"], color="tab:blue", linestyle="--", label="decode floor")
         ax.set_title(f"{r['codec']} {r['sampling']} ({r['num_frames']} frames)", fontsize=10)
         ax.set_ylabel("seconds (lower is better)")
-        ax.tick_params(axis="x", rotation=45, labelsize=8)
+        ax.set_xticks(range(len(names)), names, rotation=40, ha="right", fontsize=8)
         ax.legend(fontsize=8)
     fig.suptitle(f"decode of a {results[0]['size'][0]}x{results[0]['size'][1]} clip, "
                  f"{results[0]['machine']['cores']} cores", fontsize=10)
