@@ -164,15 +164,14 @@ def run_file_benchmark(path: str, *, sampling: str = "dense", peers: str = "all"
     if unknown:
         raise ValueError(f"unknown peers {unknown}; choose from {', '.join(PEERS)}")
 
-    info = flashcodec.probe(path)
-    probe_s, _ = _timed(lambda: flashcodec.probe(path), 1)
+    probe_s, info = _timed(lambda: flashcodec.probe(path), 1)
     indices = sampling_indices(info, sampling)
     with flashcodec.DecodeEngine("pyav", threads) as engine:
         def run():
             return engine.decode_video(path, frame_indices=indices)
 
         warm = run()  # warmup, and the frames to check
-        plan = flashcodec.plan_video(info, frame_indices=indices if indices is not None else None)
+        plan = flashcodec.plan_video(info, frame_indices=indices)
         h, w = plan.height, plan.width
         target = list(warm.frame_indices)
         reference = peer_pyav(path, target, h, w, threads)
@@ -200,7 +199,8 @@ def run_file_benchmark(path: str, *, sampling: str = "dense", peers: str = "all"
         results["flashcodec[torchcodec]"] = results_backend
     for name in names:
         try:
-            _timed(lambda: PEERS[name](path, target, h, w, threads), 1) if repeat > 1 else None
+            if repeat > 1:  # a warmup run, as flashcodec had
+                PEERS[name](path, target, h, w, threads)
             seconds, frames = _timed(lambda: PEERS[name](path, target, h, w, threads), repeat)
             diff = float(np.abs(frames.astype(np.int16) - reference.astype(np.int16)).mean())
             results[name] = {"seconds": seconds, "mean_abs_diff": diff, "shape": list(frames.shape)}

@@ -23,24 +23,21 @@ def _size(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected HEIGHTxWIDTH, e.g. 224x392, got {text!r}") from None
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _positive(kind: type):
+    """An argparse type accepting only positive ``kind`` values (int or float)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = kind(0)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {'integer' if kind is int else 'number'}, "
+                                             f"got {text!r}")
+        return value
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+_positive_int, _positive_float = _positive(int), _positive(float)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -142,17 +139,21 @@ def _save(out: Path, frames, patches, grid_thw, frame_indices, sample_fps) -> st
     elif out.suffix == ".pt":
         torch.save({"frames": frames, "patches": patches, "grid_thw": grid_thw,
                     "frame_indices": frame_indices, "sample_fps": sample_fps}, out)
-    elif out.suffix == "":
-        if frames is None:
-            raise ValueError("a folder of PNGs needs --output rgb")
+    else:  # a folder of PNGs (suffixes were checked by _check_out)
         from PIL import Image
 
         out.mkdir(parents=True, exist_ok=True)
         for i, frame in enumerate(frames):
             Image.fromarray(frame.permute(1, 2, 0).numpy()).save(out / f"frame_{i:05d}.png")
-    else:
-        raise ValueError(f"--out must end in .npy or .pt, or name a folder (got {out})")
     return str(out)
+
+
+def _check_out(args) -> None:
+    """Reject a bad --out before any decoding work."""
+    if args.out is not None and args.out.suffix not in ("", ".npy", ".pt"):
+        raise ValueError(f"--out must end in .npy or .pt, or name a folder (got {args.out})")
+    if args.out is not None and args.out.suffix == "" and args.output == "patches":
+        raise ValueError("a folder of PNGs needs --output rgb")
 
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
@@ -189,13 +190,9 @@ def _decode_image(args) -> int:
 def _decode(args) -> int:
     import flashcodec
 
+    _check_out(args)
     if Path(args.file).suffix.lower() in IMAGE_SUFFIXES:
         return _decode_image(args)
-
-    if args.out is not None and args.out.suffix not in ("", ".npy", ".pt"):
-        raise ValueError(f"--out must end in .npy or .pt, or name a folder (got {args.out})")
-    if args.out is not None and args.out.suffix == "" and args.output == "patches":
-        raise ValueError("a folder of PNGs needs --output rgb")
     started = time.perf_counter()
     with flashcodec.DecodeEngine(args.backend, args.threads) as engine:
         analysis = engine.analyse_bitstream(args.file, **_sampling_kwargs(args))

@@ -94,23 +94,12 @@ class RankScheduler:
             self._jobs.append(job)
             self._cond.notify_all()
 
-    def cancel(self, key_id: int) -> None:
-        with self._cond:
-            for job in self._jobs:
-                if job.key_id == key_id:
-                    job.cancelled = True
-
     def shutdown(self) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         for t in self._threads:
             t.join(timeout=5)
-
-    @property
-    def num_queued_jobs(self) -> int:
-        with self._cond:
-            return len(self._jobs)
 
     def _next(self, slot: int, current: RankJob | None) -> tuple[RankJob, GopSegment] | None:
         if current is not None and current in self._jobs:

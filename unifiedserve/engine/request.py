@@ -40,8 +40,7 @@ class Request:
     visual_positions: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # prompt tokens prefilled so far
-    num_encoded_items: int = 0
-    num_scheduled_items: int = 0  # items handed to the encoder (== encoded once the step ran)
+    num_scheduled_items: int = 0  # items handed to the encoder; the runner encodes them before prefill
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 
@@ -66,10 +65,6 @@ class Request:
     @property
     def is_prefill_done(self) -> bool:
         return self.num_computed_tokens >= self.prompt_len
-
-    @property
-    def num_encoded_visual_tokens(self) -> int:
-        return sum(item.num_visual_tokens for item in self.encode_items[:self.num_encoded_items])
 
     def visual_tokens_before(self, position: int) -> int:
         """How many visual tokens sit at prompt positions < ``position``."""

@@ -199,9 +199,7 @@ class Scheduler:
         return min(ready, budget)
 
     def commit(self, out: SchedulerOutput) -> None:
-        """Record that the step ran: advance counters (output tokens are appended by the engine)."""
-        for work in out.encode:
-            self.requests[work.request_id].num_encoded_items += 1
+        """Record that the step ran: advance prefill progress (output tokens are appended by the engine)."""
         for chunk in out.prefill:
             self.requests[chunk.request_id].num_computed_tokens += chunk.num_tokens
 
