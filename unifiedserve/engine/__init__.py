@@ -10,6 +10,7 @@ _EXPORTS = {
     "LLM": "unifiedserve.engine.llm", "EngineConfig": "unifiedserve.engine.llm",
     "RequestOutput": "unifiedserve.engine.llm", "SamplingParams": "unifiedserve.engine.params",
     "SchedulerConfig": "unifiedserve.engine.scheduler", "VisionInput": "unifiedserve.engine.inputs",
+    "MediaGrid": "unifiedserve.engine.inputs",
 }
 __all__ = list(_EXPORTS)
 

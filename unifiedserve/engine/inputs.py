@@ -9,6 +9,34 @@ import torch
 from unifiedserve.engine.request import EncodeItem
 
 
+@dataclass(frozen=True)
+class MediaGrid:
+    """What the engine must know of one image or video before its pixels exist: kind and patch grid.
+
+    A video's ``grid_thw`` is ``(t, h, w)`` with ``t`` temporal patches; ``second_per_grid_t`` is
+    the time one temporal patch spans (M-RoPE's temporal positions).
+    """
+
+    kind: str  # "image" | "video"
+    grid_thw: tuple[int, int, int]
+    second_per_grid_t: float = 1.0
+
+    def encode_items(self, media_index: int, merge_size: int = 2) -> list[EncodeItem]:
+        """One item per image, or one per temporal slice of a video (exact: no attention across slices)."""
+        t, h, w = self.grid_thw
+        per_slice = h * w
+        return [EncodeItem(media_index, per_slice, per_slice // (merge_size * merge_size), (1, h, w))
+                for _ in range(t)]
+
+    @property
+    def num_patch_tokens(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w
+
+    def num_visual_tokens(self, merge_size: int = 2) -> int:
+        return self.num_patch_tokens // (merge_size * merge_size)
+
+
 @dataclass(eq=False)
 class VisionInput:
     """One image or video, already in patches (e.g. from flashcodec with ``output="patches"``).
@@ -33,16 +61,16 @@ class VisionInput:
         if self.kind == "image" and t != 1:
             raise ValueError(f"an image's grid must have t == 1, got {self.grid_thw}")
 
+    @property
+    def grid(self) -> MediaGrid:
+        return MediaGrid(self.kind, tuple(self.grid_thw), self.second_per_grid_t)
+
     def encode_items(self, media_index: int, merge_size: int = 2) -> list[EncodeItem]:
         """One item per image, or one per temporal slice of a video (exact: no attention across slices)."""
-        t, h, w = self.grid_thw
-        per_slice = h * w
-        return [EncodeItem(media_index, per_slice, per_slice // (merge_size * merge_size), (1, h, w))
-                for _ in range(t)]
+        return self.grid.encode_items(media_index, merge_size)
 
     def num_visual_tokens(self, merge_size: int = 2) -> int:
-        t, h, w = self.grid_thw
-        return t * h * w // (merge_size * merge_size)
+        return self.grid.num_visual_tokens(merge_size)
 
     @classmethod
     def from_video(cls, decoded, temporal_patch_size: int = 2) -> "VisionInput":

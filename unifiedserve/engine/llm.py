@@ -8,11 +8,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
 from unifiedserve.engine.inputs import VisionInput
+from unifiedserve.engine.output import TextOutput
 from unifiedserve.engine.request import Request
 from unifiedserve.engine.runner import ModelRunner
 from unifiedserve.engine.params import SamplingParams
@@ -64,8 +65,7 @@ class _Live:
     request: Request
     sampler: SamplerState
     stop_ids: frozenset[int]
-    decoder: Any
-    text: str = ""
+    output: TextOutput
 
 
 class LLM:
@@ -136,7 +136,7 @@ class LLM:
         self.runner.add_request(request, list(vision))
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         self._live[request_id] = _Live(request, SamplerState.for_params(params), stop_ids,
-                                       self.processor.incremental_decoder())
+                                       TextOutput(self.processor.incremental_decoder(), params.stop))
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -175,20 +175,13 @@ class LLM:
         if token in live.stop_ids:
             reason = "stop"
         else:
-            new_text = live.decoder.step(token)
-            text = live.text + new_text
-            hit = [text.find(s, max(0, len(live.text) - len(s))) for s in req.params.stop]
-            hit = [h for h in hit if h >= 0]
-            if hit:
-                new_text = text[len(live.text):min(hit)] if min(hit) >= len(live.text) else ""
-                live.text = text[:min(hit)]
+            new_text = live.output.append(token)
+            if live.output.stopped:
                 reason = "stop"
-            else:
-                live.text = text
         if reason is None and len(req.output_token_ids) >= req.params.max_tokens:
             reason = "length"
-        out = RequestOutput(request_id, req.prompt_len, list(req.output_token_ids), live.text, [token], new_text,
-                            reason is not None, reason)
+        out = RequestOutput(request_id, req.prompt_len, list(req.output_token_ids), live.output.text, [token],
+                            new_text, reason is not None, reason)
         if reason is not None:
             self._finish(request_id, reason)
         return out

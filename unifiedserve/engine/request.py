@@ -43,12 +43,18 @@ class Request:
     num_scheduled_items: int = 0  # items handed to the encoder; the runner encodes them before prefill
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    #: media whose patches are written; only their encode items may be scheduled
+    ready_media: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         visual = sum(item.num_visual_tokens for item in self.encode_items)
         if visual != len(self.visual_positions):
             raise ValueError(f"request {self.request_id}: {len(self.visual_positions)} visual placeholders in the "
                              f"prompt but its media produce {visual} visual tokens")
+
+    @property
+    def num_media(self) -> int:
+        return 1 + max((item.media_index for item in self.encode_items), default=-1)
 
     @property
     def prompt_len(self) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from unifiedserve.attention import AttentionMetadata, KVCache, get_attention_backend
-from unifiedserve.engine.inputs import VisionInput
+from unifiedserve.engine.inputs import MediaGrid, VisionInput
 from unifiedserve.engine.request import Request
 from unifiedserve.engine.scheduler import SchedulerOutput
 from unifiedserve.memory.buffers import PagedBuffer
@@ -31,10 +31,13 @@ class ModelRunner:
         model: a loaded :class:`unifiedserve.model.Qwen2_5_VL`.
         num_kv_blocks, block_size: KV cache size.
         num_patch_pages, num_visual_pages, page_size: embedding buffer sizes.
+        kv_storage, patch_storage: existing tensors to use as the KV cache and the patch buffer
+            (shared with other processes); allocated here when ``None``.
     """
 
     def __init__(self, model, *, num_kv_blocks: int, block_size: int, num_patch_pages: int,
-                 num_visual_pages: int, page_size: int, device: str = "cpu"):
+                 num_visual_pages: int, page_size: int, device: str = "cpu",
+                 kv_storage: torch.Tensor | None = None, patch_storage: torch.Tensor | None = None):
         self.model = model
         cfg = model.config
         text = cfg.text
@@ -44,23 +47,28 @@ class ModelRunner:
         self.block_size = block_size
         head_dim = text.head_dim
         self.kv_cache = KVCache(text.num_hidden_layers, num_kv_blocks, block_size, text.num_key_value_heads,
-                                head_dim, dtype=dtype, device=device)
+                                head_dim, dtype=dtype, device=device, storage=kv_storage)
         self.attn = get_attention_backend(device)(self.kv_cache, text.num_attention_heads,
                                                   text.num_key_value_heads, head_dim)
         patch_dim = 3 * cfg.vision.temporal_patch_size * cfg.vision.patch_size ** 2
-        self.patch_buffer = PagedBuffer(num_patch_pages, page_size, patch_dim, dtype=dtype, device=device)
+        self.patch_buffer = PagedBuffer(num_patch_pages, page_size, patch_dim, dtype=dtype, device=device,
+                                        storage=patch_storage)
         self.visual_buffer = PagedBuffer(num_visual_pages, page_size, cfg.vision.out_hidden_size, dtype=dtype,
                                          device=device)
         self._tensors: dict[str, _RequestTensors] = {}
 
-    def add_request(self, request: Request, vision: list[VisionInput]) -> None:
-        """Compute positions and hold the request's patches until the scheduler admits it."""
+    def add_request(self, request: Request, vision: list[VisionInput] | list[MediaGrid]) -> None:
+        """Compute positions, and hold the request's patches (if given) until the scheduler admits it.
+
+        With :class:`MediaGrid` entries (no pixels) another process writes the patch buffer.
+        """
         cfg = self.model.config
         images = [v.grid_thw for v in vision if v.kind == "image"]
         videos = [v for v in vision if v.kind == "video"]
         positions, delta = get_rope_index(request.prompt_token_ids, images, [v.grid_thw for v in videos],
                                           [v.second_per_grid_t for v in videos], cfg)
-        patches = torch.cat([v.patches for v in vision]).to(self.dtype) if vision else None
+        pixels = [v.patches for v in vision if isinstance(v, VisionInput)]
+        patches = torch.cat(pixels).to(self.dtype) if pixels else None
         self._tensors[request.request_id] = _RequestTensors(
             torch.tensor(request.prompt_token_ids, dtype=torch.int64), positions, delta, patches,
             [item.grid_thw for item in request.encode_items])
@@ -71,8 +79,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[str, torch.Tensor]:
         """Run one step; returns the logits ``[vocab]`` of each request that samples a token now."""
-        if out.patch_write is not None:
-            rows = [self._tensors[r].patches for r in out.admitted if self._tensors[r].patches is not None]
+        rows = [self._tensors[r].patches for r in out.admitted if self._tensors[r].patches is not None]
+        if rows:
             self.patch_buffer.write(torch.cat(rows), out.patch_write)  # [P, patch_dim]
         for r in out.admitted:
             self._tensors[r].patches = None  # now only in the patch buffer
@@ -110,12 +118,28 @@ class ModelRunner:
             num_rows += 1
             sample_rows.append(num_rows - 1)
             sample_ids.append(rid)
-        input_ids = torch.cat(ids)  # [N]
-        embeds = self.model.embed(input_ids, visual)  # [N, hidden]
-        self.attn.begin(AttentionMetadata.build(seqs, self.block_size))
-        hidden = self.model(embeds, torch.cat(positions, dim=1), self.attn)  # [N, hidden]
-        logits = self.model.compute_logits(hidden[sample_rows])  # [S, vocab]
+        logits = forward_tokens(self.model, self.attn, self.block_size, torch.cat(ids), torch.cat(positions, dim=1),
+                                seqs, visual, sample_rows)
         return dict(zip(sample_ids, logits))
 
     def _blocks(self, req: Request) -> list[int]:
         return self._tensors[req.request_id].block_table
+
+    def mrope_delta(self, request_id: str) -> int:
+        return self._tensors[request_id].mrope_delta
+
+
+def forward_tokens(model, attn, block_size: int, input_ids: torch.Tensor, positions: torch.Tensor,
+                   seqs: list[tuple[int, int, list[int]]], visual: torch.Tensor | None,
+                   sample_rows: list[int]) -> torch.Tensor:
+    """One LLM forward over a flattened batch; returns the logits ``[S, vocab]`` of ``sample_rows``.
+
+    Args:
+        input_ids: int64 [N]; positions: int64 [3, N] (M-RoPE).
+        seqs: ``(tokens already cached, new tokens, KV block table)`` per sequence, in row order.
+        visual: visual-token embeddings for the image/video placeholders among ``input_ids``, in order.
+    """
+    embeds = model.embed(input_ids, visual)  # [N, hidden]
+    attn.begin(AttentionMetadata.build(seqs, block_size))
+    hidden = model(embeds, positions, attn)  # [N, hidden]
+    return model.compute_logits(hidden[sample_rows])  # [S, vocab]

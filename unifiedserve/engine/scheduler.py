@@ -6,10 +6,17 @@ commits the results with :meth:`Scheduler.commit`.
 
 Within a step, following the paper's Algorithm 3: new requests are admitted once their patch
 pages fit; vision encoding of admitted requests proceeds under the encode budget alpha (whole
-images or single video slices, at least one per step) even when prefill cannot run; prefill
-chunks fill the token budget tau, older requests first, each stopping before the first visual
-token not yet encoded, and a request takes its KV blocks (prompt + max_tokens) when its prefill
-starts; every request past its prompt decodes one token.
+images or single video slices, at least one per step, only of media whose patches are written)
+even when prefill cannot run; prefill chunks fill the token budget tau, older requests first,
+each stopping before the first visual token not yet encoded, and a request takes its KV blocks
+(prompt + max_tokens) when its prefill starts; every request past its prompt decodes one token.
+
+Two deployments drive it. In one process (:class:`unifiedserve.engine.LLM`) the runner writes an
+admitted request's patches in the same step and decode runs here too. In the multi-process
+runtime the vision process writes patches into the pages named at admission and reports each
+media ready (:meth:`Scheduler.mark_media_ready`), and a request whose prefill is done is handed
+off to the decode process (:meth:`Scheduler.hand_off`), keeping its KV blocks until
+:meth:`Scheduler.release` .
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ class SchedulerConfig:
     encode_token_budget: int = 4096  # alpha: patch tokens encoded per step (a unit may exceed it)
     max_num_seqs: int = 64  # requests admitted at once
     enable_chunked_prefill: bool = True  # False: a prompt is prefilled in one step, whatever its size
+    #: True: the runner writes an admitted request's patches in the admission step (one process).
+    #: False: another process writes them and reports each media with ``mark_media_ready``.
+    patches_ready_on_admit: bool = True
 
     def __post_init__(self) -> None:
         for name in ("prefill_token_budget", "encode_token_budget", "max_num_seqs"):
@@ -57,8 +67,8 @@ class SchedulerOutput:
 
     The runner executes in this order: patch writes, vision encode (patch reads, visual-token
     writes), then one LLM forward over the prefill chunks and decode tokens (visual-token reads).
-    Pages consumed by this step's reads are already back in their allocators, which is safe
-    because nothing allocates again before the runner has finished this step.
+    Pages this step's reads consume completely are listed in ``freed_*_pages``; they go back to
+    their allocators in :meth:`Scheduler.commit`, after the step has run.
     """
 
     admitted: list[str] = field(default_factory=list)  # write all their vision patches this step
@@ -71,6 +81,8 @@ class SchedulerOutput:
     prefill: list[PrefillChunk] = field(default_factory=list)
     visual_read: RaggedIndex | None = None  # rows: visual tokens of the prefill chunks, in chunk order
     decode: list[str] = field(default_factory=list)  # one new token each
+    freed_patch_pages: list[int] = field(default_factory=list)  # consumed by patch_read; freed at commit
+    freed_visual_pages: list[int] = field(default_factory=list)  # consumed by visual_read; freed at commit
 
     @property
     def is_empty(self) -> bool:
@@ -95,6 +107,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.patch_streams: dict[str, PagedStream] = {}
         self.visual_streams: dict[str, PagedStream] = {}
+        self.handed_off: set[str] = set()  # prefilled, decoding elsewhere; their KV blocks are still held
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -113,9 +126,21 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def mark_media_ready(self, request_id: str, media_index: int) -> bool:
+        """The patches of media ``media_index`` are in the buffer: its encode items may run.
+
+        Returns False (and does nothing) for a request that is no longer here (finished, aborted).
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if not 0 <= media_index < req.num_media:
+            raise ValueError(f"request {request_id!r} has {req.num_media} media, not {media_index + 1}")
+        req.ready_media.add(media_index)
+        return True
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        freed_patch, freed_visual = [], []
         # 1. admit new requests (FIFO) while their patch pages fit: their vision work can start
         #    now; KV blocks are only needed when their prefill starts (step 3)
         admitted_writes = []
@@ -132,6 +157,8 @@ class Scheduler:
             self.patch_streams[req.request_id] = stream
             self.visual_streams[req.request_id] = PagedStream(req.request_id, self.visual_pages.page_size,
                                                               req.num_visual_tokens)
+            if self.config.patches_ready_on_admit:
+                req.ready_media.update(range(req.num_media))
             admitted_writes = writes
         if admitted_writes:
             out.patch_write = plan_write(admitted_writes, self.patch_pages)
@@ -142,6 +169,8 @@ class Scheduler:
             n_patch = n_visual = 0
             while req.num_scheduled_items < len(req.encode_items) and encode_tokens < self.config.encode_token_budget:
                 item = req.encode_items[req.num_scheduled_items]
+                if item.media_index not in req.ready_media:
+                    break
                 trial = writes + [(self.visual_streams[req.request_id], n_visual + item.num_visual_tokens)]
                 if not can_plan_write(trial, self.visual_pages):
                     break
@@ -154,8 +183,7 @@ class Scheduler:
                 reads.append((self.patch_streams[req.request_id], n_patch))
                 writes.append((self.visual_streams[req.request_id], n_visual))
         if reads:
-            out.patch_read, freed = plan_read(reads, self.patch_pages.page_size)
-            freed_patch += freed
+            out.patch_read, out.freed_patch_pages = plan_read(reads, self.patch_pages.page_size)
             out.visual_write = plan_write(writes, self.visual_pages)
         # 3. prefill chunks under the token budget, oldest first; a chunk stops before the first
         #    visual token that is not encoded yet (this step's encodes run first)
@@ -180,13 +208,9 @@ class Scheduler:
             if n_visual:
                 visual_reads.append((self.visual_streams[req.request_id], n_visual))
         if visual_reads:
-            out.visual_read, freed = plan_read(visual_reads, self.visual_pages.page_size)
-            freed_visual += freed
+            out.visual_read, out.freed_visual_pages = plan_read(visual_reads, self.visual_pages.page_size)
         # 4. every request past its prompt decodes one token
         out.decode = [r.request_id for r in self.running if r.is_prefill_done and r.output_token_ids]
-        # consumed pages go back now: nothing allocates again before this step has run
-        self.patch_pages.free(freed_patch)
-        self.visual_pages.free(freed_visual)
         return out
 
     def _prefill_size(self, req: Request, budget: int) -> int:
@@ -199,9 +223,39 @@ class Scheduler:
         return min(ready, budget)
 
     def commit(self, out: SchedulerOutput) -> None:
-        """Record that the step ran: advance prefill progress (output tokens are appended by the engine)."""
+        """Record that the step ran: advance prefill progress and free the pages its reads consumed.
+
+        Output tokens are appended by the engine. Call exactly once per :meth:`schedule`, after the
+        runner has executed the step (its gathers read the pages freed here).
+        """
         for chunk in out.prefill:
-            self.requests[chunk.request_id].num_computed_tokens += chunk.num_tokens
+            req = self.requests.get(chunk.request_id)
+            if req is not None:  # not finished in between (abort)
+                req.num_computed_tokens += chunk.num_tokens
+        self.patch_pages.free(out.freed_patch_pages)
+        self.visual_pages.free(out.freed_visual_pages)
+
+    def hand_off(self, request_id: str) -> Request:
+        """A prefilled request leaves for the decode process; it keeps its KV blocks until :meth:`release`."""
+        req = self.requests.pop(request_id)
+        if not req.is_prefill_done:
+            raise ValueError(f"request {request_id!r} is handed off before its prefill is done")
+        self.running.remove(req)
+        self.patch_pages.free(self.patch_streams.pop(request_id).release())
+        self.visual_pages.free(self.visual_streams.pop(request_id).release())
+        self.handed_off.add(request_id)
+        return req
+
+    def release(self, request_id: str) -> bool:
+        """The decode process is done with a handed-off request: free its KV blocks.
+
+        Returns False for an id that is not handed off (e.g. released twice).
+        """
+        if request_id not in self.handed_off:
+            return False
+        self.handed_off.remove(request_id)
+        self.blocks.free(request_id)
+        return True
 
     def finish(self, request_id: str, reason: str) -> Request:
         """Mark finished (or aborted) and free everything it holds: KV blocks and unread pages."""
