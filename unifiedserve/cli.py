@@ -1,4 +1,4 @@
-"""``unifiedserve`` command line. Subcommands: ``demo-model`` (more, such as ``serve``, join later)."""
+"""``unifiedserve`` command line. Subcommands: ``serve`` (the OpenAI-compatible server) and ``demo-model``."""
 
 from __future__ import annotations
 
@@ -39,10 +39,22 @@ def _demo_model(args) -> int:
     return 0
 
 
+def _add_serve(sub) -> None:
+    from unifiedserve.server.serve import add_arguments
+
+    p = sub.add_parser(
+        "serve", help="start the OpenAI-compatible server (long-video QA)",
+        description="Start an OpenAI-compatible chat-completions server for a Qwen2.5-VL-family model. Four "
+                    "processes: api (HTTP), vision (FlashCodec video decoding), core (vision encode + chunked "
+                    "prefill under token budgets) and decode, sharing the patch buffer and the KV cache.")
+    add_arguments(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="unifiedserve",
                                      description="Serve vision-language models on long videos.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(sub)
     _add_demo_model(sub)
     return parser
 
@@ -52,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "demo-model":
             return _demo_model(args)
+        if args.command == "serve":
+            from unifiedserve.server.serve import run
+
+            return run(args)
         raise AssertionError(f"unhandled command {args.command!r}")
     except (ValueError, OSError) as e:
         print(f"unifiedserve: error: {e}", file=sys.stderr)

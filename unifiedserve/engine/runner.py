@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,7 @@ class ModelRunner:
         self.visual_buffer = PagedBuffer(num_visual_pages, page_size, cfg.vision.out_hidden_size, dtype=dtype,
                                          device=device)
         self._tensors: dict[str, _RequestTensors] = {}
+        self.last_encode_s = 0.0  # wall time of the last step's vision encode (stage metrics)
 
     def add_request(self, request: Request, vision: list[VisionInput] | list[MediaGrid]) -> None:
         """Compute positions, and hold the request's patches (if given) until the scheduler admits it.
@@ -86,11 +88,14 @@ class ModelRunner:
             self._tensors[r].patches = None  # now only in the patch buffer
         for r, table in out.block_tables.items():
             self._tensors[r].block_table = table
+        self.last_encode_s = 0.0
         if out.encode:
+            start = time.perf_counter()
             patches = self.patch_buffer.read(out.patch_read)  # [P, patch_dim]
             grids = [self._tensors[w.request_id].grids[w.item_index] for w in out.encode]
             visual = self.model.encode_vision(patches, grids)  # [P / merge^2, hidden]
             self.visual_buffer.write(visual, out.visual_write)
+            self.last_encode_s = time.perf_counter() - start
         if not (out.prefill or out.decode):
             return {}
         return self._forward(out, requests)

@@ -1,0 +1,456 @@
+#!/usr/bin/env python3
+"""Serving benchmark client for any OpenAI-compatible chat endpoint (ours, vLLM, SGLang).
+
+Sends a workload (``datasets/workloads.py`` JSONL, or generated on the fly) by arrival time as
+streamed ``/v1/chat/completions`` requests and reports TTFT, TPOT, ITL and E2E latency,
+throughput, and SLO attainment / goodput, in the style of ``vllm bench serve``.
+
+    python bench/serve/bench_serve.py --base-url http://127.0.0.1:8000 \\
+        --workload long-video --scale 0.05 --num-requests 20 --request-rate 1 \\
+        --max-concurrency 8 --goodput ttft:2000 tbt:100 --result-json serve.json
+
+Other scripts import the pieces: ``sys.path.insert(0, "bench/serve")`` then
+``from bench_serve import run_benchmark, compute_metrics``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import dataclasses
+import importlib.metadata
+import json
+import mimetypes
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT / "datasets") not in sys.path:
+    sys.path.insert(0, str(ROOT / "datasets"))
+
+import workloads  # noqa: E402
+
+__all__ = ["RequestRecord", "compute_metrics", "fetch_model", "format_metrics", "machine_info",
+           "media_urls", "run_benchmark"]
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one request. Times are seconds from the benchmark start."""
+
+    request_id: str
+    scheduled_s: float  # arrival time from the workload
+    start_s: float = 0.0  # request sent (after waiting for a --max-concurrency slot)
+    end_s: float = 0.0  # stream finished or failed
+    token_times_s: list[float] = field(default_factory=list)  # each chunk with non-empty content
+    completion_tokens: int = 0  # usage.completion_tokens of the final chunk, else the chunk count
+    prompt_tokens: int | None = None  # usage.prompt_tokens, when the server reports it
+    output_text: str = ""
+    is_success: bool = False
+    error: str | None = None  # "HTTP 400: message" or "ExceptionName: message"
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times_s[0] - self.start_s if self.token_times_s else None
+
+    @property
+    def itls_s(self) -> list[float]:
+        t = self.token_times_s
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def e2e_s(self) -> float:
+        return self.end_s - self.start_s
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "ttft_s": self.ttft_s, "itls_s": self.itls_s, "e2e_s": self.e2e_s}
+
+
+# ---------------------------------------------------------------------------
+# requests
+# ---------------------------------------------------------------------------
+
+
+def media_urls(requests: list[dict], mode: str = "file") -> dict[str, str]:
+    """URL of every media path: ``file://PATH``, or a base64 ``data:`` URL (files read now).
+
+    Raises FileNotFoundError in data mode when a file is missing here.
+    """
+    if mode not in ("file", "data"):
+        raise ValueError(f"media url mode must be file or data, got {mode!r}")
+    urls = {}
+    for path in sorted({m["path"] for r in requests for m in r["media"]}):
+        if mode == "file":
+            urls[path] = Path(path).absolute().as_uri()
+            continue
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"--media-url-mode data: {path} not found on this machine")
+        mime = mimetypes.guess_type(p.name)[0] or "application/octet-stream"
+        urls[path] = f"data:{mime};base64," + base64.b64encode(p.read_bytes()).decode()
+    return urls
+
+
+def chat_messages(req: dict, urls: dict[str, str]) -> list[dict]:
+    """One user message: the media parts in order, then the question; null options omitted."""
+    content = []
+    for m in req["media"]:
+        if m["type"] == "video":
+            part = {"url": urls[m["path"]]}
+            part.update({k: m[k] for k in ("fps", "max_frames") if m.get(k) is not None})
+            content.append({"type": "video_url", "video_url": part})
+        else:
+            content.append({"type": "image_url", "image_url": {"url": urls[m["path"]]}})
+    content.append({"type": "text", "text": req["prompt"]})
+    return [{"role": "user", "content": content}]
+
+
+def _client(base_url: str, api_key: str | None, timeout_s: float):
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key or "EMPTY",
+                       max_retries=0, timeout=timeout_s)
+
+
+def _error_text(e: Exception) -> str:
+    status = getattr(e, "status_code", None)
+    if status is None:
+        return f"{type(e).__name__}: {e}"
+    body = getattr(e, "body", None)  # openai unwraps {"error": {...}}; plain-text bodies stay str
+    if isinstance(body, dict):
+        msg = body.get("message") or body.get("detail") or json.dumps(body)
+    else:
+        msg = body or getattr(e, "message", None) or str(e)
+    return f"HTTP {status}: {str(msg)[:500]}"
+
+
+async def fetch_model(base_url: str, api_key: str | None = None) -> str:
+    """The first model id of ``GET {base_url}/v1/models``; RuntimeError when there is none."""
+    client = _client(base_url, api_key, 30.0)
+    try:
+        page = await client.models.list()
+        ids = [m.id for m in page.data]
+    except Exception as e:
+        raise RuntimeError(f"could not list models at {base_url}/v1/models ({_error_text(e)}); "
+                           "is the server up? pass --model to skip this") from None
+    finally:
+        await client.close()
+    if not ids:
+        raise RuntimeError(f"{base_url}/v1/models lists no model; pass --model")
+    return ids[0]
+
+
+async def _send(client, model: str, req: dict, urls: dict, t0: float) -> RequestRecord:
+    rec = RequestRecord(req["request_id"], scheduled_s=req["arrival_s"])
+    rec.start_s = time.perf_counter() - t0
+    pieces = []
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=chat_messages(req, urls), stream=True,
+            stream_options={"include_usage": True}, max_tokens=req["output_len"], temperature=0,
+            extra_body={"ignore_eos": req["ignore_eos"]})
+        async for chunk in stream:
+            now = time.perf_counter() - t0
+            for choice in chunk.choices:
+                text = choice.delta.content or (choice.delta.model_extra or {}).get("reasoning_content")
+                if text:
+                    rec.token_times_s.append(now)
+                    pieces.append(text)
+            if chunk.usage is not None:
+                rec.completion_tokens = chunk.usage.completion_tokens
+                rec.prompt_tokens = chunk.usage.prompt_tokens
+        if not rec.token_times_s:
+            raise RuntimeError("the stream ended without any content")
+        rec.completion_tokens = rec.completion_tokens or len(rec.token_times_s)
+        rec.is_success = True
+    except Exception as e:  # a failed request is a result, never the end of the run
+        rec.error = _error_text(e)
+    rec.end_s = time.perf_counter() - t0
+    rec.output_text = "".join(pieces)
+    return rec
+
+
+async def run_benchmark(base_url: str, requests: list[dict], *, max_concurrency: int | None = None,
+                        model: str | None = None, api_key: str | None = None, progress: bool = True,
+                        media_url_mode: str = "file", timeout_s: float = 3600.0
+                        ) -> tuple[list[RequestRecord], float]:
+    """Send ``requests`` (workload records) at their ``arrival_s`` and record each one.
+
+    ``max_concurrency`` caps requests in flight (a request past its arrival waits for a slot);
+    ``model=None`` takes the first id of ``/v1/models``. Media URLs are built before the clock
+    starts. Returns ``(records in request order, duration_s)``: duration runs from the start to
+    the last request's end. Request failures are recorded, never raised.
+    """
+    model = model or await fetch_model(base_url, api_key)
+    urls = media_urls(requests, media_url_mode)
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
+    client = _client(base_url, api_key, timeout_s)
+    t0 = time.perf_counter()
+
+    async def one(req: dict) -> RequestRecord:
+        await asyncio.sleep(max(0.0, t0 + req["arrival_s"] - time.perf_counter()))
+        if slots is None:
+            rec = await _send(client, model, req, urls, t0)
+        else:
+            async with slots:
+                rec = await _send(client, model, req, urls, t0)
+        bar.update(1)
+        return rec
+
+    try:
+        # tasks start in arrival order so that the semaphore's FIFO queue follows arrivals
+        order = sorted(range(len(requests)), key=lambda i: requests[i]["arrival_s"])
+        tasks = {i: asyncio.create_task(one(requests[i])) for i in order}
+        await asyncio.gather(*tasks.values())
+        duration_s = time.perf_counter() - t0
+    finally:
+        bar.close()
+        await client.close()
+    return [tasks[i].result() for i in range(len(requests))], duration_s
+
+
+# ---------------------------------------------------------------------------
+# metrics (pure)
+# ---------------------------------------------------------------------------
+
+
+def _stats_ms(values_s: list[float]) -> dict:
+    if not values_s:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    ms = np.asarray(values_s, dtype=np.float64) * 1e3
+    p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+    return {"mean": float(ms.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def meets_slo(rec: RequestRecord, *, ttft_ms: float | None = None, tbt_ms: float | None = None) -> bool:
+    """HydraInfer's rule: TTFT <= ttft_ms and the p90 of the request's own TBTs (ITLs) <= tbt_ms.
+
+    Failed requests never meet it; a request with a single token has no TBT to check.
+    """
+    if not rec.is_success:
+        return False
+    if ttft_ms is not None and rec.ttft_s * 1e3 > ttft_ms:
+        return False
+    if tbt_ms is not None and rec.itls_s and float(np.percentile(rec.itls_s, 90)) * 1e3 > tbt_ms:
+        return False
+    return True
+
+
+def compute_metrics(records: list[RequestRecord], duration_s: float, goodput: dict | None = None) -> dict:
+    """Latency percentiles (ms) over successful requests, throughputs over ``duration_s``.
+
+    TPOT per request is (E2E - TTFT) / (completion_tokens - 1), for requests with >= 2 tokens;
+    ITL pools the gaps between streamed chunks of all requests. ``goodput``:
+    ``{"ttft": ms, "tbt": ms}`` (either may be left out) adds the number of requests meeting
+    :func:`meets_slo`, their share of all requests (failures count against it) and their rate.
+    """
+    if duration_s <= 0:
+        raise ValueError(f"duration_s must be > 0, got {duration_s}")
+    ok = [r for r in records if r.is_success]
+    output_tokens = sum(r.completion_tokens for r in ok)
+    metrics = {
+        "num_requests": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "duration_s": duration_s,
+        "total_output_tokens": output_tokens,
+        "total_input_tokens": sum(r.prompt_tokens or 0 for r in ok),
+        "request_throughput": len(ok) / duration_s,
+        "output_throughput": output_tokens / duration_s,
+        "ttft_ms": _stats_ms([r.ttft_s for r in ok]),
+        "tpot_ms": _stats_ms([(r.e2e_s - r.ttft_s) / (r.completion_tokens - 1)
+                              for r in ok if r.completion_tokens > 1]),
+        "itl_ms": _stats_ms([x for r in ok for x in r.itls_s]),
+        "e2e_ms": _stats_ms([r.e2e_s for r in ok]),
+        "goodput": None,
+    }
+    if goodput:
+        unknown = set(goodput) - {"ttft", "tbt"}
+        if unknown:
+            raise ValueError(f"unknown SLO keys {sorted(unknown)}; use ttft and tbt (ms)")
+        num_met = sum(meets_slo(r, ttft_ms=goodput.get("ttft"), tbt_ms=goodput.get("tbt")) for r in records)
+        metrics["goodput"] = {
+            "slo_ms": dict(goodput), "num_met": num_met,
+            "attainment": num_met / len(records) if records else 0.0,
+            "requests_per_s": num_met / duration_s,
+        }
+    return metrics
+
+
+def format_metrics(m: dict) -> str:
+    """A plain-text table of :func:`compute_metrics`'s result."""
+    lines = [
+        f"{' Serving Benchmark Result ':=^60}",
+        f"{'Successful requests:':<40}{m['completed']:>20}",
+        f"{'Failed requests:':<40}{m['failed']:>20}",
+        f"{'Benchmark duration (s):':<40}{m['duration_s']:>20.2f}",
+        f"{'Total output tokens:':<40}{m['total_output_tokens']:>20}",
+        f"{'Request throughput (req/s):':<40}{m['request_throughput']:>20.3f}",
+        f"{'Output token throughput (tok/s):':<40}{m['output_throughput']:>20.2f}",
+    ]
+    g = m.get("goodput")
+    if g:
+        slo = " ".join(f"{k}<={v:g}ms" for k, v in g["slo_ms"].items())
+        lines += [f"{'SLO':<40}{slo:>20}",
+                  f"{'SLO attainment:':<40}{g['attainment']:>19.1%}",
+                  f"{'Goodput (req/s):':<40}{g['requests_per_s']:>20.3f}"]
+    lines.append(f"{'':-^60}")
+    lines.append(f"{'(ms)':<12}" + "".join(f"{c:>12}" for c in ("mean", "p50", "p90", "p99")))
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        s = m[f"{name}_ms"]
+        lines.append(f"{name.upper():<12}" + "".join(
+            f"{s[c]:>12.2f}" if s[c] is not None else f"{'-':>12}" for c in ("mean", "p50", "p90", "p99")))
+    lines.append("=" * 60)
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------
+
+
+def machine_info() -> dict:
+    """Platform, cores, Python, package versions (not imported), GPU names and the git commit."""
+    versions = {}
+    for name in ("openai", "numpy", "torch", "vllm", "sglang", "unifiedserve"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+
+    def run(cmd):
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=ROOT)
+            return (out.stdout.strip() or None) if out.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    gpus = run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"])
+    return {"platform": platform.platform(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "packages": versions,
+            "gpus": gpus.splitlines() if gpus else [], "commit": run(["git", "rev-parse", "HEAD"])}
+
+
+def parse_goodput(items: list[str] | None) -> dict | None:
+    """``["ttft:500", "tbt:50"]`` -> ``{"ttft": 500.0, "tbt": 50.0}``; ValueError when malformed."""
+    if not items:
+        return None
+    slo = {}
+    for item in items:
+        key, _, value = item.partition(":")
+        if key not in ("ttft", "tbt") or not value:
+            raise ValueError(f"--goodput takes ttft:MS and/or tbt:MS, got {item!r}")
+        try:
+            slo[key] = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of milliseconds") from None
+        if not slo[key] > 0:
+            raise ValueError(f"--goodput {item!r}: the SLO must be > 0 ms")
+    return slo
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="bench_serve.py", description=__doc__.split("\n\n")[0],
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:2]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
+    p.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default $OPENAI_API_KEY")
+    p.add_argument("--workload-file", type=Path, default=None,
+                   help="a datasets/workloads.py JSONL; the workload options then do not apply, and "
+                        "--request-rate/--arrival/--burstiness (with --seed) replace its arrivals")
+    workloads.add_workload_args(p)
+    p.set_defaults(workload=None)
+    workloads.add_arrival_args(p)
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--media-url-mode", choices=("file", "data"), default="file",
+                   help="file:// paths (server on this machine) or base64 data: URLs")
+    p.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=None,
+                   help="SLOs for goodput: ttft:MS (time to first token) and/or tbt:MS (p90 of TBTs)")
+    p.add_argument("--num-warmups", type=int, default=1,
+                   help="requests sent (and checked) before the timed run, not recorded")
+    p.add_argument("--timeout", type=float, default=3600.0, help="per-request timeout (s)")
+    p.add_argument("--result-json", type=Path, default=None, help="write metrics and per-request records")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p, p.parse_args(argv)
+
+
+def load_requests(a: argparse.Namespace) -> tuple[list[dict], dict]:
+    """The workload records and a description of where they came from."""
+    given = {k: getattr(a, k) for k in ("request_rate", "arrival", "burstiness") if getattr(a, k) is not None}
+    if a.workload_file is not None:
+        if a.workload is not None:
+            raise ValueError("give either --workload-file or --workload, not both")
+        requests = workloads.read_workload(a.workload_file)
+        if given:  # re-generate arrivals with the seed
+            if "request_rate" not in given:
+                raise ValueError("--arrival/--burstiness need --request-rate with --workload-file")
+            cfg = workloads.config_from_args(a, workload="long-video")  # validates the arrival options
+            requests = workloads.with_arrivals(requests, cfg.request_rate, arrival=cfg.arrival,
+                                               burstiness=cfg.burstiness, seed=cfg.seed)
+        return requests, {"file": str(a.workload_file), **given}
+    if a.workload is None:
+        raise ValueError("give --workload-file PATH or --workload NAME (see --help)")
+    cfg = workloads.config_from_args(a)
+    return workloads.build_workload(cfg, progress=not a.no_progress), dataclasses.asdict(cfg)
+
+
+async def _run(a, requests: list[dict]):
+    model = a.model or await fetch_model(a.base_url, a.api_key)
+    if a.num_warmups > 0:
+        warm = [{**requests[i % len(requests)], "arrival_s": 0.0, "request_id": f"warmup-{i}"}
+                for i in range(a.num_warmups)]
+        recs, _ = await run_benchmark(a.base_url, warm, max_concurrency=1, model=model, api_key=a.api_key,
+                                      progress=False, media_url_mode=a.media_url_mode, timeout_s=a.timeout)
+        bad = [r for r in recs if not r.is_success]
+        if bad:
+            raise RuntimeError(f"warmup request failed: {bad[0].error}")
+    records, duration_s = await run_benchmark(
+        a.base_url, requests, max_concurrency=a.max_concurrency, model=model, api_key=a.api_key,
+        progress=not a.no_progress, media_url_mode=a.media_url_mode, timeout_s=a.timeout)
+    return model, records, duration_s
+
+
+def main(argv=None) -> int:
+    p, a = parse_args(argv)
+    try:
+        slo = parse_goodput(a.goodput)
+        if a.max_concurrency is not None and a.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {a.max_concurrency}")
+        requests, source = load_requests(a)
+        if a.media_url_mode == "data":
+            missing = [m["path"] for r in requests for m in r["media"] if not Path(m["path"]).is_file()]
+            if missing:
+                raise FileNotFoundError(f"--media-url-mode data: {missing[0]} not found on this machine")
+        model, records, duration_s = asyncio.run(_run(a, requests))
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
+    metrics = compute_metrics(records, duration_s, goodput=slo)
+    print(format_metrics(metrics))
+    for r in [r for r in records if not r.is_success][:5]:
+        print(f"failed {r.request_id}: {r.error}")
+    if a.result_json:
+        info = machine_info()
+        result = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "base_url": a.base_url, "model": model,
+                  "workload": source, "max_concurrency": a.max_concurrency, "media_url_mode": a.media_url_mode,
+                  "metrics": metrics, "machine": info, "commit": info["commit"],
+                  "requests": [r.to_dict() for r in records]}
+        a.result_json.parent.mkdir(parents=True, exist_ok=True)
+        a.result_json.write_text(json.dumps(result, indent=1, default=str))
+        print(f"wrote {a.result_json}")
+    return 0 if metrics["completed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

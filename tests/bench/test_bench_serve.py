@@ -1,0 +1,274 @@
+"""Tests for bench/serve/bench_serve.py: metrics on hand-made records, and full runs against a
+tiny fake OpenAI-compatible streaming server (FastAPI + uvicorn in a background thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import pathlib
+import socket
+import sys
+import threading
+import time
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+if str(ROOT / "bench" / "serve") not in sys.path:
+    sys.path.insert(0, str(ROOT / "bench" / "serve"))
+
+import bench_serve as bs  # noqa: E402
+from bench_serve import RequestRecord  # noqa: E402
+
+# ---------------------------------------------------------------------------
+# compute_metrics on records with known answers
+# ---------------------------------------------------------------------------
+
+
+def hand_made() -> list[RequestRecord]:
+    return [
+        # TTFT 100 ms, ITLs 100/100/200 ms, E2E 500 ms, TPOT 400/3 ms
+        RequestRecord("a", 0.0, start_s=0.0, end_s=0.5, token_times_s=[0.1, 0.2, 0.3, 0.5],
+                      completion_tokens=4, prompt_tokens=10, is_success=True),
+        # TTFT 300 ms, ITLs 50/50 ms, E2E 400 ms, TPOT 50 ms
+        RequestRecord("b", 1.0, start_s=1.0, end_s=1.4, token_times_s=[1.3, 1.35, 1.4],
+                      completion_tokens=3, prompt_tokens=20, is_success=True),
+        RequestRecord("c", 2.0, start_s=2.0, end_s=2.1, error="HTTP 400: bad", prompt_tokens=None),
+        # one token: TTFT 50 ms, no ITL, no TPOT
+        RequestRecord("d", 0.0, start_s=0.0, end_s=0.05, token_times_s=[0.05], completion_tokens=1,
+                      is_success=True),
+    ]
+
+
+def test_metrics_known_answers():
+    m = bs.compute_metrics(hand_made(), duration_s=4.0)
+    assert (m["num_requests"], m["completed"], m["failed"]) == (4, 3, 1)
+    assert m["total_output_tokens"] == 8 and m["total_input_tokens"] == 30
+    assert m["request_throughput"] == pytest.approx(0.75) and m["output_throughput"] == pytest.approx(2.0)
+    # TTFT [100, 300, 50]: linear-interpolated percentiles of the sorted [50, 100, 300]
+    assert m["ttft_ms"] == pytest.approx({"mean": 150.0, "p50": 100.0, "p90": 260.0, "p99": 296.0})
+    assert m["itl_ms"]["mean"] == pytest.approx(100.0) and m["itl_ms"]["p50"] == pytest.approx(100.0)
+    assert m["itl_ms"]["p90"] == pytest.approx(160.0)  # [50, 50, 100, 100, 200]
+    assert m["tpot_ms"]["mean"] == pytest.approx((400 / 3 + 50) / 2)
+    assert m["e2e_ms"]["mean"] == pytest.approx(950 / 3) and m["e2e_ms"]["p50"] == pytest.approx(400.0)
+    assert m["goodput"] is None
+
+
+def test_failed_requests_are_counted_but_not_in_latencies():
+    recs = hand_made()
+    recs[2].token_times_s = [2.001]  # a failure that streamed one chunk first
+    m = bs.compute_metrics(recs, 4.0)
+    assert m["failed"] == 1 and m["ttft_ms"]["mean"] == pytest.approx(150.0)
+    only_failed = bs.compute_metrics([recs[2]], 1.0, goodput={"ttft": 1e9})
+    assert only_failed["ttft_ms"] == {"mean": None, "p50": None, "p90": None, "p99": None}
+    assert only_failed["goodput"]["num_met"] == 0 and "-" in bs.format_metrics(only_failed)
+
+
+def test_goodput_uses_the_p90_of_each_requests_tbts():
+    # a: TTFT ok; its TBTs [100, 100, 200] have mean 133 but p90 180 -> misses tbt 150, meets tbt 190
+    # b: TTFT 300 misses; c failed; d has no TBT and TTFT 50 -> meets
+    m = bs.compute_metrics(hand_made(), 4.0, goodput={"ttft": 200, "tbt": 150})
+    assert m["goodput"]["num_met"] == 1 and m["goodput"]["attainment"] == pytest.approx(0.25)
+    assert m["goodput"]["requests_per_s"] == pytest.approx(0.25)
+    assert bs.compute_metrics(hand_made(), 4.0, goodput={"ttft": 200, "tbt": 190})["goodput"]["num_met"] == 2
+    assert bs.compute_metrics(hand_made(), 4.0, goodput={"ttft": 350})["goodput"]["num_met"] == 3
+    assert "SLO attainment" in bs.format_metrics(m)
+
+
+def test_metric_argument_errors():
+    with pytest.raises(ValueError, match="duration_s"):
+        bs.compute_metrics(hand_made(), 0.0)
+    with pytest.raises(ValueError, match="unknown SLO"):
+        bs.compute_metrics(hand_made(), 1.0, goodput={"tpot": 5})
+    assert bs.parse_goodput(["ttft:500", "tbt:50"]) == {"ttft": 500.0, "tbt": 50.0}
+    for bad in (["ttft"], ["e2e:5"], ["tbt:fast"], ["ttft:-1"]):
+        with pytest.raises(ValueError, match="--goodput"):
+            bs.parse_goodput(bad)
+
+
+def test_chat_messages_wire_format():
+    req = {"prompt": "why?", "media": [
+        {"type": "video", "path": "/v.mp4", "fps": 2.0, "max_frames": None},
+        {"type": "image", "path": "/i.png", "fps": None, "max_frames": None}]}
+    urls = bs.media_urls([req], "file")
+    assert bs.chat_messages(req, urls) == [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "file:///v.mp4", "fps": 2.0}},
+        {"type": "image_url", "image_url": {"url": "file:///i.png"}},
+        {"type": "text", "text": "why?"}]}]
+    with pytest.raises(FileNotFoundError, match="not found on this machine"):
+        bs.media_urls([req], "data")
+
+
+# ---------------------------------------------------------------------------
+# a fake OpenAI-compatible streaming server
+# ---------------------------------------------------------------------------
+
+TOKEN_DELAY_S = 0.01
+
+
+def fake_app(received: list):
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake-vl", "object": "model", "created": 0, "owned_by": "t"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        received.append(body)
+        if "BAD" in body["messages"][-1]["content"][-1]["text"]:
+            return JSONResponse(status_code=400, content={"object": "error", "error": {
+                "message": "prompt rejected: BAD", "type": "BadRequestError", "param": None, "code": 400}})
+        n = body["max_tokens"]
+        head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": body["model"]}
+
+        def sse(obj):
+            return f"data: {json.dumps(obj)}\n\n"
+
+        async def stream():
+            yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                            "finish_reason": None}]})
+            for i in range(n):
+                await asyncio.sleep(TOKEN_DELAY_S)
+                yield sse({**head, "choices": [{"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}]})
+            yield sse({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+            yield sse({**head, "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n,
+                                                         "total_tokens": 7 + n}})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def server():
+    """``(base_url, received request bodies)``; the list is cleared for each test."""
+    received: list = []
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(fake_app(received), log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not srv.started:
+        assert time.monotonic() < deadline, "fake server did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", received
+    srv.should_exit = True
+    thread.join(timeout=5)
+    sock.close()
+
+
+@pytest.fixture
+def fake(server):
+    server[1].clear()
+    return server
+
+
+def request(i: int, *, arrival_s: float = 0.0, output_len: int = 4, prompt: str = "What happens?",
+            media=None) -> dict:
+    return {"request_id": f"r{i}", "arrival_s": arrival_s, "prompt": prompt, "output_len": output_len,
+            "ignore_eos": True, "media": media if media is not None else [
+                {"type": "video", "path": "/data/clip.mp4", "fps": 2.0, "max_frames": 64}]}
+
+
+def test_run_records_every_request(fake):
+    base_url, received = fake
+    reqs = [request(i, arrival_s=0.02 * i, output_len=3 + i) for i in range(4)]
+    reqs.append(request(4, arrival_s=0.03, prompt="BAD question", media=[]))
+    records, duration_s = asyncio.run(bs.run_benchmark(base_url, reqs, max_concurrency=None, model=None,
+                                                       api_key=None, progress=False))
+    assert [r.request_id for r in records] == [f"r{i}" for i in range(5)]
+    for req, rec in zip(reqs[:4], records[:4]):
+        assert rec.is_success and rec.error is None
+        assert rec.completion_tokens == req["output_len"] == len(rec.token_times_s)
+        assert rec.prompt_tokens == 7 and rec.output_text.startswith("w0 w1 ")
+        assert rec.start_s >= rec.scheduled_s == req["arrival_s"]
+        assert 0 < rec.ttft_s < rec.e2e_s and len(rec.itls_s) == req["output_len"] - 1
+        assert rec.start_s < rec.token_times_s[0] <= rec.token_times_s[-1] <= rec.end_s <= duration_s
+    bad = records[4]
+    assert not bad.is_success and bad.error == "HTTP 400: prompt rejected: BAD" and bad.ttft_s is None
+    m = bs.compute_metrics(records, duration_s)
+    assert (m["completed"], m["failed"], m["total_output_tokens"]) == (4, 1, 3 + 4 + 5 + 6)
+    assert m["itl_ms"]["p50"] >= TOKEN_DELAY_S * 1e3 * 0.5
+
+    body = next(b for b in received if "BAD" not in json.dumps(b))
+    assert body["model"] == "fake-vl" and body["stream"] is True and body["temperature"] == 0
+    assert body["stream_options"] == {"include_usage": True} and body["ignore_eos"] is True
+    assert body["messages"] == [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "file:///data/clip.mp4", "fps": 2.0, "max_frames": 64}},
+        {"type": "text", "text": "What happens?"}]}]
+    assert sorted(b["max_tokens"] for b in received) == [3, 4, 4, 5, 6]
+
+
+def test_max_concurrency_one_serialises_requests(fake):
+    base_url, _ = fake
+    reqs = [request(i, output_len=3) for i in range(4)]
+    records, _ = asyncio.run(bs.run_benchmark(base_url, reqs, max_concurrency=1, model="fake-vl",
+                                              api_key=None, progress=False))
+    spans = sorted((r.start_s, r.end_s) for r in records)
+    assert all(r.is_success for r in records)
+    assert all(prev_end <= start for (_, prev_end), (start, _) in zip(spans, spans[1:]))
+    # without the cap the same requests overlap
+    records, _ = asyncio.run(bs.run_benchmark(base_url, reqs, max_concurrency=None, model="fake-vl",
+                                              api_key=None, progress=False))
+    assert max(r.start_s for r in records) < min(r.end_s for r in records)
+
+
+def test_data_urls_carry_the_file_bytes(fake, tmp_path):
+    base_url, received = fake
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(b"\x00\x01fake mp4 bytes")
+    reqs = [request(0, media=[{"type": "video", "path": str(clip), "fps": None, "max_frames": None}])]
+    records, _ = asyncio.run(bs.run_benchmark(base_url, reqs, model="fake-vl", progress=False,
+                                              media_url_mode="data"))
+    assert records[0].is_success
+    part = received[0]["messages"][0]["content"][0]["video_url"]
+    assert part.keys() == {"url"} and part["url"].startswith("data:video/mp4;base64,")
+    assert base64.b64decode(part["url"].split(",", 1)[1]) == clip.read_bytes()
+
+
+def test_unreachable_server_is_a_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    with pytest.raises(RuntimeError, match="could not list models"):
+        asyncio.run(bs.fetch_model(f"http://127.0.0.1:{port}"))
+
+
+def test_cli_writes_result_json(fake, tmp_path, capsys):
+    base_url, received = fake
+    wl = tmp_path / "w.jsonl"
+    reqs = [request(i, arrival_s=0.0, output_len=3) for i in range(3)]
+    wl.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    out = tmp_path / "res" / "serve.json"
+    rc = bs.main(["--base-url", base_url, "--workload-file", str(wl), "--request-rate", "50", "--seed", "1",
+                  "--max-concurrency", "2", "--goodput", "ttft:5000", "tbt:5000", "--result-json", str(out),
+                  "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "Serving Benchmark Result" in text and "TTFT" in text
+    res = json.loads(out.read_text())
+    assert res["model"] == "fake-vl" and res["metrics"]["completed"] == 3
+    assert res["metrics"]["goodput"]["attainment"] == 1.0 and len(received) == 4  # one warmup
+    arrivals = sorted(r["scheduled_s"] for r in res["requests"])
+    assert arrivals[0] == 0.0 and arrivals[-1] > 0  # re-generated from --request-rate
+    first = res["requests"][0]
+    assert {"ttft_s", "itls_s", "e2e_s", "token_times_s", "start_s", "error", "completion_tokens"} <= first.keys()
+    assert {"platform", "cpu_count", "python", "packages"} <= res["machine"].keys() and "commit" in res
+
+
+def test_cli_user_errors_are_one_line(tmp_path, capsys):
+    assert bs.main(["--goodput", "e2e:5"]) == 2
+    assert bs.main([]) == 2  # neither --workload nor --workload-file
+    bad = tmp_path / "w.jsonl"
+    bad.write_text('{"request_id": 1}\n')
+    assert bs.main(["--workload-file", str(bad)]) == 2
+    errs = capsys.readouterr().err.strip().splitlines()
+    assert len(errs) == 3 and "w.jsonl:1:" in errs[2]

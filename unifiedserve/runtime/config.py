@@ -1,0 +1,46 @@
+"""One server instance's configuration: model, device, pools, budgets, and its ZMQ addresses.
+
+It is built once by the launcher and sent (pickled) to every worker process at start, so all
+processes agree on pool shapes and addresses. Addresses live in a private temporary folder, so
+two servers on one machine never collide.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from unifiedserve.engine.scheduler import SchedulerConfig
+from unifiedserve.runtime.shm import PoolSpec
+
+PROCESSES = ("vision", "core", "decode")
+
+
+@dataclass
+class RuntimeConfig:
+    model: str
+    served_model_name: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    policy: str = "unified"
+    max_model_len: int = 32768
+    default_max_tokens: int = 512
+    block_size: int = 16
+    num_kv_blocks: int = 1024
+    page_size: int = 256
+    num_patch_pages: int = 512
+    num_visual_pages: int = 256
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    tbt_slo_ms: float | None = None  # derive the budgets from this (core profiles at start)
+    budget_overrides: dict[str, int] = field(default_factory=dict)  # explicit flags win over the derived values
+    max_decode_batch: int = 256
+    vision_threads: int = 0  # decoder threads; 0: one per core
+    torch_threads: dict[str, int] = field(default_factory=dict)  # per process; missing: torch's default
+    max_video_seconds: float = 3600.0
+    ipc_dir: str = ""
+    instance: str = ""
+    pools: dict[str, PoolSpec] = field(default_factory=dict)  # "kv", "patch"
+
+    def address(self, process: str) -> str:
+        """The ZMQ address a process binds its inbox at ("api", "vision", "core", "decode")."""
+        return f"ipc://{os.path.join(self.ipc_dir, process)}.sock"

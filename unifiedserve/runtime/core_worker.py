@@ -1,0 +1,184 @@
+"""The core process: vision encode and chunked prefill, co-scheduled under budgets (Algorithm 3).
+
+Each iteration: the scheduler admits requests whose patch pages fit (their pages go to vision in
+``WritePatches``), schedules encode items of media already written (budget alpha) and prefill
+chunks (budget tau), and the runner executes them. A request whose prompt is done samples its
+first token here; it then goes to the decode process (``Handoff``: block table, first token,
+M-RoPE delta, sampler state) and keeps its KV blocks until decode sends ``ReleaseBlocks``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from unifiedserve.engine.inputs import MediaGrid
+from unifiedserve.engine.llm import DTYPES
+from unifiedserve.engine.request import Request
+from unifiedserve.engine.runner import ModelRunner
+from unifiedserve.engine.sampling import SamplerState, sample
+from unifiedserve.engine.scheduler import Scheduler
+from unifiedserve.memory.block_manager import BlockManager
+from unifiedserve.memory.pages import PageAllocator
+from unifiedserve.model.loader import load_model
+from unifiedserve.runtime import protocol
+from unifiedserve.runtime.shm import open_pool
+from unifiedserve.runtime.worker import Worker
+
+log = logging.getLogger("unifiedserve")
+
+
+@dataclass
+class _Live:
+    params: object
+    stop_ids: frozenset[int]
+    sampler: SamplerState
+    stages: protocol.StageTimes
+    num_media: int
+    num_ready: int = 0
+
+
+class CoreWorker(Worker):
+    name = "core"
+    inbox_type = protocol.ToCore
+
+    def setup(self) -> dict[str, str]:
+        cfg = self.config
+        self.model, self.model_config = load_model(cfg.model, DTYPES[cfg.dtype], cfg.device)
+        self.model.eval()
+        kv, patch = open_pool(cfg.pools["kv"]), open_pool(cfg.pools["patch"])
+        self.runner = ModelRunner(self.model, num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size,
+                                  num_patch_pages=cfg.num_patch_pages, num_visual_pages=cfg.num_visual_pages,
+                                  page_size=cfg.page_size, device=cfg.device, kv_storage=kv, patch_storage=patch)
+        sched_cfg = cfg.scheduler
+        info = {}
+        if cfg.tbt_slo_ms is not None:
+            from unifiedserve.runtime.budget import derive_budgets
+
+            sched_cfg, how = derive_budgets(self.runner, cfg, sched_cfg)
+            info["budget_profile"] = how
+        self.scheduler = Scheduler(sched_cfg, BlockManager(cfg.num_kv_blocks, cfg.block_size),
+                                   PageAllocator(cfg.num_patch_pages, cfg.page_size),
+                                   PageAllocator(cfg.num_visual_pages, cfg.page_size))
+        self.live: dict[str, _Live] = {}
+        self._stalled = False  # the last schedule() found nothing to run; wait for a message
+        info.update({
+            "device": cfg.device, "dtype": cfg.dtype, "torch_threads": str(torch.get_num_threads()),
+            "prefill_token_budget": str(sched_cfg.prefill_token_budget),
+            "encode_token_budget": str(sched_cfg.encode_token_budget),
+            "kv_cache": f"{cfg.num_kv_blocks} blocks x {cfg.block_size} tokens",
+            "visual_buffer": f"{cfg.num_visual_pages} pages x {cfg.page_size} rows",
+        })
+        return info
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work and not self._stalled
+
+    def stats(self) -> dict[str, float]:
+        s = self.scheduler
+        return {"kv_blocks_used": s.blocks.num_used_blocks, "kv_blocks_total": s.blocks.num_blocks,
+                "patch_pages_used": s.patch_pages.num_used_pages, "patch_pages_total": s.patch_pages.num_pages,
+                "visual_pages_used": s.visual_pages.num_used_pages, "visual_pages_total": s.visual_pages.num_pages,
+                "num_waiting": len(s.waiting), "num_prefilling": len(s.running)}
+
+    # -- messages ------------------------------------------------------------------------------------
+    def handle(self, message) -> None:
+        self._stalled = False
+        if isinstance(message, protocol.AddRequest):
+            self._add(message)
+        elif isinstance(message, protocol.MediaReady):
+            live = self.live.get(message.request_id)
+            if live is not None and self.scheduler.mark_media_ready(message.request_id, message.media_index):
+                live.stages.decode_s += message.decode_s
+                live.num_ready += 1
+                if live.num_ready == live.num_media:
+                    live.stages.media_ready = time.time()
+        elif isinstance(message, protocol.AbortRequest):
+            rid = message.request_id
+            if rid in self.scheduler.requests:
+                self._finish(rid, "abort")
+                self.send("vision", protocol.CancelMedia(rid))
+            elif rid in self.scheduler.handed_off:
+                self.send("decode", message)  # decode replies with ReleaseBlocks
+        elif isinstance(message, protocol.ReleaseBlocks):
+            for rid in message.request_ids:
+                self.scheduler.release(rid)
+
+    def _add(self, msg: protocol.AddRequest) -> None:
+        cfg = self.model_config
+        merge = cfg.vision.spatial_merge_size
+        grids = [MediaGrid(p.kind, tuple(p.grid_thw), p.second_per_grid_t) for p in msg.media]
+        items = [item for i, g in enumerate(grids) for item in g.encode_items(i, merge)]
+        visual_ids = {cfg.image_token_id, cfg.video_token_id}
+        positions = [i for i, t in enumerate(msg.prompt_token_ids) if t in visual_ids]
+        try:
+            request = Request(msg.request_id, list(msg.prompt_token_ids), msg.params, items, positions)
+            self.scheduler.add(request)
+        except ValueError as e:
+            self.send("vision", protocol.CancelMedia(msg.request_id))
+            self.send("api", protocol.RequestFailed(msg.request_id, str(e), 400))
+            return
+        self.runner.add_request(request, grids)
+        self.live[msg.request_id] = _Live(msg.params, frozenset(msg.stop_token_ids),
+                                          SamplerState.for_params(msg.params), protocol.StageTimes(added=time.time()),
+                                          len(grids))
+
+    # -- one iteration ----------------------------------------------------------------------------------
+    def step(self) -> None:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            self._stalled = True  # waiting on media or on KV blocks: nothing changes until a message
+            return
+        now = time.time()
+        for rid in out.admitted:
+            self.live[rid].stages.admitted = now
+        if out.patch_write is not None:  # rows are the admitted requests that have media, in order
+            index = out.patch_write
+            with_media = [r for r in out.admitted if self.scheduler.requests[r].num_patch_tokens]
+            for b, rid in enumerate(with_media):
+                pages = index.pv_page_indices[index.pv_page_indptr[b]:index.pv_page_indptr[b + 1]]
+                self.send("vision", protocol.WritePatches(rid, list(pages)))
+        logits = self.runner.execute(out, self.scheduler.requests)
+        self.scheduler.commit(out)
+        end = time.time()
+        encode_end = now + self.runner.last_encode_s
+        for work in out.encode:
+            st = self.live[work.request_id].stages
+            st.encode_start = st.encode_start or now
+            st.encode_end = encode_end
+        for chunk in out.prefill:
+            st = self.live[chunk.request_id].stages
+            st.prefill_start = st.prefill_start or encode_end
+            st.prefill_end = end
+        if logits:
+            self._sample(logits)
+
+    def _sample(self, logits: dict[str, torch.Tensor]) -> None:
+        ids = list(logits)
+        lives = [self.live[r] for r in ids]
+        tokens = sample(torch.stack([logits[r] for r in ids]), [x.params for x in lives], [x.sampler for x in lives])
+        outputs, handoffs = [], []
+        for rid, live, token in zip(ids, lives, tokens):
+            reason = "stop" if token in live.stop_ids else ("length" if live.params.max_tokens <= 1 else None)
+            outputs.append(protocol.TokenOutput(rid, 0, token, reason, live.stages))
+            if reason is not None:
+                self._finish(rid, reason)
+                continue
+            req = self.scheduler.requests[rid]
+            handoffs.append(protocol.Handoff(
+                rid, self.runner._tensors[rid].block_table, req.prompt_len, self.runner.mrope_delta(rid), token,
+                live.params, sorted(live.stop_ids), bytes(live.sampler.generator.get_state().numpy())))
+            self.scheduler.hand_off(rid)
+            self.runner.release(rid)
+            self.live.pop(rid)
+        self.send("api", protocol.TokenOutputs(outputs))  # before the hand-off: token 0 reaches api first
+        for h in handoffs:
+            self.send("decode", h)
+
+    def _finish(self, rid: str, reason: str) -> None:
+        self.scheduler.finish(rid, reason)
+        self.runner.release(rid)
+        self.live.pop(rid, None)

@@ -1,0 +1,112 @@
+"""The decode process: continuous batching over handed-off requests, on the shared KV cache.
+
+A ``Handoff`` brings a prefilled request: its KV block table (already sized for prompt +
+max_tokens, so a decode step never waits on another process for blocks), its first token, its
+M-RoPE delta and its sampler state. Every step decodes one token for each request in the batch,
+streams the tokens to api, and tells core which requests finished (``ReleaseBlocks``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from unifiedserve.attention import KVCache, get_attention_backend
+from unifiedserve.engine.llm import DTYPES
+from unifiedserve.engine.runner import forward_tokens
+from unifiedserve.engine.sampling import SamplerState, sample
+from unifiedserve.model.loader import load_model
+from unifiedserve.model.rope import decode_positions
+from unifiedserve.runtime import protocol
+from unifiedserve.runtime.shm import open_pool
+from unifiedserve.runtime.worker import Worker
+
+log = logging.getLogger("unifiedserve")
+
+
+@dataclass
+class _Seq:
+    handoff: protocol.Handoff
+    sampler: SamplerState
+    stop_ids: frozenset[int]
+    tokens: list[int]  # output tokens so far (the first came from core)
+
+
+class DecodeWorker(Worker):
+    name = "decode"
+    inbox_type = protocol.ToDecode
+
+    def setup(self) -> dict[str, str]:
+        cfg = self.config
+        self.model, model_config = load_model(cfg.model, DTYPES[cfg.dtype], cfg.device)
+        self.model.eval()
+        text = model_config.text
+        kv = open_pool(cfg.pools["kv"])
+        cache = KVCache(text.num_hidden_layers, cfg.num_kv_blocks, cfg.block_size, text.num_key_value_heads,
+                        text.head_dim, storage=kv)
+        self.attn = get_attention_backend(cfg.device)(cache, text.num_attention_heads, text.num_key_value_heads,
+                                                      text.head_dim)
+        self.batch: dict[str, _Seq] = {}
+        self.pending: deque[protocol.Handoff] = deque()  # beyond max_decode_batch
+        return {"device": cfg.device, "torch_threads": str(torch.get_num_threads()),
+                "max_decode_batch": str(cfg.max_decode_batch)}
+
+    def has_work(self) -> bool:
+        return bool(self.batch)
+
+    def stats(self) -> dict[str, float]:
+        return {"num_decoding": len(self.batch) + len(self.pending)}
+
+    def handle(self, message) -> None:
+        if isinstance(message, protocol.Handoff):
+            self.pending.append(message)
+            self._fill()
+        elif isinstance(message, protocol.AbortRequest):
+            rid = message.request_id
+            if self.batch.pop(rid, None) is not None:
+                self._fill()
+            else:
+                before = len(self.pending)
+                self.pending = deque(h for h in self.pending if h.request_id != rid)
+                if len(self.pending) == before:
+                    return  # already finished: its blocks were released then
+            self.send("core", protocol.ReleaseBlocks([rid]))
+
+    def _fill(self) -> None:
+        while self.pending and len(self.batch) < self.config.max_decode_batch:
+            h = self.pending.popleft()
+            generator = torch.Generator()
+            generator.set_state(torch.frombuffer(bytearray(h.sampler_state), dtype=torch.uint8))
+            self.batch[h.request_id] = _Seq(h, SamplerState(generator), frozenset(h.stop_token_ids), [h.first_token])
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        ids, positions, seqs = [], [], []
+        for seq in self.batch.values():
+            h = seq.handoff
+            num_done = h.prompt_len + len(seq.tokens) - 1  # tokens already in the cache
+            ids.append(seq.tokens[-1])
+            positions.append(decode_positions(num_done, h.mrope_delta))
+            seqs.append((num_done, 1, h.block_table))
+        logits = forward_tokens(self.model, self.attn, self.config.block_size, torch.tensor(ids, dtype=torch.int64),
+                                torch.cat(positions, dim=1), seqs, None, list(range(len(ids))))
+        batch = list(self.batch.values())
+        tokens = sample(logits, [s.handoff.params for s in batch], [s.sampler for s in batch])
+        outputs, finished = [], []
+        for seq, token in zip(batch, tokens):
+            seq.tokens.append(token)
+            reason = ("stop" if token in seq.stop_ids
+                      else "length" if len(seq.tokens) >= seq.handoff.params.max_tokens else None)
+            rid = seq.handoff.request_id
+            outputs.append(protocol.TokenOutput(rid, len(seq.tokens) - 1, token, reason))
+            if reason is not None:
+                finished.append(rid)
+        self.send("api", protocol.TokenOutputs(outputs))
+        if finished:
+            for rid in finished:
+                del self.batch[rid]
+            self.send("core", protocol.ReleaseBlocks(finished))
+            self._fill()

@@ -1,0 +1,155 @@
+"""Starting and stopping a server instance's worker processes and shared pools (in the api process).
+
+:func:`build_config` sizes the pools from memory budgets; :class:`Runtime` creates the pools and
+the private ZMQ folder, spawns the vision, core and decode workers, and tears everything down:
+workers get ``Shutdown`` and are then terminated, pool files are unlinked as soon as every worker
+has mapped them, and the ZMQ folder is removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import replace
+
+import torch
+import zmq
+
+from unifiedserve.engine.scheduler import SchedulerConfig
+from unifiedserve.model.config import ModelConfig
+from unifiedserve.runtime import protocol
+from unifiedserve.runtime.config import PROCESSES, RuntimeConfig
+from unifiedserve.runtime.shm import DEFAULT_SHM_DIR, check_shm_space, create_cpu_pool, unlink_pool
+
+log = logging.getLogger("unifiedserve")
+
+GiB = 2**30
+
+
+def build_config(model: str, *, served_model_name: str | None = None, device: str = "cpu", dtype: str = "float32",
+                 max_model_len: int | None = None, kv_cache_gb: float = 1.0, num_kv_blocks: int | None = None,
+                 patch_buffer_gb: float = 2.0, visual_buffer_gb: float = 0.25, block_size: int = 16,
+                 page_size: int = 256, scheduler: SchedulerConfig = SchedulerConfig(), **kwargs) -> RuntimeConfig:
+    """A :class:`RuntimeConfig` with pool sizes derived from memory budgets (GiB) and the model's shapes."""
+    from unifiedserve.engine.llm import DTYPES
+
+    cfg = ModelConfig.from_json(os.path.join(model, "config.json"))
+    itemsize = DTYPES[dtype].itemsize
+    text, vision = cfg.text, cfg.vision
+    kv_token_bytes = text.num_hidden_layers * 2 * text.num_key_value_heads * text.head_dim * itemsize
+    if num_kv_blocks is None:
+        num_kv_blocks = int(kv_cache_gb * GiB) // (kv_token_bytes * block_size)
+    patch_dim = 3 * vision.temporal_patch_size * vision.patch_size ** 2
+    num_patch_pages = int(patch_buffer_gb * GiB) // (page_size * patch_dim * itemsize)
+    num_visual_pages = int(visual_buffer_gb * GiB) // (page_size * vision.out_hidden_size * itemsize)
+    for name, value, flag in (("KV cache", num_kv_blocks, "--kv-cache-gb / --num-kv-blocks"),
+                              ("patch buffer", num_patch_pages, "--patch-buffer-gb"),
+                              ("visual-token buffer", num_visual_pages, "--visual-buffer-gb")):
+        if value < 1:
+            raise ValueError(f"the {name} budget holds no page at all; raise {flag}")
+    kv_tokens = num_kv_blocks * block_size
+    if max_model_len is None:
+        max_model_len = min(text.max_position_embeddings, kv_tokens)
+    elif max_model_len > kv_tokens:
+        raise ValueError(f"--max-model-len {max_model_len} needs more KV cache than there is ({kv_tokens} tokens); "
+                         f"raise --kv-cache-gb or lower --max-model-len")
+    return RuntimeConfig(model=model, served_model_name=served_model_name or os.path.basename(model.rstrip("/")),
+                         device=device, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
+                         num_kv_blocks=num_kv_blocks, page_size=page_size, num_patch_pages=num_patch_pages,
+                         num_visual_pages=num_visual_pages, scheduler=scheduler, **kwargs)
+
+
+def _worker_classes():
+    from unifiedserve.runtime.core_worker import CoreWorker
+    from unifiedserve.runtime.decode_worker import DecodeWorker
+    from unifiedserve.runtime.vision_worker import VisionWorker
+
+    return {"vision": VisionWorker, "core": CoreWorker, "decode": DecodeWorker}
+
+
+class Runtime:
+    """The worker processes and pools of one server instance."""
+
+    def __init__(self, config: RuntimeConfig, shm_dir: str = DEFAULT_SHM_DIR):
+        self.instance = uuid.uuid4().hex[:12]
+        self.ipc_dir = tempfile.mkdtemp(prefix=f"unifiedserve-{self.instance}-")
+        self.shm_dir = shm_dir
+        self.config = replace(config, ipc_dir=self.ipc_dir, instance=self.instance)
+        self.processes: dict[str, mp.Process] = {}
+        self.stopping = False
+        self._pools_unlinked = False
+
+    def create_pools(self) -> None:
+        """Allocate the shared pools: KV cache (core, decode) and patch buffer (vision, core)."""
+        from unifiedserve.engine.llm import DTYPES
+
+        cfg = self.config
+        if cfg.device != "cpu":
+            raise NotImplementedError("shared pools on CUDA (IPC handles) come with the GPU backend")
+        mc = ModelConfig.from_json(os.path.join(cfg.model, "config.json"))
+        t, v = mc.text, mc.vision
+        dtype = DTYPES[cfg.dtype]
+        shapes = {
+            "kv": (t.num_hidden_layers, 2, cfg.num_kv_blocks, cfg.block_size, t.num_key_value_heads, t.head_dim),
+            "patch": (cfg.num_patch_pages, cfg.page_size, 3 * v.temporal_patch_size * v.patch_size ** 2),
+        }
+        check_shm_space(self.shm_dir, sum(torch.Size(s).numel() * dtype.itemsize for s in shapes.values()))
+        prefix = f"unifiedserve-{self.instance}"
+        for name, shape in shapes.items():
+            cfg.pools[name] = create_cpu_pool(self.shm_dir, prefix, name, shape, dtype)
+
+    def start(self) -> None:
+        from unifiedserve.runtime.worker import worker_main
+
+        ctx = mp.get_context("spawn")
+        for name, cls in _worker_classes().items():
+            proc = ctx.Process(target=worker_main, args=(cls, self.config), name=f"unifiedserve-{name}", daemon=False)
+            proc.start()
+            self.processes[name] = proc
+
+    def all_mapped(self) -> None:
+        """Every worker is up: drop the pool files (the memory lives while any process maps it)."""
+        if not self._pools_unlinked:
+            for spec in self.config.pools.values():
+                unlink_pool(spec)
+            self._pools_unlinked = True
+
+    def dead_workers(self) -> dict[str, int]:
+        return {name: p.exitcode for name, p in self.processes.items() if p.exitcode is not None}
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Shut every worker down (asking first), then remove pools and sockets. Safe to call twice."""
+        self.stopping = True
+        alive = [p for p in self.processes.values() if p.is_alive()]
+        if alive:
+            ctx = zmq.Context()
+            try:
+                for name in PROCESSES:
+                    proc = self.processes.get(name)
+                    if proc is not None and proc.is_alive():
+                        sock = ctx.socket(zmq.PUSH)
+                        sock.setsockopt(zmq.LINGER, 500)
+                        sock.connect(self.config.address(name))
+                        sock.send(protocol.encode(protocol.Shutdown()))
+                        sock.close()
+            finally:
+                ctx.term()
+            deadline = time.monotonic() + timeout
+            for proc in alive:
+                proc.join(max(0.0, deadline - time.monotonic()))
+            for proc in alive:
+                if proc.is_alive():
+                    log.warning("%s did not stop in %.0f s; terminating it", proc.name, timeout)
+                    proc.terminate()
+                    proc.join(2.0)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(2.0)
+        for spec in self.config.pools.values():
+            unlink_pool(spec)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)

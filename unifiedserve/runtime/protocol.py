@@ -1,0 +1,182 @@
+"""Every message the runtime's processes exchange, one tagged union per destination.
+
+Messages are small msgspec structs sent as msgpack over ZMQ ``ipc://`` sockets. They carry ids,
+token ids, page and block ids and timings, never tensors: tensors live in the shared pools.
+
+Who sends what (see docs/architecture.md for the order in a request's life)::
+
+    api    -> vision : ProbeMedia, CancelMedia, Shutdown
+    vision -> api    : MediaProbed, MediaFailed, WorkerReady, WorkerStats
+    api    -> core   : AddRequest, AbortRequest, Shutdown
+    core   -> vision : WritePatches, CancelMedia
+    vision -> core   : MediaReady
+    core   -> decode : Handoff, AbortRequest, Shutdown
+    decode -> core   : ReleaseBlocks
+    core   -> api    : TokenOutputs, RequestFailed, WorkerReady, WorkerStats
+    decode -> api    : TokenOutputs, WorkerReady, WorkerStats
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from unifiedserve.engine.params import SamplingParams
+
+
+class MediaRef(msgspec.Struct, frozen=True):
+    """An image or video to fetch pixels from: a local path or the bytes themselves, plus options."""
+
+    kind: str  # "image" | "video"
+    path: str | None = None
+    data: bytes | None = None
+    fps: float | None = None  # videos: sampling rate (default: the model's, 2 fps)
+    max_frames: int | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+
+
+class MediaPlan(msgspec.Struct, frozen=True):
+    """What probing found: the patch grid (so token counts are known before decoding)."""
+
+    kind: str
+    grid_thw: tuple[int, int, int]
+    second_per_grid_t: float = 1.0
+    num_frames: int = 1  # frames sampled (videos)
+    duration_s: float = 0.0
+
+
+class StageTimes(msgspec.Struct):
+    """Wall-clock timestamps (``time.time()``) of one request's way to its first token."""
+
+    added: float = 0.0  # core received it
+    admitted: float = 0.0  # its patch pages were allocated
+    media_ready: float = 0.0  # the last media's patches were written
+    decode_s: float = 0.0  # video/image decode time, summed over its media (vision)
+    encode_start: float = 0.0
+    encode_end: float = 0.0
+    prefill_start: float = 0.0
+    prefill_end: float = 0.0
+
+
+# -- to vision ---------------------------------------------------------------------------------
+class ProbeMedia(msgspec.Struct, tag=True):
+    request_id: str
+    media: list[MediaRef]
+
+
+class WritePatches(msgspec.Struct, tag=True):
+    """Core admitted the request: write its patches (all media, in order) into these pages from row 0."""
+
+    request_id: str
+    pages: list[int]
+
+
+class CancelMedia(msgspec.Struct, tag=True):
+    """Forget the request: drop its decoded pixels and never write its pages again."""
+
+    request_id: str
+
+
+# -- to core -------------------------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]  # vision placeholders expanded
+    media: list[MediaPlan]
+    params: SamplingParams
+    stop_token_ids: list[int]  # params.stop_token_ids plus EOS unless ignore_eos
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class MediaReady(msgspec.Struct, tag=True):
+    request_id: str
+    media_index: int
+    decode_s: float
+
+
+class ReleaseBlocks(msgspec.Struct, tag=True):
+    """Decode is done with these requests: free their KV blocks."""
+
+    request_ids: list[str]
+
+
+# -- to decode -----------------------------------------------------------------------------------
+class Handoff(msgspec.Struct, tag=True):
+    """A prefilled request, ready to decode on the shared KV cache."""
+
+    request_id: str
+    block_table: list[int]  # covers prompt + max_tokens: decode never allocates
+    prompt_len: int
+    mrope_delta: int
+    first_token: int
+    params: SamplingParams
+    stop_token_ids: list[int]
+    sampler_state: bytes  # the request's torch.Generator state after sampling the first token
+
+
+# -- to api --------------------------------------------------------------------------------------
+class MediaProbed(msgspec.Struct, tag=True):
+    request_id: str
+    plans: list[MediaPlan]
+    probe_s: float
+
+
+class MediaFailed(msgspec.Struct, tag=True):
+    """The media cannot be used (not a video, corrupt, unsupported, too long): a client error."""
+
+    request_id: str
+    message: str
+
+
+class TokenOutput(msgspec.Struct):
+    request_id: str
+    index: int  # position in the output: 0 is the first token (sampled by core)
+    token_id: int
+    finish_reason: str | None = None  # "stop" | "length" when this token ends the request
+    stages: StageTimes | None = None  # with the first token
+
+
+class TokenOutputs(msgspec.Struct, tag=True):
+    outputs: list[TokenOutput]
+
+
+class RequestFailed(msgspec.Struct, tag=True):
+    request_id: str
+    message: str
+    status_code: int = 400
+
+
+class WorkerReady(msgspec.Struct, tag=True):
+    name: str
+    pid: int
+    info: dict[str, str]  # device, threads, model, budgets: logged by the launcher
+
+
+class WorkerStats(msgspec.Struct, tag=True):
+    name: str
+    gauges: dict[str, float]  # e.g. kv_blocks_used, patch_pages_used, num_waiting
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+ToVision = Union[ProbeMedia, WritePatches, CancelMedia, Shutdown]
+ToCore = Union[AddRequest, AbortRequest, MediaReady, ReleaseBlocks, Shutdown]
+ToDecode = Union[Handoff, AbortRequest, Shutdown]
+ToApi = Union[MediaProbed, MediaFailed, TokenOutputs, RequestFailed, WorkerReady, WorkerStats]
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decoder(union) -> msgspec.msgpack.Decoder:
+    """A decoder for one destination's union (``ToVision``, ``ToCore``, ``ToDecode``, ``ToApi``)."""
+    return msgspec.msgpack.Decoder(union)

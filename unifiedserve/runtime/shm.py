@@ -1,0 +1,91 @@
+"""Pools shared between processes: named shared memory on CPU, CUDA IPC handles on GPU.
+
+A pool is described by a :class:`PoolSpec` (picklable, sent to each worker at start). On CPU the
+launcher creates one file per pool in a tmpfs folder (``/dev/shm``); every process maps it with
+``MAP_SHARED``. Once all workers have mapped their pools the launcher unlinks the files, so the
+memory lives exactly as long as the last process that maps it and nothing is left behind, even
+after ``kill -9``.
+
+On CUDA the owner allocates the tensor and exports a CUDA IPC handle (torch's multiprocessing
+reductions) that other processes open. That path is written but has not run on a GPU yet.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+
+DEFAULT_SHM_DIR = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """A shared tensor: its name, shape and dtype, and where it lives."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name, e.g. "float32"
+    path: str | None = None  # CPU: the tmpfs file
+    cuda_handle: bytes | None = None  # CUDA: ForkingPickler bytes of the tensor's IPC reduction
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * self.torch_dtype.itemsize
+
+
+def check_shm_space(shm_dir: str, num_bytes: int) -> None:
+    """Raise a clear error when the tmpfs folder cannot hold the pools."""
+    free = shutil.disk_usage(shm_dir).free
+    if free < num_bytes:
+        raise RuntimeError(f"the shared pools need {num_bytes / 2**30:.2f} GiB but {shm_dir} has "
+                           f"{free / 2**30:.2f} GiB free; shrink the pools (--kv-cache-gb, --patch-buffer-gb) or "
+                           f"give a bigger tmpfs with --shm-dir (in Docker: --shm-size)")
+
+
+def create_cpu_pool(shm_dir: str, prefix: str, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> PoolSpec:
+    """Create the tmpfs file behind a CPU pool (sparse: memory is used as pages are touched)."""
+    spec = PoolSpec(name, tuple(int(s) for s in shape), str(dtype).removeprefix("torch."),
+                    path=os.path.join(shm_dir, f"{prefix}-{name}"))
+    fd = os.open(spec.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, spec.num_bytes)
+    finally:
+        os.close(fd)
+    return spec
+
+
+def export_cuda_pool(name: str, tensor: torch.Tensor) -> PoolSpec:
+    """Describe a CUDA tensor by its IPC handle, for processes started from this one."""
+    if tensor.device.type != "cuda":
+        raise ValueError("export_cuda_pool needs a CUDA tensor")
+    return PoolSpec(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."),
+                    cuda_handle=bytes(ForkingPickler.dumps(tensor)))
+
+
+def open_pool(spec: PoolSpec) -> torch.Tensor:
+    """Map a pool in this process: the same memory every other process sees."""
+    if spec.cuda_handle is not None:
+        return ForkingPickler.loads(spec.cuda_handle)
+    if spec.path is None:
+        raise ValueError(f"pool {spec.name!r} has neither a file nor a CUDA handle")
+    numel = math.prod(spec.shape)
+    flat = torch.from_file(spec.path, shared=True, size=numel, dtype=spec.torch_dtype)
+    return flat.view(spec.shape)
+
+
+def unlink_pool(spec: PoolSpec) -> None:
+    """Remove a CPU pool's file (mappings stay valid); no-op for CUDA pools or a missing file."""
+    if spec.path is not None:
+        try:
+            os.unlink(spec.path)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,205 @@
+"""The vision process: probes media, decodes them with FlashCodec, writes patches into the shared patch pool.
+
+For a request (``ProbeMedia``) it probes every video (a demux scan) and decodes every image on a
+small thread pool, and answers api at once with the patch grids (``MediaProbed``), so the prompt
+length is known before a frame is decoded. Video decoding starts right after the probe, on
+FlashCodec's shared decoder threads. When core has admitted the request (``WritePatches``, the
+pages of its patch stream) and a media's patches are ready, this process copies them into those
+pages and tells core (``MediaReady``). Writes happen on the loop thread, in the order of core's
+messages, so a ``CancelMedia`` from core is always seen before its pages are handed to anyone else.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from flashcodec import DecodeEngine, FlashCodecError, SamplingOptions
+from flashcodec.image import decode_image
+from flashcodec.source import Source
+from unifiedserve.memory.buffers import PagedBuffer
+from unifiedserve.memory.pages import RaggedIndex
+from unifiedserve.model.processor import load_processor
+from unifiedserve.runtime import protocol
+from unifiedserve.runtime.shm import open_pool
+from unifiedserve.runtime.worker import Worker
+
+log = logging.getLogger("unifiedserve")
+
+BUSY_POLL_MS = 5  # inbox poll while probes or decodes are in flight (their results arrive on a queue)
+
+
+@dataclass
+class _Job:
+    request_id: str
+    media: list[protocol.MediaRef]
+    plans: list[protocol.MediaPlan] = field(default_factory=list)
+    patches: dict[int, torch.Tensor] = field(default_factory=dict)  # decoded, not yet written
+    decode_s: dict[int, float] = field(default_factory=dict)
+    written: set[int] = field(default_factory=set)
+    pages: list[int] | None = None  # from core's WritePatches
+
+
+class VisionWorker(Worker):
+    name = "vision"
+    inbox_type = protocol.ToVision
+
+    def setup(self) -> dict[str, str]:
+        cfg = self.config
+        processor = load_processor(cfg.model)
+        self.spec = processor.patch_spec
+        self.image_pixels = (processor.image_min_pixels, processor.image_max_pixels)
+        storage = open_pool(cfg.pools["patch"])
+        self.patch_buffer = PagedBuffer(*storage.shape, dtype=storage.dtype, storage=storage)
+        self.engine = DecodeEngine("auto", cfg.vision_threads or None)
+        self.probe_pool = ThreadPoolExecutor(2, thread_name_prefix="probe")
+        self.events: queue.Queue = queue.Queue()
+        self.jobs: dict[str, _Job] = {}
+        self.in_flight = 0  # probes and decodes running on other threads
+        self._lock = threading.Lock()
+        return {"decoder": f"{self.engine.backend.name} x {self.engine.num_threads} threads",
+                "patch_buffer": f"{storage.shape[0]} pages x {storage.shape[1]} rows x {storage.shape[2]}"}
+
+    def has_work(self) -> bool:
+        return not self.events.empty()
+
+    def _drain(self, timeout_ms: int) -> None:
+        super()._drain(min(timeout_ms, BUSY_POLL_MS) if self.in_flight else timeout_ms)
+
+    def stats(self) -> dict[str, float]:
+        return {"vision_requests": len(self.jobs), "vision_in_flight": self.in_flight}
+
+    # -- messages ----------------------------------------------------------------------------------
+    def handle(self, message) -> None:
+        if isinstance(message, protocol.ProbeMedia):
+            job = _Job(message.request_id, message.media)
+            self.jobs[job.request_id] = job
+            self._started()
+            self.probe_pool.submit(self._probe, job)
+        elif isinstance(message, protocol.WritePatches):
+            job = self.jobs.get(message.request_id)
+            if job is not None:
+                job.pages = message.pages
+                self._write_ready(job)
+        elif isinstance(message, protocol.CancelMedia):
+            self.jobs.pop(message.request_id, None)
+
+    def step(self) -> None:
+        while True:
+            try:
+                event = self.events.get_nowait()
+            except queue.Empty:
+                return
+            self._event(*event)
+
+    def _event(self, kind: str, request_id: str, *payload) -> None:
+        self.in_flight -= 1
+        job = self.jobs.get(request_id)
+        if job is None:  # cancelled meanwhile
+            return
+        if kind == "failed":
+            self.jobs.pop(request_id)
+            self.send("api", protocol.MediaFailed(request_id, payload[0]))
+        elif kind == "probed":
+            plans, probe_s, analyses = payload
+            job.plans = plans
+            self.send("api", protocol.MediaProbed(request_id, plans, probe_s))
+            for index, analysis in analyses:
+                self._started()
+                threading.Thread(target=self._decode, args=(job, index, analysis), daemon=True,
+                                 name=f"decode-{request_id}").start()
+        elif kind == "decoded":
+            index, patches, decode_s = payload
+            job.patches[index] = patches
+            job.decode_s[index] = decode_s
+            self._write_ready(job)
+
+    def _started(self) -> None:
+        self.in_flight += 1
+
+    # -- work on other threads -----------------------------------------------------------------------
+    def _probe(self, job: _Job) -> None:
+        start = time.perf_counter()
+        plans, analyses = [], []
+        try:
+            for index, ref in enumerate(job.media):
+                source = ref.path if ref.path is not None else ref.data
+                if ref.kind == "image":
+                    t0 = time.perf_counter()
+                    min_pixels = ref.min_pixels or self.image_pixels[0]
+                    max_pixels = ref.max_pixels or self.image_pixels[1]
+                    image = decode_image(source, min_pixels=min_pixels, max_pixels=max(min_pixels, max_pixels))
+                    patches, grid = image.to_patches(self.spec)
+                    job.patches[index] = patches
+                    job.decode_s[index] = time.perf_counter() - t0
+                    plans.append(protocol.MediaPlan("image", tuple(grid)))
+                    continue
+                options = SamplingOptions(fps=ref.fps, max_frames=ref.max_frames, min_pixels=ref.min_pixels,
+                                          max_pixels=ref.max_pixels)
+                analysis = self.engine.analyse_bitstream(Source.of(source), options)
+                duration = analysis.info.duration_s
+                if duration > self.config.max_video_seconds:
+                    raise ValueError(f"video {index} is {duration:.0f} s long; this server accepts at most "
+                                     f"{self.config.max_video_seconds:.0f} s (--max-video-seconds)")
+                plan = analysis.plan
+                t, h, w = plan.grid_thw(self.spec.patch_size, self.spec.temporal_patch_size)
+                plans.append(protocol.MediaPlan("video", (t, h, w), self.spec.temporal_patch_size / plan.sample_fps,
+                                                plan.num_frames, float(duration)))
+                analyses.append((index, analysis))
+        except (FlashCodecError, ValueError, OSError) as e:
+            self.events.put(("failed", job.request_id, f"media {len(plans)}: {_one_line(e)}"))
+            return
+        except Exception as e:  # a decoder bug must not take the process down: fail this request only
+            log.exception("probing request %s failed", job.request_id)
+            self.events.put(("failed", job.request_id, f"media {len(plans)} could not be read: {_one_line(e)}"))
+            return
+        self.events.put(("probed", job.request_id, plans, time.perf_counter() - start, analyses))
+
+    def _decode(self, job: _Job, index: int, analysis) -> None:
+        start = time.perf_counter()
+        try:
+            self.engine.add_decoding_request(analysis.key_id, output="patches", patch_spec=self.spec)
+            decoded = self.engine.get_decoding_output(analysis.key_id)
+        except Exception as e:  # corrupt data, unsupported stream: the client's media, not our crash
+            self.events.put(("failed", job.request_id, f"media {index}: {_one_line(e)}"))
+            return
+        self.events.put(("decoded", job.request_id, index, decoded.patches, time.perf_counter() - start))
+
+    # -- writing patches -------------------------------------------------------------------------------
+    def _write_ready(self, job: _Job) -> None:
+        if job.pages is None:
+            return
+        page_size = self.patch_buffer.page_size
+        offset = 0
+        for index, plan in enumerate(job.plans):
+            t, h, w = plan.grid_thw
+            rows = t * h * w
+            if index in job.patches:
+                patches = job.patches.pop(index)
+                if patches.shape[0] != rows:
+                    raise AssertionError(f"media {index} decoded {patches.shape[0]} patch rows, planned {rows}")
+                first, last = offset // page_size, -(-(offset + rows) // page_size)
+                index_ = RaggedIndex.build([(rows, offset, job.pages[first:last])], page_size)
+                self.patch_buffer.write(patches.to(self.patch_buffer.tensor.dtype), index_)
+                job.written.add(index)
+                self.send("core", protocol.MediaReady(job.request_id, index, job.decode_s.get(index, 0.0)))
+            offset += rows
+        if len(job.written) == len(job.plans):
+            self.jobs.pop(job.request_id, None)
+
+    def close(self) -> None:
+        if hasattr(self, "engine"):
+            self.engine.close()
+            self.probe_pool.shutdown(wait=False, cancel_futures=True)
+        super().close()
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

@@ -1,0 +1,163 @@
+"""What every worker process shares: start-up, its ZMQ inbox, its event loop, and dying cleanly.
+
+A worker binds one PULL socket (its inbox) and connects PUSH sockets to the peers it talks to.
+Its loop drains the inbox, then does one unit of work (a model step, a patch write); it blocks
+on the inbox only when it has nothing to do. It ignores SIGINT (the launcher owns Ctrl-C and
+sends :class:`~unifiedserve.runtime.protocol.Shutdown`), exits on SIGTERM, and exits when its
+parent dies (``PR_SET_PDEATHSIG`` plus a ``getppid`` check), so no worker outlives its server.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+
+import zmq
+
+from unifiedserve.runtime import protocol
+from unifiedserve.runtime.config import RuntimeConfig
+
+log = logging.getLogger("unifiedserve")
+
+IDLE_POLL_MS = 100  # how often an idle worker checks its parent
+
+
+def setup_logging(name: str) -> None:
+    logging.basicConfig(level=os.environ.get("UNIFIEDSERVE_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s %(levelname)s [{name}] %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stderr, force=True)
+
+
+class Worker:
+    """Base class of the vision, core and decode processes."""
+
+    name = "worker"
+    inbox_type = None  # the protocol union this worker receives
+
+    def __init__(self, config: RuntimeConfig):
+        self.config = config
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.bind(config.address(self.name))
+        self._peers: dict[str, zmq.Socket] = {}
+        self._decoder = protocol.decoder(self.inbox_type)
+        self.stopping = False
+        self._parent = os.getppid()
+        self._last_stats: dict[str, float] = {}
+        self._last_stats_time = 0.0
+
+    # -- to override ------------------------------------------------------------------------
+    def setup(self) -> dict[str, str]:
+        """Load models, map pools. Returns what the launcher logs about this worker."""
+        return {}
+
+    def handle(self, message) -> None:
+        raise NotImplementedError
+
+    def has_work(self) -> bool:
+        return False
+
+    def step(self) -> None:
+        """One unit of work; called when :meth:`has_work`."""
+
+    def stats(self) -> dict[str, float]:
+        """Gauges sent to the api process (metrics, leak checks) whenever they change."""
+        return {}
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def send(self, peer: str, message) -> None:
+        sock = self._peers.get(peer)
+        if sock is None:
+            sock = self._peers[peer] = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(self.config.address(peer))
+        sock.send(protocol.encode(message), copy=False)
+
+    def _drain(self, timeout_ms: int) -> None:
+        if not self.inbox.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self.inbox.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            message = self._decoder.decode(frame.buffer)
+            if isinstance(message, protocol.Shutdown):
+                self.stopping = True
+                return
+            self.handle(message)
+
+    def _send_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_stats_time < 0.05:
+            return
+        stats = self.stats()
+        if stats != self._last_stats or force:
+            self.send("api", protocol.WorkerStats(self.name, stats))
+            self._last_stats = stats
+        self._last_stats_time = now
+
+    def run(self) -> None:
+        while not self.stopping:
+            busy = self.has_work()
+            self._drain(0 if busy else IDLE_POLL_MS)
+            if self.stopping:
+                break
+            if os.getppid() != self._parent:
+                log.error("the server process is gone; exiting")
+                break
+            if self.has_work():
+                self.step()
+            self._send_stats()
+        self._send_stats(force=True)
+
+    def close(self) -> None:
+        for sock in [self.inbox, *self._peers.values()]:
+            sock.close(linger=0)
+        self.ctx.term()
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the getppid check in the loop still catches it
+        pass
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def worker_main(worker_cls: type[Worker], config: RuntimeConfig) -> None:
+    """Entry point of a worker process (target of ``multiprocessing.Process``)."""
+    setup_logging(worker_cls.name)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    _die_with_parent()
+    threads = config.torch_threads.get(worker_cls.name)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    worker = None
+    try:
+        worker = worker_cls(config)
+        info = worker.setup()
+        worker.send("api", protocol.WorkerReady(worker_cls.name, os.getpid(), info))
+        worker.run()
+    except SystemExit:
+        pass
+    except BaseException:
+        log.error("worker failed:\n%s", traceback.format_exc())
+        os._exit(1)
+    finally:
+        if worker is not None:
+            worker.close()

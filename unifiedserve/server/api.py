@@ -1,0 +1,355 @@
+"""The OpenAI-compatible HTTP API (FastAPI), run in the api process.
+
+``POST /v1/chat/completions`` turns a chat request into a runtime request: media URLs are
+resolved under the server's media policy, the chat template is rendered and tokenized here,
+vision probes the media (so the prompt length is known), and core gets the expanded prompt.
+Tokens come back from core (the first) and decode (the rest); they are detokenized here, with
+stop strings, and streamed as server-sent events or returned in one response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from unifiedserve.engine.output import TextOutput
+from unifiedserve.engine.params import SamplingParams
+from unifiedserve.runtime import protocol
+from unifiedserve.server.engine_client import EngineClient, RequestError, RequestStream
+from unifiedserve.server.media import MediaError, MediaPolicy, resolve_media
+from unifiedserve.server.metrics import Metrics
+from unifiedserve.server.openai_protocol import ChatCompletionRequest, ImagePart, TextPart, VideoPart, error_body
+
+log = logging.getLogger("unifiedserve")
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
+
+
+@dataclass
+class ServerState:
+    client: EngineClient
+    processor: Any
+    metrics: Metrics
+    media_policy: MediaPolicy
+    model_name: str
+    max_model_len: int
+    default_max_tokens: int
+    eos_token_ids: tuple[int, ...]
+    policy: str
+    api_key: str | None = None
+    draining: bool = False
+
+
+def _error(message: str, status_code: int, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status_code, param), status_code=status_code)
+
+
+class _Disconnected(Exception):
+    pass
+
+
+async def _wait(awaitable, request: Request):
+    """Await while checking that the client is still connected (raises ``_Disconnected``)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise _Disconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="UnifiedServe", version="0.1.0",
+                  description="OpenAI-compatible long-video question answering (Qwen2.5-VL family).")
+    app.state.server = state
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return _error(f"invalid request: {where}: {first.get('msg', 'malformed')}" if where
+                      else f"invalid request: {first.get('msg', 'malformed JSON body')}", 400, where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return _error(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return _error(f"internal server error: {type(exc).__name__}", 500)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if state.api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
+                return _error("invalid or missing API key (Authorization: Bearer <key>)", 401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if state.client.healthy and not state.draining:
+            return {"status": "ok", "policy": state.policy}
+        return JSONResponse({"status": "unhealthy", "policy": state.policy,
+                             "error": state.client.fatal or "shutting down"}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "unifiedserve",
+            "max_model_len": state.max_model_len, "policy": state.policy}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        state.metrics.update_workers(state.client.all_gauges(), _num_in_api(state.client))
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        try:
+            return await _chat(state, body, request)
+        except _Disconnected:
+            return Response(status_code=499)
+
+    return app
+
+
+def _num_in_api(client: EngineClient) -> int:
+    return sum(1 for s in client.streams.values() if not s.added)
+
+
+async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request):
+    if state.draining or state.client.fatal:
+        return _error(f"the server is not serving: {state.client.fatal or 'shutting down'}", 503)
+    if body.model is not None and body.model != state.model_name:
+        return _error(f"the model {body.model!r} does not exist; this server serves {state.model_name!r}", 404, "model")
+    if body.n != 1:
+        return _error("only n=1 is supported", 400, "n")
+    arrival = time.time()
+    try:
+        messages, media = await run_in_threadpool(_convert_messages, body, state.media_policy)
+        prompt_ids = state.processor.tokenize(state.processor.render_chat(messages))
+    except (MediaError, ValueError) as e:
+        return _error(str(e), 400, "messages")
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    client = state.client
+    try:
+        stream = client.open(request_id)
+    except RequestError as e:
+        return _error(e.message, e.status_code)
+    started = False
+    try:
+        probe_s = 0.0
+        plans: list[protocol.MediaPlan] = []
+        if media:
+            t0 = time.time()
+            probed = await _wait(client.probe(stream, media), request)
+            plans, probe_s = probed.plans, time.time() - t0
+        prompt_ids = state.processor.expand_vision_tokens(
+            prompt_ids, [p.grid_thw for p in plans if p.kind == "image"], [p.grid_thw for p in plans if p.kind == "video"])
+        prompt_len = len(prompt_ids)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        room = state.max_model_len - prompt_len
+        if max_tokens is None:
+            max_tokens = min(state.default_max_tokens, room)
+        if room < 1 or prompt_len + max_tokens > state.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {state.max_model_len} tokens, but the request needs "
+                f"{prompt_len + max(max_tokens, 1)}: {prompt_len} in the messages (visual tokens included) and "
+                f"{max(max_tokens, 1)} for the completion; shorten the prompt or video (e.g. lower fps, "
+                f"max_frames or max_pixels in video_url) or lower max_tokens", 400)
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0), seed=body.seed,
+            stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()), ignore_eos=body.ignore_eos)
+        stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(state.eos_token_ids))
+        await client.add(stream, protocol.AddRequest(request_id, prompt_ids, plans, params, stop_ids))
+        first = await _wait(stream.queue.get(), request)
+        if isinstance(first, RequestError):
+            raise first
+        gen = _Generation(state, request_id, stream, params, prompt_len, arrival, probe_s)
+        started = True
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(gen.sse(first, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await gen.complete(first, request)
+    except RequestError as e:
+        return _error(e.message, e.status_code)
+    except ValueError as e:  # sampling parameters
+        return _error(str(e), 400)
+    finally:
+        if not started:
+            client.abort(request_id)
+
+
+def _convert_messages(body: ChatCompletionRequest, policy: MediaPolicy):
+    """OpenAI messages -> template messages (``{"type": "image"|"video"}`` parts) and media references."""
+    messages, media = [], []
+    for message in body.messages:
+        if message.content is None or isinstance(message.content, str):
+            messages.append({"role": message.role, "content": message.content or ""})
+            continue
+        parts = []
+        for part in message.content:
+            if isinstance(part, TextPart):
+                parts.append({"type": "text", "text": part.text})
+                continue
+            if message.role != "user":
+                raise ValueError(f"images and videos are only allowed in user messages, not in {message.role!r}")
+            if isinstance(part, ImagePart):
+                found = resolve_media(part.image_url.url, policy)
+                media.append(protocol.MediaRef("image", found.path, found.data, min_pixels=part.image_url.min_pixels,
+                                               max_pixels=part.image_url.max_pixels))
+                parts.append({"type": "image"})
+            elif isinstance(part, VideoPart):
+                v = part.video_url
+                found = resolve_media(v.url, policy)
+                media.append(protocol.MediaRef("video", found.path, found.data, fps=v.fps, max_frames=v.max_frames,
+                                               min_pixels=v.min_pixels, max_pixels=v.max_pixels))
+                parts.append({"type": "video"})
+        messages.append({"role": message.role, "content": parts})
+    return messages, media
+
+
+class _Generation:
+    """One admitted request's output: detokenization, stop strings, metrics, and the response."""
+
+    def __init__(self, state: ServerState, request_id: str, stream: RequestStream, params: SamplingParams,
+                 prompt_len: int, arrival: float, probe_s: float):
+        self.state, self.request_id, self.stream, self.params = state, request_id, stream, params
+        self.prompt_len, self.arrival, self.probe_s = prompt_len, arrival, probe_s
+        self.output = TextOutput(state.processor.incremental_decoder(), params.stop)
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+        self.last_time = 0.0
+        self.created = int(arrival)
+
+    def consume(self, out: protocol.TokenOutput) -> str:
+        """One token in; returns the new text. Sets ``finish_reason`` when the request ends."""
+        now, metrics = time.time(), self.state.metrics
+        if out.index == 0:
+            metrics.ttft.observe(now - self.arrival)
+            self._stage_metrics(out.stages)
+        else:
+            metrics.itl.observe(now - self.last_time)
+        self.last_time = now
+        self.num_tokens += 1
+        metrics.generation_tokens.inc()
+        text = ""
+        if out.finish_reason != "stop" or out.token_id not in self._stop_ids():
+            text = self.output.append(out.token_id)
+        if self.output.stopped:
+            self.finish_reason = "stop"
+        elif out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+        return text
+
+    def _stop_ids(self) -> set[int]:
+        ids = set(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            ids.update(self.state.eos_token_ids)
+        return ids
+
+    def _stage_metrics(self, st: protocol.StageTimes | None) -> None:
+        stage = self.state.metrics.stage
+        stage["probe"].observe(self.probe_s)
+        if st is None:
+            return
+        stage["decode"].observe(st.decode_s)
+        if st.admitted:
+            stage["queue"].observe(max(0.0, st.admitted - st.added))
+        if st.encode_start:
+            stage["encode"].observe(st.encode_end - st.encode_start)
+        if st.prefill_start:
+            stage["prefill"].observe(st.prefill_end - st.prefill_start)
+
+    async def _finish(self) -> None:
+        metrics = self.state.metrics
+        metrics.e2e.observe(time.time() - self.arrival)
+        metrics.prompt_tokens.inc(self.prompt_len)
+        metrics.finished(self.finish_reason or "abort")
+        if self.output.stopped:  # a stop string ended it here: the workers may still be generating
+            self.state.client.abort(self.request_id)
+        else:
+            self.state.client.finish(self.request_id)
+
+    async def _next(self) -> protocol.TokenOutput:
+        item = await self.stream.queue.get()
+        if isinstance(item, RequestError):
+            raise item
+        return item
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_len, "completion_tokens": self.num_tokens,
+                "total_tokens": self.prompt_len + self.num_tokens}
+
+    async def complete(self, first: protocol.TokenOutput, request: Request) -> JSONResponse:
+        try:
+            out = first
+            while True:
+                self.consume(out)
+                if self.finish_reason is not None:
+                    break
+                out = await _wait(self._next(), request)
+        except (_Disconnected, RequestError):
+            self.state.client.abort(self.request_id)
+            raise
+        await self._finish()
+        return JSONResponse({
+            "id": self.request_id, "object": "chat.completion", "created": self.created,
+            "model": self.state.model_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": self.output.text},
+                         "logprobs": None, "finish_reason": self.finish_reason}],
+            "usage": self.usage()})
+
+    def _chunk(self, delta: dict, finish_reason: str | None = None, usage: dict | None = None) -> str:
+        body = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.state.model_name,
+                "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                                      "finish_reason": finish_reason}]}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    async def sse(self, first: protocol.TokenOutput, include_usage: bool):
+        done = False
+        try:
+            yield self._chunk({"role": "assistant", "content": ""})
+            out = first
+            while True:
+                text = self.consume(out)
+                if text:
+                    yield self._chunk({"content": text})
+                if self.finish_reason is not None:
+                    break
+                out = await self._next()
+            yield self._chunk({}, self.finish_reason)
+            if include_usage:
+                yield self._chunk(None, usage=self.usage())
+            yield "data: [DONE]\n\n"
+            done = True
+            await self._finish()
+        except RequestError as e:  # a worker died mid-stream: tell the client in-band, then end
+            yield f"data: {json.dumps(error_body(e.message, e.status_code))}\n\n"
+            done = True
+        finally:
+            if not done:  # the client went away (the generator was closed or cancelled)
+                self.state.metrics.finished("abort")
+                self.state.client.abort(self.request_id)

@@ -1,0 +1,68 @@
+"""Prometheus metrics of one server: latencies, per-stage times, queue sizes and pool usage."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+                    7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+STAGES = ("probe", "decode", "queue", "encode", "prefill")
+
+#: worker gauges exported as pool usage: (pool, used key, total key)
+_POOLS = (("kv_blocks", "kv_blocks_used", "kv_blocks_total"), ("patch_pages", "patch_pages_used", "patch_pages_total"),
+          ("visual_pages", "visual_pages_used", "visual_pages_total"))
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self._labels = labels
+        self.ttft = Histogram("unifiedserve_time_to_first_token_seconds", "Time to first token.",
+                              ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.itl = Histogram("unifiedserve_inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.e2e = Histogram("unifiedserve_e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                             ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        stage = Histogram("unifiedserve_request_stage_seconds",
+                          "Time a request spent in each stage before its first token: probe (api sends the media "
+                          "to vision .. grids known), decode (frames decoded and patches written), queue (waiting "
+                          "for patch pages), encode (first .. last vision-encoder step), prefill (first .. last "
+                          "prefill chunk). Stages may overlap.",
+                          ["model_name", "stage"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.stage = {s: stage.labels(stage=s, **labels) for s in STAGES}
+        self.requests = Counter("unifiedserve_requests", "Finished requests by finish reason.",
+                                ["model_name", "finish_reason"], registry=r)
+        self.prompt_tokens = Counter("unifiedserve_prompt_tokens", "Prompt tokens (visual tokens included).",
+                                     ["model_name"], registry=r).labels(**labels)
+        self.generation_tokens = Counter("unifiedserve_generation_tokens", "Generated tokens.", ["model_name"],
+                                         registry=r).labels(**labels)
+        self.running = Gauge("unifiedserve_num_requests_running", "Requests admitted: encoding, prefilling or "
+                             "decoding.", ["model_name"], registry=r).labels(**labels)
+        self.waiting = Gauge("unifiedserve_num_requests_waiting", "Requests not admitted yet: probing, decoding "
+                             "video, or waiting for patch pages.", ["model_name"], registry=r).labels(**labels)
+        pool_used = Gauge("unifiedserve_pool_used", "Pages or blocks in use, per pool.", ["model_name", "pool"],
+                          registry=r)
+        pool_total = Gauge("unifiedserve_pool_capacity", "Pages or blocks, per pool.", ["model_name", "pool"],
+                           registry=r)
+        self._pool = {p: (pool_used.labels(pool=p, **labels), pool_total.labels(pool=p, **labels), u, t)
+                      for p, u, t in _POOLS}
+        self.healthy = Gauge("unifiedserve_healthy", "1 while every worker process is alive.", ["model_name"],
+                             registry=r).labels(**labels)
+        self.healthy.set(1)
+
+    def finished(self, reason: str) -> None:
+        self.requests.labels(finish_reason=reason, **self._labels).inc()
+
+    def update_workers(self, gauges: dict[str, float], num_in_api: int) -> None:
+        """From the workers' latest stats; ``num_in_api``: requests the api holds that core has not seen."""
+        for used, total, used_key, total_key in self._pool.values():
+            if used_key in gauges:
+                used.set(gauges[used_key])
+                total.set(gauges[total_key])
+        self.waiting.set(gauges.get("num_waiting", 0) + num_in_api)
+        self.running.set(gauges.get("num_prefilling", 0) + gauges.get("num_decoding", 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,211 @@
+"""``unifiedserve serve``: start the workers and pools, then the HTTP API; shut all of it down cleanly.
+
+Exit status: 0 after SIGINT/SIGTERM (clean shutdown), 1 when a worker process died or failed to
+start, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+from unifiedserve.engine.scheduler import SchedulerConfig
+from unifiedserve.runtime.shm import DEFAULT_SHM_DIR
+from unifiedserve.runtime.worker import setup_logging
+
+log = logging.getLogger("unifiedserve")
+
+WORKER_DEATH_GRACE_S = 2.0  # /health reports unhealthy this long before the server exits
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from unifiedserve.model.demo import DEFAULT_DEMO_PATH
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, metavar="PATH",
+                   help=f"Hugging Face checkpoint folder of a Qwen2.5-VL-family model (default: the demo model at "
+                        f"{DEFAULT_DEMO_PATH}, written on first run)")
+    g.add_argument("--served-model-name", default=None, help="model id in the API (default: the folder's name)")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the model runs (default auto: CUDA when available and supported, else CPU)")
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="weights and activations (default auto: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + completion in tokens, visual tokens included (default: the model's, "
+                        "capped by the KV cache)")
+    g.add_argument("--default-max-tokens", type=int, default=512,
+                   help="completion length when a request gives no max_tokens (default 512)")
+
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument("--api-key", default=os.environ.get("UNIFIEDSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $UNIFIEDSERVE_API_KEY, or none)")
+    g.add_argument("--policy", choices=("unified",), default="unified",
+                   help="scheduling policy: unified = encode+prefill and decode in separate processes sharing the "
+                        "device and the KV cache (default)")
+    g.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the workers (default 600)")
+
+    g = p.add_argument_group("media")
+    g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="allow file:// media URLs under DIR (default: file:// refused)")
+    g.add_argument("--allowed-media-domains", nargs="*", default=(), metavar="HOST",
+                   help="allow http(s) media URLs from these hosts (default: none)")
+    g.add_argument("--max-media-mb", type=float, default=512.0,
+                   help="largest data: URL payload or download, in MiB (default 512)")
+    g.add_argument("--max-video-seconds", type=float, default=3600.0,
+                   help="refuse longer videos (default 3600)")
+    g.add_argument("--vision-threads", type=int, default=0,
+                   help="FlashCodec decoder threads shared by all requests (default: one per core)")
+
+    g = p.add_argument_group("scheduling (Algorithm 3)")
+    g.add_argument("--prefill-token-budget", type=int, default=None, metavar="TAU",
+                   help="prompt tokens prefilled per core iteration (default 512, or derived from --tbt-slo-ms)")
+    g.add_argument("--encode-token-budget", type=int, default=None, metavar="ALPHA",
+                   help="patch tokens encoded per core iteration (default 4096, or derived from --tbt-slo-ms)")
+    g.add_argument("--tbt-slo-ms", type=float, default=None,
+                   help="derive both budgets from this time-between-tokens SLO by a short profile at start "
+                        "(cached per model, device and dtype); explicit budget flags win")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="requests admitted to encode/prefill at once")
+    g.add_argument("--max-decode-batch", type=int, default=256, help="requests decoded together at most")
+
+    g = p.add_argument_group("memory pools")
+    g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB (default 1)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides --kv-cache-gb)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--patch-buffer-gb", type=float, default=2.0,
+                   help="patch buffer (vision -> encode) in GiB; one request's patches must fit (default 2)")
+    g.add_argument("--visual-buffer-gb", type=float, default=0.25,
+                   help="visual-token buffer (encode -> prefill) in GiB (default 0.25)")
+    g.add_argument("--page-size", type=int, default=256, help="rows per page of both buffers (default 256)")
+    g.add_argument("--shm-dir", default=DEFAULT_SHM_DIR, help=f"tmpfs folder for the CPU pools (default {DEFAULT_SHM_DIR})")
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    if torch.cuda.is_available():
+        log.warning("CUDA is available but the CUDA attention backend is not built yet; serving on CPU")
+    return "cpu"
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging("api")
+    from unifiedserve.model.demo import DEFAULT_DEMO_PATH, write_demo_model
+    from unifiedserve.runtime.launcher import Runtime, build_config
+
+    model = args.model
+    if model is None:
+        model = str(Path(DEFAULT_DEMO_PATH).expanduser())
+        if not (Path(model) / "config.json").exists():
+            log.info("writing the demo model to %s", model)
+            write_demo_model(model)
+    elif not (Path(model) / "config.json").is_file():
+        raise ValueError(f"--model {model}: no config.json there; give a Hugging Face checkpoint folder")
+    device = _resolve_device(args.device)
+    if device == "cuda":
+        from unifiedserve.attention import get_attention_backend
+
+        get_attention_backend("cuda")  # raises a clear "not built yet"
+    dtype = args.dtype if args.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
+    sched = SchedulerConfig(
+        prefill_token_budget=args.prefill_token_budget or SchedulerConfig.prefill_token_budget,
+        encode_token_budget=args.encode_token_budget or SchedulerConfig.encode_token_budget,
+        max_num_seqs=args.max_num_seqs, patches_ready_on_admit=False)
+    config = build_config(
+        model, served_model_name=args.served_model_name, device=device, dtype=dtype, max_model_len=args.max_model_len,
+        kv_cache_gb=args.kv_cache_gb, num_kv_blocks=args.num_kv_blocks, patch_buffer_gb=args.patch_buffer_gb,
+        visual_buffer_gb=args.visual_buffer_gb, block_size=args.block_size, page_size=args.page_size,
+        scheduler=sched, policy=args.policy, default_max_tokens=args.default_max_tokens,
+        tbt_slo_ms=args.tbt_slo_ms, max_decode_batch=args.max_decode_batch, vision_threads=args.vision_threads,
+        max_video_seconds=args.max_video_seconds,
+        budget_overrides={k: v for k, v in (("prefill_token_budget", args.prefill_token_budget),
+                                            ("encode_token_budget", args.encode_token_budget)) if v})
+    runtime = Runtime(config, shm_dir=args.shm_dir)
+    return asyncio.run(_serve(runtime, args))
+
+
+async def _serve(runtime, args) -> int:
+    import uvicorn
+
+    from unifiedserve.model.config import ModelConfig
+    from unifiedserve.model.processor import load_processor
+    from unifiedserve.server.api import ServerState, build_app
+    from unifiedserve.server.engine_client import EngineClient
+    from unifiedserve.server.media import MediaPolicy
+    from unifiedserve.server.metrics import Metrics
+
+    config = runtime.config
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    server: uvicorn.Server | None = None
+
+    def on_signal(signum, frame):  # also what uvicorn re-raises after its own graceful exit
+        loop.call_soon_threadsafe(stop.set)
+        if server is not None:
+            server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    client = EngineClient(runtime)
+    await client.start()
+    try:
+        runtime.create_pools()
+        runtime.start()
+        log.info("starting workers (vision, core, decode); instance %s, sockets in %s", runtime.instance,
+                 runtime.ipc_dir)
+        ready = asyncio.create_task(client.wait_ready(args.startup_timeout))
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not ready.done():
+            ready.cancel()
+            log.info("interrupted during start-up")
+            return 0
+        stopped.cancel()
+        try:
+            infos = ready.result()
+        except RuntimeError as e:
+            log.error("start-up failed: %s", e)
+            return 1
+        runtime.all_mapped()
+        for name in ("vision", "core", "decode"):
+            info = infos[name]
+            log.info("%s (pid %d): %s", name, info.pid, ", ".join(f"{k}={v}" for k, v in info.info.items()))
+        log.info("pools: KV cache %d blocks x %d tokens, patch buffer %d pages, visual-token buffer %d pages "
+                 "(page = %d rows); max model len %d; policy %s", config.num_kv_blocks, config.block_size,
+                 config.num_patch_pages, config.num_visual_pages, config.page_size, config.max_model_len,
+                 config.policy)
+        processor = load_processor(config.model)
+        model_config = ModelConfig.from_json(os.path.join(config.model, "config.json"))
+        metrics = Metrics(config.served_model_name)
+        policy = MediaPolicy(Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
+                             tuple(args.allowed_media_domains), int(args.max_media_mb * 2**20))
+        state = ServerState(client, processor, metrics, policy, config.served_model_name, config.max_model_len,
+                            config.default_max_tokens, tuple(model_config.eos_token_ids), config.policy, args.api_key)
+        app = build_app(state)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                               access_log=False, timeout_graceful_shutdown=5))
+
+        def on_fatal():
+            metrics.healthy.set(0)
+            loop.call_later(WORKER_DEATH_GRACE_S, setattr, server, "should_exit", True)
+
+        client.on_fatal = on_fatal
+        if stop.is_set():
+            return 0
+        log.info("serving %s on http://%s:%d (OpenAI API at /v1)", config.served_model_name, args.host, args.port)
+        await server.serve()
+        if not server.started and not stop.is_set() and not client.fatal:
+            log.error("the HTTP server could not start (is port %d free?)", args.port)
+            return 1
+        return 1 if client.fatal else 0
+    finally:
+        await client.close()
+        runtime.stop()
+        log.info("stopped")
