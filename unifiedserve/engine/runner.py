@@ -123,8 +123,12 @@ class ModelRunner:
             num_rows += 1
             sample_rows.append(num_rows - 1)
             sample_ids.append(rid)
-        logits = forward_tokens(self.model, self.attn, self.block_size, torch.cat(ids), torch.cat(positions, dim=1),
-                                seqs, visual, sample_rows)
+        input_ids = torch.cat(ids)
+        cfg = self.model.config
+        visual_mask = (input_ids == cfg.image_token_id) | (input_ids == cfg.video_token_id)
+        visual_mask[num_rows - len(out.decode):] = False  # generated tokens are text, whatever their id
+        logits = forward_tokens(self.model, self.attn, self.block_size, input_ids, torch.cat(positions, dim=1),
+                                seqs, visual, sample_rows, visual_mask)
         return dict(zip(sample_ids, logits))
 
     def _blocks(self, req: Request) -> list[int]:
@@ -136,15 +140,16 @@ class ModelRunner:
 
 def forward_tokens(model, attn, block_size: int, input_ids: torch.Tensor, positions: torch.Tensor,
                    seqs: list[tuple[int, int, list[int]]], visual: torch.Tensor | None,
-                   sample_rows: list[int]) -> torch.Tensor:
+                   sample_rows: list[int], visual_mask: torch.Tensor | None = None) -> torch.Tensor:
     """One LLM forward over a flattened batch; returns the logits ``[S, vocab]`` of ``sample_rows``.
 
     Args:
         input_ids: int64 [N]; positions: int64 [3, N] (M-RoPE).
         seqs: ``(tokens already cached, new tokens, KV block table)`` per sequence, in row order.
         visual: visual-token embeddings for the image/video placeholders among ``input_ids``, in order.
+        visual_mask: bool [N], rows that take ``visual`` (default: rows with a placeholder id).
     """
-    embeds = model.embed(input_ids, visual)  # [N, hidden]
+    embeds = model.embed(input_ids, visual, visual_mask)  # [N, hidden]
     attn.begin(AttentionMetadata.build(seqs, block_size))
     hidden = model(embeds, positions, attn)  # [N, hidden]
     return model.compute_logits(hidden[sample_rows])  # [S, vocab]

@@ -41,7 +41,8 @@ class Qwen2_5_VL(nn.Module):
         """Visual tokens ``[sum(t*h*w) / merge**2, hidden]`` of images/videos; see :class:`VisionTower`."""
         return self.visual(patches, grid_thw)
 
-    def embed(self, input_ids: torch.Tensor, visual_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, visual_tokens: torch.Tensor | None = None,
+              visual_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Token embeddings with visual tokens written over the placeholder rows.
 
         Args:
@@ -49,13 +50,17 @@ class Qwen2_5_VL(nn.Module):
             visual_tokens: ``[V, hidden]``, one row per image or video placeholder in ``input_ids``,
                 in the order the placeholders appear (media in prompt order, each media's tokens in
                 the order :meth:`encode_vision` returns them). ``None`` when there are none.
+            visual_mask: bool ``[N]``, the rows that take visual tokens. Default: every placeholder
+                id. Decode rows pass False: a generated token is text even when it has a placeholder id.
         Returns:
             ``[N, hidden]`` in the model's dtype.
         Raises:
             ValueError: the number of placeholders differs from ``V``.
         """
         embeds = self.language_model.embed_tokens(input_ids)  # [N, hidden]
-        is_visual = (input_ids == self.config.image_token_id) | (input_ids == self.config.video_token_id)  # [N]
+        if visual_mask is None:
+            visual_mask = (input_ids == self.config.image_token_id) | (input_ids == self.config.video_token_id)
+        is_visual = visual_mask  # [N]
         num_placeholders = int(is_visual.sum())
         num_visual = 0 if visual_tokens is None else visual_tokens.shape[0]
         if num_placeholders != num_visual:

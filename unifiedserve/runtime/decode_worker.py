@@ -92,7 +92,8 @@ class DecodeWorker(Worker):
             positions.append(decode_positions(num_done, h.mrope_delta))
             seqs.append((num_done, 1, h.block_table))
         logits = forward_tokens(self.model, self.attn, self.config.block_size, torch.tensor(ids, dtype=torch.int64),
-                                torch.cat(positions, dim=1), seqs, None, list(range(len(ids))))
+                                torch.cat(positions, dim=1), seqs, None, list(range(len(ids))),
+                                visual_mask=torch.zeros(len(ids), dtype=torch.bool))  # generated tokens are text
         batch = list(self.batch.values())
         tokens = sample(logits, [s.handoff.params for s in batch], [s.sampler for s in batch])
         outputs, finished = [], []

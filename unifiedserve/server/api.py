@@ -105,7 +105,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health():
         if state.client.healthy and not state.draining:
-            return {"status": "ok", "policy": state.policy}
+            workers = {name: info.pid for name, info in state.client.worker_info.items()}
+            return {"status": "ok", "policy": state.policy, "workers": workers}
         return JSONResponse({"status": "unhealthy", "policy": state.policy,
                              "error": state.client.fatal or "shutting down"}, status_code=503)
 

@@ -1,0 +1,240 @@
+"""The whole server (api, vision, core, decode processes) through the official openai client."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import http.client as httplib
+import json
+import signal
+import time
+
+import openai
+import pytest
+
+import synthetic_video
+from serve_helpers import Server, alive, http, leftovers
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "What happens in this video?"
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    d = tmp_path_factory.mktemp("media")
+    files = {
+        "video": synthetic_video.make_video(d / "clip.mp4", codec="h264", width=320, height=240, duration_s=4.0,
+                                            fps=10.0, gop=10, seed=1),
+        "video2": synthetic_video.make_video(d / "clip2.mkv", codec="hevc", width=192, height=144, duration_s=3.0,
+                                             fps=8.0, gop=8, seed=2),
+        "image": synthetic_video.make_image(d / "img.png", width=200, height=150, seed=3),
+    }
+    synthetic_video.corrupt_middle(files["video"], d / "corrupt.mp4", seed=4)
+    (d / "notavideo.mp4").write_bytes(b"this is not a video at all" * 100)
+    outside = tmp_path_factory.mktemp("outside")
+    files["outside"] = synthetic_video.make_image(outside / "secret.png", seed=5)
+    (d / "escape.png").symlink_to(files["outside"])
+    return d, files
+
+
+@pytest.fixture(scope="module")
+def server(media):
+    d, _ = media
+    srv = Server(media_dir=d)
+    yield srv
+    pids = srv.pids()
+    code = srv.stop(signal.SIGTERM)
+    assert code == 0, srv.log()
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)], "orphan processes after SIGTERM"
+    assert leftovers(srv.instance) == []
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def video_message(path, question=QUESTION, **options):
+    return [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": f"file://{path}", **options}},
+                                         {"type": "text", "text": question}]}]
+
+
+def image_message(path, question="Describe the image."):
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"file://{path}"}},
+                                         {"type": "text", "text": question}]}]
+
+
+GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+
+
+def test_models_health_openapi(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["demo-model"]
+    status, body = http("GET", server.url + "/health")
+    assert status == 200 and body["status"] == "ok" and body["policy"] == "unified"
+    assert set(body["workers"]) == {"vision", "core", "decode"}
+    status, spec = http("GET", server.url + "/openapi.json")
+    assert status == 200 and "/v1/chat/completions" in spec["paths"]
+
+
+def test_video_nonstream_and_stream_agree(server, client, media):
+    _, files = media
+    full = client.chat.completions.create(model="demo-model", messages=video_message(files["video"]), **GREEDY)
+    choice = full.choices[0]
+    assert choice.finish_reason == "length" and full.usage.completion_tokens == 12
+    assert full.usage.prompt_tokens > 100  # the video's visual tokens are counted
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 12
+    chunks = list(client.chat.completions.create(model="demo-model", messages=video_message(files["video"]),
+                                                 stream=True, stream_options={"include_usage": True}, **GREEDY))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+
+
+def test_image_and_text(client, media):
+    _, files = media
+    out = client.chat.completions.create(model="demo-model", messages=image_message(files["image"]), **GREEDY)
+    assert out.usage.completion_tokens == 12 and out.choices[0].message.content
+    text = client.chat.completions.create(model="demo-model", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=5, temperature=0.8, seed=7)
+    assert text.usage.completion_tokens <= 5
+
+
+def test_data_url_video_equals_file_url(client, media):
+    _, files = media
+    payload = base64.b64encode(files["video"].read_bytes()).decode()
+    by_data = client.chat.completions.create(
+        model="demo-model", messages=[{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": f"data:video/mp4;base64,{payload}"}},
+            {"type": "text", "text": QUESTION}]}], **GREEDY)
+    by_file = client.chat.completions.create(model="demo-model", messages=video_message(files["video"]), **GREEDY)
+    assert by_data.choices[0].message.content == by_file.choices[0].message.content
+
+
+def _engine_reference(files):
+    """The same requests through the single-process engine (greedy, 12 tokens)."""
+    import flashcodec
+    from unifiedserve.engine import LLM, SamplingParams, VisionInput
+
+    llm = LLM()
+    spec = llm.processor.patch_spec
+    video = VisionInput.from_video(flashcodec.decode_video(str(files["video"]), output="patches", patch_spec=spec))
+    video2 = VisionInput.from_video(flashcodec.decode_video(str(files["video2"]), output="patches",
+                                                            patch_spec=spec, fps=4.0))
+    image = VisionInput.from_image(flashcodec.decode_image(str(files["image"])), spec)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    cases = {
+        "video": [{"role": "user", "content": [{"type": "video", "vision": video}, {"type": "text", "text": QUESTION}]}],
+        "video2": [{"role": "user", "content": [{"type": "video", "vision": video2},
+                                                {"type": "text", "text": "Count the objects."}]}],
+        "image": [{"role": "user", "content": [{"type": "image", "vision": image},
+                                               {"type": "text", "text": "Describe the image."}]}],
+        "text": [{"role": "user", "content": "Tell me a story."}],
+    }
+    out = {}
+    for name, messages in cases.items():
+        ids, vision = llm.build_prompt(messages)
+        out[name] = llm.generate([(ids, vision, params)])[0]
+    return out
+
+
+def _served(client, files, name):
+    messages = {
+        "video": video_message(files["video"]),
+        "video2": video_message(files["video2"], "Count the objects.", fps=4.0),
+        "image": image_message(files["image"]),
+        "text": [{"role": "user", "content": "Tell me a story."}],
+    }[name]
+    return client.chat.completions.create(model="demo-model", messages=messages, **GREEDY)
+
+
+def test_parity_and_concurrency_then_no_leaks(server, client, media):
+    """16 mixed requests at once; every one equals the single-process engine's greedy output."""
+    _, files = media
+    reference = _engine_reference(files)
+    names = ["video", "video2", "image", "text"] * 4
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda n: _served(client, files, n), names))
+    for name, res in zip(names, results):
+        ref = reference[name]
+        assert res.usage.prompt_tokens == ref.prompt_len, name
+        assert res.usage.completion_tokens == 12
+        assert res.choices[0].message.content == ref.text, name
+    m = server.wait_idle()
+    assert m['unifiedserve_pool_capacity{pool="kv_blocks"}'] > 0
+    assert m["unifiedserve_time_to_first_token_seconds_count"] >= 16
+    for stage in ("probe", "decode", "queue", "encode", "prefill"):
+        assert m[f'unifiedserve_request_stage_seconds_count{{stage="{stage}"}}'] >= 16
+
+
+def _error(status_body, status):
+    code, body = status_body
+    assert code == status, body
+    assert set(body["error"]) >= {"message", "type", "code"}
+    return body["error"]["message"]
+
+
+def test_bad_requests_get_400_and_server_keeps_serving(server, media):
+    d, files = media
+    url = server.url + "/v1/chat/completions"
+
+    def video(u, **kw):
+        return {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": u}},
+                                                          {"type": "text", "text": "?"}]}], "max_tokens": 4, **kw}
+
+    msg = _error(http("POST", url, video(f"file://{d}/corrupt.mp4")), 400)
+    assert "corrupt" in msg.lower() or "decode" in msg.lower()
+    _error(http("POST", url, video(f"file://{d}/notavideo.mp4")), 400)
+    garbage = base64.b64encode(b"\x00\x01garbage" * 50).decode()
+    _error(http("POST", url, video(f"data:video/mp4;base64,{garbage}")), 400)
+    assert "outside" in _error(http("POST", url, video(f"file://{files['outside']}")), 400)
+    _error(http("POST", url, video(f"file://{d}/escape.png")), 400)
+    _error(http("POST", url, video(f"file://{d}/../outside/x.png")), 400)
+    _error(http("POST", url, video("http://example.com/a.mp4")), 400)
+    msg = _error(http("POST", url, video(f"file://{files['video']}", max_tokens=40000)), 400)
+    assert "maximum context length" in msg and "40000" in msg
+    _error(http("POST", url, video(f"file://{files['video']}", temperature=-1)), 400)
+    _error(http("POST", url, video(f"file://{files['video']}", n=2)), 400)
+    _error(http("POST", url, {"messages": []}), 400)
+    _error(http("POST", url, b"{not json"), 400)
+    _error(http("POST", url, {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}), 404)
+    # still serving, and nothing leaked
+    status, body = http("POST", url, {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3})
+    assert status == 200 and body["usage"]["completion_tokens"] <= 3
+    server.wait_idle()
+
+
+def test_client_disconnect_mid_stream_frees_everything(server, media):
+    _, files = media
+    body = json.dumps({"messages": video_message(files["video"]), "max_tokens": 2000, "stream": True,
+                       "ignore_eos": True, "temperature": 0})
+    conn = httplib.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    seen = 0
+    while seen < 5:
+        line = resp.readline()
+        if line.startswith(b"data: ") and b"content" in line:
+            seen += 1
+    conn.sock.shutdown(2)
+    conn.close()
+    m = server.wait_idle(timeout=30)
+    assert m['unifiedserve_requests_total{finish_reason="abort"}'] >= 1
+
+
+def test_non_streaming_disconnect_aborts(server, media):
+    _, files = media
+    body = json.dumps({"messages": video_message(files["video"]), "max_tokens": 3000, "ignore_eos": True})
+    conn = httplib.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+    time.sleep(1.5)  # admitted and decoding
+    assert server.metrics()['unifiedserve_pool_used{pool="kv_blocks"}'] > 0
+    conn.sock.shutdown(2)
+    conn.close()
+    server.wait_idle(timeout=30)
