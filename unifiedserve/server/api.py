@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -60,15 +60,24 @@ class _Disconnected(Exception):
 
 
 async def _wait(awaitable, request: Request):
-    """Await while checking that the client is still connected (raises ``_Disconnected``)."""
+    """Await while checking, at most every ``DISCONNECT_POLL_S``, that the client is still connected.
+
+    Raises ``_Disconnected`` when it is gone. The check also runs when results keep arriving.
+    """
+    scope = request.scope
     task = asyncio.ensure_future(awaitable)
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
+            due = scope.get("unifiedserve.next_check", 0.0) - time.monotonic()
+            if due > 0:
+                done, _ = await asyncio.wait({task}, timeout=due)
+                if done:
+                    return task.result()
+            scope["unifiedserve.next_check"] = time.monotonic() + DISCONNECT_POLL_S
             if await request.is_disconnected():
                 raise _Disconnected()
+            if task.done():
+                return task.result()
     finally:
         if not task.done():
             task.cancel()
@@ -95,12 +104,9 @@ def build_app(state: ServerState) -> FastAPI:
         log.exception("unhandled error in %s %s", request.method, request.url.path)
         return _error(f"internal server error: {type(exc).__name__}", 500)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
-                return _error("invalid or missing API key (Authorization: Bearer <key>)", 401)
-        return await call_next(request)
+    async def _auth(request: Request) -> None:  # a dependency, not middleware: that would hide disconnects
+        if state.api_key and request.headers.get("authorization", "") != f"Bearer {state.api_key}":
+            raise StarletteHTTPException(401, "invalid or missing API key (Authorization: Bearer <key>)")
 
     @app.get("/health")
     async def health():
@@ -110,7 +116,7 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse({"status": "unhealthy", "policy": state.policy,
                              "error": state.client.fatal or "shutting down"}, status_code=503)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(_auth)])
     async def models():
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "unifiedserve",
@@ -121,7 +127,7 @@ def build_app(state: ServerState) -> FastAPI:
         state.metrics.update_workers(state.client.all_gauges(), _num_in_api(state.client))
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[Depends(_auth)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         try:
             return await _chat(state, body, request)

@@ -147,6 +147,7 @@ async def _serve(runtime, args) -> int:
     server: uvicorn.Server | None = None
 
     def on_signal(signum, frame):  # also what uvicorn re-raises after its own graceful exit
+        runtime.stopping = True  # workers that exit from now on are not failures
         loop.call_soon_threadsafe(stop.set)
         if server is not None:
             server.should_exit = True

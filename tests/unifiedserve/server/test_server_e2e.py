@@ -233,8 +233,10 @@ def test_non_streaming_disconnect_aborts(server, media):
     body = json.dumps({"messages": video_message(files["video"]), "max_tokens": 3000, "ignore_eos": True})
     conn = httplib.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
-    time.sleep(1.5)  # admitted and decoding
-    assert server.metrics()['unifiedserve_pool_used{pool="kv_blocks"}'] > 0
+    deadline = time.monotonic() + 60
+    while server.metrics()['unifiedserve_pool_used{pool="kv_blocks"}'] == 0:  # until admitted and prefilled
+        assert time.monotonic() < deadline, "the request never got KV blocks"
+        time.sleep(0.1)
     conn.sock.shutdown(2)
     conn.close()
     server.wait_idle(timeout=30)
