@@ -17,9 +17,10 @@ $(STAMP): pyproject.toml requirements/cpu.txt scripts/ensure_ffmpeg.sh
 test: setup
 	$(PY) -m pytest -q
 
-# Until the server exists, the main job decodes a generated sample video with flashcodec.
+# The server on the demo model (CPU when there is no GPU), with a generated sample video to ask about.
+# Extra flags: make serve ARGS="--port 8080"
 serve: setup
-	$(PY) scripts/demo_decode.py
+	$(PY) scripts/serve_demo.py $(ARGS)
 
 bench-decode: setup
 	$(PY) -m pip install -q -r requirements/bench.txt

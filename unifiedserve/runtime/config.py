@@ -14,6 +14,7 @@ from unifiedserve.engine.scheduler import SchedulerConfig
 from unifiedserve.runtime.shm import PoolSpec
 
 PROCESSES = ("vision", "core", "decode")
+POLICIES = ("unified", "monolithic", "split")
 
 
 @dataclass
@@ -36,10 +37,16 @@ class RuntimeConfig:
     max_decode_batch: int = 256
     vision_threads: int = 0  # decoder threads; 0: one per core
     torch_threads: dict[str, int] = field(default_factory=dict)  # per process; missing: torch's default
+    cpu_affinity: dict[str, list[int]] = field(default_factory=dict)  # per process; missing: every core
     max_video_seconds: float = 3600.0
     ipc_dir: str = ""
     instance: str = ""
     pools: dict[str, PoolSpec] = field(default_factory=dict)  # "kv", "patch"
+
+    @property
+    def processes(self) -> tuple[str, ...]:
+        """Worker processes of this policy: monolithic decodes inside core."""
+        return ("vision", "core") if self.policy == "monolithic" else PROCESSES
 
     def address(self, process: str) -> str:
         """The ZMQ address a process binds its inbox at ("api", "vision", "core", "decode")."""

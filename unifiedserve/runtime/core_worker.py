@@ -5,6 +5,9 @@ Each iteration: the scheduler admits requests whose patch pages fit (their pages
 chunks (budget tau), and the runner executes them. A request whose prompt is done samples its
 first token here; it then goes to the decode process (``Handoff``: block table, first token,
 M-RoPE delta, sampler state) and keeps its KV blocks until decode sends ``ReleaseBlocks``.
+
+Under ``--policy monolithic`` there is no decode process: decode tokens join core's iterations
+next to encode and prefill work (vLLM/SGLang chunked prefill), so an encoder step delays them.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class CoreWorker(Worker):
                                    PageAllocator(cfg.num_patch_pages, cfg.page_size),
                                    PageAllocator(cfg.num_visual_pages, cfg.page_size))
         self.live: dict[str, _Live] = {}
+        self.decode_here = cfg.policy == "monolithic"
         self._stalled = False  # the last schedule() found nothing to run; wait for a message
         info.update({
             "device": cfg.device, "dtype": cfg.dtype, "torch_threads": str(torch.get_num_threads()),
@@ -101,7 +105,7 @@ class CoreWorker(Worker):
             if rid in self.scheduler.requests:
                 self._finish(rid, "abort")
                 self.send("vision", protocol.CancelMedia(rid))
-            elif rid in self.scheduler.handed_off:
+            elif not self.decode_here and rid in self.scheduler.handed_off:
                 self.send("decode", message)  # decode replies with ReleaseBlocks
         elif isinstance(message, protocol.ReleaseBlocks):
             for rid in message.request_ids:
@@ -162,12 +166,17 @@ class CoreWorker(Worker):
         tokens = sample(torch.stack([logits[r] for r in ids]), [x.params for x in lives], [x.sampler for x in lives])
         outputs, handoffs = [], []
         for rid, live, token in zip(ids, lives, tokens):
-            reason = "stop" if token in live.stop_ids else ("length" if live.params.max_tokens <= 1 else None)
-            outputs.append(protocol.TokenOutput(rid, 0, token, reason, live.stages))
+            req = self.scheduler.requests[rid]
+            req.output_token_ids.append(token)
+            index = len(req.output_token_ids) - 1
+            reason = ("stop" if token in live.stop_ids
+                      else "length" if len(req.output_token_ids) >= live.params.max_tokens else None)
+            outputs.append(protocol.TokenOutput(rid, index, token, reason, live.stages if index == 0 else None))
             if reason is not None:
                 self._finish(rid, reason)
                 continue
-            req = self.scheduler.requests[rid]
+            if self.decode_here:
+                continue
             handoffs.append(protocol.Handoff(
                 rid, self.runner._tensors[rid].block_table, req.prompt_len, self.runner.mrope_delta(rid), token,
                 live.params, sorted(live.stop_ids), bytes(live.sampler.generator.get_state().numpy())))

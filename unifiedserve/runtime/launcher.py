@@ -23,7 +23,7 @@ import zmq
 from unifiedserve.engine.scheduler import SchedulerConfig
 from unifiedserve.model.config import ModelConfig
 from unifiedserve.runtime import protocol
-from unifiedserve.runtime.config import PROCESSES, RuntimeConfig
+from unifiedserve.runtime.config import RuntimeConfig
 from unifiedserve.runtime.shm import DEFAULT_SHM_DIR, check_shm_space, create_cpu_pool, unlink_pool
 
 log = logging.getLogger("unifiedserve")
@@ -58,6 +58,15 @@ def build_config(model: str, *, served_model_name: str | None = None, device: st
     elif max_model_len > kv_tokens:
         raise ValueError(f"--max-model-len {max_model_len} needs more KV cache than there is ({kv_tokens} tokens); "
                          f"raise --kv-cache-gb or lower --max-model-len")
+    policy = kwargs.get("policy", "unified")
+    if policy == "split":  # disjoint core sets: encode+prefill (and video decode) | decode
+        cpus = sorted(os.sched_getaffinity(0))
+        half = max(1, len(cpus) // 2)
+        front, back = cpus[:half], cpus[half:] or cpus[-1:]
+        kwargs["cpu_affinity"] = {"vision": front, "core": front, "decode": back}
+        kwargs["torch_threads"] = {"core": len(front), "decode": len(back)}
+        if not kwargs.get("vision_threads"):
+            kwargs["vision_threads"] = len(front)
     return RuntimeConfig(model=model, served_model_name=served_model_name or os.path.basename(model.rstrip("/")),
                          device=device, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
                          num_kv_blocks=num_kv_blocks, page_size=page_size, num_patch_pages=num_patch_pages,
@@ -107,7 +116,9 @@ class Runtime:
         from unifiedserve.runtime.worker import worker_main
 
         ctx = mp.get_context("spawn")
-        for name, cls in _worker_classes().items():
+        classes = _worker_classes()
+        for name in self.config.processes:
+            cls = classes[name]
             proc = ctx.Process(target=worker_main, args=(cls, self.config), name=f"unifiedserve-{name}", daemon=False)
             proc.start()
             self.processes[name] = proc
@@ -129,7 +140,7 @@ class Runtime:
         if alive:
             ctx = zmq.Context()
             try:
-                for name in PROCESSES:
+                for name in self.config.processes:
                     proc = self.processes.get(name)
                     if proc is not None and proc.is_alive():
                         sock = ctx.socket(zmq.PUSH)

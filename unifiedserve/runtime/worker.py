@@ -142,6 +142,9 @@ def worker_main(worker_cls: type[Worker], config: RuntimeConfig) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
     _die_with_parent()
+    cpus = config.cpu_affinity.get(worker_cls.name)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     threads = config.torch_threads.get(worker_cls.name)
     if threads:
         import torch

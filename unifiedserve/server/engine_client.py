@@ -15,7 +15,6 @@ import zmq
 import zmq.asyncio
 
 from unifiedserve.runtime import protocol
-from unifiedserve.runtime.config import PROCESSES
 from unifiedserve.runtime.launcher import Runtime
 
 log = logging.getLogger("unifiedserve")
@@ -88,7 +87,7 @@ class EngineClient:
         try:
             await asyncio.wait_for(self._ready.wait(), timeout)
         except asyncio.TimeoutError:
-            missing = sorted(set(PROCESSES) - set(self.worker_info))
+            missing = sorted(set(self.config.processes) - set(self.worker_info))
             raise RuntimeError(f"workers {', '.join(missing)} did not start within {timeout:.0f} s") from None
         if self.fatal:
             raise RuntimeError(self.fatal)
@@ -164,7 +163,7 @@ class EngineClient:
                 self.on_stats()
         elif isinstance(msg, protocol.WorkerReady):
             self.worker_info[msg.name] = msg
-            if set(self.worker_info) >= set(PROCESSES):
+            if set(self.worker_info) >= set(self.config.processes):
                 self._ready.set()
 
     async def _watch(self) -> None:
@@ -177,6 +176,12 @@ class EngineClient:
                 name, code = next(iter(dead.items()))
                 self._die(f"the {name} worker process exited unexpectedly (exit code {code})")
                 return
+
+    def fail_all(self, message: str, status_code: int) -> None:
+        """End every in-flight request with an error (shutting down)."""
+        for stream in list(self.streams.values()):
+            stream.fail(RequestError(message, status_code))
+        self.streams.clear()
 
     def _die(self, reason: str) -> None:
         log.error("%s; failing %d in-flight requests and stopping", reason, len(self.streams))

@@ -45,9 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     g.add_argument("--api-key", default=os.environ.get("UNIFIEDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $UNIFIEDSERVE_API_KEY, or none)")
-    g.add_argument("--policy", choices=("unified",), default="unified",
-                   help="scheduling policy: unified = encode+prefill and decode in separate processes sharing the "
-                        "device and the KV cache (default)")
+    g.add_argument("--policy", choices=("unified", "monolithic", "split"), default="unified",
+                   help="unified (default): encode+prefill (core) and decode in separate processes sharing every "
+                        "core/device and the KV cache. monolithic: one process batches decode tokens into the "
+                        "encode/prefill iterations (vLLM/SGLang chunked prefill; the encoder blocks decode). "
+                        "split: core and decode on disjoint CPU sets (half each) with matching thread counts "
+                        "(DistServe/EPD style)")
     g.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the workers (default 600)")
 
     g = p.add_argument_group("media")
@@ -151,6 +154,14 @@ async def _serve(runtime, args) -> int:
         loop.call_soon_threadsafe(stop.set)
         if server is not None:
             server.should_exit = True
+            loop.call_soon_threadsafe(_drain)
+
+    def _drain():  # in-flight requests end now with a 503 instead of being cut off after the grace period
+        if state is not None:
+            state.draining = True
+        client.fail_all("the server is shutting down", 503)
+
+    state = None
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
@@ -175,7 +186,7 @@ async def _serve(runtime, args) -> int:
             log.error("start-up failed: %s", e)
             return 1
         runtime.all_mapped()
-        for name in ("vision", "core", "decode"):
+        for name in config.processes:
             info = infos[name]
             log.info("%s (pid %d): %s", name, info.pid, ", ".join(f"{k}={v}" for k, v in info.info.items()))
         log.info("pools: KV cache %d blocks x %d tokens, patch buffer %d pages, visual-token buffer %d pages "
@@ -192,6 +203,14 @@ async def _serve(runtime, args) -> int:
         app = build_app(state)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                access_log=False, timeout_graceful_shutdown=5))
+        uvicorn_handle_exit = server.handle_exit
+
+        def handle_exit(sig, frame):  # uvicorn's own signal handler while it serves
+            uvicorn_handle_exit(sig, frame)
+            runtime.stopping = True
+            loop.call_soon_threadsafe(_drain)
+
+        server.handle_exit = handle_exit
 
         def on_fatal():
             metrics.healthy.set(0)

@@ -98,3 +98,5 @@ def test_sigint_during_requests_shuts_down_cleanly(media):
     assert _gone(pids), "orphan processes after SIGINT"
     assert leftovers(srv.instance) == []
     assert not t.is_alive()
+    status, body = results[0]
+    assert status == 503 and "shutting down" in body["error"]["message"]

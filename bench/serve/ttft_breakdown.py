@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""TTFT of one long-video request, stage by stage, and decode TBT of 8 other requests meanwhile.
+
+Starts a server (demo model unless --model), starts ``--num-decoding`` text requests that keep
+decoding (ignore_eos), measures their inter-token gaps for a quiet window, then sends one
+video request (a generated 3-minute 480p H.264 clip, 2 fps) and measures its TTFT. The stage
+breakdown (probe, decode, queue, encode, prefill) comes from the server's /metrics. The other
+requests' TBT is reported for the quiet window and for the video request's encode+prefill window.
+
+    python bench/serve/ttft_breakdown.py [--max-pixels 112896] [--result-json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT / "datasets"))
+sys.path.insert(0, str(HERE))
+
+import synthetic_video  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
+
+VIDEO = dict(codec="h264", width=854, height=480, duration_s=180.0, fps=30.0, gop=250, bframes=3, suffix=".mp4",
+             preset="veryfast", seed=0)
+STAGES = ("probe", "decode", "queue", "encode", "prefill")
+
+
+def percentile(values, q):
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    k = (len(values) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def stage_sums(metrics: dict[str, float]) -> dict[str, float]:
+    out = {}
+    for key, value in metrics.items():
+        m = re.match(r'unifiedserve_request_stage_seconds_sum\{.*stage="(\w+)"', key)
+        if m:
+            out[m.group(1)] = value
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-decoding", type=int, default=8, help="requests decoding meanwhile (default 8)")
+    p.add_argument("--max-pixels", type=int, default=112896,
+                   help="video_url max_pixels per frame (default 112896 = 252x448, so the video's ~26k visual "
+                        "tokens fit the demo model's 32k context)")
+    p.add_argument("--fps", type=float, default=2.0)
+    p.add_argument("--quiet-window", type=float, default=4.0, help="seconds of TBT measured before the video request")
+    p.add_argument("--server-args", default="", help="extra flags for unifiedserve serve")
+    p.add_argument("--result-json", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    clip = synthetic_video.cached_video(VIDEO)
+    media_dir = clip.parent
+    flags = ["--allowed-local-media-path", str(media_dir), "--kv-cache-gb", "1", "--patch-buffer-gb", "1",
+             *args.server_args.split()]
+    print(f"video: {clip} (3 min 854x480 H.264)\nstarting the server: unifiedserve serve {' '.join(flags)}", flush=True)
+    with ServerProcess(flags, ROOT / "bench" / "results" / "ttft_breakdown_server.log") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=3600)
+        stop = threading.Event()
+        token_times: list[list[float]] = [[] for _ in range(args.num_decoding)]
+
+        def decode_forever(i):
+            stream = client.chat.completions.create(
+                model=server.health.get("model", None) or client.models.list().data[0].id,
+                messages=[{"role": "user", "content": f"Tell me a long story, number {i}."}], max_tokens=20000,
+                stream=True, temperature=0, extra_body={"ignore_eos": True})
+            for _ in stream:
+                token_times[i].append(time.perf_counter())
+                if stop.is_set():
+                    stream.close()
+                    return
+
+        threads = [threading.Thread(target=decode_forever, args=(i,), daemon=True) for i in range(args.num_decoding)]
+        for t in threads:
+            t.start()
+        while min(len(x) for x in token_times) < 5:
+            time.sleep(0.05)
+        quiet_start = time.perf_counter()
+        time.sleep(args.quiet_window)
+        before = stage_sums(server.metrics())
+        sent = time.perf_counter()
+        stream = client.chat.completions.create(
+            model=client.models.list().data[0].id, stream=True, max_tokens=16, temperature=0,
+            messages=[{"role": "user", "content": [
+                {"type": "video_url", "video_url": {"url": f"file://{clip}", "fps": args.fps,
+                                                    "max_pixels": args.max_pixels}},
+                {"type": "text", "text": "What happens in this video?"}]}],
+            stream_options={"include_usage": True})
+        first = None
+        usage = None
+        for chunk in stream:
+            if first is None and chunk.choices:  # the server sends its first chunk with the first token
+                first = time.perf_counter()
+            if chunk.usage:
+                usage = chunk.usage
+        done = time.perf_counter()
+        stop.set()
+        after = stage_sums(server.metrics())
+        for t in threads:
+            t.join(30)
+
+    def gaps(lo, hi):
+        return [(b - a) * 1000 for times in token_times for a, b in zip(times, times[1:]) if lo <= a and b <= hi]
+
+    quiet, busy = gaps(quiet_start, sent), gaps(sent, first)
+    result = {
+        "video": "3 min, 854x480, H.264, 30 fps, GOP 250", "fps": args.fps, "max_pixels": args.max_pixels,
+        "prompt_tokens": usage.prompt_tokens if usage else None,
+        "ttft_s": first - sent, "e2e_s": done - sent,
+        "stages_s": {s: after.get(s, 0) - before.get(s, 0) for s in STAGES},
+        "num_decoding": args.num_decoding,
+        "tbt_quiet_ms": {"p50": percentile(quiet, 50), "p99": percentile(quiet, 99), "n": len(quiet)},
+        "tbt_during_video_ttft_ms": {"p50": percentile(busy, 50), "p99": percentile(busy, 99), "n": len(busy)},
+    }
+    print(json.dumps(result, indent=2))
+    if args.result_json:
+        args.result_json.parent.mkdir(parents=True, exist_ok=True)
+        args.result_json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The baseline placements serve the same tokens as the single-process engine; /health names the policy."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import openai
+import pytest
+
+import synthetic_video
+from serve_helpers import Server, http
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    d = tmp_path_factory.mktemp("policies")
+    synthetic_video.make_video(d / "clip.mp4", codec="h264", width=320, height=240, duration_s=4.0, fps=10.0, gop=10,
+                               seed=1)
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference(media):
+    import flashcodec
+    from unifiedserve.engine import LLM, SamplingParams, VisionInput
+
+    llm = LLM()
+    video = VisionInput.from_video(flashcodec.decode_video(str(media / "clip.mp4"), output="patches",
+                                                           patch_spec=llm.processor.patch_spec))
+    ids, vision = llm.build_prompt([{"role": "user", "content": [{"type": "video", "vision": video},
+                                                                 {"type": "text", "text": "What happens?"}]}])
+    return llm.generate([(ids, vision, SamplingParams(max_tokens=10, ignore_eos=True))])[0].text
+
+
+@pytest.mark.parametrize("policy", ["monolithic", "split"])
+def test_policy_serves_engine_tokens(policy, media, reference):
+    srv = Server("--policy", policy, media_dir=media)
+    try:
+        status, health = http("GET", srv.url + "/health")
+        assert health["policy"] == policy
+        expected_workers = {"vision", "core"} if policy == "monolithic" else {"vision", "core", "decode"}
+        assert set(health["workers"]) == expected_workers
+        if policy == "split":  # disjoint core sets (on a 1-core machine both get the same core)
+            core, decode = (os.sched_getaffinity(health["workers"][n]) for n in ("core", "decode"))
+            assert core.isdisjoint(decode) or len(os.sched_getaffinity(0)) == 1
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": f"file://{media}/clip.mp4"}},
+                                                 {"type": "text", "text": "What happens?"}]}]
+        outs = [client.chat.completions.create(model="demo-model", messages=messages, temperature=0, max_tokens=10,
+                                               extra_body={"ignore_eos": True}) for _ in range(2)]
+        assert all(o.choices[0].message.content == reference for o in outs)
+        srv.wait_idle()
+    finally:
+        assert srv.stop(signal.SIGTERM) == 0
