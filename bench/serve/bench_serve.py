@@ -161,15 +161,19 @@ async def _send(client, model: str, req: dict, urls: dict, t0: float) -> Request
         async for chunk in stream:
             now = time.perf_counter() - t0
             for choice in chunk.choices:
-                text = choice.delta.content or (choice.delta.model_extra or {}).get("reasoning_content")
-                if text:
+                text = choice.delta.content
+                if text is None:
+                    text = (choice.delta.model_extra or {}).get("reasoning_content")
+                # a chunk carrying content counts as a token event even when the text is empty (a
+                # token may decode to no visible text yet); the opening role chunk does not
+                if text is not None and not (text == "" and (choice.delta.role or choice.finish_reason)):
                     rec.token_times_s.append(now)
                     pieces.append(text)
             if chunk.usage is not None:
                 rec.completion_tokens = chunk.usage.completion_tokens
                 rec.prompt_tokens = chunk.usage.prompt_tokens
-        if not rec.token_times_s:
-            raise RuntimeError("the stream ended without any content")
+        if not rec.token_times_s and not rec.completion_tokens:
+            raise RuntimeError("the stream ended without any token")
         rec.completion_tokens = rec.completion_tokens or len(rec.token_times_s)
         rec.is_success = True
     except Exception as e:  # a failed request is a result, never the end of the run

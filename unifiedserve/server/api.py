@@ -342,7 +342,7 @@ class _Generation:
             out = first
             while True:
                 text = self.consume(out)
-                if text:
+                if text or self.finish_reason is None:  # one event per token, even with no visible text yet
                     yield self._chunk({"content": text})
                 if self.finish_reason is not None:
                     break
