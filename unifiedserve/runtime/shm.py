@@ -43,10 +43,12 @@ class PoolSpec:
 
 
 def check_shm_space(shm_dir: str, num_bytes: int) -> None:
-    """Raise a clear error when the tmpfs folder cannot hold the pools."""
+    """Raise a clear ``ValueError`` when the tmpfs folder is missing or cannot hold the pools."""
+    if not os.path.isdir(shm_dir):
+        raise ValueError(f"--shm-dir {shm_dir} is not a folder; give a tmpfs folder such as /dev/shm")
     free = shutil.disk_usage(shm_dir).free
     if free < num_bytes:
-        raise RuntimeError(f"the shared pools need {num_bytes / 2**30:.2f} GiB but {shm_dir} has "
+        raise ValueError(f"the shared pools need {num_bytes / 2**30:.2f} GiB but {shm_dir} has "
                            f"{free / 2**30:.2f} GiB free; shrink the pools (--kv-cache-gb, --patch-buffer-gb) or "
                            f"give a bigger tmpfs with --shm-dir (in Docker: --shm-size)")
 

@@ -37,5 +37,5 @@ def test_bfloat16_pool(tmp_path):
 
 
 def test_not_enough_shared_memory_is_a_clear_error(tmp_path):
-    with pytest.raises(RuntimeError, match="--shm-dir"):
+    with pytest.raises(ValueError, match="--shm-dir"):
         check_shm_space(str(tmp_path), 2**62)
