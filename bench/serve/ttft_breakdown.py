@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import sys
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import openai
 
 HERE = Path(__file__).resolve().parent
@@ -37,12 +37,7 @@ STAGES = ("probe", "decode", "queue", "encode", "prefill")
 
 
 def percentile(values, q):
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    k = (len(values) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+    return float(np.percentile(values, q)) if values else float("nan")
 
 
 def stage_sums(metrics: dict[str, float]) -> dict[str, float]:

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from unifiedserve.engine.request import EncodeItem
+from unifiedserve.engine.params import SamplingParams
+from unifiedserve.engine.request import EncodeItem, Request
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,16 @@ class MediaGrid:
 
     def num_visual_tokens(self, merge_size: int = 2) -> int:
         return self.num_patch_tokens // (merge_size * merge_size)
+
+
+def make_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 media: "list[MediaGrid] | list[VisionInput]", model_config) -> Request:
+    """A :class:`Request` whose media are split into encode items, placeholders located in the prompt."""
+    merge = model_config.vision.spatial_merge_size
+    items = [item for i, m in enumerate(media) for item in m.encode_items(i, merge)]
+    visual_ids = {model_config.image_token_id, model_config.video_token_id}
+    positions = [i for i, t in enumerate(prompt_token_ids) if t in visual_ids]
+    return Request(request_id, list(prompt_token_ids), params, items, positions)
 
 
 @dataclass(eq=False)

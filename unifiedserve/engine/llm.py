@@ -12,11 +12,11 @@ from typing import Sequence
 
 import torch
 
-from unifiedserve.engine.inputs import VisionInput
+from unifiedserve.engine.inputs import VisionInput, make_request
 from unifiedserve.engine.output import TextOutput
 from unifiedserve.engine.request import Request
 from unifiedserve.engine.runner import ModelRunner
-from unifiedserve.engine.params import SamplingParams
+from unifiedserve.engine.params import SamplingParams, finish_reason
 from unifiedserve.engine.sampling import SamplerState, sample
 from unifiedserve.engine.scheduler import Scheduler, SchedulerConfig
 from unifiedserve.memory.block_manager import BlockManager
@@ -126,16 +126,10 @@ class LLM:
                     params: SamplingParams = SamplingParams(), request_id: str | None = None) -> str:
         """Queue a request whose image/video placeholders are already expanded (see :meth:`build_prompt`)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        cfg = self.model_config
-        merge = cfg.vision.spatial_merge_size
-        items = [item for i, v in enumerate(vision) for item in v.encode_items(i, merge)]
-        visual_ids = {cfg.image_token_id, cfg.video_token_id}
-        positions = [i for i, t in enumerate(prompt_token_ids) if t in visual_ids]
-        request = Request(request_id, list(prompt_token_ids), params, items, positions)
+        request = make_request(request_id, prompt_token_ids, params, list(vision), self.model_config)
         self.scheduler.add(request)
         self.runner.add_request(request, list(vision))
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        self._live[request_id] = _Live(request, SamplerState.for_params(params), stop_ids,
+        self._live[request_id] = _Live(request, SamplerState.for_params(params), params.stop_ids(self.eos_token_ids),
                                        TextOutput(self.processor.incremental_decoder(), params.stop))
         return request_id
 
@@ -171,15 +165,12 @@ class LLM:
         live = self._live[request_id]
         req = live.request
         req.output_token_ids.append(token)
-        new_text, reason = "", None
-        if token in live.stop_ids:
-            reason = "stop"
-        else:
+        new_text = ""
+        reason = finish_reason(token, len(req.output_token_ids), live.stop_ids, req.params.max_tokens)
+        if reason != "stop":
             new_text = live.output.append(token)
             if live.output.stopped:
                 reason = "stop"
-        if reason is None and len(req.output_token_ids) >= req.params.max_tokens:
-            reason = "length"
         out = RequestOutput(request_id, req.prompt_len, list(req.output_token_ids), live.output.text, [token],
                             new_text, reason is not None, reason)
         if reason is not None:

@@ -36,3 +36,14 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def stop_ids(self, eos_token_ids) -> frozenset[int]:
+        """Token ids that end the output: ``stop_token_ids``, plus the model's EOS unless ``ignore_eos``."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
+
+
+def finish_reason(token_id: int, num_output_tokens: int, stop_ids, max_tokens: int) -> str | None:
+    """``"stop"`` / ``"length"`` when the output's latest token ends it (``num_output_tokens`` counts it), else None."""
+    if token_id in stop_ids:
+        return "stop"
+    return "length" if num_output_tokens >= max_tokens else None

@@ -41,7 +41,8 @@ class RuntimeConfig:
     max_video_seconds: float = 3600.0
     ipc_dir: str = ""
     instance: str = ""
-    pools: dict[str, PoolSpec] = field(default_factory=dict)  # "kv", "patch"
+    pool_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # "kv", "patch": set by build_config
+    pools: dict[str, PoolSpec] = field(default_factory=dict)  # the shared tensors, once created
 
     @property
     def processes(self) -> tuple[str, ...]:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from unifiedserve.engine.inputs import MediaGrid
+from unifiedserve.engine.inputs import MediaGrid, make_request
+from unifiedserve.engine.params import finish_reason
 from unifiedserve.engine.llm import DTYPES
-from unifiedserve.engine.request import Request
 from unifiedserve.engine.runner import ModelRunner
 from unifiedserve.engine.sampling import SamplerState, sample
 from unifiedserve.engine.scheduler import Scheduler
@@ -40,8 +40,6 @@ class _Live:
     stop_ids: frozenset[int]
     sampler: SamplerState
     stages: protocol.StageTimes
-    num_media: int
-    num_ready: int = 0
 
 
 class CoreWorker(Worker):
@@ -94,12 +92,13 @@ class CoreWorker(Worker):
         if isinstance(message, protocol.AddRequest):
             self._add(message)
         elif isinstance(message, protocol.MediaReady):
-            live = self.live.get(message.request_id)
-            if live is not None and self.scheduler.mark_media_ready(message.request_id, message.media_index):
-                live.stages.decode_s += message.decode_s
-                live.num_ready += 1
-                if live.num_ready == live.num_media:
-                    live.stages.media_ready = time.time()
+            rid = message.request_id
+            if self.scheduler.mark_media_ready(rid, message.media_index):
+                stages = self.live[rid].stages
+                stages.decode_s += message.decode_s
+                req = self.scheduler.requests[rid]
+                if len(req.ready_media) == req.num_media:
+                    stages.media_ready = time.time()
         elif isinstance(message, protocol.AbortRequest):
             rid = message.request_id
             if rid in self.scheduler.requests:
@@ -112,14 +111,9 @@ class CoreWorker(Worker):
                 self.scheduler.release(rid)
 
     def _add(self, msg: protocol.AddRequest) -> None:
-        cfg = self.model_config
-        merge = cfg.vision.spatial_merge_size
         grids = [MediaGrid(p.kind, tuple(p.grid_thw), p.second_per_grid_t) for p in msg.media]
-        items = [item for i, g in enumerate(grids) for item in g.encode_items(i, merge)]
-        visual_ids = {cfg.image_token_id, cfg.video_token_id}
-        positions = [i for i, t in enumerate(msg.prompt_token_ids) if t in visual_ids]
         try:
-            request = Request(msg.request_id, list(msg.prompt_token_ids), msg.params, items, positions)
+            request = make_request(msg.request_id, msg.prompt_token_ids, msg.params, grids, self.model_config)
             self.scheduler.add(request)
         except ValueError as e:
             self.send("vision", protocol.CancelMedia(msg.request_id))
@@ -127,8 +121,7 @@ class CoreWorker(Worker):
             return
         self.runner.add_request(request, grids)
         self.live[msg.request_id] = _Live(msg.params, frozenset(msg.stop_token_ids),
-                                          SamplerState.for_params(msg.params), protocol.StageTimes(added=time.time()),
-                                          len(grids))
+                                          SamplerState.for_params(msg.params), protocol.StageTimes(added=time.time()))
 
     # -- one iteration ----------------------------------------------------------------------------------
     def step(self) -> None:
@@ -169,8 +162,7 @@ class CoreWorker(Worker):
             req = self.scheduler.requests[rid]
             req.output_token_ids.append(token)
             index = len(req.output_token_ids) - 1
-            reason = ("stop" if token in live.stop_ids
-                      else "length" if len(req.output_token_ids) >= live.params.max_tokens else None)
+            reason = finish_reason(token, len(req.output_token_ids), live.stop_ids, live.params.max_tokens)
             outputs.append(protocol.TokenOutput(rid, index, token, reason, live.stages if index == 0 else None))
             if reason is not None:
                 self._finish(rid, reason)

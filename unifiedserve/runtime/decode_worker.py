@@ -16,6 +16,7 @@ import torch
 
 from unifiedserve.attention import KVCache, get_attention_backend
 from unifiedserve.engine.llm import DTYPES
+from unifiedserve.engine.params import finish_reason
 from unifiedserve.engine.runner import forward_tokens
 from unifiedserve.engine.sampling import SamplerState, sample
 from unifiedserve.model.loader import load_model
@@ -99,8 +100,7 @@ class DecodeWorker(Worker):
         outputs, finished = [], []
         for seq, token in zip(batch, tokens):
             seq.tokens.append(token)
-            reason = ("stop" if token in seq.stop_ids
-                      else "length" if len(seq.tokens) >= seq.handoff.params.max_tokens else None)
+            reason = finish_reason(token, len(seq.tokens), seq.stop_ids, seq.handoff.params.max_tokens)
             rid = seq.handoff.request_id
             outputs.append(protocol.TokenOutput(rid, len(seq.tokens) - 1, token, reason))
             if reason is not None:

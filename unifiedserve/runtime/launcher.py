@@ -67,8 +67,13 @@ def build_config(model: str, *, served_model_name: str | None = None, device: st
         kwargs["torch_threads"] = {"core": len(front), "decode": len(back)}
         if not kwargs.get("vision_threads"):
             kwargs["vision_threads"] = len(front)
+    pool_shapes = {
+        "kv": (text.num_hidden_layers, 2, num_kv_blocks, block_size, text.num_key_value_heads, text.head_dim),
+        "patch": (num_patch_pages, page_size, patch_dim),
+    }
     return RuntimeConfig(model=model, served_model_name=served_model_name or os.path.basename(model.rstrip("/")),
                          device=device, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
+                         pool_shapes=pool_shapes,
                          num_kv_blocks=num_kv_blocks, page_size=page_size, num_patch_pages=num_patch_pages,
                          num_visual_pages=num_visual_pages, scheduler=scheduler, **kwargs)
 
@@ -100,13 +105,8 @@ class Runtime:
         cfg = self.config
         if cfg.device != "cpu":
             raise NotImplementedError("shared pools on CUDA (IPC handles) come with the GPU backend")
-        mc = ModelConfig.from_json(os.path.join(cfg.model, "config.json"))
-        t, v = mc.text, mc.vision
         dtype = DTYPES[cfg.dtype]
-        shapes = {
-            "kv": (t.num_hidden_layers, 2, cfg.num_kv_blocks, cfg.block_size, t.num_key_value_heads, t.head_dim),
-            "patch": (cfg.num_patch_pages, cfg.page_size, 3 * v.temporal_patch_size * v.patch_size ** 2),
-        }
+        shapes = cfg.pool_shapes
         check_shm_space(self.shm_dir, sum(torch.Size(s).numel() * dtype.itemsize for s in shapes.values()))
         prefix = f"unifiedserve-{self.instance}"
         for name, shape in shapes.items():

@@ -185,12 +185,12 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0), seed=body.seed,
             stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()), ignore_eos=body.ignore_eos)
-        stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(state.eos_token_ids))
-        await client.add(stream, protocol.AddRequest(request_id, prompt_ids, plans, params, stop_ids))
+        stop_ids = params.stop_ids(state.eos_token_ids)
+        await client.add(stream, protocol.AddRequest(request_id, prompt_ids, plans, params, sorted(stop_ids)))
         first = await _wait(stream.queue.get(), request)
         if isinstance(first, RequestError):
             raise first
-        gen = _Generation(state, request_id, stream, params, prompt_len, arrival, probe_s)
+        gen = _Generation(state, request_id, stream, params, stop_ids, prompt_len, arrival, probe_s)
         started = True
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -239,8 +239,9 @@ class _Generation:
     """One admitted request's output: detokenization, stop strings, metrics, and the response."""
 
     def __init__(self, state: ServerState, request_id: str, stream: RequestStream, params: SamplingParams,
-                 prompt_len: int, arrival: float, probe_s: float):
+                 stop_ids: frozenset[int], prompt_len: int, arrival: float, probe_s: float):
         self.state, self.request_id, self.stream, self.params = state, request_id, stream, params
+        self.stop_ids = stop_ids
         self.prompt_len, self.arrival, self.probe_s = prompt_len, arrival, probe_s
         self.output = TextOutput(state.processor.incremental_decoder(), params.stop)
         self.num_tokens = 0
@@ -260,19 +261,13 @@ class _Generation:
         self.num_tokens += 1
         metrics.generation_tokens.inc()
         text = ""
-        if out.finish_reason != "stop" or out.token_id not in self._stop_ids():
+        if out.finish_reason != "stop" or out.token_id not in self.stop_ids:
             text = self.output.append(out.token_id)
         if self.output.stopped:
             self.finish_reason = "stop"
         elif out.finish_reason is not None:
             self.finish_reason = out.finish_reason
         return text
-
-    def _stop_ids(self) -> set[int]:
-        ids = set(self.params.stop_token_ids)
-        if not self.params.ignore_eos:
-            ids.update(self.state.eos_token_ids)
-        return ids
 
     def _stage_metrics(self, st: protocol.StageTimes | None) -> None:
         stage = self.state.metrics.stage
@@ -287,7 +282,7 @@ class _Generation:
         if st.prefill_start:
             stage["prefill"].observe(st.prefill_end - st.prefill_start)
 
-    async def _finish(self) -> None:
+    def _finish(self) -> None:
         metrics = self.state.metrics
         metrics.e2e.observe(time.time() - self.arrival)
         metrics.prompt_tokens.inc(self.prompt_len)
@@ -318,7 +313,7 @@ class _Generation:
         except (_Disconnected, RequestError):
             self.state.client.abort(self.request_id)
             raise
-        await self._finish()
+        self._finish()
         return JSONResponse({
             "id": self.request_id, "object": "chat.completion", "created": self.created,
             "model": self.state.model_name,
@@ -352,7 +347,7 @@ class _Generation:
                 yield self._chunk(None, usage=self.usage())
             yield "data: [DONE]\n\n"
             done = True
-            await self._finish()
+            self._finish()
         except RequestError as e:  # a worker died mid-stream: tell the client in-band, then end
             yield f"data: {json.dumps(error_body(e.message, e.status_code))}\n\n"
             done = True

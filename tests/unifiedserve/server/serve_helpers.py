@@ -20,6 +20,14 @@ ROOT = Path(__file__).resolve().parents[3]
 SMALL_POOLS = ["--kv-cache-gb", "0.125", "--patch-buffer-gb", "0.25", "--visual-buffer-gb", "0.0625"]
 
 
+def tiny_clip(folder: Path) -> Path:
+    """``folder/clip.mp4``: 4 s of 320x240 H.264 at 10 fps, GOP 10 (8 frames at the model's 2 fps)."""
+    import synthetic_video
+
+    return synthetic_video.make_video(folder / "clip.mp4", codec="h264", width=320, height=240, duration_s=4.0,
+                                      fps=10.0, gop=10, seed=1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

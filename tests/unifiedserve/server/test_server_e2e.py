@@ -13,7 +13,7 @@ import openai
 import pytest
 
 import synthetic_video
-from serve_helpers import Server, alive, http, leftovers
+from serve_helpers import Server, alive, http, leftovers, tiny_clip
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +24,7 @@ QUESTION = "What happens in this video?"
 def media(tmp_path_factory):
     d = tmp_path_factory.mktemp("media")
     files = {
-        "video": synthetic_video.make_video(d / "clip.mp4", codec="h264", width=320, height=240, duration_s=4.0,
-                                            fps=10.0, gop=10, seed=1),
+        "video": tiny_clip(d),
         "video2": synthetic_video.make_video(d / "clip2.mkv", codec="hevc", width=192, height=144, duration_s=3.0,
                                              fps=8.0, gop=8, seed=2),
         "image": synthetic_video.make_image(d / "img.png", width=200, height=150, seed=3),

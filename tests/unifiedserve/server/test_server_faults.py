@@ -11,8 +11,7 @@ import time
 import openai
 import pytest
 
-import synthetic_video
-from serve_helpers import Server, alive, http, leftovers
+from serve_helpers import Server, alive, http, leftovers, tiny_clip
 
 pytestmark = pytest.mark.slow
 
@@ -20,8 +19,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def media(tmp_path_factory):
     d = tmp_path_factory.mktemp("faults")
-    synthetic_video.make_video(d / "clip.mp4", codec="h264", width=320, height=240, duration_s=4.0, fps=10.0, gop=10,
-                               seed=1)
+    tiny_clip(d)
     return d
 
 

@@ -8,8 +8,7 @@ import signal
 import openai
 import pytest
 
-import synthetic_video
-from serve_helpers import Server, http
+from serve_helpers import Server, http, tiny_clip
 
 pytestmark = pytest.mark.slow
 
@@ -17,8 +16,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def media(tmp_path_factory):
     d = tmp_path_factory.mktemp("policies")
-    synthetic_video.make_video(d / "clip.mp4", codec="h264", width=320, height=240, duration_s=4.0, fps=10.0, gop=10,
-                               seed=1)
+    tiny_clip(d)
     return d
 
 
