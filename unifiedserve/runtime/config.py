@@ -38,6 +38,8 @@ class RuntimeConfig:
     vision_threads: int = 0  # decoder threads; 0: one per core
     torch_threads: dict[str, int] = field(default_factory=dict)  # per process; missing: torch's default
     cpu_affinity: dict[str, list[int]] = field(default_factory=dict)  # per process; missing: every core
+    nice: dict[str, int] = field(default_factory=dict)  # per process niceness increment (lower CPU priority)
+    core_threads_while_decoding: int = 0  # core's torch threads while any request decodes; 0: no change
     max_video_seconds: float = 3600.0
     ipc_dir: str = ""
     instance: str = ""

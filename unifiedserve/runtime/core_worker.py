@@ -13,6 +13,7 @@ next to encode and prefill work (vLLM/SGLang chunked prefill), so an encoder ste
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -67,8 +68,12 @@ class CoreWorker(Worker):
         self.live: dict[str, _Live] = {}
         self.decode_here = cfg.policy == "monolithic"
         self._stalled = False  # the last schedule() found nothing to run; wait for a message
+        self._threads_all = torch.get_num_threads()  # unified on CPU: fewer while decode is busy
+        self._threads_shared = cfg.core_threads_while_decoding or self._threads_all
         info.update({
-            "device": cfg.device, "dtype": cfg.dtype, "torch_threads": str(torch.get_num_threads()),
+            "device": cfg.device, "dtype": cfg.dtype, "nice": str(os.nice(0)),
+            "torch_threads": (f"{self._threads_all} ({self._threads_shared} while decoding)"
+                              if self._threads_shared != self._threads_all else str(self._threads_all)),
             "prefill_token_budget": str(sched_cfg.prefill_token_budget),
             "encode_token_budget": str(sched_cfg.encode_token_budget),
             "kv_cache": f"{cfg.num_kv_blocks} blocks x {cfg.block_size} tokens",
@@ -138,6 +143,9 @@ class CoreWorker(Worker):
             for b, rid in enumerate(with_media):
                 pages = index.pv_page_indices[index.pv_page_indptr[b]:index.pv_page_indptr[b + 1]]
                 self.send("vision", protocol.WritePatches(rid, list(pages)))
+        threads = self._threads_shared if self.scheduler.handed_off else self._threads_all
+        if threads != torch.get_num_threads():  # leave decode's cores to it while it has requests
+            torch.set_num_threads(threads)
         logits = self.runner.execute(out, self.scheduler.requests)
         self.scheduler.commit(out)
         end = time.time()

@@ -9,6 +9,7 @@ streams the tokens to api, and tells core which requests finished (``ReleaseBloc
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ class DecodeWorker(Worker):
                                                       text.head_dim)
         self.batch: dict[str, _Seq] = {}
         self.pending: deque[protocol.Handoff] = deque()  # beyond max_decode_batch
-        return {"device": cfg.device, "torch_threads": str(torch.get_num_threads()),
+        return {"device": cfg.device, "torch_threads": str(torch.get_num_threads()), "nice": str(os.nice(0)),
                 "max_decode_batch": str(cfg.max_decode_batch)}
 
     def has_work(self) -> bool:

@@ -58,15 +58,12 @@ def build_config(model: str, *, served_model_name: str | None = None, device: st
     elif max_model_len > kv_tokens:
         raise ValueError(f"--max-model-len {max_model_len} needs more KV cache than there is ({kv_tokens} tokens); "
                          f"raise --kv-cache-gb or lower --max-model-len")
-    policy = kwargs.get("policy", "unified")
-    if policy == "split":  # disjoint core sets: encode+prefill (and video decode) | decode
-        cpus = sorted(os.sched_getaffinity(0))
-        half = max(1, len(cpus) // 2)
-        front, back = cpus[:half], cpus[half:] or cpus[-1:]
-        kwargs["cpu_affinity"] = {"vision": front, "core": front, "decode": back}
-        kwargs["torch_threads"] = {"core": len(front), "decode": len(back)}
-        if not kwargs.get("vision_threads"):
-            kwargs["vision_threads"] = len(front)
+    if device == "cpu":
+        kwargs.update(cpu_placement(kwargs.get("policy", "unified"), sorted(os.sched_getaffinity(0)),
+                                    decode_threads=kwargs.pop("decode_threads", 0) or 0,
+                                    vision_threads=kwargs.get("vision_threads", 0) or 0))
+    else:
+        kwargs.pop("decode_threads", None)
     pool_shapes = {
         "kv": (text.num_hidden_layers, 2, num_kv_blocks, block_size, text.num_key_value_heads, text.head_dim),
         "patch": (num_patch_pages, page_size, patch_dim),
@@ -76,6 +73,37 @@ def build_config(model: str, *, served_model_name: str | None = None, device: st
                          pool_shapes=pool_shapes,
                          num_kv_blocks=num_kv_blocks, page_size=page_size, num_patch_pages=num_patch_pages,
                          num_visual_pages=num_visual_pages, scheduler=scheduler, **kwargs)
+
+
+UNIFIED_NICE = 5  # unified on CPU: vision and core yield to decode (the latency-critical stage)
+
+
+def cpu_placement(policy: str, cpus: list[int], decode_threads: int = 0, vision_threads: int = 0) -> dict:
+    """Per-process CPU sets, torch threads and priorities for a policy (RuntimeConfig fields).
+
+    - ``split``: two disjoint halves, vision + core | decode, each sized to its half (DistServe/EPD).
+    - ``unified``: every process may use every core. Decode runs ``decode_threads`` torch threads
+      (default a quarter of the cores, at least 1) at normal priority; vision and core run niced
+      (``UNIFIED_NICE``), and core drops to the cores decode leaves free while any request is
+      decoding, then takes all of them back. Decode steps are not slowed by oversubscription, and
+      encode+prefill gets every core whenever decode is idle.
+    - ``monolithic``: one compute process with torch's default threads.
+    """
+    if decode_threads < 0 or vision_threads < 0:
+        raise ValueError("--decode-threads and --vision-threads must be >= 0 (0: automatic)")
+    n = len(cpus)
+    if policy == "split":
+        half = max(1, n // 2)
+        front, back = cpus[:half], cpus[half:] or cpus[-1:]
+        return {"cpu_affinity": {"vision": front, "core": front, "decode": back},
+                "torch_threads": {"core": len(front), "decode": len(back)},
+                "vision_threads": vision_threads or len(front)}
+    if policy == "unified":
+        decode = min(n, decode_threads or max(1, n // 4))
+        return {"torch_threads": {"core": n, "decode": decode},
+                "core_threads_while_decoding": max(1, n - decode),
+                "nice": {"vision": UNIFIED_NICE, "core": UNIFIED_NICE}}
+    return {}
 
 
 def _worker_classes():

@@ -145,6 +145,9 @@ def worker_main(worker_cls: type[Worker], config: RuntimeConfig) -> None:
     cpus = config.cpu_affinity.get(worker_cls.name)
     if cpus:
         os.sched_setaffinity(0, cpus)
+    nice = config.nice.get(worker_cls.name, 0)
+    if nice > 0:
+        os.nice(nice)
     threads = config.torch_threads.get(worker_cls.name)
     if threads:
         import torch

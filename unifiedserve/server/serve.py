@@ -65,6 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vision-threads", type=int, default=0,
                    help="FlashCodec decoder threads shared by all requests (default: one per core)")
 
+    g.add_argument("--decode-threads", type=int, default=0,
+                   help="unified on CPU: torch threads of the decode process, which runs at normal priority while "
+                        "vision and core are niced; core uses the remaining cores while any request decodes and "
+                        "every core otherwise (default: a quarter of the cores, at least 1)")
+
     g = p.add_argument_group("scheduling (Algorithm 3)")
     g.add_argument("--prefill-token-budget", type=int, default=None, metavar="TAU",
                    help="prompt tokens prefilled per core iteration (default 512, or derived from --tbt-slo-ms)")
@@ -127,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         visual_buffer_gb=args.visual_buffer_gb, block_size=args.block_size, page_size=args.page_size,
         scheduler=sched, policy=args.policy, default_max_tokens=args.default_max_tokens,
         tbt_slo_ms=args.tbt_slo_ms, max_decode_batch=args.max_decode_batch, vision_threads=args.vision_threads,
+        decode_threads=args.decode_threads,
         max_video_seconds=args.max_video_seconds,
         budget_overrides={k: v for k, v in (("prefill_token_budget", args.prefill_token_budget),
                                             ("encode_token_budget", args.encode_token_budget)) if v})

@@ -6,6 +6,7 @@ import base64
 import concurrent.futures
 import http.client as httplib
 import json
+import os
 import signal
 import time
 
@@ -14,6 +15,7 @@ import pytest
 
 import synthetic_video
 from serve_helpers import Server, alive, http, leftovers, tiny_clip
+from unifiedserve.runtime.launcher import UNIFIED_NICE
 
 pytestmark = pytest.mark.slow
 
@@ -76,6 +78,8 @@ def test_models_health_openapi(server, client):
     status, body = http("GET", server.url + "/health")
     assert status == 200 and body["status"] == "ok" and body["policy"] == "unified"
     assert set(body["workers"]) == {"vision", "core", "decode"}
+    nice = {name: os.getpriority(os.PRIO_PROCESS, pid) for name, pid in body["workers"].items()}
+    assert nice["vision"] == nice["core"] == min(19, nice["decode"] + UNIFIED_NICE)  # decode goes first
     status, spec = http("GET", server.url + "/openapi.json")
     assert status == 200 and "/v1/chat/completions" in spec["paths"]
 
