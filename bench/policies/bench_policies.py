@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import sys
@@ -28,10 +29,15 @@ for extra in (ROOT / "datasets", ROOT / "bench" / "serve"):
     sys.path.insert(0, str(extra))
 
 import workloads  # noqa: E402
-from bench_serve import compute_metrics, machine_info, parse_goodput, run_benchmark  # noqa: E402
+from bench_serve import (RequestRecord, compute_metrics, machine_info, meets_slo, parse_goodput,  # noqa: E402
+                         run_benchmark, warm_up)
 from server_process import ServerProcess  # noqa: E402
 
 POLICIES = ("unified", "monolithic", "split")
+
+
+ATTAINMENT_FOR_CAPACITY = 0.9  # DistServe-style capacity: the highest rate with this share of requests in SLO
+SLO_SCALES = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
 
 
 def _pct(m: dict, key: str, q: str) -> float:
@@ -39,11 +45,66 @@ def _pct(m: dict, key: str, q: str) -> float:
     return float("nan") if v is None else v
 
 
-def summarize(results: dict, rate: float) -> str:
-    """Markdown: each policy's numbers at ``rate`` and unified's ratios to the baselines."""
-    rows = ["| policy | completed | mean TTFT (s) | p90 TTFT (s) | p50 TBT (ms) | p99 TBT (ms) | SLO attainment | goodput (req/s) |",
+def _goodput(m: dict | None) -> float:
+    return ((m or {}).get("goodput") or {}).get("requests_per_s", float("nan"))
+
+
+def _at(results: dict, rate: float) -> dict[str, dict | None]:
+    return {p: next((r["metrics"] for r in runs if r["rate"] == rate), None) for p, runs in results.items()}
+
+
+def comparison_rate(results: dict, rates: list[float]) -> float:
+    """The issue's condition: the highest rate at which monolithic completed every request."""
+    complete = [r["rate"] for r in results.get("monolithic", []) if r["metrics"]["failed"] == 0
+                and r["metrics"]["completed"] == r["metrics"]["num_requests"]]
+    return max(complete) if complete else rates[0]
+
+
+def ratios(at: dict[str, dict | None]) -> dict[str, float]:
+    """unified's p99 TBT / monolithic's, mean TTFT / split's, goodput / the better baseline's."""
+    u, mono, split = at.get("unified"), at.get("monolithic"), at.get("split")
+    out = {}
+    if u and mono:
+        out["tbt_p99_vs_monolithic"] = _pct(u, "itl_ms", "p99") / _pct(mono, "itl_ms", "p99")
+    if u and split:
+        out["ttft_mean_vs_split"] = _pct(u, "ttft_ms", "mean") / _pct(split, "ttft_ms", "mean")
+    if u and (mono or split):
+        best = max(_goodput(m) for m in (mono, split) if m)
+        out["goodput_vs_best_baseline"] = _goodput(u) / best if best > 0 else math.inf
+    return out
+
+
+def records_of(run: dict) -> list[RequestRecord]:
+    names = {f.name for f in dataclasses.fields(RequestRecord)}
+    return [RequestRecord(**{k: v for k, v in d.items() if k in names}) for d in run["records"]]
+
+
+def attainment(run: dict, slo: dict, scale: float = 1.0) -> float:
+    """Share of a run's requests that meet ``slo`` (ms) multiplied by ``scale``."""
+    recs = records_of(run)
+    scaled = {k: v * scale for k, v in slo.items()}
+    return sum(meets_slo(r, ttft_ms=scaled.get("ttft"), tbt_ms=scaled.get("tbt")) for r in recs) / max(1, len(recs))
+
+
+def capacity(runs: list[dict], share: float = ATTAINMENT_FOR_CAPACITY) -> float:
+    """Highest rate whose SLO attainment is >= ``share`` (0 when none is)."""
+    ok = [r["rate"] for r in runs if ((r["metrics"].get("goodput") or {}).get("attainment") or 0) >= share]
+    return max(ok, default=0.0)
+
+
+TARGETS = (("tbt_p99_vs_monolithic", "unified p99 TBT / monolithic p99 TBT", "<= 0.5", lambda x: x <= 0.5),
+           ("ttft_mean_vs_split", "unified mean TTFT / split mean TTFT", "<= 0.7", lambda x: x <= 0.7),
+           ("goodput_vs_best_baseline", "unified goodput / better baseline's goodput", ">= 1.3", lambda x: x >= 1.3))
+
+
+def summarize(results: dict, rate: float, slo: dict) -> str:
+    """Markdown: each policy's numbers at ``rate``, unified's ratios at every rate, capacities."""
+    slo_text = " and ".join(f"{'TTFT' if k == 'ttft' else 'p90 of its TBTs'} <= {v:g} ms" for k, v in slo.items())
+    rows = [f"Comparison rate: **{rate:g} req/s** (the highest rate at which monolithic completed every request). "
+            f"A request meets the SLO when {slo_text}.", "",
+            "| policy | completed | mean TTFT (s) | p90 TTFT (s) | p50 TBT (ms) | p99 TBT (ms) | SLO attainment | goodput (req/s) |",
             "|---|---|---|---|---|---|---|---|"]
-    at = {p: next((r["metrics"] for r in results[p] if r["rate"] == rate), None) for p in results}
+    at = _at(results, rate)
     for policy, m in at.items():
         if m is None:
             continue
@@ -51,22 +112,26 @@ def summarize(results: dict, rate: float) -> str:
         rows.append(f"| {policy} | {m['completed']}/{m['num_requests']} | {_pct(m, 'ttft_ms', 'mean') / 1000:.2f} | "
                     f"{_pct(m, 'ttft_ms', 'p90') / 1000:.2f} | {_pct(m, 'itl_ms', 'p50'):.1f} | "
                     f"{_pct(m, 'itl_ms', 'p99'):.1f} | {g.get('attainment', float('nan')):.2f} | "
-                    f"{g.get('requests_per_s', float('nan')):.4f} |")
-    u, mono, split = at.get("unified"), at.get("monolithic"), at.get("split")
-    lines = ["", f"Ratios at {rate} req/s:", ""]
-    if u and mono:
-        lines.append(f"- unified p99 TBT / monolithic p99 TBT = **{_pct(u, 'itl_ms', 'p99') / _pct(mono, 'itl_ms', 'p99'):.2f}** (target <= 0.5)")
-    if u and split:
-        lines.append(f"- unified mean TTFT / split mean TTFT = **{_pct(u, 'ttft_ms', 'mean') / _pct(split, 'ttft_ms', 'mean'):.2f}** (target <= 0.7)")
-    if u and (mono or split):
-        best = max(((m.get("goodput") or {}).get("requests_per_s", 0.0) for m in (mono, split) if m), default=0.0)
-        mine = (u.get("goodput") or {}).get("requests_per_s", 0.0)
-        ratio = mine / best if best else math.inf
-        lines.append(f"- unified goodput / better baseline = **{ratio:.2f}** (target >= 1.3)")
-    return "\n".join(rows + lines) + "\n"
+                    f"{g.get('requests_per_s', float('nan')):.3f} |")
+    r = ratios(at)
+    lines = ["", f"Targets at {rate:g} req/s:", ""]
+    for key, text, target, ok in TARGETS:
+        if key in r:
+            lines.append(f"- {text} = **{r[key]:.2f}** (target {target}: {'met' if ok(r[key]) else 'missed'})")
+    rates = sorted({run["rate"] for runs in results.values() for run in runs})
+    lines += ["", "unified's ratios at every rate:", "",
+              "| rate (req/s) | p99 TBT / monolithic | mean TTFT / split | goodput / better baseline |",
+              "|---|---|---|---|"]
+    for x in rates:
+        q = ratios(_at(results, x))
+        lines.append(f"| {x:g} | " + " | ".join(f"{q[k]:.2f}" if k in q else "-" for k, *_ in TARGETS) + " |")
+    caps = {p: capacity(runs) for p, runs in results.items()}
+    lines += ["", f"Capacity (highest measured rate with >= {ATTAINMENT_FOR_CAPACITY:.0%} of requests in SLO): "
+              + ", ".join(f"{p} {c:g} req/s" for p, c in caps.items()), ""]
+    return "\n".join(rows + lines)
 
 
-def plot(results: dict, out: Path) -> list[Path]:
+def plot(results: dict, rate: float, slo: dict, out: Path) -> list[Path]:
     try:
         import matplotlib
 
@@ -75,41 +140,51 @@ def plot(results: dict, out: Path) -> list[Path]:
     except ImportError:
         print("matplotlib is not installed: no plots (pip install -r requirements/bench.txt)")
         return []
-    files = []
-    panels = [("p99 TBT (ms)", lambda m: _pct(m, "itl_ms", "p99")), ("p90 TTFT (s)", lambda m: _pct(m, "ttft_ms", "p90") / 1000),
-              ("SLO attainment", lambda m: (m.get("goodput") or {}).get("attainment", float("nan")))]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    colors = {p: f"C{i}" for i, p in enumerate(POLICIES)}
+    panels = [("p99 TBT (ms, log)", lambda m: _pct(m, "itl_ms", "p99")),
+              ("p90 TTFT (s)", lambda m: _pct(m, "ttft_ms", "p90") / 1000),
+              ("SLO attainment", lambda m: (m.get("goodput") or {}).get("attainment", float("nan"))),
+              ("goodput (req/s)", _goodput)]
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7))
+    axes = axes.ravel()
     for ax, (label, fn) in zip(axes, panels):
         for policy, runs in results.items():
-            ax.plot([r["rate"] for r in runs], [fn(r["metrics"]) for r in runs], marker="o", label=policy)
+            ax.plot([r["rate"] for r in runs], [fn(r["metrics"]) for r in runs], marker="o", label=policy,
+                    color=colors.get(policy))
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
     axes[0].legend()
-    ax = axes[3]
     names = list(results)
-    best = [max(((r["metrics"].get("goodput") or {}).get("requests_per_s", 0.0) for r in results[p]), default=0)
-            for p in names]
-    ax.bar(names, best, color=["C0", "C1", "C2"][:len(names)])
-    ax.set_ylabel("best goodput (req/s)")
+    axes[4].bar(names, [_goodput(_at(results, rate)[p]) for p in names], color=[colors.get(p) for p in names])
+    axes[4].set_ylabel(f"goodput at {rate:g} req/s (req/s)")
+    for policy, runs in results.items():
+        run = next((r for r in runs if r["rate"] == rate), None)
+        if run is not None:
+            axes[5].plot(SLO_SCALES, [attainment(run, slo, s) for s in SLO_SCALES], marker="o", label=policy,
+                         color=colors.get(policy))
+    axes[5].set_xlabel("SLO scale (x the SLO)")
+    axes[5].set_ylabel(f"SLO attainment at {rate:g} req/s")
+    axes[5].grid(alpha=0.3)
     fig.tight_layout()
-    path = out / "policies.png"
-    fig.savefig(path, dpi=80)
-    files.append(path)
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.6), sharey=True, squeeze=False)
+    files = [out / "policies.png"]
+    fig.savefig(files[0], dpi=72)
+    plt.close(fig)
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.4), sharey=True, squeeze=False)
     for ax, (policy, runs) in zip(axes[0], results.items()):
-        run = runs[-1]
+        run = next((r for r in runs if r["rate"] == rate), runs[-1])
         for rec in run["records"]:
             times = rec.get("token_times_s") or []
             ax.step(times, range(1, len(times) + 1), where="post", linewidth=0.8)
-        ax.set_title(f"{policy} @ {run['rate']} req/s")
+        ax.set_title(f"{policy} @ {run['rate']:g} req/s")
         ax.set_xlabel("time (s)")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("tokens emitted")
     fig.tight_layout()
-    path = out / "timeline.png"
-    fig.savefig(path, dpi=80)
-    files.append(path)
+    files.append(out / "timeline.png")
+    fig.savefig(files[1], dpi=72)
+    plt.close(fig)
     return files
 
 
@@ -143,6 +218,7 @@ def main(argv=None) -> int:
         print(f"\n=== policy {policy}: unifiedserve serve --policy {policy} {' '.join(flags)}", flush=True)
         with ServerProcess(["--policy", policy, *flags], a.out / f"server-{policy}.log") as server:
             runs = results[policy] = []
+            asyncio.run(warm_up(server.url, base))  # first-call costs (thread pools, allocator) stay out
             for rate in rates:
                 reqs = workloads.with_arrivals(base, rate, arrival="gamma" if a.burstiness != 1 else "poisson",
                                                burstiness=a.burstiness, seed=a.seed)
@@ -155,15 +231,13 @@ def main(argv=None) -> int:
                       f"p99 TBT {_pct(m, 'itl_ms', 'p99'):.0f} ms, goodput {(m['goodput'] or {}).get('requests_per_s')}",
                       flush=True)
                 runs.append({"rate": rate, "metrics": m, "records": [r.to_dict() for r in records]})
-    complete = [r["rate"] for r in results.get("monolithic", []) if r["metrics"]["failed"] == 0
-                and r["metrics"]["completed"] == r["metrics"]["num_requests"]]
-    rate = max(complete) if complete else rates[0]
-    summary = summarize(results, rate)
+    rate = comparison_rate(results, rates)
+    summary = summarize(results, rate, slo)
     print("\n" + summary)
     (a.out / "summary.md").write_text(summary)
     (a.out / "results.json").write_text(json.dumps({"machine": machine_info(), "args": vars(a) | {"out": str(a.out)},
                                                     "results": results}, indent=1, default=str))
-    for f in plot(results, a.out):
+    for f in plot(results, rate, slo, a.out):
         print(f"wrote {f}")
     return 0
 

@@ -409,16 +409,21 @@ def load_requests(a: argparse.Namespace) -> tuple[list[dict], dict]:
     return workloads.build_workload(cfg, progress=not a.no_progress), dataclasses.asdict(cfg)
 
 
+async def warm_up(base_url: str, requests: list[dict], num: int = 1, **kwargs) -> None:
+    """Send ``num`` of ``requests`` one at a time, unmeasured (first-call costs stay out of the
+    numbers); raises ``RuntimeError`` if one fails."""
+    warm = [{**requests[i % len(requests)], "arrival_s": 0.0, "request_id": f"warmup-{i}"} for i in range(num)]
+    recs, _ = await run_benchmark(base_url, warm, max_concurrency=1, progress=False, **kwargs)
+    bad = [r for r in recs if not r.is_success]
+    if bad:
+        raise RuntimeError(f"warmup request failed: {bad[0].error}")
+
+
 async def _run(a, requests: list[dict]):
     model = a.model or await fetch_model(a.base_url, a.api_key)
     if a.num_warmups > 0:
-        warm = [{**requests[i % len(requests)], "arrival_s": 0.0, "request_id": f"warmup-{i}"}
-                for i in range(a.num_warmups)]
-        recs, _ = await run_benchmark(a.base_url, warm, max_concurrency=1, model=model, api_key=a.api_key,
-                                      progress=False, media_url_mode=a.media_url_mode, timeout_s=a.timeout)
-        bad = [r for r in recs if not r.is_success]
-        if bad:
-            raise RuntimeError(f"warmup request failed: {bad[0].error}")
+        await warm_up(a.base_url, requests, a.num_warmups, model=model, api_key=a.api_key,
+                      media_url_mode=a.media_url_mode, timeout_s=a.timeout)
     records, duration_s = await run_benchmark(
         a.base_url, requests, max_concurrency=a.max_concurrency, model=model, api_key=a.api_key,
         progress=not a.no_progress, media_url_mode=a.media_url_mode, timeout_s=a.timeout)

@@ -1,0 +1,81 @@
+"""bench/policies: the comparison rate, unified's ratios, capacity and SLO scaling, on known records."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench" / "policies"))
+
+import bench_policies as bp  # noqa: E402
+from bench_serve import RequestRecord, compute_metrics  # noqa: E402
+
+SLO = {"ttft": 1000.0, "tbt": 100.0}
+
+
+def run(rate: float, ttft_s: float, gap_s: float, n: int = 4, failed: int = 0) -> dict:
+    """``n`` requests with the given TTFT and a constant gap between their 5 tokens."""
+    recs = []
+    for i in range(n):
+        t0 = float(i)
+        times = [t0 + ttft_s + k * gap_s for k in range(5)]
+        ok = i >= failed
+        recs.append(RequestRecord(f"r{i}", t0, start_s=t0, end_s=times[-1], token_times_s=times if ok else [],
+                                  completion_tokens=5 if ok else 0, is_success=ok, error=None if ok else "HTTP 500"))
+    return {"rate": rate, "metrics": compute_metrics(recs, 10.0, goodput=SLO), "records": [r.to_dict() for r in recs]}
+
+
+@pytest.fixture
+def results():
+    return {
+        # unified: fast first token, smooth decode
+        "unified": [run(0.5, 0.5, 0.02), run(1.0, 0.8, 0.03)],
+        # monolithic: fast first token, decode stalls (200 ms gaps) at the higher rate
+        "monolithic": [run(0.5, 0.4, 0.05), run(1.0, 0.6, 0.2)],
+        # split: slow first token at the higher rate, smooth decode
+        "split": [run(0.5, 0.9, 0.01), run(1.0, 2.0, 0.01)],
+    }
+
+
+def test_ratios_at_the_comparison_rate(results):
+    assert bp.comparison_rate(results, [0.5, 1.0]) == 1.0
+    r = bp.ratios(bp._at(results, 1.0))
+    assert r["tbt_p99_vs_monolithic"] == pytest.approx(0.03 / 0.2)
+    assert r["ttft_mean_vs_split"] == pytest.approx(0.8 / 2.0)
+    # at 1.0 req/s unified meets the SLO 4/4, monolithic (TBT) and split (TTFT) 0/4: no baseline goodput
+    assert r["goodput_vs_best_baseline"] == float("inf")
+    r = bp.ratios(bp._at(results, 0.5))
+    assert r["goodput_vs_best_baseline"] == pytest.approx(1.0)  # everyone meets it at 0.5 req/s
+
+
+def test_comparison_rate_skips_rates_where_monolithic_lost_requests(results):
+    results["monolithic"][1] = run(1.0, 0.6, 0.2, failed=1)
+    assert bp.comparison_rate(results, [0.5, 1.0]) == 0.5
+
+
+def test_capacity_and_slo_scaling(results):
+    assert bp.capacity(results["unified"]) == 1.0
+    assert bp.capacity(results["monolithic"]) == 0.5
+    assert bp.capacity(results["split"]) == 0.5
+    split_hi = results["split"][1]
+    assert bp.attainment(split_hi, SLO) == 0.0
+    assert bp.attainment(split_hi, SLO, scale=2.0) == 1.0  # TTFT 2 s meets a 2 s SLO
+
+
+def test_summary_names_targets_and_every_rate(results):
+    text = bp.summarize(results, 1.0, SLO)
+    assert "Comparison rate: **1 req/s**" in text
+    assert "unified p99 TBT / monolithic p99 TBT = **0.15** (target <= 0.5: met)" in text
+    assert "unified mean TTFT / split mean TTFT = **0.40** (target <= 0.7: met)" in text
+    assert "| 0.5 | " in text and "| 1 | " in text
+    assert "unified 1 req/s, monolithic 0.5 req/s, split 0.5 req/s" in text
+
+
+def test_plots_are_written(results, tmp_path):
+    pytest.importorskip("matplotlib")
+    files = bp.plot(results, 1.0, SLO, tmp_path)
+    assert [f.name for f in files] == ["policies.png", "timeline.png"]
+    assert all(f.stat().st_size > 10_000 for f in files)
