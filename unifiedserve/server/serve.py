@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $UNIFIEDSERVE_API_KEY, or none)")
     g.add_argument("--policy", choices=("unified", "monolithic", "split"), default="unified",
                    help="unified (default): encode+prefill (core) and decode in separate processes sharing every "
-                        "core/device and the KV cache. monolithic: one process batches decode tokens into the "
+                        "core/device and the KV cache, decode at priority (see --decode-threads). monolithic: one process batches decode tokens into the "
                         "encode/prefill iterations (vLLM/SGLang chunked prefill; the encoder blocks decode). "
                         "split: core and decode on disjoint CPU sets (half each) with matching thread counts "
                         "(DistServe/EPD style)")
