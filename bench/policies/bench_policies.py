@@ -49,6 +49,10 @@ def _goodput(m: dict | None) -> float:
     return ((m or {}).get("goodput") or {}).get("requests_per_s", float("nan"))
 
 
+def _attainment(m: dict | None) -> float:
+    return ((m or {}).get("goodput") or {}).get("attainment", float("nan"))
+
+
 def _at(results: dict, rate: float) -> dict[str, dict | None]:
     return {p: next((r["metrics"] for r in runs if r["rate"] == rate), None) for p, runs in results.items()}
 
@@ -88,7 +92,7 @@ def attainment(run: dict, slo: dict, scale: float = 1.0) -> float:
 
 def capacity(runs: list[dict], share: float = ATTAINMENT_FOR_CAPACITY) -> float:
     """Highest rate whose SLO attainment is >= ``share`` (0 when none is)."""
-    ok = [r["rate"] for r in runs if ((r["metrics"].get("goodput") or {}).get("attainment") or 0) >= share]
+    ok = [r["rate"] for r in runs if _attainment(r["metrics"]) >= share]
     return max(ok, default=0.0)
 
 
@@ -108,11 +112,9 @@ def summarize(results: dict, rate: float, slo: dict) -> str:
     for policy, m in at.items():
         if m is None:
             continue
-        g = m.get("goodput") or {}
         rows.append(f"| {policy} | {m['completed']}/{m['num_requests']} | {_pct(m, 'ttft_ms', 'mean') / 1000:.2f} | "
                     f"{_pct(m, 'ttft_ms', 'p90') / 1000:.2f} | {_pct(m, 'itl_ms', 'p50'):.1f} | "
-                    f"{_pct(m, 'itl_ms', 'p99'):.1f} | {g.get('attainment', float('nan')):.2f} | "
-                    f"{g.get('requests_per_s', float('nan')):.3f} |")
+                    f"{_pct(m, 'itl_ms', 'p99'):.1f} | {_attainment(m):.2f} | {_goodput(m):.3f} |")
     r = ratios(at)
     lines = ["", f"Targets at {rate:g} req/s:", ""]
     for key, text, target, ok in TARGETS:
@@ -143,7 +145,7 @@ def plot(results: dict, rate: float, slo: dict, out: Path) -> list[Path]:
     colors = {p: f"C{i}" for i, p in enumerate(POLICIES)}
     panels = [("p99 TBT (ms, log)", lambda m: _pct(m, "itl_ms", "p99")),
               ("p90 TTFT (s)", lambda m: _pct(m, "ttft_ms", "p90") / 1000),
-              ("SLO attainment", lambda m: (m.get("goodput") or {}).get("attainment", float("nan"))),
+              ("SLO attainment", _attainment),
               ("goodput (req/s)", _goodput)]
     fig, axes = plt.subplots(2, 3, figsize=(14, 7))
     axes = axes.ravel()

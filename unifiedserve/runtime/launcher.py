@@ -34,7 +34,8 @@ GiB = 2**30
 def build_config(model: str, *, served_model_name: str | None = None, device: str = "cpu", dtype: str = "float32",
                  max_model_len: int | None = None, kv_cache_gb: float = 1.0, num_kv_blocks: int | None = None,
                  patch_buffer_gb: float = 2.0, visual_buffer_gb: float = 0.25, block_size: int = 16,
-                 page_size: int = 256, scheduler: SchedulerConfig = SchedulerConfig(), **kwargs) -> RuntimeConfig:
+                 page_size: int = 256, scheduler: SchedulerConfig = SchedulerConfig(), decode_threads: int = 0,
+                 **kwargs) -> RuntimeConfig:
     """A :class:`RuntimeConfig` with pool sizes derived from memory budgets (GiB) and the model's shapes."""
     from unifiedserve.engine.llm import DTYPES
 
@@ -60,10 +61,7 @@ def build_config(model: str, *, served_model_name: str | None = None, device: st
                          f"raise --kv-cache-gb or lower --max-model-len")
     if device == "cpu":
         kwargs.update(cpu_placement(kwargs.get("policy", "unified"), sorted(os.sched_getaffinity(0)),
-                                    decode_threads=kwargs.pop("decode_threads", 0) or 0,
-                                    vision_threads=kwargs.get("vision_threads", 0) or 0))
-    else:
-        kwargs.pop("decode_threads", None)
+                                    decode_threads=decode_threads, vision_threads=kwargs.get("vision_threads", 0)))
     pool_shapes = {
         "kv": (text.num_hidden_layers, 2, num_kv_blocks, block_size, text.num_key_value_heads, text.head_dim),
         "patch": (num_patch_pages, page_size, patch_dim),
