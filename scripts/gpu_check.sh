@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# One run on the GPU machine does every GPU check of the project, within the device's 10-minute cap:
+# install the carried wheels, probe the machine, run the `cuda` tests, run the GPU benchmarks at a
+# short setting, and write logs + JSON into OUTDIR (which the device tool brings back).
+#
+#   on the dev machine:  scripts/gpu_wheels.sh decode        # or attention: fills .whl/ (git-ignored)
+#   on the device:       scripts/gpu_check.sh "$OUT" decode  # run with carry=[".whl"]
+#
+# Groups (one per run: both wheel sets together exceed what a run may carry):
+#   decode     flashcodec on NVDEC / nvJPEG / NVML: the decode tests and bench/decode/bench_gpu.py
+#   attention  the engine on flashinfer: the engine/attention/ops tests, bench/kernels and bench/engine on
+#              a random-weight Qwen2.5-VL-7B preset
+# Each step has its own time limit so that a hang in one still leaves the others' results in OUTDIR.
+# FULL_SUITE=1 also runs the whole CPU suite on the device's stack (torch 2.11, Python 3.12).
+set -uo pipefail
+out=${1:?usage: scripts/gpu_check.sh OUTDIR decode|attention}
+group=${2:-decode}
+case $group in decode|attention) ;; *) echo "gpu_check.sh: error: group must be decode or attention" >&2; exit 2 ;; esac
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+exec > >(tee -a "$out/gpu_check.log") 2>&1
+start=$(date +%s)
+step() { echo; echo "== [$(( $(date +%s) - start )) s] $*"; }
+run() {  # run LIMIT_S NAME CMD...: time-limited, output to OUTDIR/NAME.log and the console, status recorded
+  local limit=$1 name=$2; shift 2
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$out/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "$name: rc=$rc" | tee -a "$out/status.txt"
+  return 0
+}
+
+step "machine"
+date -u +%FT%TZ; git rev-parse --short HEAD 2>/dev/null || true
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || echo "no nvidia-smi"
+
+step "wheels ($group)"
+site=/tmp/site
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
+else
+  echo "no .whl/ here: run scripts/gpu_wheels.sh $group first and carry .whl"
+fi
+export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH}
+# torchcodec wants FFmpeg's libraries under their plain names; PyAV's wheel bundles the same majors under
+# hashed names. Link them inside av.libs (so their $ORIGIN finds their own dependencies) and put that
+# folder first on the library path before Python starts.
+if [ -d "$site/av.libs" ]; then
+  for l in avutil:61 avcodec:63 avformat:63 avdevice:63 avfilter:12 swscale:10 swresample:7; do
+    b=${l%:*}; v=${l#*:}
+    f=$(cd "$site/av.libs" && ls lib$b-*.so.$v* 2>/dev/null | head -1)
+    [ -n "$f" ] && ln -sf "$f" "$site/av.libs/lib$b.so.$v"
+  done
+  export LD_LIBRARY_PATH=$site/av.libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+nvrtc=$(find / -xdev -name 'libnvrtc.so.13*' 2>/dev/null | head -1)
+[ -n "$nvrtc" ] && export LD_LIBRARY_PATH=$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}
+export UNIFIEDSERVE_CACHE_DIR=/tmp/unifiedserve-cache
+
+step "probe"
+run 60 probe python3 scripts/gpu_probe.py --out "$out/probe.json"
+
+if [ "$group" = decode ]; then
+  step "cuda tests (flashcodec)"
+  run 150 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/flashcodec tests/bench
+  step "bench/decode/bench_gpu.py --short"
+  run 270 bench-decode python3 bench/decode/bench_gpu.py --short --out "$out/bench_decode"
+else
+  step "flashinfer warm-up (JIT, once per machine: never timed)"
+  run 240 flashinfer-warmup python3 -m unifiedserve.attention.warmup --preset qwen2.5-vl-7b
+  step "cuda tests (unifiedserve)"
+  run 120 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/unifiedserve
+  step "bench/kernels (paged copy on CUDA)"
+  run 40 bench-kernels python3 bench/kernels/bench_paged_copy.py --device cuda --out "$out/bench_kernels.json"
+  step "bench/engine on the 7B preset"
+  run 30 demo-model python3 -m unifiedserve.cli demo-model --preset qwen2.5-vl-7b --dtype bfloat16 --out /tmp/qwen2.5-vl-7b
+  run 180 bench-engine python3 bench/engine/bench_engine.py --model /tmp/qwen2.5-vl-7b --device cuda --short \
+    --out "$out/bench_engine.json"
+fi
+
+if [ "${FULL_SUITE:-0}" = 1 ]; then
+  step "the whole suite on this stack"
+  run 300 pytest-all python3 -m pytest -q -x -p no:cacheprovider tests
+fi
+
+step "done in $(( $(date +%s) - start )) s"
+cat "$out/status.txt"
