@@ -1,0 +1,54 @@
+"""GPU placement per policy: SM shares, GPU mapping, and one clear error for each mistake."""
+
+from __future__ import annotations
+
+import pytest
+
+from unifiedserve.runtime.gpu_placement import plan_gpu_placement
+
+
+def test_unified_caps_everyone_but_decode():
+    p = plan_gpu_placement("unified", num_visible_gpus=1, decode_sm_percent=30)
+    assert p.env("decode") == {"CUDA_VISIBLE_DEVICES": "0"}
+    for name in ("vision", "core"):
+        assert p.env(name) == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "70"}
+    assert p.notes == ()
+
+
+def test_unified_without_mps_time_slices_and_says_so():
+    p = plan_gpu_placement("unified", num_visible_gpus=1, use_mps=False)
+    assert all("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in p.env(n) for n in ("vision", "core", "decode"))
+    assert len(p.notes) == 1 and "time-slice" in p.notes[0]
+
+
+def test_split_one_gpu_disjoint_shares_and_two_gpus_uncapped():
+    p = plan_gpu_placement("split", num_visible_gpus=1, decode_sm_percent=40)
+    assert p.processes["core"].sm_percent + p.processes["decode"].sm_percent == 100
+    assert {pl.gpu for pl in p.processes.values()} == {0}
+    two = plan_gpu_placement("split", num_visible_gpus=4, gpus=[2, 3])
+    assert two.env("core") == {"CUDA_VISIBLE_DEVICES": "2"} and two.env("decode") == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert plan_gpu_placement("split", num_visible_gpus=2).processes["decode"].gpu == 1  # default: a second GPU
+
+
+def test_monolithic_has_no_decode_process():
+    p = plan_gpu_placement("monolithic", num_visible_gpus=2, gpus=[1])
+    assert set(p.processes) == {"vision", "core"} and p.env("core") == {"CUDA_VISIBLE_DEVICES": "1"}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(policy="bogus", num_visible_gpus=1), "--policy must be one of"),
+    (dict(policy="unified", num_visible_gpus=0), "no CUDA device"),
+    (dict(policy="unified", num_visible_gpus=1, decode_sm_percent=0), "--decode-sm-percent"),
+    (dict(policy="unified", num_visible_gpus=1, decode_sm_percent=100), "--decode-sm-percent"),
+    (dict(policy="unified", num_visible_gpus=1, decode_sm_percent=12.5), "--decode-sm-percent"),
+    (dict(policy="unified", num_visible_gpus=2, gpus=[2]), "GPU 2 is not visible"),
+    (dict(policy="split", num_visible_gpus=2, gpus=[1, 1]), "names a GPU twice"),
+    (dict(policy="unified", num_visible_gpus=2, gpus=[0, 1]), "one GPU per server"),
+    (dict(policy="split", num_visible_gpus=4, gpus=[0, 1, 2]), "two GPUs per server"),
+    (dict(policy="split", num_visible_gpus=1, use_mps=False), "needs MPS"),
+    (dict(policy="unified", num_visible_gpus=1, gpus=[]), "--gpus is empty"),
+])
+def test_mistakes_get_one_clear_error(kwargs, match):
+    with pytest.raises(ValueError, match=match) as err:
+        plan_gpu_placement(**kwargs)
+    assert "\n" not in str(err.value)

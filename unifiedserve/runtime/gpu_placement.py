@@ -1,0 +1,105 @@
+"""Which GPU, and which share of its SMs, each worker process gets under a policy (pure bookkeeping).
+
+On one GPU the three processes share the device through MPS. A client's share is
+``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``: a cap on the SMs its kernels may occupy, fixed when its CUDA
+context is created (so it is set in the process's environment before CUDA starts). Caps are not
+reservations, so a guaranteed share for decode is made by capping everyone else:
+
+- ``unified``: vision and core are capped at ``100 - decode_sm_percent``; decode is not capped. Decode
+  always finds its share free, and takes the whole GPU while encode/prefill idle (paper §6).
+- ``split``: disjoint shares on one GPU (core and vision ``100 - d``, decode ``d``), DistServe/EPD
+  style; with two or more GPUs, encode/prefill on the first and decode on the second, uncapped.
+- ``monolithic``: one compute process (core, decode inside it) and vision, uncapped.
+
+Without MPS the processes time-slice the GPU: caps cannot be enforced, which ``unified`` tolerates
+(it says so once) and ``split`` on one GPU cannot (its point is the disjoint shares).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("unified", "monolithic", "split")
+
+
+@dataclass(frozen=True)
+class ProcessPlacement:
+    """One worker's GPU (a physical ordinal) and its MPS SM cap in percent (None: uncapped)."""
+
+    gpu: int
+    sm_percent: int | None
+
+    def env(self, use_mps: bool) -> dict[str, str]:
+        """Environment the process must start with (before its CUDA context exists)."""
+        env = {"CUDA_VISIBLE_DEVICES": str(self.gpu)}
+        if use_mps and self.sm_percent is not None:
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.sm_percent)
+        return env
+
+
+@dataclass(frozen=True)
+class GpuPlacement:
+    policy: str
+    use_mps: bool
+    processes: dict[str, ProcessPlacement]  # "vision", "core", "decode" (monolithic: no "decode")
+    notes: tuple[str, ...] = ()  # one-line facts to log once at start (e.g. time-slicing without MPS)
+
+    def env(self, process: str) -> dict[str, str]:
+        return self.processes[process].env(self.use_mps)
+
+
+def plan_gpu_placement(policy: str, num_visible_gpus: int, gpus: list[int] | None = None,
+                       decode_sm_percent: int = 30, use_mps: bool = True) -> GpuPlacement:
+    """Place vision, core and decode on GPUs for ``policy``.
+
+    Args:
+        num_visible_gpus: CUDA devices this machine shows.
+        gpus: the physical ordinals to use (default: ``[0]``, or ``[0, 1]`` for ``split`` when there
+            are two). Their order matters: the first holds vision and core.
+        decode_sm_percent: decode's guaranteed SM share (``unified``) or its whole share (``split`` on
+            one GPU), 1..99.
+        use_mps: whether an MPS daemon serves these processes (see ``launch/mps.sh``).
+    Raises:
+        ValueError: an unknown policy, no GPU, an ordinal that is not visible or repeated, a share
+            outside 1..99, or ``split`` on one GPU without MPS. The message names the flag to change.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if num_visible_gpus < 1:
+        raise ValueError("no CUDA device is visible; use --device cpu")
+    if not isinstance(decode_sm_percent, int) or not 1 <= decode_sm_percent <= 99:
+        raise ValueError(f"--decode-sm-percent must be an integer in 1..99, got {decode_sm_percent!r}")
+    if gpus is None:
+        gpus = [0, 1] if policy == "split" and num_visible_gpus >= 2 else [0]
+    if not gpus:
+        raise ValueError("--gpus is empty; give at least one GPU ordinal")
+    bad = [g for g in gpus if not 0 <= g < num_visible_gpus]
+    if bad:
+        raise ValueError(f"--gpus {','.join(map(str, gpus))}: GPU {bad[0]} is not visible "
+                         f"({num_visible_gpus} visible: 0..{num_visible_gpus - 1})")
+    if len(set(gpus)) != len(gpus):
+        raise ValueError(f"--gpus {','.join(map(str, gpus))} names a GPU twice")
+    notes: list[str] = []
+    first = gpus[0]
+    rest = 100 - decode_sm_percent
+    if len(gpus) > 2 or (len(gpus) == 2 and policy != "split"):
+        raise ValueError(f"--policy {policy} uses {'two GPUs' if policy == 'split' else 'one GPU'} per server; "
+                         f"got --gpus {','.join(map(str, gpus))} (start one server per GPU for more)")
+    if policy == "monolithic":
+        procs = {"vision": ProcessPlacement(first, None), "core": ProcessPlacement(first, None)}
+    elif policy == "split" and len(gpus) == 2:
+        procs = {"vision": ProcessPlacement(first, None), "core": ProcessPlacement(first, None),
+                 "decode": ProcessPlacement(gpus[1], None)}
+    elif policy == "split":
+        if not use_mps:
+            raise ValueError("--policy split on one GPU needs MPS for its disjoint SM shares: start it with "
+                             "launch/mps.sh start, or give a second GPU with --gpus 0,1")
+        procs = {"vision": ProcessPlacement(first, rest), "core": ProcessPlacement(first, rest),
+                 "decode": ProcessPlacement(first, decode_sm_percent)}
+    else:  # unified
+        procs = {"vision": ProcessPlacement(first, rest), "core": ProcessPlacement(first, rest),
+                 "decode": ProcessPlacement(first, None)}
+        if not use_mps:
+            notes.append("no MPS daemon: vision, core and decode time-slice the GPU, so decode's SM share "
+                         "is not guaranteed (start one with launch/mps.sh start)")
+    return GpuPlacement(policy, use_mps, procs, tuple(notes))
