@@ -6,8 +6,9 @@ launcher creates one file per pool in a tmpfs folder (``/dev/shm``); every proce
 memory lives exactly as long as the last process that maps it and nothing is left behind, even
 after ``kill -9``.
 
-On CUDA the owner allocates the tensor and exports a CUDA IPC handle (torch's multiprocessing
-reductions) that other processes open. That path is written but has not run on a GPU yet.
+On CUDA the launcher allocates each pool with the driver and sends its 64-byte IPC handle; every
+worker maps it once (``unifiedserve/runtime/cuda_pools.py``). That path is written and CPU-tested
+(bookkeeping, teardown order) but has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import math
 import os
 import shutil
 from dataclasses import dataclass
-from multiprocessing.reduction import ForkingPickler
 
 import torch
 
@@ -31,7 +31,8 @@ class PoolSpec:
     shape: tuple[int, ...]
     dtype: str  # torch dtype name, e.g. "float32"
     path: str | None = None  # CPU: the tmpfs file
-    cuda_handle: bytes | None = None  # CUDA: ForkingPickler bytes of the tensor's IPC reduction
+    cuda_handle: bytes | None = None  # CUDA: the allocation's IPC handle (cuIpcGetMemHandle)
+    cuda_device: int | None = None  # CUDA: the device ordinal the pool lives on
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -65,18 +66,12 @@ def create_cpu_pool(shm_dir: str, prefix: str, name: str, shape: tuple[int, ...]
     return spec
 
 
-def export_cuda_pool(name: str, tensor: torch.Tensor) -> PoolSpec:
-    """Describe a CUDA tensor by its IPC handle, for processes started from this one."""
-    if tensor.device.type != "cuda":
-        raise ValueError("export_cuda_pool needs a CUDA tensor")
-    return PoolSpec(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."),
-                    cuda_handle=bytes(ForkingPickler.dumps(tensor)))
-
-
 def open_pool(spec: PoolSpec) -> torch.Tensor:
     """Map a pool in this process: the same memory every other process sees."""
     if spec.cuda_handle is not None:
-        return ForkingPickler.loads(spec.cuda_handle)
+        from unifiedserve.runtime.cuda_pools import open_cuda_pool
+
+        return open_cuda_pool(spec)
     if spec.path is None:
         raise ValueError(f"pool {spec.name!r} has neither a file nor a CUDA handle")
     numel = math.prod(spec.shape)

@@ -1,0 +1,117 @@
+"""CUDA IPC pools: handle exchange and teardown order with a fake driver; a real cross-process share on a GPU."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from unifiedserve.runtime import cuda_pools
+from unifiedserve.runtime.cuda_pools import IPC_HANDLE_BYTES, CudaPoolOwner, OpenedPool
+from unifiedserve.runtime.shm import PoolSpec
+
+
+class FakeDriver:
+    """Records every call; allocations are numbered, handles encode the pointer."""
+
+    def __init__(self):
+        self.events: list[tuple] = []
+        self.live: dict[int, int] = {}  # ptr -> bytes
+        self.mapped: dict[int, int] = {}  # opened ptr -> owner ptr
+        self._next = 0x1000
+
+    def alloc(self, device, num_bytes):
+        ptr, self._next = self._next, self._next + num_bytes
+        self.live[ptr] = num_bytes
+        self.events.append(("alloc", device, ptr, num_bytes))
+        return ptr
+
+    def free(self, device, ptr):
+        assert ptr in self.live, "double free"
+        assert ptr not in self.mapped.values(), "freed while another process maps it"
+        del self.live[ptr]
+        self.events.append(("free", device, ptr))
+
+    def ipc_handle(self, device, ptr):
+        return ptr.to_bytes(8, "little") + bytes(IPC_HANDLE_BYTES - 8)
+
+    def ipc_open(self, device, handle):
+        owner_ptr = int.from_bytes(handle[:8], "little")
+        assert owner_ptr in self.live, "opened a freed allocation"
+        mapped = 0x9000_0000 + owner_ptr
+        self.mapped[mapped] = owner_ptr
+        self.events.append(("open", device, owner_ptr))
+        return mapped
+
+    def ipc_close(self, device, ptr):
+        del self.mapped[ptr]
+        self.events.append(("close", device, ptr))
+
+
+def test_create_describes_each_pool_with_its_handle():
+    driver = FakeDriver()
+    owner = CudaPoolOwner(driver)
+    kv = owner.create("kv", (2, 2, 8, 16, 4, 128), torch.bfloat16, device=0)
+    patch = owner.create("patch", (64, 256, 1176), torch.float32, device=0)
+    assert kv.cuda_device == 0 and len(kv.cuda_handle) == IPC_HANDLE_BYTES and kv.path is None
+    assert kv.num_bytes == 2 * 2 * 8 * 16 * 4 * 128 * 2 and owner.num_bytes == kv.num_bytes + patch.num_bytes
+    assert [e[0] for e in driver.events] == ["alloc", "alloc"] and driver.events[0][3] == kv.num_bytes
+    with pytest.raises(ValueError, match="exists already"):
+        owner.create("kv", (1,), torch.float32, 0)
+    with pytest.raises(ValueError, match="positive sizes"):
+        owner.create("empty", (4, 0), torch.float32, 0)
+
+
+def test_owner_frees_only_after_every_opener_is_gone():
+    driver = FakeDriver()
+    owner = CudaPoolOwner(driver)
+    spec = owner.create("kv", (4, 16), torch.float16, device=1)
+    opened = OpenedPool(spec, driver)  # a worker maps it
+    with pytest.raises(RuntimeError, match="still mapped by core, decode"):
+        owner.free_all(live_openers=["decode", "core"])
+    assert driver.live  # nothing was freed
+    opened.close()
+    opened.close()  # idempotent
+    owner.free_all(live_openers=[])
+    owner.free_all()  # a second stop frees nothing twice
+    assert [e[0] for e in driver.events] == ["alloc", "open", "close", "free"]
+    assert not driver.live and not driver.mapped
+    with pytest.raises(RuntimeError, match="was freed"):
+        owner.tensor("kv")
+
+
+def test_open_refuses_specs_that_are_not_cuda_pools():
+    driver = FakeDriver()
+    with pytest.raises(ValueError, match="not a CUDA IPC pool"):
+        OpenedPool(PoolSpec("patch", (4,), "float32", path="/dev/shm/x"), driver)
+    with pytest.raises(ValueError, match="3-byte handle"):
+        OpenedPool(PoolSpec("kv", (4,), "float32", cuda_handle=b"abc", cuda_device=0), driver)
+
+
+def _child_adds_one(spec: PoolSpec, queue) -> None:
+    try:
+        t = cuda_pools.open_cuda_pool(spec)
+        t += 1
+        torch.cuda.synchronize()
+        queue.put(float(t.sum()))
+    except BaseException as e:  # report, never hang the parent
+        queue.put(repr(e))
+
+
+@pytest.mark.cuda
+def test_a_pool_written_in_one_process_is_read_in_another():
+    owner = CudaPoolOwner()
+    spec = owner.create("kv", (1024, 256), torch.bfloat16, device=0)
+    mine = owner.tensor("kv")
+    mine.fill_(2.0)
+    torch.cuda.synchronize()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_adds_one, args=(spec, queue))
+    child.start()
+    result = queue.get(timeout=120)
+    child.join(30)
+    assert result == 3.0 * 1024 * 256, result
+    assert torch.equal(mine, torch.full_like(mine, 3.0))  # the child's write, seen by the owner: no copy
+    owner.free_all(live_openers=[] if child.exitcode is not None else ["child"])
