@@ -27,6 +27,7 @@ from safetensors import safe_open
 
 from unifiedserve.model.config import ModelConfig
 from unifiedserve.model.qwen2_5_vl import Qwen2_5_VL
+from unifiedserve.model.weight_pool import bind_parameters
 
 __all__ = ["CheckpointError", "checkpoint_names", "checkpoint_shapes", "load_model"]
 
@@ -125,8 +126,8 @@ def _problems(kind: str, items: list[str]) -> str:
     return f"{len(items)} {kind}: {shown}"
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> tuple[Qwen2_5_VL, ModelConfig]:
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               llm_storage: torch.Tensor | None = None, fill_llm: bool = True) -> tuple[Qwen2_5_VL, ModelConfig]:
     """Build Qwen2.5-VL from a local checkpoint directory.
 
     Args:
@@ -134,6 +135,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
             ``model-*.safetensors`` + ``model.safetensors.index.json``.
         dtype: parameter dtype (float32, bfloat16 or float16); tensors are converted on load.
         device: where the parameters live.
+        llm_storage: a shared uint8 byte pool (``weight_pool.llm_weight_bytes``) on ``device`` that
+            holds the language model's parameters: they become views of it instead of new memory.
+        fill_llm: with ``llm_storage``, whether to read the language model's tensors from the
+            checkpoint (the process that loads them) or trust the pool's contents (every other).
     Returns:
         ``(model, config)``, the model in eval mode without gradients.
     Raises:
@@ -142,6 +147,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     """
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype}")
+    if llm_storage is not None and llm_storage.device != torch.empty(0, device=device).device:
+        raise ValueError(f"llm_storage is on {llm_storage.device}, the model on {device}")
     path = Path(path).expanduser()
     if not path.is_dir():
         raise ValueError(f"checkpoint directory {path} does not exist")
@@ -176,7 +183,13 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         raise CheckpointError(f"checkpoint {path} does not match the Qwen2.5-VL model of its config.json: "
                               + "; ".join(errors))
 
-    model.to_empty(device=device)
+    if llm_storage is None:
+        model.to_empty(device=device)
+    else:  # the LLM lives in the shared pool: allocate only the vision tower here
+        bind_parameters(model.language_model, llm_storage)
+        model.visual.to_empty(device=device)
+        if not fill_llm:
+            plan = [(name, found) for name, found in plan if not name.startswith("language_model.")]
     params = dict(model.named_parameters())
     files = {f: safe_open(f, framework="pt", device="cpu") for f in {e.file for _, found in plan for e in found}}
     with torch.no_grad():
