@@ -8,8 +8,9 @@ so frames resized here are the pixels the model was trained on.
 
 ``resize`` modes of flashcodec's decode APIs:
 
-- ``"exact"`` (default): convert each sampled frame to full-resolution RGB, then resize it with a
-  filter whose output stays within the documented bound of the reference (docs/flashcodec.md).
+- ``"exact"`` (default): convert each sampled frame to full-resolution RGB, then resize it with
+  :func:`resize_frames_uint8` on CPU (the cheapest filter measured within the bound of the
+  reference, see docs/flashcodec.md).
 - ``"fast"``: convert and resize in one swscale call at the target size (cheaper, larger error).
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DEFAULT_RESIZE_MODE", "RESIZE_MODES", "check_resize_mode", "resize_frames"]
+__all__ = ["DEFAULT_RESIZE_MODE", "RESIZE_MODES", "check_resize_mode", "resize_frames", "resize_frames_uint8"]
 
 #: Allowed values of the ``resize`` option, the default first.
 RESIZE_MODES = ("exact", "fast")
@@ -45,6 +46,17 @@ def check_resize_mode(mode: str) -> str:
     return mode
 
 
+def _check_frames(frames, height, width) -> None:
+    if not isinstance(frames, torch.Tensor) or frames.dtype != torch.uint8 or frames.dim() != 4 \
+            or frames.shape[1] != 3:
+        shape = tuple(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
+        dtype = frames.dtype if isinstance(frames, torch.Tensor) else None
+        raise ValueError(f"frames must be a uint8 [N, 3, H, W] tensor; got {shape} of {dtype}")
+    for name, value in (("height", height), ("width", width)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int; got {value!r}")
+
+
 def resize_frames(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """Resize RGB frames the way Qwen2.5-VL's reference pipeline does.
 
@@ -65,14 +77,7 @@ def resize_frames(frames: torch.Tensor, height: int, width: int) -> torch.Tensor
     Raises:
         ValueError: ``frames`` is not a uint8 ``[N, 3, H, W]`` tensor, or the size is not positive.
     """
-    if not isinstance(frames, torch.Tensor) or frames.dtype != torch.uint8 or frames.dim() != 4 \
-            or frames.shape[1] != 3:
-        shape = tuple(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
-        dtype = frames.dtype if isinstance(frames, torch.Tensor) else None
-        raise ValueError(f"frames must be a uint8 [N, 3, H, W] tensor; got {shape} of {dtype}")
-    for name, value in (("height", height), ("width", width)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int; got {value!r}")
+    _check_frames(frames, height, width)
     n, _, h, w = frames.shape
     if (h, w) == (height, width):
         return frames
@@ -83,3 +88,33 @@ def resize_frames(frames: torch.Tensor, height: int, width: int) -> torch.Tensor
                                 align_corners=False)  # [n', 3, height, width]
         out[start:start + _FRAMES_PER_CHUNK] = resized.round_().clamp_(0, 255).to(torch.uint8)
     return out
+
+
+def resize_frames_uint8(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The ``"exact"`` mode's CPU resize: torch's native uint8 antialiased bicubic kernel.
+
+    Same filter as :func:`resize_frames` (bicubic, antialias, ``align_corners=False``) but
+    computed in uint8 fixed point, 4-6x cheaper on CPU than the float32 reference (2.4 ms vs
+    10 ms a frame for 1280x720 -> 728x392, one thread), and within mean 0.13 / p99 1 level of it
+    (see docs/flashcodec.md). Frames read from an ``[H, W, 3]`` array through
+    ``permute(2, 0, 1)`` are channels-last, the layout this kernel is fastest on.
+
+    Args:
+        frames: uint8 ``[N, 3, H, W]`` CPU tensor, any strides.
+        height, width: output size in pixels (> 0).
+
+    Returns:
+        uint8 ``[N, 3, height, width]``, channels-last in memory when ``frames`` is; ``frames``
+        itself when the size already matches.
+
+    Raises:
+        ValueError: not a uint8 ``[N, 3, H, W]`` CPU tensor, or a non-positive size.
+    """
+    _check_frames(frames, height, width)
+    if frames.device.type != "cpu":
+        raise ValueError(f"resize_frames_uint8 runs on CPU tensors; got {frames.device} "
+                         "(use resize_frames on other devices)")
+    if tuple(frames.shape[2:]) == (height, width):
+        return frames
+    return F.interpolate(frames, size=(height, width), mode="bicubic", antialias=True,
+                         align_corners=False)  # [N, 3, height, width] uint8

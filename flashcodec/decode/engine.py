@@ -23,6 +23,7 @@ from flashcodec.decode.scheduler import RankJob, RankScheduler
 from flashcodec.plan.sampling import SamplingOptions
 from flashcodec.plan.video import VideoPlan, plan_video
 from flashcodec.probe import VideoInfo, probe
+from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode
 from flashcodec.source import Source, SourceLike
 
 OUTPUTS = ("rgb", "patches")
@@ -243,7 +244,8 @@ class DecodeEngine:
         return analysis
 
     def add_decoding_request(self, key_id: int, *, output: str = "rgb", on_corrupt: str = "error",
-                             patch_spec=None, progress: Callable[[int, int], None] | None = None) -> None:
+                             patch_spec=None, progress: Callable[[int, int], None] | None = None,
+                             resize: str = DEFAULT_RESIZE_MODE) -> None:
         """Queue the decode of an analysed video. Returns at once.
 
         Args:
@@ -252,7 +254,12 @@ class DecodeEngine:
                 ``"repeat"`` fills such frames with the nearest decoded one and lists them in
                 ``failed_frame_indices``.
             progress: called as ``progress(frames_decoded, frames_to_decode)`` from decoder threads.
+            resize: ``"exact"`` (default) converts each sampled frame at full resolution and
+                resizes it as Qwen2.5-VL's reference pipeline does (antialiased bicubic);
+                ``"fast"`` converts and resizes in one swscale call (cheaper, larger error; see
+                docs/flashcodec.md). Other values raise ``ValueError``.
         """
+        check_resize_mode(resize)
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
         if on_corrupt not in ON_CORRUPT:
@@ -267,7 +274,8 @@ class DecodeEngine:
         for rank_plan, scheduler in zip(plan.ranks, self._ranks):
             scheduler.submit(RankJob(
                 key_id, rank_plan,
-                open_decoder=lambda b=scheduler.backend: b.open(analysis.source, analysis.info, plan.height, plan.width),
+                open_decoder=lambda b=scheduler.backend: b.open(analysis.source, analysis.info, plan.height, plan.width,
+                                                                resize=resize),
                 emit=request.emit, on_segment_done=request.segment_done, on_finished=request.rank_finished,
             ))
 
@@ -308,11 +316,14 @@ class DecodeEngine:
 
     def decode_video(self, source: SourceLike, *, output: str = "rgb", on_corrupt: str = "error",
                      frame_indices: list[int] | None = None, patch_spec=None,
-                     progress: Callable[[int, int], None] | None = None, **sampling) -> DecodedVideo:
-        """Probe, plan and decode in one call. See :class:`SamplingOptions` for ``sampling``."""
+                     progress: Callable[[int, int], None] | None = None, resize: str = DEFAULT_RESIZE_MODE,
+                     **sampling) -> DecodedVideo:
+        """Probe, plan and decode in one call. See :class:`SamplingOptions` for ``sampling`` and
+        :meth:`add_decoding_request` for the other options."""
+        check_resize_mode(resize)  # before probing: a bad option fails fast
         analysis = self.analyse_bitstream(source, frame_indices=frame_indices, **sampling)
         self.add_decoding_request(analysis.key_id, output=output, on_corrupt=on_corrupt,
-                                  patch_spec=patch_spec, progress=progress)
+                                  patch_spec=patch_spec, progress=progress, resize=resize)
         return self.get_decoding_output(analysis.key_id)
 
     def close(self) -> None:

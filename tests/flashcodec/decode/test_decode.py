@@ -10,7 +10,8 @@ import torch
 import synthetic_video
 
 import flashcodec
-from flashcodec.decode.backends import DEFAULT_INTERPOLATION, rotate_display
+from flashcodec.decode.backends import convert_frame, rotate_display
+from flashcodec.resize import RESIZE_MODES
 
 TINY = dict(width=128, height=96, duration_s=2.0, fps=24.0, gop=12)
 
@@ -31,8 +32,11 @@ CASES = [
 ]
 
 
-def sequential_reference(path, indices, height, width):
-    """Decode every frame in order with PyAV and convert the wanted ones, the obvious way."""
+def sequential_reference(path, indices, height, width, resize="exact"):
+    """Decode every frame in order with PyAV and convert the wanted ones the same way as flashcodec.
+
+    (How close each resize mode is to Qwen2.5-VL's own preprocessing is tests/flashcodec/test_resize.py.)
+    """
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
         frames = list(container.decode(stream))
@@ -40,7 +44,7 @@ def sequential_reference(path, indices, height, width):
     for i in indices:
         f = frames[i]
         h, w = (width, height) if f.rotation % 180 else (height, width)
-        rgb = f.to_ndarray(width=w, height=h, format="rgb24", interpolation=DEFAULT_INTERPOLATION)
+        rgb = convert_frame(f, h, w, resize)
         out.append(rotate_display(rgb, int(f.rotation) % 360).transpose(2, 0, 1))
     return np.stack(out)
 
@@ -51,13 +55,14 @@ def engine():
         yield e
 
 
+@pytest.mark.parametrize("resize", RESIZE_MODES)
 @pytest.mark.parametrize("codec,suffix,extra", CASES, ids=[f"{c}{s}{'-' + '-'.join(e) if e else ''}" for c, s, e in CASES])
-def test_pyav_backend_equals_sequential_decode(video_factory, engine, codec, suffix, extra):
+def test_pyav_backend_equals_sequential_decode(video_factory, engine, codec, suffix, extra, resize):
     path = video_factory(codec=codec, suffix=suffix, **TINY, **extra)
-    result = engine.decode_video(path, num_frames=16)  # spread over every GOP
+    result = engine.decode_video(path, num_frames=16, resize=resize)  # spread over every GOP
     assert result.frames.dtype == torch.uint8 and result.frames.shape[1] == 3
     assert len(result.frame_indices) == 16 and result.failed_frame_indices == []
-    expected = sequential_reference(path, result.frame_indices, *result.frames.shape[2:])
+    expected = sequential_reference(path, result.frame_indices, *result.frames.shape[2:], resize)
     assert np.array_equal(result.frames.numpy(), expected)  # bit-exact
     for row, display in enumerate(result.frame_indices):
         assert synthetic_video.read_frame_index(result.frames[row].permute(1, 2, 0).numpy()) == display
@@ -79,13 +84,14 @@ def test_torchcodec_backend_returns_the_same_frames(video_factory, codec, suffix
     assert diff < 8.0
 
 
+@pytest.mark.parametrize("resize", RESIZE_MODES)
 @pytest.mark.parametrize("rotation", [90, 180, 270])
-def test_rotated_video_comes_out_in_display_orientation(video_factory, engine, rotation):
+def test_rotated_video_comes_out_in_display_orientation(video_factory, engine, rotation, resize):
     path = video_factory(codec="h264", suffix=".mp4", rotation=rotation, **TINY)
-    result = engine.decode_video(path, num_frames=8)
+    result = engine.decode_video(path, num_frames=8, resize=resize)
     h, w = result.frames.shape[2:]
     assert (h > w) == (rotation in (90, 270))
-    expected = sequential_reference(path, result.frame_indices, h, w)
+    expected = sequential_reference(path, result.frame_indices, h, w, resize)
     assert np.array_equal(result.frames.numpy(), expected)
     for row, display in enumerate(result.frame_indices):
         frame = result.frames[row].permute(1, 2, 0).numpy()
