@@ -1,12 +1,19 @@
-"""Stall-free scheduling of GOP segments over one rank's decoder slots (paper Algorithm 2).
+"""Stall-free scheduling of GOP segments over every rank's decoder slots (paper Algorithm 2).
 
-A rank has a fixed number of decoder threads (its slots), shared by every request in flight, so
-many concurrent videos never oversubscribe the cores. Each request arrives as *lanes*: one
-ordered run of GOP segments per slot, balanced by decode cost. A thread that finishes a segment
-takes the next segment of its own lane first (its decoder is already positioned there, so no
-seek is needed); when its lane is empty it takes an unclaimed lane, then steals from the tail of
-the lane with the most work left, and only then moves to the next request. No slot idles while a
-segment of any request remains.
+A rank (the CPU, or one GPU's NVDEC sessions) has a fixed number of decoder threads (its slots),
+shared by every request in flight, so many concurrent videos never oversubscribe the hardware.
+Each request arrives as one job per rank, each job as *lanes*: one ordered run of GOP segments
+per slot, balanced by decode cost. A thread that finishes a segment takes the next segment of its
+own lane first (its decoder is already positioned there, so no seek is needed); when its lane is
+empty it takes an unclaimed lane, then steals from the tail of the lane with the most work left,
+and only then moves to the next request. No slot idles while a segment of any request remains.
+
+Ranks differ in speed (an H100's 7 NVDEC engines vs a few CPU cores), and the planner's
+speed-weighted split is only an estimate. So a rank that runs dry takes work from another rank:
+from the tail of the busiest lane of the rank that would finish last, but only when it would
+finish that segment sooner than the victim would finish its backlog (:func:`should_steal`); a slow
+rank therefore never takes the last segments from a fast one and stalls it. All ranks of an
+engine share one lock (:class:`RankGroup`); segments take milliseconds, so it is not contended.
 """
 
 from __future__ import annotations
@@ -22,23 +29,51 @@ from flashcodec.plan.segments import GopSegment, RankPlan
 log = logging.getLogger(__name__)
 
 
-class RankJob:
-    """One request's work on one rank. Bookkeeping only; the scheduler's lock guards it."""
+def should_steal(segment_cost: int, thief_slot_speed: float, victim_backlog_cost: int, victim_speed: float) -> bool:
+    """Whether a dry slot of another rank should take a segment from a victim rank.
 
-    def __init__(self, key_id: int, plan: RankPlan, open_decoder: Callable[[], SegmentDecoder],
+    Args:
+        segment_cost: frames the segment decodes.
+        thief_slot_speed: the thief slot's throughput (frames/s; its rank's speed / slots).
+        victim_backlog_cost: frames still queued on the victim rank (not yet taken by a slot).
+        victim_speed: the victim rank's throughput over all its slots (frames/s).
+
+    Returns:
+        True when the thief would finish the segment before the victim finishes its backlog, so
+        the steal can only bring the end of the request forward.
+    """
+    if segment_cost <= 0 or thief_slot_speed <= 0:
+        return False
+    if victim_speed <= 0:
+        return True
+    return segment_cost / thief_slot_speed < victim_backlog_cost / victim_speed
+
+
+class RankJob:
+    """One request's work on one rank. Bookkeeping only; the rank group's lock guards it.
+
+    ``open_decoder(backend)`` opens a segment decoder for this request on ``backend`` (the
+    owner rank's, or a thief rank's); ``allowed_ranks`` names the ranks that may decode this
+    request's segments (``None``: any), e.g. only CPU ranks for a video NVDEC cannot decode.
+    """
+
+    def __init__(self, key_id: int, plan: RankPlan, open_decoder: Callable[[Backend], SegmentDecoder],
                  emit: Callable[[int, object], None], on_segment_done: Callable[[GopSegment, list[int]], None],
-                 on_finished: Callable[["RankJob", BaseException | None], None]):
+                 on_finished: Callable[["RankJob", BaseException | None], None],
+                 allowed_ranks: frozenset[int] | None = None):
         self.key_id = key_id
         self.plan = plan
         self.open_decoder = open_decoder
         self.emit = emit
         self.on_segment_done = on_segment_done
         self.on_finished = on_finished
+        self.allowed_ranks = allowed_ranks
         self.lanes = [deque(lane) for lane in plan.lanes]
         self.lane_owner: list[int | None] = [None] * len(self.lanes)
         self.in_flight = 0
         self.error: BaseException | None = None
         self.cancelled = False
+        self.owner: RankScheduler | None = None  # set by submit
 
     @property
     def has_pending(self) -> bool:
@@ -47,6 +82,13 @@ class RankJob:
     @property
     def is_done(self) -> bool:
         return self.in_flight == 0 and not self.has_pending
+
+    @property
+    def pending_cost(self) -> int:
+        return 0 if self.cancelled else sum(s.cost for lane in self.lanes for s in lane)
+
+    def can_run_on(self, rank_index: int) -> bool:
+        return self.allowed_ranks is None or rank_index in self.allowed_ranks
 
     def take(self, slot: int) -> GopSegment | None:
         """Next segment for ``slot``: own lane, else an unclaimed lane, else steal the largest tail."""
@@ -59,24 +101,69 @@ class RankJob:
             if owner is None and self.lanes[i]:
                 self.lane_owner[i] = slot
                 return self.lanes[i].popleft()
-        victim = max(range(len(self.lanes)), key=lambda i: sum(s.cost for s in self.lanes[i]), default=None)
-        if victim is not None and self.lanes[victim]:
-            return self.lanes[victim].pop()
-        return None
+        return self._pop_largest_tail()
+
+    def peek_tail(self) -> GopSegment | None:
+        """The segment another rank would steal: the tail of the lane with the most work left."""
+        lane = self._largest_lane()
+        return None if lane is None else lane[-1]
+
+    def _largest_lane(self) -> deque | None:
+        if self.cancelled:
+            return None
+        lane = max(self.lanes, key=lambda ln: sum(s.cost for s in ln), default=None)
+        return lane if lane else None
+
+    def _pop_largest_tail(self) -> GopSegment | None:
+        lane = self._largest_lane()
+        return None if lane is None else lane.pop()
+
+
+class RankGroup:
+    """The ranks of one engine, sharing one lock so that a dry rank can take another's work."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.ranks: list[RankScheduler] = []
+
+    def live_keys(self) -> set[int]:
+        """Key ids of requests with a job queued on any rank (call with ``cond`` held)."""
+        return {job.key_id for rank in self.ranks for job in rank._jobs}
+
+    def shutdown(self) -> None:
+        for rank in self.ranks:
+            rank.shutdown()
 
 
 class RankScheduler:
-    """The decoder threads of one rank and the FIFO of requests with work on it."""
+    """The decoder threads of one rank and the FIFO of requests with work on it.
 
-    def __init__(self, backend: Backend, num_slots: int, name: str = "cpu"):
+    Args:
+        backend: opens this rank's segment decoders.
+        num_slots: decoder threads of the rank.
+        name: thread-name prefix (``"cpu"``, ``"cuda:0"``).
+        speed: the rank's throughput over all slots, in frames/s (relative values are what
+            matter); it weights the planner's split and decides cross-rank steals.
+        group: the engine's :class:`RankGroup` (a rank alone gets its own).
+    """
+
+    def __init__(self, backend: Backend, num_slots: int, name: str = "cpu", *, speed: float = 1.0,
+                 group: RankGroup | None = None):
         if num_slots < 1:
             raise ValueError("a rank needs at least one decoder slot")
+        if not speed > 0:
+            raise ValueError(f"a rank's speed must be positive, got {speed}")
         self.backend = backend
         self.num_slots = num_slots
         self.name = name
-        self._cond = threading.Condition()
+        self.speed = float(speed)
+        self.group = group if group is not None else RankGroup()
+        self.index = len(self.group.ranks)
+        self.group.ranks.append(self)
+        self._cond = self.group.cond
         self._jobs: deque[RankJob] = deque()
         self._stopping = False
+        self.num_stolen = 0  # segments this rank's slots took from other ranks
         self._threads = [
             threading.Thread(target=self._run_slot, args=(slot,), name=f"flashcodec-{name}-{slot}", daemon=True)
             for slot in range(num_slots)
@@ -84,15 +171,20 @@ class RankScheduler:
         for t in self._threads:
             t.start()
 
+    @property
+    def slot_speed(self) -> float:
+        return self.speed / self.num_slots
+
     def submit(self, job: RankJob) -> None:
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the decode engine is shut down")
-            if job.is_done:  # nothing to decode on this rank
-                job.on_finished(job, None)
+            job.owner = self
+            if not job.is_done:
+                self._jobs.append(job)
+                self._cond.notify_all()
                 return
-            self._jobs.append(job)
-            self._cond.notify_all()
+        job.on_finished(job, None)  # nothing to decode on this rank
 
     def shutdown(self) -> None:
         with self._cond:
@@ -101,8 +193,12 @@ class RankScheduler:
         for t in self._threads:
             t.join(timeout=5)
 
+    def pending_cost(self) -> int:
+        """Frames queued on this rank and not yet taken by a slot (call with the lock held)."""
+        return sum(job.pending_cost for job in self._jobs)
+
     def _next(self, slot: int, current: RankJob | None) -> tuple[RankJob, GopSegment] | None:
-        if current is not None and current in self._jobs:
+        if current is not None and current.owner is self and current in self._jobs:
             segment = current.take(slot)
             if segment is not None:
                 return current, segment
@@ -110,6 +206,18 @@ class RankScheduler:
             segment = job.take(slot)
             if segment is not None:
                 return job, segment
+        return self._steal()
+
+    def _steal(self) -> tuple[RankJob, GopSegment] | None:
+        """A segment from the rank that would finish last, if taking it brings the end forward."""
+        victims = [(rank.pending_cost() / rank.speed, rank) for rank in self.group.ranks if rank is not self]
+        for _, victim in sorted(victims, key=lambda v: -v[0]):
+            backlog = victim.pending_cost()
+            for job in victim._jobs:
+                segment = job.peek_tail() if job.can_run_on(self.index) else None
+                if segment is not None and should_steal(segment.cost, self.slot_speed, backlog, victim.speed):
+                    self.num_stolen += 1
+                    return job, job._pop_largest_tail()
         return None
 
     def _run_slot(self, slot: int) -> None:
@@ -132,10 +240,10 @@ class RankScheduler:
                 if job.error is None:
                     decoder = decoders.get(job.key_id)
                     if decoder is None:
-                        decoder = decoders[job.key_id] = job.open_decoder()
+                        decoder = decoders[job.key_id] = job.open_decoder(self.backend)
                     failed = decoder.decode_segment(segment, job.emit)
             except BaseException as e:  # reported to the request, never kills the slot
-                log.debug("segment %s of request %s failed", segment, job.key_id, exc_info=True)
+                log.debug("segment %s of request %s failed on %s", segment, job.key_id, self.name, exc_info=True)
                 error = e
             if error is None:
                 try:
@@ -147,17 +255,14 @@ class RankScheduler:
                 if error is not None and job.error is None:
                     job.error = error
                     job.cancelled = True  # stop handing out its segments
-                finished = job.is_done and job in self._jobs
+                owner_jobs = job.owner._jobs
+                finished = job.is_done and job in owner_jobs
                 if finished:
-                    self._jobs.remove(job)
+                    owner_jobs.remove(job)
+                live = self.group.live_keys()
             if finished:
                 job.on_finished(job, job.error)
-            self._close_finished(decoders)
+            for key_id in [k for k in decoders if k not in live]:
+                decoders.pop(key_id).close()
         for decoder in decoders.values():
             decoder.close()
-
-    def _close_finished(self, decoders: dict[int, SegmentDecoder]) -> None:
-        with self._cond:
-            live = {job.key_id for job in self._jobs}
-        for key_id in [k for k in decoders if k not in live]:
-            decoders.pop(key_id).close()

@@ -109,21 +109,32 @@ def build_segments(targets: Sequence[int], table: GopTable) -> list[GopSegment]:
     ]
 
 
-def partition_contiguous(costs: Sequence[int], num_parts: int) -> list[range]:
-    """Split ``costs`` into ``num_parts`` contiguous ranges of near-equal total cost.
+def partition_contiguous(costs: Sequence[int], num_parts: int,
+                         weights: Sequence[float] | None = None) -> list[range]:
+    """Split ``costs`` into ``num_parts`` contiguous ranges of near-equal (or weighted) total cost.
 
-    Each cut is placed at the prefix sum nearest to its ideal share, so every part's cost is
-    within one item's cost of ``total / num_parts``. Parts may be empty.
+    With ``weights``, part ``i`` aims at ``total * weights[i] / sum(weights)`` (a rank twice as
+    fast gets twice the work). Each cut is placed at the prefix sum nearest to its ideal position,
+    so every part's cost is within one item's cost of its share. Parts may be empty; a part of
+    weight 0 is always empty.
     """
     if num_parts < 1:
         raise ValueError("num_parts must be at least 1")
+    if weights is None:
+        weights = [1.0] * num_parts
+    if len(weights) != num_parts or any(w < 0 for w in weights) or not sum(weights) > 0:
+        raise ValueError(f"weights must be {num_parts} non-negative numbers with a positive sum, got {weights}")
     prefix = [0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    total = prefix[-1]
-    cuts = [0]
+    total, weight_sum = prefix[-1], sum(weights)
+    cuts, share = [0], 0.0
     for part in range(1, num_parts):
-        ideal = total * part / num_parts
+        share += weights[part - 1]
+        if share >= weight_sum:  # every later part has weight 0: they stay empty
+            cuts.append(len(costs))
+            continue
+        ideal = total * share / weight_sum
         i = bisect.bisect_left(prefix, ideal, lo=cuts[-1])
         if i > cuts[-1] and (i == len(prefix) or ideal - prefix[i - 1] <= prefix[i] - ideal):
             i -= 1
@@ -157,40 +168,66 @@ def plan_distribution(
     table: GopTable,
     *,
     num_ranks: int = 1,
-    decoders_per_rank: int = 1,
+    decoders_per_rank: int | Sequence[int] = 1,
     temporal_patch_size: int = 2,
+    rank_speeds: Sequence[float] | None = None,
 ) -> list[RankPlan]:
-    """Spread the target frames over ``num_ranks`` x ``decoders_per_rank`` by decode cost.
+    """Spread the target frames over ranks x decoders by decode cost, weighted by rank speed.
 
     Ranks receive contiguous runs of frames (so each rank's temporal patches are whole and the
     concatenated output equals a single-rank decode); within a rank, decoders receive contiguous
     runs of segments so one decoder can continue from one GOP into the next without seeking.
+
+    Args:
+        frame_indices: display indices to output, ascending (repeats allowed).
+        table: the video's GOP table.
+        num_ranks: ranks (the CPU, each GPU's NVDEC sessions, ...).
+        decoders_per_rank: decoder slots (lanes) per rank: one number for all, or one per rank.
+        temporal_patch_size: every rank but the last one with frames outputs a multiple of this.
+        rank_speeds: relative throughput per rank (default: equal). A rank gets work in
+            proportion to its speed; a rank of speed 0 (one that cannot decode this video, e.g.
+            NVDEC on AV1) gets an empty plan and never the padding.
+
+    Returns:
+        one :class:`RankPlan` per rank, in rank order.
+
+    Raises:
+        ValueError: bad counts or speeds, or unsorted frame indices.
     """
-    if num_ranks < 1 or decoders_per_rank < 1:
-        raise ValueError("num_ranks and decoders_per_rank must be at least 1")
+    slots = [decoders_per_rank] * num_ranks if isinstance(decoders_per_rank, int) else list(decoders_per_rank)
+    if num_ranks < 1 or len(slots) != num_ranks or any(d < 1 for d in slots):
+        raise ValueError(f"need num_ranks >= 1 and at least one decoder per rank, got {num_ranks} ranks "
+                         f"with decoders {decoders_per_rank}")
+    speeds = [1.0] * num_ranks if rank_speeds is None else [float(v) for v in rank_speeds]
+    if len(speeds) != num_ranks or any(not v >= 0 for v in speeds) or not sum(speeds) > 0:
+        raise ValueError(f"rank_speeds must be {num_ranks} non-negative numbers, not all 0; got {rank_speeds}")
     frame_indices = list(frame_indices)
     if frame_indices != sorted(frame_indices):
         raise ValueError("frame indices must be in display order")
     segments = build_segments(frame_indices, table)
+    # Ranks of speed 0 take no part in the split, the alignment or the padding.
+    active = [r for r in range(num_ranks) if speeds[r] > 0]
 
-    # 1. Ranks by cost, at segment granularity, then as frame counts.
+    # 1. Active ranks by cost (weighted by speed), at segment granularity, then as frame counts.
     counts = []
-    for part in partition_contiguous([s.cost for s in segments], num_ranks):
+    for part in partition_contiguous([s.cost for s in segments], len(active), [speeds[r] for r in active]):
         members = {d for s in segments[part.start:part.stop] for d in s.target_indices}
         counts.append(sum(1 for d in frame_indices if d in members))
     # 2. Temporal-patch alignment across ranks.
     counts, num_pad = align_rank_boundaries(counts, temporal_patch_size)
 
     plans, offset = [], 0
-    for rank, count in enumerate(counts):
+    count_of = dict(zip(active, counts))
+    for rank in range(num_ranks):
+        count = count_of.get(rank, 0)
         rank_frames = tuple(frame_indices[offset:offset + count])
         offset += count
         rank_segments = build_segments(rank_frames, table) if rank_frames else []
         lanes = tuple(
             tuple(rank_segments[p.start:p.stop])
-            for p in partition_contiguous([s.cost for s in rank_segments], decoders_per_rank)
+            for p in partition_contiguous([s.cost for s in rank_segments], slots[rank])
         )
-        plans.append(RankPlan(rank, rank_frames, num_pad if rank == num_ranks - 1 else 0, lanes))
+        plans.append(RankPlan(rank, rank_frames, num_pad if rank == active[-1] else 0, lanes))
     return plans
 
 

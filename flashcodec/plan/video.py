@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from flashcodec.plan.sampling import FRAME_FACTOR, SamplingOptions, sample_frame_indices, video_target_size
 from flashcodec.plan.segments import GopTable, RankPlan, decode_floor_cost, plan_distribution
@@ -59,13 +60,16 @@ def plan_video(
     options: SamplingOptions = SamplingOptions(),
     *,
     num_ranks: int = 1,
-    decoders_per_rank: int = 1,
+    decoders_per_rank: int | Sequence[int] = 1,
     frame_indices: list[int] | None = None,
+    rank_speeds: Sequence[float] | None = None,
 ) -> VideoPlan:
     """Plan a request from a probe's ``VideoInfo``: Qwen frame selection, size, GOP segments.
 
     ``frame_indices`` overrides the Qwen sampling (e.g. a benchmark's uniform sparse sampling);
-    ``sample_fps`` is then derived from the indices' span.
+    ``sample_fps`` is then derived from the indices' span. ``decoders_per_rank`` (one number or
+    one per rank) and ``rank_speeds`` (relative throughput; 0 for a rank that cannot decode this
+    video) are passed to :func:`~flashcodec.plan.segments.plan_distribution`.
     """
     if frame_indices is None:
         indices, sample_fps = sample_frame_indices(info.num_frames, info.average_fps, options)
@@ -77,7 +81,7 @@ def plan_video(
     height, width = video_target_size(info.display_height, info.display_width, len(indices), options)
     ranks = plan_distribution(
         indices, gop_table(info), num_ranks=num_ranks, decoders_per_rank=decoders_per_rank,
-        temporal_patch_size=FRAME_FACTOR,
+        temporal_patch_size=FRAME_FACTOR, rank_speeds=rank_speeds,
     )
     return VideoPlan(tuple(indices), sample_fps, height, width, tuple(ranks))
 

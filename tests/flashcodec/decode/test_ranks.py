@@ -1,0 +1,157 @@
+"""Stall-free scheduling over ranks of different speeds (fake GPU and CPU ranks, no media)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from flashcodec.decode.backends import Backend, SegmentDecoder
+from flashcodec.decode.scheduler import RankGroup, RankJob, RankScheduler, should_steal
+from flashcodec.plan.segments import GopTable, plan_distribution
+
+SLOTS = 2
+
+
+class SleepDecoder(SegmentDecoder):
+    """Decodes a segment in ``cost * seconds_per_frame`` and emits its targets (tagged with the rank)."""
+
+    def __init__(self, backend: "SleepBackend"):
+        self.backend = backend
+
+    def decode_segment(self, segment, emit):
+        time.sleep(segment.cost * self.backend.seconds_per_frame)
+        for display in segment.target_indices:
+            emit(display, self.backend.device)
+        return []
+
+
+class SleepBackend(Backend):
+    name = "fake"
+
+    def __init__(self, device: str, seconds_per_frame: float):
+        self.device = device
+        self.seconds_per_frame = seconds_per_frame
+
+    def open(self, source, info, height, width, resize="exact"):
+        return SleepDecoder(self)
+
+
+class Collector:
+    def __init__(self, num_jobs: int):
+        self.lock = threading.Lock()
+        self.decoded: list[tuple[int, str]] = []
+        self.left = num_jobs
+        self.done = threading.Event()
+        self.errors: list[BaseException] = []
+
+    def emit(self, display, device):
+        with self.lock:
+            self.decoded.append((display, device))
+
+    def finished(self, job, error):
+        with self.lock:
+            if error is not None:
+                self.errors.append(error)
+            self.left -= 1
+            if self.left == 0:
+                self.done.set()
+
+
+def make_ranks(*specs):
+    """``specs``: (device, seconds_per_frame) per rank; declared speed = slots / seconds_per_frame."""
+    group = RankGroup()
+    for device, spf in specs:
+        RankScheduler(SleepBackend(device, spf), SLOTS, device, speed=SLOTS / spf, group=group)
+    return group
+
+
+def submit(group, plans, allowed=None, key_id=1):
+    collector = Collector(len(plans))
+    for plan, rank in zip(plans, group.ranks):
+        rank.submit(RankJob(key_id, plan, open_decoder=lambda backend: backend.open(None, None, 0, 0),
+                            emit=collector.emit, on_segment_done=lambda s, f: None,
+                            on_finished=collector.finished, allowed_ranks=allowed))
+    return collector
+
+
+def wait(collector):
+    assert collector.done.wait(10), "a rank stalled"
+    assert not collector.errors
+    return collector
+
+
+def run(group, plans, allowed=None, key_id=1):
+    return wait(submit(group, plans, allowed, key_id))
+
+
+TABLE = GopTable(list(range(400)), list(range(0, 400, 10)))  # 40 GOPs of 10 frames
+TARGETS = list(range(0, 400, 5))  # 2 targets per GOP: 40 segments of cost 6
+
+
+def test_should_steal_only_when_the_thief_finishes_before_the_victim():
+    assert should_steal(6, thief_slot_speed=1000, victim_backlog_cost=120, victim_speed=100)
+    assert not should_steal(6, thief_slot_speed=50, victim_backlog_cost=120, victim_speed=2000)
+    assert not should_steal(6, thief_slot_speed=0, victim_backlog_cost=120, victim_speed=2000)
+
+
+def test_a_fast_rank_that_runs_dry_takes_the_slow_ranks_work():
+    group = make_ranks(("cuda:0", 0.001), ("cpu", 0.02))  # 20x apart
+    # The planner was told they are equally fast: the slow rank alone would need 10 segments x 0.12 s.
+    plans = plan_distribution(TARGETS, TABLE, num_ranks=2, decoders_per_rank=SLOTS)
+    started = time.perf_counter()
+    try:
+        collector = run(group, plans)
+    finally:
+        group.shutdown()
+    elapsed = time.perf_counter() - started
+    assert sorted(d for d, _ in collector.decoded) == TARGETS  # every target exactly once
+    by_gpu = sum(1 for _, device in collector.decoded if device == "cuda:0")
+    assert group.ranks[0].num_stolen > 0 and by_gpu >= 60
+    assert elapsed < 0.8, f"the slow rank held the request for {elapsed:.2f} s"
+
+
+def test_a_slow_rank_never_takes_work_a_fast_rank_finishes_sooner():
+    group = make_ranks(("cuda:0", 0.001), ("cpu", 0.05))
+    # Correct speeds: the CPU rank gets almost nothing and runs dry at once.
+    plans = plan_distribution(TARGETS, TABLE, num_ranks=2, decoders_per_rank=SLOTS, rank_speeds=[2000, 40])
+    try:
+        collector = run(group, plans)
+    finally:
+        group.shutdown()
+    assert sorted(d for d, _ in collector.decoded) == TARGETS
+    assert group.ranks[1].num_stolen == 0  # 6 frames at 20 fps > the GPU's whole backlog
+
+
+def test_a_rank_not_allowed_for_a_video_never_decodes_it():
+    group = make_ranks(("cuda:0", 0.001), ("cpu", 0.002))
+    # NVDEC cannot take this video: the plan gives the GPU rank nothing and it may not steal.
+    plans = plan_distribution(TARGETS, TABLE, num_ranks=2, decoders_per_rank=SLOTS, rank_speeds=[0, 1])
+    try:
+        collector = run(group, plans, allowed=frozenset({1}))
+    finally:
+        group.shutdown()
+    assert sorted(d for d, _ in collector.decoded) == TARGETS
+    assert {device for _, device in collector.decoded} == {"cpu"}
+    assert group.ranks[0].num_stolen == 0
+
+
+def test_many_requests_over_mixed_ranks_all_complete_once():
+    group = make_ranks(("cuda:0", 0.0005), ("cuda:1", 0.0005), ("cpu", 0.003))
+    collectors = []
+    try:
+        for key in range(1, 6):
+            targets = TARGETS[key:]
+            plans = plan_distribution(targets, TABLE, num_ranks=3, decoders_per_rank=SLOTS,
+                                      rank_speeds=[r.speed for r in group.ranks])
+            collectors.append((targets, submit(group, plans, key_id=key)))  # all in flight at once
+        for targets, collector in collectors:
+            assert sorted(d for d, _ in wait(collector).decoded) == targets
+    finally:
+        group.shutdown()
+
+
+def test_a_rank_needs_a_positive_speed():
+    with pytest.raises(ValueError, match="speed"):
+        RankScheduler(SleepBackend("cpu", 0.001), 1, speed=0)
