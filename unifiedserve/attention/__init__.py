@@ -1,13 +1,65 @@
-"""Attention over a paged KV cache: one interface, a CPU implementation, a CUDA (flashinfer) slot."""
+"""Attention over a paged KV cache: one interface (``plan`` per step, ``forward`` per layer) and its backends.
+
+Backends: :class:`TorchPagedAttention` (plain torch SDPA; the CPU path and the CUDA fallback) and
+``FlashInferAttention`` (CUDA, flashinfer's paged prefill/decode kernels; imported lazily).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
 
 from unifiedserve.attention.base import AttentionBackend, AttentionMetadata, KVCache
-from unifiedserve.attention.cpu import TorchPagedAttention
+from unifiedserve.attention.metadata import PagedBatch, SeqSpec, build_paged_batch, pad_decode_batch
+from unifiedserve.attention.torch_sdpa import TorchPagedAttention
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "KVCache", "TorchPagedAttention", "get_attention_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "KVCache", "PagedBatch", "SeqSpec", "TorchPagedAttention",
+           "BACKEND_NAMES", "build_paged_batch", "get_attention_backend", "pad_decode_batch"]
+
+log = logging.getLogger(__name__)
+
+#: Names ``get_attention_backend`` accepts.
+BACKEND_NAMES = ("auto", "flashinfer", "torch")
 
 
-def get_attention_backend(device: str) -> type[AttentionBackend]:
-    """The backend class for a device: torch on CPU; flashinfer on CUDA comes with the GPU issue."""
-    if device.startswith("cuda"):
-        raise NotImplementedError("the flashinfer backend for CUDA is not built yet; use --device cpu")
+def get_attention_backend(device: str | torch.device, name: str = "auto",
+                          dtype: torch.dtype | None = None) -> type[AttentionBackend]:
+    """The backend class to build for a device.
+
+    Args:
+        device: where the KV cache lives (``cpu``, ``cuda``, ``cuda:1``, ...).
+        name: ``auto`` (flashinfer on CUDA when it imports and supports ``dtype``, else torch, with
+            one log line saying why), ``flashinfer`` or ``torch``.
+        dtype: the KV cache dtype, when known: flashinfer's kernels take fp16/bf16 only.
+
+    Returns:
+        An :class:`AttentionBackend` subclass (construct it with the KV cache and head counts).
+
+    Raises:
+        ValueError: an unknown name, or ``flashinfer`` asked for where it cannot run (not CUDA, not
+            importable, or an fp32 cache).
+    """
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    if name == "torch":
+        return TorchPagedAttention
+    is_cuda = torch.device(device).type == "cuda"
+    reason = None
+    if not is_cuda:
+        reason = f"device {device} is not CUDA"
+    elif dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        reason = f"flashinfer's kernels take float16/bfloat16, the KV cache is {dtype}"
+    else:
+        try:
+            import flashinfer  # noqa: F401  (a CUDA-only extra: imported only when CUDA asks for it)
+        except ImportError as exc:
+            reason = f"flashinfer does not import ({exc})"
+        else:
+            from unifiedserve.attention.flashinfer_backend import FlashInferAttention
+            return FlashInferAttention
+    if name == "flashinfer":
+        raise ValueError(f"the flashinfer attention backend cannot run here: {reason}")
+    if is_cuda:  # on CPU torch is the only choice: nothing to explain
+        log.info("attention backend: torch SDPA (%s)", reason)
     return TorchPagedAttention

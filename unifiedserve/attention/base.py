@@ -1,23 +1,30 @@
 """The attention interface the model calls, and the paged KV cache it reads and writes.
 
 A step's batch is *flattened*: the new tokens of every sequence (a prefill chunk, or one decode
-token) are concatenated into ``N`` rows. :class:`AttentionMetadata` says which rows belong to which
-sequence, how much of each sequence is already cached, and where each new token's K/V goes.
+token) are concatenated into ``N`` rows, sequence after sequence. Once per step, outside the model
+forward, the runner hands the backend the step's sequences as :data:`SeqSpec` tuples
+(:meth:`AttentionBackend.plan`); the backend builds whatever per-step metadata its kernels need
+(slot maps, masks, flashinfer's indptr arrays) and every layer's :meth:`AttentionBackend.forward`
+reuses it.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from unifiedserve.attention.metadata import SeqSpec
 
 
 class KVCache:
     """``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``: K and V per layer, in blocks.
 
-    The tensor may live in shared memory (CPU) or be opened from a CUDA IPC handle: the cache
-    never allocates on its own when ``storage`` is given.
+    Per layer, K and V are each ``[num_blocks, block_size, kv_heads, head_dim]``: flashinfer's
+    ``NHD`` paged layout. The tensor may live in shared memory (CPU) or be opened from a CUDA IPC
+    handle: the cache never allocates on its own when ``storage`` is given.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -37,6 +44,19 @@ class KVCache:
         kv = self.tensor[layer]
         return kv[0].flatten(0, 1), kv[1].flatten(0, 1)
 
+    def paged_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as ``[num_blocks, block_size, kv_heads, head_dim]`` (page-indexed views)."""
+        kv = self.tensor[layer]
+        return kv[0], kv[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
     @property
     def num_bytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
@@ -44,7 +64,10 @@ class KVCache:
 
 @dataclass
 class AttentionMetadata:
-    """Where a flattened batch's tokens come from and go to. Built once per step by the runner."""
+    """Where a flattened batch's tokens come from and go to (the pre-``plan`` interface).
+
+    Kept while callers still use :meth:`AttentionBackend.begin`; new code calls ``plan(seqs)``.
+    """
 
     #: int64 [B+1]: rows of sequence b are ``query_start_loc[b]:query_start_loc[b+1]``.
     query_start_loc: torch.Tensor
@@ -85,16 +108,55 @@ class AttentionMetadata:
             is_decode=bool(seqs) and all(n == 1 for _, n, _ in seqs),
         )
 
+    def to_seqs(self, block_size: int) -> list[SeqSpec]:
+        """The :data:`SeqSpec` tuples this metadata was built from (blocks trimmed to the used ones)."""
+        out = []
+        for context_len, seq_len, table in zip(self.context_lens.tolist(), self.seq_lens.tolist(),
+                                               self.block_tables.tolist()):
+            out.append((context_len, seq_len - context_len, table[:-(-seq_len // block_size)]))
+        return out
+
 
 class AttentionBackend(ABC):
-    """Causal self-attention of new tokens over each sequence's cached prefix plus themselves.
+    """Causal self-attention of a step's new tokens over each sequence's cached prefix plus themselves.
 
-    ``forward`` first writes the new K/V into their slots, then attends. Shapes:
-    q ``[N, q_heads, head_dim]``, k/v ``[N, kv_heads, head_dim]`` -> ``[N, q_heads, head_dim]``.
+    Protocol, per step:
+
+    1. ``plan(seqs)`` once, **outside** the model forward and outside any CUDA graph. It may do host
+       work (Python loops, host-to-device copies) and validates the step (``ValueError`` on block
+       tables too short for their tokens, empty sequences, ...).
+    2. ``forward(layer, q, k, v)`` once per layer inside the forward: writes the new K/V of the
+       ``N`` rows into their cache slots, then attends. Shapes: q ``[N, q_heads, head_dim]``,
+       k/v ``[N, kv_heads, head_dim]`` -> ``[N, q_heads, head_dim]`` in q's dtype. On CUDA backends
+       ``forward`` never synchronizes with the host (no ``.item()``/``.tolist()``, no host-built
+       tensors), so a forward can be captured in a CUDA graph. All layers share the plan.
+
+    The plan stays valid until the next ``plan``; a ``forward`` whose row count differs from the
+    planned one raises ``ValueError`` (checked from shapes only, no sync).
+
+    **CUDA-graph decode** (backends with ``supports_cuda_graph``):
+
+    1. ``init_cuda_graph(batch_sizes, max_seq_len)`` once, before capture: allocates static
+       metadata buffers for each batch size that will be captured.
+    2. For capture and for every replay, ``plan(seqs, graph_batch_size=B)`` with ``B`` one of those
+       sizes, ``1 <= len(seqs) <= B`` and every sequence a decode (``num_new_tokens == 1``,
+       ``num_cached_tokens + 1 <= max_seq_len``). It only *writes into* the static buffers, so a
+       graph captured after one such ``plan`` replays correctly after the next.
+    3. ``forward`` then takes exactly ``B`` rows: rows ``len(seqs)..B-1`` are padding; their outputs
+       are unspecified and they never change the cache (their K/V writes repeat row 0's write).
+
+    ``warmup()`` compiles or loads the kernels for this backend's shapes and dtype, so that first
+    use (a JIT compile of tens of seconds for flashinfer) never lands on a request's path; call it
+    once at start-up.
     """
+
+    #: True when :meth:`init_cuda_graph` and ``plan(..., graph_batch_size=...)`` are implemented.
+    supports_cuda_graph: bool = False
 
     def __init__(self, kv_cache: KVCache, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float | None = None):
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.kv_cache = kv_cache
         self.num_q_heads = num_q_heads
         self.num_kv_heads = num_kv_heads
@@ -102,9 +164,39 @@ class AttentionBackend(ABC):
         self.scale = scale if scale is not None else head_dim ** -0.5
         self.metadata: AttentionMetadata | None = None
 
+    @abstractmethod
+    def plan(self, seqs: Sequence[SeqSpec], graph_batch_size: int | None = None) -> None:
+        """Build this step's metadata from the sequences, in row order (see the class docstring).
+
+        Args:
+            seqs: one :data:`SeqSpec` per sequence, in the order of their rows.
+            graph_batch_size: plan a CUDA-graph decode step padded to this many rows (a size given
+                to :meth:`init_cuda_graph`); ``None`` for an eager step.
+
+        Raises:
+            ValueError: empty or inconsistent sequences, or a graph plan the backend cannot serve.
+        """
+
     def begin(self, metadata: AttentionMetadata) -> None:
-        """Set the metadata for the next model forward (all layers share it)."""
+        """Pre-``plan`` entry point: plans the step described by ``metadata`` (reads it on the host)."""
         self.metadata = metadata
+        self.plan(metadata.to_seqs(self.kv_cache.block_size))
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+    def init_cuda_graph(self, batch_sizes: Sequence[int], max_seq_len: int) -> None:
+        """Allocate static metadata buffers for CUDA-graph decode at these batch sizes.
+
+        Args:
+            batch_sizes: the decode batch sizes that will be captured (each ≥ 1).
+            max_seq_len: the longest sequence (cached tokens + the new one) a graph step may hold.
+
+        Raises:
+            ValueError: the backend has no CUDA-graph support (``supports_cuda_graph`` is False),
+                or a size is not positive.
+        """
+        raise ValueError(f"{type(self).__name__} does not support CUDA-graph decode; run decode eagerly")
+
+    def warmup(self) -> None:
+        """Compile/load this backend's kernels for its shapes once, before serving (no-op when none)."""

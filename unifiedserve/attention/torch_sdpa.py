@@ -1,0 +1,161 @@
+"""Paged attention in plain torch: the CPU backend, the SDPA fallback on CUDA, and the reference.
+
+Everything a layer needs beyond q/k/v (slot maps, gather maps, masks) is built once per step in
+:meth:`TorchPagedAttention.plan`, so ``forward`` does only device work: no host syncs per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from unifiedserve.attention.base import AttentionBackend, KVCache
+from unifiedserve.attention.metadata import PagedBatch, SeqSpec, build_paged_batch, pad_decode_batch
+
+
+@dataclass
+class _PrefillSeq:
+    rows: tuple[int, int]  # [start, end) of the sequence's rows
+    slots: torch.Tensor  # int64 [kv_len]: cache slot of each key position
+    mask: torch.Tensor | None  # bool [num_new, kv_len], None when plain causal (no cached prefix)
+
+
+@dataclass
+class _TorchPlan:
+    batch: PagedBatch
+    slot_mapping: torch.Tensor  # int64 [N]: where each row's K/V goes
+    write_rows: torch.Tensor | None  # int64 [N]: source row of each write (graph padding), None = identity
+    decode_slots: torch.Tensor | None  # int64 [B, L]: cache slot of key position l of sequence b
+    decode_valid: torch.Tensor | None  # bool [B, L]: l < kv_len[b]
+    prefill: list[_PrefillSeq]
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Gathers each sequence's K/V from its blocks and runs SDPA.
+
+    Decode steps (one new token per sequence) run as one padded SDPA call over ``[B, L]`` gathered
+    keys; other steps run per sequence with a causal mask offset by the cached prefix. Supports
+    CUDA-graph decode: ``L`` is then the fixed ``max_seq_len`` given to :meth:`init_cuda_graph`.
+    """
+
+    supports_cuda_graph = True
+
+    def __init__(self, kv_cache: KVCache, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 scale: float | None = None):
+        super().__init__(kv_cache, num_q_heads, num_kv_heads, head_dim, scale)
+        self._plan: _TorchPlan | None = None
+        self._graph_sizes: set[int] = set()
+        self._graph_buffers: dict[str, torch.Tensor] = {}
+
+    def init_cuda_graph(self, batch_sizes: Sequence[int], max_seq_len: int) -> None:
+        if not batch_sizes or min(batch_sizes) < 1 or max_seq_len < 1:
+            raise ValueError(f"need batch sizes >= 1 and max_seq_len >= 1, got {list(batch_sizes)} and {max_seq_len}")
+        max_batch = max(batch_sizes)
+        device = self.kv_cache.device
+        # one set of buffers sized for the largest batch; each graph reads a prefix view of them
+        self._graph_buffers = {
+            "slot_mapping": torch.zeros(max_batch, dtype=torch.int64, device=device),
+            "write_rows": torch.zeros(max_batch, dtype=torch.int64, device=device),
+            "decode_slots": torch.zeros((max_batch, max_seq_len), dtype=torch.int64, device=device),
+            "decode_valid": torch.zeros((max_batch, max_seq_len), dtype=torch.bool, device=device),
+        }
+        self._graph_sizes = set(batch_sizes)
+
+    def plan(self, seqs: Sequence[SeqSpec], graph_batch_size: int | None = None) -> None:
+        batch = build_paged_batch(seqs, self.kv_cache.block_size)
+        device = self.kv_cache.device
+        if graph_batch_size is not None:
+            self._plan = self._plan_graph(batch, graph_batch_size)
+            return
+        slot_mapping = torch.tensor(batch.slot_mapping, dtype=torch.int64).to(device, non_blocking=True)
+        indptr, pages = batch.paged_kv_indptr, torch.tensor(batch.paged_kv_indices, dtype=torch.int64).to(device)
+        if batch.is_decode:
+            slots, valid = self._decode_maps(batch, max_len=batch.max_kv_len)
+            self._plan = _TorchPlan(batch, slot_mapping, None, slots, valid, [])
+            return
+        block_size = self.kv_cache.block_size
+        offsets = torch.arange(block_size, device=device)
+        prefill = []
+        for b, (num_cached, kv_len) in enumerate(zip(batch.cached_lens, batch.kv_lens)):
+            rows = (batch.qo_indptr[b], batch.qo_indptr[b + 1])
+            seq_pages = pages[indptr[b]:indptr[b + 1]]  # [P]
+            slots = (seq_pages[:, None] * block_size + offsets).flatten()[:kv_len]  # [kv_len]
+            num_new = rows[1] - rows[0]
+            # row i sits at absolute position num_cached + i and sees keys 0..num_cached + i
+            mask = None if num_cached == 0 else torch.ones((num_new, kv_len), dtype=torch.bool,
+                                                           device=device).tril(diagonal=num_cached)
+            prefill.append(_PrefillSeq(rows, slots, mask))
+        self._plan = _TorchPlan(batch, slot_mapping, None, None, None, prefill)
+
+    def _plan_graph(self, batch: PagedBatch, graph_batch_size: int) -> _TorchPlan:
+        if graph_batch_size not in self._graph_sizes:
+            raise ValueError(f"graph batch size {graph_batch_size} was not given to init_cuda_graph "
+                             f"(sizes: {sorted(self._graph_sizes)})")
+        bufs = self._graph_buffers
+        max_len = bufs["decode_slots"].shape[1]
+        if batch.max_kv_len > max_len:
+            raise ValueError(f"a sequence of {batch.max_kv_len} tokens exceeds the graph's max_seq_len {max_len}")
+        padded = pad_decode_batch(batch, graph_batch_size)
+        slots, valid = self._decode_maps(padded, max_len=max_len)
+        n = graph_batch_size
+        views = {name: buf[:n] for name, buf in bufs.items()}
+        # copy_ into the fixed buffers: captured kernels keep reading these addresses
+        views["slot_mapping"].copy_(torch.tensor(padded.slot_mapping, dtype=torch.int64))
+        views["write_rows"].copy_(torch.tensor(padded.write_rows, dtype=torch.int64))
+        views["decode_slots"].copy_(slots)
+        views["decode_valid"].copy_(valid)
+        return _TorchPlan(padded, views["slot_mapping"], views["write_rows"], views["decode_slots"],
+                          views["decode_valid"], [])
+
+    def _decode_maps(self, batch: PagedBatch, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather map and validity of ``[B, max_len]`` key positions, built on the device once per step."""
+        block_size = self.kv_cache.block_size
+        device = self.kv_cache.device
+        num_pages = -(-max_len // block_size)
+        table = torch.zeros((batch.num_seqs, num_pages), dtype=torch.int64)  # [B, P], 0-padded
+        for b in range(batch.num_seqs):
+            pages = batch.paged_kv_indices[batch.paged_kv_indptr[b]:batch.paged_kv_indptr[b + 1]]
+            table[b, :len(pages)] = torch.tensor(pages, dtype=torch.int64)
+        table = table.to(device, non_blocking=True)
+        kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int64).to(device, non_blocking=True)  # [B]
+        positions = torch.arange(max_len, device=device)  # [L]
+        slots = table[:, positions // block_size] * block_size + positions % block_size  # [B, L]
+        valid = positions[None, :] < kv_lens[:, None]  # [B, L]
+        return torch.where(valid, slots, torch.zeros_like(slots)), valid
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("call plan(seqs) before the model forward")
+        if q.shape[0] != plan.batch.num_tokens:
+            raise ValueError(f"forward got {q.shape[0]} rows, the plan has {plan.batch.num_tokens}")
+        k_cache, v_cache = self.kv_cache.layer(layer)  # [slots, kv_heads, head_dim]
+        if plan.write_rows is not None:
+            k, v = k[plan.write_rows], v[plan.write_rows]  # padding rows repeat row 0's write
+        k_cache.index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, plan.slot_mapping, v.to(v_cache.dtype))
+        if plan.decode_slots is not None:
+            keys, values = k_cache[plan.decode_slots], v_cache[plan.decode_slots]  # [B, L, kv_heads, head_dim]
+            return self._sdpa(q.unsqueeze(1), keys, values, plan.decode_valid.unsqueeze(1))[:, 0]
+        out = torch.empty_like(q)
+        for seq in plan.prefill:
+            qs, qe = seq.rows
+            keys, values = k_cache[seq.slots], v_cache[seq.slots]  # [kv_len, kv_heads, head_dim]
+            out[qs:qe] = self._sdpa(q[qs:qe].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), seq.mask)[0]
+        return out
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D], mask bool [B?, Lq, Lk] or None (causal) -> [B, Lq, Hq, D]."""
+        q, k, v = (x.transpose(1, 2) for x in (q, k.to(q.dtype), v.to(q.dtype)))  # [B, H, L, D]
+        gqa = self.num_q_heads != self.num_kv_heads
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
+        else:
+            if mask.dim() == 2:
+                mask = mask.unsqueeze(0)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=self.scale,
+                                                 enable_gqa=gqa)
+        return out.transpose(1, 2)
