@@ -1,0 +1,242 @@
+"""Which devices decode: the ``device`` knob, the visible GPUs, and whether NVDEC can take a video.
+
+Device names: ``"cpu"``, ``"cuda:N"`` (one GPU's NVDEC engines), ``"cuda"`` (every visible GPU)
+and ``"auto"`` (every GPU whose NVDEC works here, else none; the CPU always). Lists mix them.
+
+Whether NVDEC works is decided once per process and GPU (:func:`nvdec_unavailable_reason`):
+torch must be a CUDA build that sees the GPU, the driver must ship ``libnvcuvid.so.1``, and
+torchcodec must be a CUDA build (0.16 is the first on PyPI). Whether it can take a given video is
+decided per video from the driver's decoder caps (:func:`nvdec_reject_reason`): codec, chroma
+format, bit depth and coded size. H100/A100/H200 have no AV1 and no H.264 4:4:4; such videos go
+to the CPU rank with one log line saying why.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from functools import lru_cache
+from typing import Callable, Iterable, Sequence
+
+log = logging.getLogger("flashcodec.devices")
+
+__all__ = [
+    "DEVICE_KINDS", "DeviceError", "log_once", "num_visible_gpus", "nvdec_reject_reason",
+    "nvdec_unavailable_reason", "parse_device", "parse_devices", "pix_fmt_layout", "resolve_devices",
+]
+
+#: What the device knob accepts besides ``cuda:N``.
+DEVICE_KINDS = ("cpu", "cuda", "auto")
+
+_CUDA_N = re.compile(r"cuda:(\d+)")
+
+
+class DeviceError(ValueError):
+    """A device was asked for that this machine does not have, or a device name is malformed."""
+
+
+def parse_device(name: str) -> str:
+    """Canonical form of one device name: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"``.
+
+    Raises:
+        DeviceError: anything else (the message lists what is accepted).
+    """
+    if not isinstance(name, str):
+        raise DeviceError(f"a device must be a string such as 'cpu' or 'cuda:0', got {type(name).__name__}")
+    text = name.strip().lower()
+    if text in DEVICE_KINDS or _CUDA_N.fullmatch(text):
+        return text if not text.startswith("cuda:") else f"cuda:{int(text[5:])}"
+    raise DeviceError(f"unknown device {name!r}; use cpu, cuda, cuda:N or auto (or a comma-separated list)")
+
+
+def parse_devices(spec: str | Sequence[str]) -> tuple[str, ...]:
+    """Parse ``"cuda:0,cuda:1"``, ``["cpu", "cuda"]`` or one name into canonical names, in order.
+
+    Duplicates are dropped. Raises :class:`DeviceError` on an empty list or a bad name.
+    """
+    parts = spec.split(",") if isinstance(spec, str) else list(spec)
+    names: list[str] = []
+    for part in parts:
+        name = parse_device(part)
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise DeviceError("no device given; use cpu, cuda, cuda:N or auto")
+    return tuple(names)
+
+
+def num_visible_gpus() -> int:
+    """CUDA devices torch can use here (0 with a CPU-only torch or no driver)."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken CUDA install reports errors of its own kinds; it means no GPU
+        return 0
+
+
+_lock = threading.Lock()
+_logged: set[str] = set()
+
+
+def log_once(message: str, level: int = logging.WARNING) -> None:
+    """Log ``message`` the first time it is seen in this process (one line per reason)."""
+    with _lock:
+        if message in _logged:
+            return
+        _logged.add(message)
+    log.log(level, "flashcodec: %s", message)
+
+
+def _torchcodec_cuda_reason() -> str | None:
+    try:
+        import torchcodec
+        from torchcodec.decoders import get_nvdec_cache_capacity  # noqa: F401  (0.16+ only)
+    except ImportError:
+        return "torchcodec >= 0.16 (a CUDA build) is not installed"
+    except Exception as e:  # torchcodec raises OSError/RuntimeError when FFmpeg's libraries are missing
+        return f"torchcodec cannot load ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    version = getattr(torchcodec, "__version__", "")
+    if "+cpu" in version:
+        return f"torchcodec {version} is a CPU-only build"
+    return None
+
+
+@lru_cache(maxsize=None)
+def nvdec_unavailable_reason(device_index: int) -> str | None:
+    """Why NVDEC cannot be used on GPU ``device_index`` in this process, or None when it can.
+
+    Checks, in order: a CUDA build of torch that sees the GPU, ``libnvcuvid.so.1`` (the driver's
+    video decoder), a CUDA build of torchcodec. Cached: the answer does not change in a process.
+    """
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    count = num_visible_gpus()
+    if count == 0:
+        return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
+    if not 0 <= device_index < count:
+        return f"there is no cuda:{device_index} ({count} GPU{'s' if count > 1 else ''} visible)"
+    from flashcodec.nvcuvid import NvcuvidError, num_gpus
+
+    try:
+        if num_gpus() == 0:
+            return "the NVIDIA driver reports no GPU"
+    except NvcuvidError as e:
+        return str(e)
+    return _torchcodec_cuda_reason()
+
+
+def resolve_devices(spec: str | Sequence[str], *,
+                    unavailable_reason: Callable[[int], str | None] = nvdec_unavailable_reason,
+                    gpu_count: Callable[[], int] = num_visible_gpus) -> tuple[list[int], bool]:
+    """Turn a device spec into the GPU ordinals whose NVDEC to use and whether ``cpu`` was named.
+
+    ``"cuda"`` is every visible GPU, ``"auto"`` every GPU where NVDEC works (none is fine: the
+    reason is logged once and decoding stays on the CPU). ``unavailable_reason`` and ``gpu_count``
+    are the probes (replaced by fakes in tests).
+
+    Returns:
+        ``(gpu_indices, cpu_named)``: ascending ordinals, and whether ``"cpu"`` or ``"auto"`` was given.
+
+    Raises:
+        DeviceError: ``cuda`` / ``cuda:N`` was asked for and NVDEC cannot be used there; the
+            message says why (no GPU, no ``libnvcuvid``, a CPU-only torch or torchcodec).
+    """
+    names = parse_devices(spec)
+    gpus: list[int] = []
+    for name in names:
+        if name == "cpu":
+            continue
+        if name == "auto":
+            count = gpu_count()
+            working = [i for i in range(count) if unavailable_reason(i) is None]
+            if not working:
+                reason = unavailable_reason(0) if count else "no CUDA GPU is visible"
+                log_once(f"device auto decodes on the CPU: NVDEC is not usable ({reason})", logging.INFO)
+            gpus += working
+            continue
+        indices = range(gpu_count()) if name == "cuda" else [int(name[5:])]
+        if not indices:
+            raise DeviceError(f"device {name} was asked for, but {unavailable_reason(0)}; use device cpu or auto")
+        for i in indices:
+            reason = unavailable_reason(i)
+            if reason is not None:
+                raise DeviceError(f"device cuda:{i} cannot decode with NVDEC: {reason}; use device cpu or auto")
+            gpus.append(i)
+    return sorted(set(gpus)), "cpu" in names or "auto" in names
+
+
+#: ``pix_fmt`` prefixes -> chroma format (NVDEC's names).
+_CHROMA = (("gray", "400"), ("yuvj420", "420"), ("yuvj422", "422"), ("yuvj444", "444"), ("yuv420", "420"),
+           ("yuv422", "422"), ("yuv444", "444"), ("nv12", "420"), ("nv21", "420"), ("p010", "420"),
+           ("p016", "420"), ("nv16", "422"), ("p210", "422"), ("p410", "444"))
+
+
+def pix_fmt_layout(pix_fmt: str | None) -> tuple[str, int] | None:
+    """``(chroma_format, bit_depth)`` of an FFmpeg pixel format, or None for one NVDEC never outputs.
+
+    ``"yuv420p"`` -> ``("420", 8)``, ``"yuv420p10le"`` -> ``("420", 10)``, ``"yuvj444p"`` ->
+    ``("444", 8)``, ``"gray10le"`` -> ``("400", 10)``; RGB and other packed formats -> None.
+    """
+    if not pix_fmt:
+        return None
+    for prefix, chroma in _CHROMA:
+        if pix_fmt.startswith(prefix):
+            rest = pix_fmt[len(prefix):]
+            if prefix in ("p010", "p210", "p410"):
+                return chroma, 10
+            if prefix == "p016":
+                return chroma, 16
+            depth = re.match(r"p?(\d+)", rest)
+            return chroma, int(depth.group(1)) if depth else 8
+    return None
+
+
+def nvdec_reject_reason(codec: str, pix_fmt: str | None, width: int, height: int,
+                        caps: Callable[[str, str, int], object]) -> str | None:
+    """Why NVDEC cannot decode a stream, or None when the driver's caps say it can.
+
+    Args:
+        codec: FFmpeg's codec name (``VideoInfo.codec``).
+        pix_fmt: the stream's pixel format (``VideoInfo.pix_fmt``).
+        width, height: the coded (stored) size.
+        caps: ``caps(codec, chroma_format, bit_depth)`` -> an object with ``is_supported``,
+            ``num_engines`` and ``fits(width, height)`` (:func:`flashcodec.nvcuvid.decoder_caps`
+            for one GPU, or a fake in tests).
+
+    Returns:
+        a short reason such as ``"NVDEC has no av1 420 8-bit decoder"``, or None.
+    """
+    layout = pix_fmt_layout(pix_fmt)
+    if layout is None:
+        return f"pixel format {pix_fmt or 'unknown'} is not a YUV format NVDEC decodes"
+    chroma, depth = layout
+    c = caps(codec, chroma, depth)
+    if not c.is_supported or not c.num_engines:
+        return f"NVDEC has no {codec} {chroma} {depth}-bit decoder"
+    if not c.fits(width, height):
+        return (f"{width}x{height} is outside NVDEC's {codec} limits "
+                f"({c.min_width}x{c.min_height} to {c.max_width}x{c.max_height})")
+    return None
+
+
+def video_nvdec_reason(info, device_index: int) -> str | None:
+    """:func:`nvdec_reject_reason` for a probed video on GPU ``device_index`` (asks the driver)."""
+    from flashcodec.nvcuvid import NvcuvidError, decoder_caps
+
+    try:
+        return nvdec_reject_reason(info.codec, info.pix_fmt, info.width, info.height,
+                                   lambda codec, chroma, depth: decoder_caps(codec, chroma, depth, device_index))
+    except (NvcuvidError, ValueError) as e:
+        return f"the driver's decoder caps could not be read ({e})"
+
+
+def describe(gpus: Iterable[int], cpu_threads: int) -> str:
+    """``"cuda:0 + cuda:1 + cpu x16"``: the ranks of an engine, for logs and the CLI summary."""
+    parts = [f"cuda:{i}" for i in gpus] + ([f"cpu x{cpu_threads}"] if cpu_threads else [])
+    return " + ".join(parts)

@@ -1,0 +1,118 @@
+"""Device parsing, resolution with fake probes, and NVDEC fallback decisions from fake decoder caps."""
+
+import logging
+
+import pytest
+
+from flashcodec import devices
+from flashcodec.devices import (
+    DeviceError,
+    nvdec_reject_reason,
+    parse_device,
+    parse_devices,
+    pix_fmt_layout,
+    resolve_devices,
+)
+from flashcodec.nvcuvid import DecoderCaps
+
+
+def h100_caps(codec, chroma, depth):
+    """What cuvidGetDecoderCaps reported on the project's H100 (docs/gpu.md, 2026-11-23)."""
+    supported = {("h264", "420", 8): 4096, ("hevc", "420", 8): 8192, ("hevc", "420", 10): 8192,
+                 ("hevc", "444", 8): 8192, ("hevc", "444", 10): 8192, ("vp9", "420", 8): 8192,
+                 ("mpeg4", "420", 8): 2048}
+    size = supported.get((codec, chroma, depth))
+    if size is None:
+        return DecoderCaps(codec, chroma, depth, False, 0, 0, 0, 0, 0, 0)
+    return DecoderCaps(codec, chroma, depth, True, 7, size, size, size * size // 256, 48, 16)
+
+
+@pytest.mark.parametrize("text,expected", [("cpu", "cpu"), (" CUDA ", "cuda"), ("cuda:01", "cuda:1"),
+                                           ("auto", "auto")])
+def test_parse_device(text, expected):
+    assert parse_device(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["gpu", "cuda:", "cuda:-1", "cuda:x", "", "mps"])
+def test_parse_device_rejects_other_names(bad):
+    with pytest.raises(DeviceError, match="cpu, cuda, cuda:N or auto"):
+        parse_device(bad)
+
+
+def test_parse_devices_lists_and_commas_keep_order_without_duplicates():
+    assert parse_devices("cuda:1,cpu,cuda:1") == ("cuda:1", "cpu")
+    assert parse_devices(["cpu", "cuda:0"]) == ("cpu", "cuda:0")
+    with pytest.raises(DeviceError):
+        parse_devices([])
+
+
+def fake_probes(num_gpus, broken=None):
+    def reason(i):
+        if i >= num_gpus:
+            return f"there is no cuda:{i}" if num_gpus else "no CUDA GPU is visible"
+        return broken
+    return {"unavailable_reason": reason, "gpu_count": lambda: num_gpus}
+
+
+def test_resolve_expands_cuda_and_keeps_explicit_ordinals():
+    assert resolve_devices("cuda", **fake_probes(2)) == ([0, 1], False)
+    assert resolve_devices("cuda:1,cpu", **fake_probes(2)) == ([1], True)
+    assert resolve_devices("cpu", **fake_probes(2)) == ([], True)
+    assert resolve_devices("auto", **fake_probes(2)) == ([0, 1], True)
+
+
+def test_resolve_cuda_without_a_gpu_is_one_clear_error():
+    with pytest.raises(DeviceError, match="no CUDA GPU is visible; use device cpu or auto"):
+        resolve_devices("cuda", **fake_probes(0))
+    with pytest.raises(DeviceError, match="cuda:2 cannot decode with NVDEC: there is no cuda:2"):
+        resolve_devices("cuda:2", **fake_probes(2))
+    with pytest.raises(DeviceError, match="libnvcuvid.so.1"):
+        resolve_devices("cuda:0", **fake_probes(1, broken="libnvcuvid.so.1 cannot be loaded"))
+
+
+def test_auto_falls_back_to_the_cpu_and_logs_the_reason_once(caplog, monkeypatch):
+    monkeypatch.setattr(devices, "_logged", set())
+    with caplog.at_level(logging.INFO, logger="flashcodec.devices"):
+        for _ in range(3):
+            assert resolve_devices("auto", **fake_probes(1, broken="torch 2.13 is a CPU-only build")) == ([], True)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["flashcodec: device auto decodes on the CPU: NVDEC is not usable "
+                     "(torch 2.13 is a CPU-only build)"]
+
+
+@pytest.mark.parametrize("pix_fmt,layout", [("yuv420p", ("420", 8)), ("yuvj420p", ("420", 8)),
+                                            ("yuv420p10le", ("420", 10)), ("yuv444p", ("444", 8)),
+                                            ("yuv422p12le", ("422", 12)), ("gray", ("400", 8)),
+                                            ("nv12", ("420", 8)), ("p010le", ("420", 10)),
+                                            ("rgb24", None), (None, None)])
+def test_pix_fmt_layout(pix_fmt, layout):
+    assert pix_fmt_layout(pix_fmt) == layout
+
+
+@pytest.mark.parametrize("codec,pix_fmt,size,why", [
+    ("h264", "yuv420p", (1920, 1080), None),
+    ("hevc", "yuv420p10le", (3840, 2160), None),
+    ("hevc", "yuv444p", (1920, 1080), None),
+    ("av1", "yuv420p", (1920, 1080), "NVDEC has no av1 420 8-bit decoder"),
+    ("h264", "yuv444p", (1280, 720), "NVDEC has no h264 444 8-bit decoder"),
+    ("h264", "yuv420p10le", (1280, 720), "NVDEC has no h264 420 10-bit decoder"),
+    ("h264", "yuv420p", (8192, 4320), "8192x4320 is outside NVDEC's h264 limits (48x16 to 4096x4096)"),
+    ("mpeg4", "yuv420p", (32, 32), "32x32 is outside NVDEC's mpeg4 limits"),
+    ("h264", "rgb24", (640, 480), "pixel format rgb24 is not a YUV format NVDEC decodes"),
+])
+def test_nvdec_decision_follows_the_h100_caps(codec, pix_fmt, size, why):
+    reason = nvdec_reject_reason(codec, pix_fmt, *size, caps=h100_caps)
+    if why is None:
+        assert reason is None
+    else:
+        assert reason is not None and reason.startswith(why)
+
+
+def test_nvdec_unusable_here_has_a_reason():
+    # This machine's torch is a CPU build or sees no GPU: NVDEC must say why instead of failing later.
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    reason = devices.nvdec_unavailable_reason(0)
+    assert reason and ("CPU-only" in reason or "no CUDA GPU" in reason)
