@@ -35,6 +35,8 @@ class MediaRef(msgspec.Struct, frozen=True):
     max_frames: int | None = None
     min_pixels: int | None = None
     max_pixels: int | None = None
+    shown: str | None = None  # how the client named it (its URL, shortened): errors say this, never ``path``
+    pixel_ceiling: int | None = None  # the server's --max-pixels: defaults above it are lowered to it
 
 
 class MediaPlan(msgspec.Struct, frozen=True):

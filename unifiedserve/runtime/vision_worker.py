@@ -134,6 +134,9 @@ class VisionWorker(Worker):
                     t0 = time.perf_counter()
                     min_pixels = ref.min_pixels or self.image_pixels[0]
                     max_pixels = ref.max_pixels or self.image_pixels[1]
+                    if ref.pixel_ceiling is not None:  # the model's defaults may exceed the server's cap
+                        max_pixels = min(max_pixels, ref.pixel_ceiling)
+                        min_pixels = min(min_pixels, max_pixels)
                     image = decode_image(source, min_pixels=min_pixels, max_pixels=max(min_pixels, max_pixels))
                     patches, grid = image.to_patches(self.spec)
                     job.patches[index] = patches
@@ -153,11 +156,13 @@ class VisionWorker(Worker):
                                                 plan.num_frames, float(duration)))
                 analyses.append((index, analysis))
         except (FlashCodecError, ValueError, OSError) as e:
-            self.events.put(("failed", job.request_id, f"media {len(plans)}: {_one_line(e)}"))
+            ref = job.media[len(plans)]
+            self.events.put(("failed", job.request_id, f"media {len(plans)}: {_one_line(e, ref)}"))
             return
         except Exception as e:  # a decoder bug must not take the process down: fail this request only
             log.exception("probing request %s failed", job.request_id)
-            self.events.put(("failed", job.request_id, f"media {len(plans)} could not be read: {_one_line(e)}"))
+            ref = job.media[len(plans)]
+            self.events.put(("failed", job.request_id, f"media {len(plans)} could not be read: {_one_line(e, ref)}"))
             return
         self.events.put(("probed", job.request_id, plans, time.perf_counter() - start, analyses))
 
@@ -167,7 +172,7 @@ class VisionWorker(Worker):
             self.engine.add_decoding_request(analysis.key_id, output="patches", patch_spec=self.spec)
             decoded = self.engine.get_decoding_output(analysis.key_id)
         except Exception as e:  # corrupt data, unsupported stream: the client's media, not our crash
-            self.events.put(("failed", job.request_id, f"media {index}: {_one_line(e)}"))
+            self.events.put(("failed", job.request_id, f"media {index}: {_one_line(e, job.media[index])}"))
             return
         self.events.put(("decoded", job.request_id, index, decoded.patches, time.perf_counter() - start))
 
@@ -200,6 +205,11 @@ class VisionWorker(Worker):
         super().close()
 
 
-def _one_line(e: BaseException) -> str:
+def _one_line(e: BaseException, ref: protocol.MediaRef | None = None) -> str:
+    """The first line of an error, naming the media as the client did: the resolved path (which may be a
+    symlink's target) never reaches the client."""
     text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
+    line = text[0] if text else type(e).__name__
+    if ref is not None and ref.path:
+        line = line.replace(ref.path, ref.shown or "the media file")
+    return line

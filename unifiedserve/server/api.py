@@ -10,6 +10,7 @@ stop strings, and streamed as server-sent events or returned in one response.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -27,7 +28,8 @@ from unifiedserve.engine.output import TextOutput
 from unifiedserve.engine.params import SamplingParams
 from unifiedserve.runtime import protocol
 from unifiedserve.server.engine_client import EngineClient, RequestError, RequestStream
-from unifiedserve.server.media import MediaError, MediaPolicy, resolve_media
+from unifiedserve.server.limits import LimitError, RequestLimits
+from unifiedserve.server.media import MediaError, MediaPolicy, describe, resolve_media
 from unifiedserve.server.metrics import Metrics
 from unifiedserve.server.openai_protocol import ChatCompletionRequest, ImagePart, TextPart, VideoPart, error_body
 
@@ -48,6 +50,7 @@ class ServerState:
     eos_token_ids: tuple[int, ...]
     policy: str
     api_key: str | None = None
+    limits: RequestLimits = RequestLimits()
     draining: bool = False
 
 
@@ -90,10 +93,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return _error(f"invalid request: {where}: {first.get('msg', 'malformed')}" if where
-                      else f"invalid request: {first.get('msg', 'malformed JSON body')}", 400, where or None)
+        # the deepest error is the informative one (a union reports each branch it tried)
+        first = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
+        # pydantic's loc holds union/validator tags such as "function-after[...]": not field names
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body" and "[" not in str(x))
+        msg = ("unknown field, not supported by this server" if first.get("type") == "extra_forbidden"
+               else str(first.get("msg", "malformed JSON body")).removeprefix("Value error, "))
+        return _error(f"invalid request: {where}: {msg}" if where else f"invalid request: {msg}", 400, where or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -105,7 +111,7 @@ def build_app(state: ServerState) -> FastAPI:
         return _error(f"internal server error: {type(exc).__name__}", 500)
 
     async def _auth(request: Request) -> None:  # a dependency, not middleware: that would hide disconnects
-        if state.api_key and request.headers.get("authorization", "") != f"Bearer {state.api_key}":
+        if state.api_key and not _authorized(request.headers.get("authorization", ""), state.api_key):
             raise StarletteHTTPException(401, "invalid or missing API key (Authorization: Bearer <key>)")
 
     @app.get("/health")
@@ -137,6 +143,12 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+def _authorized(header: str, api_key: str) -> bool:
+    """``Authorization: Bearer <key>``; the scheme is case-insensitive (RFC 7235), the key compared in constant time."""
+    scheme, _, token = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
 def _num_in_api(client: EngineClient) -> int:
     return sum(1 for s in client.streams.values() if not s.added)
 
@@ -150,8 +162,10 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         return _error("only n=1 is supported", 400, "n")
     arrival = time.time()
     try:
-        messages, media = await run_in_threadpool(_convert_messages, body, state.media_policy)
+        messages, media = await run_in_threadpool(_convert_messages, body, state.media_policy, state.limits)
         prompt_ids = state.processor.tokenize(state.processor.render_chat(messages))
+    except LimitError as e:
+        return _error(str(e), e.status_code, e.param)
     except (MediaError, ValueError) as e:
         return _error(str(e), 400, "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -168,6 +182,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
             t0 = time.time()
             probed = await _wait(client.probe(stream, media), request)
             plans, probe_s = probed.plans, time.time() - t0
+        _check_visual_tokens(state, plans, len(prompt_ids))  # before expanding: a huge grid costs nothing yet
         prompt_ids = state.processor.expand_vision_tokens(
             prompt_ids, [p.grid_thw for p in plans if p.kind == "image"], [p.grid_thw for p in plans if p.kind == "video"])
         prompt_len = len(prompt_ids)
@@ -206,30 +221,57 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
             client.abort(request_id)
 
 
-def _convert_messages(body: ChatCompletionRequest, policy: MediaPolicy):
-    """OpenAI messages -> template messages (``{"type": "image"|"video"}`` parts) and media references."""
+def _check_visual_tokens(state: ServerState, plans: list[protocol.MediaPlan], num_text_tokens: int) -> None:
+    """Refuse a prompt over ``--max-model-len`` from the probed grids, before any placeholder exists."""
+    merge = state.processor.merge_size ** 2
+    num_visual = sum(t * h * w // merge for t, h, w in (p.grid_thw for p in plans))
+    prompt_len = num_text_tokens - len(plans) + num_visual  # each media's one placeholder becomes its tokens
+    if prompt_len >= state.max_model_len:
+        raise RequestError(
+            f"this model's maximum context length is {state.max_model_len} tokens, but the messages alone need "
+            f"{prompt_len} ({num_visual} visual tokens); lower fps, max_frames or max_pixels in "
+            f"video_url/image_url", 400)
+
+
+def _convert_messages(body: ChatCompletionRequest, policy: MediaPolicy, limits: RequestLimits = RequestLimits()):
+    """OpenAI messages -> template messages (``{"type": "image"|"video"}`` parts) and media references.
+
+    Raises:
+        LimitError: a part asks for more pixels or frames than the server allows, or there are too
+            many media parts (checked before any media is resolved).
+        MediaError, ValueError: a media URL the policy refuses, or media outside user messages.
+    """
+    limits.check_media_count(sum(1 for m in body.messages if isinstance(m.content, list)
+                                 for part in m.content if not isinstance(part, TextPart)))
     messages, media = [], []
-    for message in body.messages:
+    for m, message in enumerate(body.messages):
         if message.content is None or isinstance(message.content, str):
             messages.append({"role": message.role, "content": message.content or ""})
             continue
         parts = []
-        for part in message.content:
+        for j, part in enumerate(message.content):
             if isinstance(part, TextPart):
                 parts.append({"type": "text", "text": part.text})
                 continue
             if message.role != "user":
                 raise ValueError(f"images and videos are only allowed in user messages, not in {message.role!r}")
+            where = f"messages[{m}].content[{j}]"
             if isinstance(part, ImagePart):
-                found = resolve_media(part.image_url.url, policy)
-                media.append(protocol.MediaRef("image", found.path, found.data, min_pixels=part.image_url.min_pixels,
-                                               max_pixels=part.image_url.max_pixels))
+                u = part.image_url
+                limits.check_pixels(u.min_pixels, u.max_pixels, f"{where}.image_url")
+                found = resolve_media(u.url, policy)
+                media.append(protocol.MediaRef("image", found.path, found.data, min_pixels=u.min_pixels,
+                                               max_pixels=u.max_pixels, shown=describe(u.url),
+                                               pixel_ceiling=limits.max_pixels))
                 parts.append({"type": "image"})
             elif isinstance(part, VideoPart):
                 v = part.video_url
+                limits.check_pixels(v.min_pixels, v.max_pixels, f"{where}.video_url")
+                max_frames = limits.check_frames(v.max_frames, f"{where}.video_url")
                 found = resolve_media(v.url, policy)
-                media.append(protocol.MediaRef("video", found.path, found.data, fps=v.fps, max_frames=v.max_frames,
-                                               min_pixels=v.min_pixels, max_pixels=v.max_pixels))
+                media.append(protocol.MediaRef("video", found.path, found.data, fps=v.fps, max_frames=max_frames,
+                                               min_pixels=v.min_pixels, max_pixels=v.max_pixels,
+                                               shown=describe(v.url), pixel_ceiling=limits.max_pixels))
                 parts.append({"type": "video"})
         messages.append({"role": message.role, "content": parts})
     return messages, media

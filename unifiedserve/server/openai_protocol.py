@@ -1,24 +1,50 @@
-"""The OpenAI chat-completions request schema this server accepts (pydantic), and error bodies."""
+"""The OpenAI chat-completions request schema this server accepts (pydantic), and error bodies.
+
+Every field either works or is refused: an OpenAI field this server does not implement gets a 400
+naming it (unless it carries its neutral value, e.g. ``logprobs: false``), and so does any other
+unknown field. Text must be valid Unicode (a lone surrogate such as ``"\ud800"`` is refused).
+"""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text is not valid Unicode (a lone surrogate at position {e.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+#: Fields of OpenAI's chat-completions request that change nothing here: accepted, not used.
+_HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
+#: Fields that are accepted only with their neutral value (the value that asks for nothing).
+_NEUTRAL_VALUES: dict[str, tuple] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, False, True), "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}), "functions": (None, []), "function_call": (None, "none"),
+}
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are ignored, as vLLM does
+    model_config = ConfigDict(extra="forbid")  # an unknown field is refused, never silently ignored
 
 
 class TextPart(_Model):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ImageURL(_Model):
-    url: str
-    detail: str | None = None
+    url: Text
+    detail: Literal["auto"] | None = None  # low/high are OpenAI's sizing; here sizing is min/max_pixels
     min_pixels: Annotated[int, Field(gt=0)] | None = None
     max_pixels: Annotated[int, Field(gt=0)] | None = None
 
@@ -29,7 +55,7 @@ class ImagePart(_Model):
 
 
 class VideoURL(_Model):
-    url: str
+    url: Text
     fps: Annotated[float, Field(gt=0, le=120)] | None = None
     max_frames: Annotated[int, Field(ge=2)] | None = None
     min_pixels: Annotated[int, Field(gt=0)] | None = None
@@ -46,7 +72,7 @@ ContentPart = Annotated[Union[TextPart, ImagePart, VideoPart], Field(discriminat
 
 class ChatMessage(_Model):
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[ContentPart] | None = None
+    content: Text | list[ContentPart] | None = None
 
 
 class StreamOptions(_Model):
@@ -54,6 +80,8 @@ class StreamOptions(_Model):
 
 
 class ChatCompletionRequest(_Model):
+    model_config = ConfigDict(extra="allow")  # checked by _refuse_unsupported, for a message that names the field
+
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     stream: bool = False
@@ -63,10 +91,22 @@ class ChatCompletionRequest(_Model):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: off
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: Annotated[int, Field(ge=-2**63, le=2**64 - 1)] | None = None  # a 64-bit integer (signed or not)
+    stop: Text | list[Text] | None = None
     n: int = 1
     ignore_eos: bool = False  # vLLM extension: keep generating past EOS (benchmarks)
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> "ChatCompletionRequest":
+        for name, value in (self.model_extra or {}).items():
+            if name in _HARMLESS_FIELDS:
+                continue
+            if name in _NEUTRAL_VALUES:
+                if value in _NEUTRAL_VALUES[name]:
+                    continue
+                raise ValueError(f"{name} is not supported by this server")
+            raise ValueError(f"unknown field {name!r}")
+        return self
 
 
 def error_body(message: str, status_code: int, param: str | None = None) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from unifiedserve.engine.scheduler import SchedulerConfig
 from unifiedserve.runtime.shm import DEFAULT_SHM_DIR
 from unifiedserve.runtime.worker import setup_logging
+from unifiedserve.server.limits import QWEN_MAX_FRAMES, QWEN_MAX_PIXELS, BodySizeLimit, RequestLimits
 
 log = logging.getLogger("unifiedserve")
 
@@ -60,6 +61,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="allow http(s) media URLs from these hosts (default: none)")
     g.add_argument("--max-media-mb", type=float, default=512.0,
                    help="largest data: URL payload or download, in MiB (default 512)")
+    g.add_argument("--max-pixels", type=int, default=QWEN_MAX_PIXELS, metavar="N",
+                   help=f"most pixels per image or video frame a request may ask for (min_pixels/max_pixels; "
+                        f"default {QWEN_MAX_PIXELS}, Qwen2.5-VL's largest image budget)")
+    g.add_argument("--max-frames", type=int, default=QWEN_MAX_FRAMES, metavar="N",
+                   help=f"most frames sampled from one video (default {QWEN_MAX_FRAMES})")
+    g.add_argument("--max-media-per-request", type=int, default=16, metavar="N",
+                   help="most image and video parts in one request (default 16)")
+    g.add_argument("--max-request-mb", type=float, default=64.0, metavar="MB",
+                   help="largest request body in MiB, checked while it streams in: 413 above it (default 64; "
+                        "data: URLs count here, file:// and http(s) media do not)")
     g.add_argument("--max-video-seconds", type=float, default=3600.0,
                    help="refuse longer videos (default 3600)")
     g.add_argument("--vision-threads", type=int, default=0,
@@ -105,6 +116,7 @@ def _resolve_device(device: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging("api")
+    limits = request_limits(args)  # before anything is built or spawned
     from unifiedserve.model.demo import DEFAULT_DEMO_PATH, write_demo_model
     from unifiedserve.runtime.launcher import Runtime, build_config
 
@@ -137,10 +149,19 @@ def run(args: argparse.Namespace) -> int:
         budget_overrides={k: v for k, v in (("prefill_token_budget", args.prefill_token_budget),
                                             ("encode_token_budget", args.encode_token_budget)) if v})
     runtime = Runtime(config, shm_dir=args.shm_dir)
-    return asyncio.run(_serve(runtime, args))
+    return asyncio.run(_serve(runtime, args, limits))
 
 
-async def _serve(runtime, args) -> int:
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    """The per-request caps from the flags (ValueError naming the flag when one is out of range)."""
+    if not args.max_request_mb > 0:
+        raise ValueError(f"--max-request-mb must be positive, got {args.max_request_mb}")
+    return RequestLimits(max_pixels=args.max_pixels, max_frames=args.max_frames,
+                         max_media_per_request=args.max_media_per_request,
+                         max_request_bytes=int(args.max_request_mb * 2**20))
+
+
+async def _serve(runtime, args, limits: RequestLimits) -> int:
     import uvicorn
 
     from unifiedserve.model.config import ModelConfig
@@ -205,8 +226,9 @@ async def _serve(runtime, args) -> int:
         policy = MediaPolicy(Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
                              tuple(args.allowed_media_domains), int(args.max_media_mb * 2**20))
         state = ServerState(client, processor, metrics, policy, config.served_model_name, config.max_model_len,
-                            config.default_max_tokens, tuple(model_config.eos_token_ids), config.policy, args.api_key)
-        app = build_app(state)
+                            config.default_max_tokens, tuple(model_config.eos_token_ids), config.policy, args.api_key,
+                            limits)
+        app = BodySizeLimit(build_app(state), limits.max_request_bytes)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                access_log=False, timeout_graceful_shutdown=5))
         uvicorn_handle_exit = server.handle_exit

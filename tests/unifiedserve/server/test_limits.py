@@ -1,0 +1,215 @@
+"""Caps before memory, refused fields, Unicode, seeds, auth and the streamed body limit (no workers needed).
+
+The API runs in-process with a fake engine client: every refusal here must happen before the
+request reaches the workers (the fake records whether it did).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+
+from unifiedserve.model.demo import write_demo_model
+from unifiedserve.model.processor import load_processor
+from unifiedserve.runtime import protocol
+from unifiedserve.runtime.vision_worker import _one_line
+from unifiedserve.server.api import ServerState, build_app
+from unifiedserve.server.engine_client import RequestError
+from unifiedserve.server.limits import BodySizeLimit, RequestLimits
+from unifiedserve.server.media import MediaPolicy
+from unifiedserve.server.metrics import Metrics
+
+KEY = "s3cret"
+
+
+class FakeClient:
+    """Stands in for the workers: probing returns ``plans``; adding a request ends it with a 503."""
+
+    fatal = None
+    healthy = True
+    worker_info: dict = {}
+
+    def __init__(self, plans=()):
+        self.plans, self.probed, self.added, self.aborted, self.streams = list(plans), [], [], [], {}
+
+    def open(self, request_id):
+        return SimpleNamespace(request_id=request_id)
+
+    async def probe(self, stream, media):
+        self.probed.append(media)
+        return SimpleNamespace(plans=self.plans)
+
+    async def add(self, stream, request):
+        self.added.append(request)
+        raise RequestError("the fake engine stops here", 503)
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+
+@pytest.fixture(scope="module")
+def processor(tmp_path_factory):
+    return load_processor(write_demo_model(tmp_path_factory.mktemp("demo")))
+
+
+@pytest.fixture
+def media_dir(tmp_path):
+    (tmp_path / "clip.mp4").write_bytes(b"\x00" * 64)  # only resolved, never decoded by the fake
+    return tmp_path
+
+
+def make_api(processor, media_dir, plans=(), limits=RequestLimits(), max_model_len=4096):
+    client = FakeClient(plans)
+    state = ServerState(client, processor, Metrics("m"), MediaPolicy(media_dir, (), 2**20), "m", max_model_len,
+                        16, (0,), "unified", KEY, limits)
+    http = TestClient(BodySizeLimit(build_app(state), limits.max_request_bytes))
+    http.headers["Authorization"] = f"Bearer {KEY}"
+    return http, client
+
+
+def video(media_dir, **options):
+    return {"type": "video_url", "video_url": {"url": f"file://{media_dir}/clip.mp4", **options}}
+
+
+def chat(*parts, **fields):
+    return {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "what?"}]}], **fields}
+
+
+@pytest.mark.parametrize("part, needle", [
+    (lambda d: video(d, min_pixels=10**12), "messages[0].content[0].video_url.min_pixels is 1000000000000"),
+    (lambda d: video(d, max_pixels=10**9), "--max-pixels"),
+    (lambda d: {"type": "image_url", "image_url": {"url": f"file://{d}/clip.mp4", "min_pixels": 2 * 10**8}},
+     "--max-pixels"),
+    (lambda d: video(d, min_pixels=50000, max_pixels=40000), "larger than max_pixels"),
+    (lambda d: video(d, max_frames=100000), "--max-frames"),
+])
+def test_pixel_and_frame_caps_refuse_before_probing(processor, media_dir, part, needle):
+    http, client = make_api(processor, media_dir)
+    r = http.post("/v1/chat/completions", json=chat(part(media_dir)))
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert client.probed == [] and client.added == []
+
+
+def test_too_many_media_parts(processor, media_dir):
+    http, client = make_api(processor, media_dir, limits=RequestLimits(max_media_per_request=2))
+    r = http.post("/v1/chat/completions", json=chat(*[video(media_dir)] * 3))
+    assert r.status_code == 400 and "--max-media-per-request" in r.json()["error"]["message"]
+    assert client.probed == []
+
+
+def test_visual_tokens_over_the_context_are_refused_before_expansion(processor, media_dir):
+    huge = protocol.MediaPlan("video", (384, 4000, 4000), 1.0, 768, 384.0)  # 1.5e9 visual tokens
+    http, client = make_api(processor, media_dir, plans=[huge])
+    r = http.post("/v1/chat/completions", json=chat(video(media_dir)))
+    assert r.status_code == 400 and "maximum context length is 4096" in r.json()["error"]["message"]
+    assert client.added == [] and len(client.aborted) == 1
+    sent = client.probed[0][0]
+    assert sent.max_frames == RequestLimits().max_frames and sent.shown.startswith("file://")
+
+
+def test_fields_that_are_not_implemented_are_named(processor, media_dir):
+    http, client = make_api(processor, media_dir)
+    for fields, name in [({"logprobs": True}, "logprobs"), ({"top_logprobs": 3}, "top_logprobs"),
+                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                         ({"tool_choice": "auto"}, "tool_choice"),
+                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"presence_penalty": 0.5}, "presence_penalty"), ({"frobnicate": 1}, "frobnicate")]:
+        r = http.post("/v1/chat/completions", json=chat(**fields))
+        assert r.status_code == 400 and name in r.json()["error"]["message"], (fields, r.text)
+    r = http.post("/v1/chat/completions", json=chat(video(media_dir, resolution="4k")))
+    assert r.status_code == 400 and "resolution" in r.json()["error"]["message"]
+    assert client.added == []
+    # neutral values and harmless fields pass validation (the fake engine then answers 503)
+    r = http.post("/v1/chat/completions", json=chat(logprobs=False, presence_penalty=0, tools=[], user="u"))
+    assert r.status_code == 503 and len(client.added) == 1
+
+
+def test_seed_range_and_unicode(processor, media_dir):
+    http, client = make_api(processor, media_dir)
+    r = http.post("/v1/chat/completions", json=chat(seed=2**70))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    raw = '{"messages": [{"role": "user", "content": "bad \\ud800 text"}]}'
+    r = http.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"]
+    assert "function-after" not in r.text
+    raw = json.dumps(chat(stop=["\ud800"]))  # json.dumps escapes the surrogate as \ud800, as a client would
+    r = http.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("stop")
+    assert client.added == []
+    r = http.post("/v1/chat/completions", json=chat(seed=2**64 - 1))
+    assert r.status_code == 503 and client.added[0].params.seed == 2**64 - 1
+
+
+def test_bearer_scheme_is_case_insensitive(processor, media_dir):
+    http, _ = make_api(processor, media_dir)
+    for header in (f"bearer {KEY}", f"BEARER {KEY}", f"Bearer  {KEY}"):
+        assert http.get("/v1/models", headers={"Authorization": header}).status_code == 200, header
+    for header in ("", KEY, f"Bearer {KEY}x", f"Basic {KEY}"):
+        assert http.get("/v1/models", headers={"Authorization": header}).status_code == 401, header
+
+
+def test_body_limit_refuses_before_reading(processor, media_dir):
+    http, client = make_api(processor, media_dir, limits=RequestLimits(max_request_bytes=4096))
+    r = http.post("/v1/chat/completions", content=json.dumps(chat(stop=["x" * 8000])))
+    assert r.status_code == 413 and "--max-request-mb" in r.json()["error"]["message"]
+    r = http.post("/v1/chat/completions", content=(b"x" * 1024 for _ in range(10)))  # chunked: no length
+    assert r.status_code == 413
+    assert client.added == []
+
+
+def test_body_limit_middleware_reads_nothing_past_a_declared_length():
+    received, sent = [], []
+
+    async def app(scope, receive, send):  # pragma: no cover - must never be reached
+        raise AssertionError("the app saw a body over the limit")
+
+    async def receive():
+        received.append(1)
+        return {"type": "http.request", "body": b"x" * 1024, "more_body": True}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "headers": [(b"content-length", str(300 * 2**20).encode())]}
+    asyncio.run(BodySizeLimit(app, 2**20)(scope, receive, send))
+    assert received == [] and sent[0]["status"] == 413
+    sent.clear()
+    asyncio.run(BodySizeLimit(app, 4096)({"type": "http", "method": "POST", "headers": []}, receive, send))
+    assert len(received) == 5 and sent[0]["status"] == 413  # counted as it streamed, stopped past the limit
+
+
+def test_body_within_the_limit_reaches_the_app_whole():
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(await receive())
+        seen.append(await receive())
+
+    chunks = iter([{"type": "http.request", "body": b"ab", "more_body": True},
+                   {"type": "http.request", "body": b"cd", "more_body": False}, {"type": "http.disconnect"}])
+
+    async def receive():
+        return next(chunks)
+
+    async def send(message):  # pragma: no cover
+        pass
+
+    asyncio.run(BodySizeLimit(app, 10)({"type": "http", "method": "POST", "headers": []}, receive, send))
+    assert seen == [{"type": "http.request", "body": b"abcd", "more_body": False}, {"type": "http.disconnect"}]
+
+
+def test_errors_never_show_the_resolved_path():
+    ref = protocol.MediaRef("video", path="/srv/real/target.mp4", shown="file:///media/link.mp4")
+    line = _one_line(ValueError("/srv/real/target.mp4: not a video\nmore"), ref)
+    assert line == "file:///media/link.mp4: not a video"
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_pixels=0), dict(max_frames=1), dict(max_media_per_request=-1),
+                                    dict(max_request_bytes=0)])
+def test_bad_limits(kwargs):
+    with pytest.raises(ValueError, match="--max-"):
+        RequestLimits(**kwargs)

@@ -1,0 +1,134 @@
+"""What one request may ask for, checked before any memory is spent on it.
+
+Everything a client can size has a server-wide cap (each a ``unifiedserve serve`` flag):
+
+- **pixels per frame or image** (``--max-pixels``): ``min_pixels <= max_pixels <= ceiling``. The
+  default is Qwen2.5-VL's own largest image budget (16384 patches of 28x28, qwen-vl-utils
+  ``MAX_PIXELS``); a frame above it would only cost memory the model was never trained on.
+- **frames per video** (``--max-frames``): default 768, qwen-vl-utils' ``FPS_MAX_FRAMES``.
+- **media parts per request** (``--max-media-per-request``), as vLLM's ``--limit-mm-per-prompt``.
+- **visual tokens**: known from the probe before any frame is decoded; a request whose prompt
+  would exceed ``--max-model-len`` is refused before its placeholders are even expanded.
+- **request body** (``--max-request-mb``): a streamed limit, answered with 413 before the body
+  is read whole (see :class:`BodySizeLimit`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+#: qwen-vl-utils' MAX_PIXELS (16384 * 28 * 28) and FPS_MAX_FRAMES.
+QWEN_MAX_PIXELS = 16384 * 28 * 28
+QWEN_MAX_FRAMES = 768
+
+
+class LimitError(ValueError):
+    """A request over one of the server's caps; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, status_code: int = 400):
+        super().__init__(message)
+        self.param = param
+        self.status_code = status_code
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_pixels: int = QWEN_MAX_PIXELS  # per frame or image
+    max_frames: int = QWEN_MAX_FRAMES  # per video
+    max_media_per_request: int = 16
+    max_request_bytes: int = 64 * 2**20
+
+    def __post_init__(self) -> None:
+        for name, flag in (("max_pixels", "--max-pixels"), ("max_frames", "--max-frames"),
+                           ("max_media_per_request", "--max-media-per-request"),
+                           ("max_request_bytes", "--max-request-mb")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} must be a positive number, got {value!r}")
+        if self.max_frames < 2:
+            raise ValueError(f"--max-frames must be at least 2 (one temporal patch), got {self.max_frames}")
+
+    def check_pixels(self, min_pixels: int | None, max_pixels: int | None, where: str) -> None:
+        """``min_pixels <= max_pixels <= --max-pixels`` for one image or video part."""
+        for name, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
+            if value is not None and value > self.max_pixels:
+                raise LimitError(f"{where}.{name} is {value}, over this server's limit of {self.max_pixels} "
+                                 f"pixels per frame (--max-pixels)", f"{where}.{name}")
+        if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+            raise LimitError(f"{where}.min_pixels ({min_pixels}) is larger than max_pixels ({max_pixels})",
+                             f"{where}.min_pixels")
+
+    def check_frames(self, max_frames: int | None, where: str) -> int:
+        """The frame cap to send to vision: the client's ``max_frames`` if within the server's, else 400."""
+        if max_frames is not None and max_frames > self.max_frames:
+            raise LimitError(f"{where}.max_frames is {max_frames}, over this server's limit of {self.max_frames} "
+                             f"frames per video (--max-frames)", f"{where}.max_frames")
+        return self.max_frames if max_frames is None else max_frames
+
+    def check_media_count(self, count: int) -> None:
+        if count > self.max_media_per_request:
+            raise LimitError(f"the request has {count} image/video parts, over this server's limit of "
+                             f"{self.max_media_per_request} (--max-media-per-request)", "messages")
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body over ``limit`` bytes gets 413 before it is read whole.
+
+    A declared ``Content-Length`` over the limit is refused before one byte is read; a chunked body
+    is counted as it arrives and refused the moment it passes the limit. Bodies within the limit are
+    buffered here (at most ``limit`` bytes) and replayed to the app, whose later ``receive`` calls go
+    straight to the server, so disconnect detection is unchanged. Pure ASGI (not BaseHTTPMiddleware,
+    which hides client disconnects).
+    """
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None:
+            try:
+                too_big = int(declared) > self.limit
+            except ValueError:
+                return await self._reply(send, 400, "malformed Content-Length header")
+            if too_big:
+                return await self._too_large(send, int(declared))
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                return await self._too_large(send, None)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    async def _too_large(self, send, declared: int | None) -> None:
+        size = f"{declared} bytes" if declared is not None else "more"
+        await self._reply(send, 413, f"the request body is {size}, over this server's limit of {self.limit} bytes "
+                                     f"(--max-request-mb); send large media as file:// or http(s) URLs")
+
+    async def _reply(self, send, status: int, message: str) -> None:
+        from unifiedserve.server.openai_protocol import error_body
+
+        body = json.dumps(error_body(message, status)).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
