@@ -3,8 +3,9 @@
 
 Generates 5-minute 720p clips (H.264 with x264's default GOP of 250 and 3 B-frames, and HEVC),
 cached on disk and never committed, then for each clip and sampling (dense: Qwen rules, 2 fps,
-<= 768 frames; sparse: 32 uniform frames) checks correctness and times every decoder. Prints a
-table with ratios and the decode floor, and writes JSON and a PNG chart.
+<= 768 frames; sparse: 32 uniform frames) checks correctness and times every decoder, flashcodec
+in both resize modes (``exact``, the default, and ``fast``). Prints a table with ratios and the
+decode floor, and writes JSON and a PNG chart.
 
     python bench/decode/bench_decode.py                    # the full benchmark (several minutes)
     python bench/decode/bench_decode.py --duration 20      # a quick run
@@ -63,7 +64,8 @@ def plot(results: list[dict], path: Path) -> None:
     for ax, r in zip(axes[0], results):
         names = [n for n, v in r["results"].items() if "seconds" in v]
         secs = [r["results"][n]["seconds"] for n in names]
-        colors = ["tab:orange" if n == "flashcodec" else "tab:gray" for n in names]
+        colors = ["tab:orange" if n == "flashcodec" else "navajowhite" if n.startswith("flashcodec") else "tab:gray"
+                  for n in names]
         ax.bar(names, secs, color=colors)
         ax.axhline(r["decode_floor_s"], color="tab:blue", linestyle="--", label="decode floor")
         ax.set_title(f"{r['codec']} {r['sampling']} ({r['num_frames']} frames)", fontsize=10)
@@ -76,11 +78,21 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=80)
 
 
+#: The peer the issue's speed targets name (besides the fastest one).
+TARGET_PEER = "deepcodec"
+
+
+def _ratio(r: dict, mode: str, peer: str | None) -> str:
+    speedup = r.get("speedups", {}).get(mode, {}).get(peer) if peer else None
+    return f"**{speedup:.2f}x**" if speedup else "-"
+
+
 def markdown_table(results: list[dict]) -> str:
-    """The results as a Markdown table: seconds per decoder, and flashcodec's ratios."""
+    """The results as a Markdown table: seconds per decoder, and flashcodec's ratios per resize mode."""
     peers = [n for n in results[0]["results"] if n != "flashcodec"]
+    modes = list(results[0].get("resize_s", {"exact": None}))
     head = ["clip", "sampling", "frames", "flashcodec s", "floor s", "vs floor"] + [f"{p} s" for p in peers] + \
-        ["fastest peer / flashcodec"]
+        [f"fastest peer / {m}" for m in modes] + [f"{TARGET_PEER} / {m}" for m in modes]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         cells = [r["codec"], r["sampling"], f"{r['num_frames']} @ {r['out_size'][0]}x{r['out_size'][1]}",
@@ -88,8 +100,9 @@ def markdown_table(results: list[dict]) -> str:
         for p in peers:
             v = r["results"].get(p, {})
             cells.append(f"{v['seconds']:.2f}" if "seconds" in v else "failed")
-        speedup = r["speedup_vs_fastest_peer"]
-        cells.append(f"**{speedup:.2f}x** ({r['fastest_peer']})" if speedup else "-")
+        cells += [_ratio(r, m, r["fastest_peer"]) + (f" ({r['fastest_peer']})" if r["fastest_peer"] else "")
+                  for m in modes]
+        cells += [_ratio(r, m, TARGET_PEER) for m in modes]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -109,12 +122,14 @@ def main(argv=None) -> int:
             results.append(run_file_benchmark(str(clip), sampling=sampling, peers=args.peers, repeat=args.repeat,
                                               num_threads=args.threads))
     print("\nsummary")
-    print(f"{'clip':<8} {'sampling':<8} {'flashcodec s':>12} {'floor s':>8} {'vs floor':>9} "
-          f"{'fastest peer':>14} {'speedup':>8}")
+    print(f"{'clip':<8} {'sampling':<8} {'resize':<7} {'flashcodec s':>12} {'floor s':>8} {'vs floor':>9} "
+          f"{'fastest peer':>14} {'speedup':>8} {'vs ' + TARGET_PEER:>14}")
     for r in results:
-        print(f"{r['codec']:<8} {r['sampling']:<8} {r['flashcodec_s']:>12.3f} {r['decode_floor_s']:>8.3f} "
-              f"{r['flashcodec_vs_floor']:>8.2f}x {str(r['fastest_peer']):>14} "
-              f"{(r['speedup_vs_fastest_peer'] or 0):>7.2f}x")
+        for mode, seconds in r["resize_s"].items():
+            speedups = r["speedups"][mode]
+            print(f"{r['codec']:<8} {r['sampling']:<8} {mode:<7} {seconds:>12.3f} {r['decode_floor_s']:>8.3f} "
+                  f"{seconds / r['decode_floor_s']:>8.2f}x {str(r['fastest_peer']):>14} "
+                  f"{speedups.get(r['fastest_peer'], 0):>7.2f}x {speedups.get(TARGET_PEER, 0):>13.2f}x")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     json_path = args.out / f"decode-{stamp}.json"
     json_path.write_text(json.dumps({"machine": machine_info(), "args": vars(args) | {"out": str(args.out),
