@@ -11,6 +11,11 @@ even when prefill cannot run; prefill chunks fill the token budget tau, older re
 each stopping before the first visual token not yet encoded, and a request takes its KV blocks
 (prompt + max_tokens) when its prefill starts; every request past its prompt decodes one token.
 
+KV admission is fair without preemption: a request whose blocks do not fit yet is passed by later
+requests whose blocks do (a 4-token question never waits behind streams that reserved the whole
+cache), but only ``max_kv_overtakes`` times; after that nobody passes it, so freed blocks
+accumulate for it and it cannot starve.
+
 Two deployments drive it. In one process (:class:`unifiedserve.engine.LLM`) the runner writes an
 admitted request's patches in the same step and decode runs here too. In the multi-process
 runtime the vision process writes patches into the pages named at admission and reports each
@@ -40,8 +45,12 @@ class SchedulerConfig:
     #: True: the runner writes an admitted request's patches in the admission step (one process).
     #: False: another process writes them and reports each media with ``mark_media_ready``.
     patches_ready_on_admit: bool = True
+    #: How many later requests may take KV blocks before a request that is waiting for them.
+    max_kv_overtakes: int = 64
 
     def __post_init__(self) -> None:
+        if self.max_kv_overtakes < 0:
+            raise ValueError(f"max_kv_overtakes must be >= 0, got {self.max_kv_overtakes}")
         for name in ("prefill_token_budget", "encode_token_budget", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -108,6 +117,12 @@ class Scheduler:
         self.patch_streams: dict[str, PagedStream] = {}
         self.visual_streams: dict[str, PagedStream] = {}
         self.handed_off: set[str] = set()  # prefilled, decoding elsewhere; their KV blocks are still held
+        self.kv_overtakes: dict[str, int] = {}  # request waiting for KV blocks -> later requests that took theirs
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests whose prefill has not started: not admitted yet, or admitted without KV blocks."""
+        return len(self.waiting) + sum(1 for r in self.running if r.request_id not in self.blocks)
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -187,7 +202,7 @@ class Scheduler:
             out.visual_write = plan_write(writes, self.visual_pages)
         # 3. prefill chunks under the token budget, oldest first; a chunk stops before the first
         #    visual token that is not encoded yet (this step's encodes run first)
-        budget, visual_reads, kv_blocked = self.config.prefill_token_budget, [], False
+        budget, visual_reads, blocked = self.config.prefill_token_budget, [], []
         for req in self.running:
             if req.is_prefill_done or budget <= 0:
                 continue
@@ -195,11 +210,16 @@ class Scheduler:
             if size <= 0:
                 continue
             if req.request_id not in self.blocks:
-                # KV blocks for prompt + max_tokens, taken in admission order; a request that does
-                # not fit blocks the ones behind it (no overtaking), while encoding carries on
-                if kv_blocked or not self.blocks.can_allocate(req.max_total_tokens):
-                    kv_blocked = True
+                # KV blocks for prompt + max_tokens, in admission order; a request that does not fit
+                # yet may be passed by one that does, unless an earlier one was passed too often
+                if not self.blocks.can_allocate(req.max_total_tokens):
+                    blocked.append(req.request_id)
                     continue
+                if any(self.kv_overtakes.get(r, 0) >= self.config.max_kv_overtakes for r in blocked):
+                    continue
+                for r in blocked:
+                    self.kv_overtakes[r] = self.kv_overtakes.get(r, 0) + 1
+                self.kv_overtakes.pop(req.request_id, None)
                 out.block_tables[req.request_id] = self.blocks.allocate(req.request_id, req.max_total_tokens)
             start = req.num_computed_tokens
             out.prefill.append(PrefillChunk(req.request_id, start, size, is_last=start + size == req.prompt_len))
@@ -260,6 +280,7 @@ class Scheduler:
     def finish(self, request_id: str, reason: str) -> Request:
         """Mark finished (or aborted) and free everything it holds: KV blocks and unread pages."""
         req = self.requests.pop(request_id)
+        self.kv_overtakes.pop(request_id, None)
         req.status, req.finish_reason = Status.FINISHED, reason
         if req in self.running:
             self.running.remove(req)

@@ -89,7 +89,7 @@ class CoreWorker(Worker):
         return {"kv_blocks_used": s.blocks.num_used_blocks, "kv_blocks_total": s.blocks.num_blocks,
                 "patch_pages_used": s.patch_pages.num_used_pages, "patch_pages_total": s.patch_pages.num_pages,
                 "visual_pages_used": s.visual_pages.num_used_pages, "visual_pages_total": s.visual_pages.num_pages,
-                "num_waiting": len(s.waiting), "num_prefilling": len(s.running)}
+                "num_waiting": s.num_waiting, "num_prefilling": len(s.running) - (s.num_waiting - len(s.waiting))}
 
     # -- messages ------------------------------------------------------------------------------------
     def handle(self, message) -> None:
