@@ -17,8 +17,10 @@ import math
 import os
 import shutil
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are made: the CLI's --help must not pay for it
+    import torch
 
 DEFAULT_SHM_DIR = "/dev/shm"
 
@@ -36,6 +38,8 @@ class PoolSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         return getattr(torch, self.dtype)
 
     @property
@@ -74,6 +78,8 @@ def open_pool(spec: PoolSpec) -> torch.Tensor:
         return open_cuda_pool(spec)
     if spec.path is None:
         raise ValueError(f"pool {spec.name!r} has neither a file nor a CUDA handle")
+    import torch
+
     numel = math.prod(spec.shape)
     flat = torch.from_file(spec.path, shared=True, size=numel, dtype=spec.torch_dtype)
     return flat.view(spec.shape)
