@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""Fidelity of flashcodec's resize modes against Qwen2.5-VL's reference preprocessing.
+
+For seeded clips from 240p to 720p, decodes the sampled frames in each resize mode and compares
+them with the reference: a sequential PyAV decode to full-resolution RGB (the stream's colour
+tags) resized by :func:`flashcodec.resize.resize_frames` (float32 bicubic + antialias, rounded,
+as torchvision's ``resize`` in qwen-vl-utils' ``fetch_video``). Prints mean / p99 / max |diff| in
+levels of 255 and each mode's conversion cost per frame (decoded frame -> RGB at the output size,
+one thread, decode excluded), as a Markdown table.
+
+    python bench/decode/fidelity.py                 # about a minute on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import av
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "datasets"))
+
+import synthetic_video  # noqa: E402
+
+import flashcodec  # noqa: E402
+from flashcodec.decode.backends import convert_frame  # noqa: E402
+from flashcodec.resize import RESIZE_MODES, resize_frames  # noqa: E402
+
+#: (width, height, output (height, width) or None for the Qwen default video size)
+CASES = [
+    (426, 240, None), (426, 240, (168, 280)), (640, 360, None), (854, 480, None),
+    (854, 480, (224, 392)), (1280, 720, None), (1280, 720, (392, 728)),
+]
+
+
+def decoded_frames(path: Path, indices: list[int]) -> list[av.VideoFrame]:
+    wanted = set(indices)
+    with av.open(str(path)) as container:
+        return [frame for i, frame in enumerate(container.decode(video=0)) if i in wanted]
+
+
+def reference(frames: list[av.VideoFrame], height: int, width: int) -> torch.Tensor:
+    """uint8 [N, 3, height, width]: full-resolution RGB (the frames' colour tags), then the float reference resize."""
+    full = torch.from_numpy(np.stack([f.to_ndarray(format="rgb24") for f in frames])).permute(0, 3, 1, 2)
+    return resize_frames(full, height, width)  # full: [N, 3, H0, W0]
+
+
+def convert_ms(frames: list[av.VideoFrame], height: int, width: int, mode: str, rounds: int = 5) -> float:
+    """Best of ``rounds`` passes over ``frames`` (the machine may be shared), ms per frame."""
+    convert_frame(frames[0], height, width, mode)  # warmup
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for frame in frames:
+            convert_frame(frame, height, width, mode)
+        best = min(best, time.perf_counter() - started)
+    return best * 1e3 / len(frames)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--frames", type=int, default=16, help="frames sampled per clip (default 16)")
+    p.add_argument("--cache", type=Path, default=None, help="clip cache (default ~/.cache/flashcodec/videos)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    print("| clip | output | mode | mean | p99 | max | convert ms / frame |")
+    print("|---|---|---|---|---|---|---|")
+    with flashcodec.DecodeEngine("pyav", num_threads=2) as engine:
+        for width, height, size in CASES:
+            spec = dict(codec="h264", width=width, height=height, duration_s=4.0, fps=30.0, gop=30, bframes=3,
+                        suffix=".mp4", preset="veryfast", seed=width)
+            path = synthetic_video.cached_video(spec, cache_dir=args.cache)
+            kwargs = {} if size is None else {"height": size[0], "width": size[1]}
+            frames = ref = None
+            for mode in RESIZE_MODES:
+                out = engine.decode_video(path, num_frames=args.frames, resize=mode, **kwargs)
+                n, (h, w) = len(out.frame_indices), out.frames.shape[2:]
+                if ref is None:
+                    frames = decoded_frames(path, out.frame_indices)
+                    ref = reference(frames, h, w)
+                diff = (out.frames[:n].to(torch.int16) - ref.to(torch.int16)).abs().numpy()
+                print(f"| {width}x{height} | {w}x{h} | {mode} | {diff.mean():.3f} | {np.percentile(diff, 99):.0f} | "
+                      f"{diff.max()} | {convert_ms(frames, h, w, mode):.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
