@@ -40,6 +40,10 @@ class RuntimeConfig:
     cpu_affinity: dict[str, list[int]] = field(default_factory=dict)  # per process; missing: every core
     nice: dict[str, int] = field(default_factory=dict)  # per process niceness increment (lower CPU priority)
     core_threads_while_decoding: int = 0  # core's torch threads while any request decodes; 0: no change
+    #: per process: environment set first thing in the worker, before CUDA starts (GPU placement:
+    #: CUDA_VISIBLE_DEVICES, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; see runtime/gpu_placement.py)
+    process_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    gpu: int = 0  # CUDA: the physical GPU the pools live on (workers see it as cuda:0)
     max_video_seconds: float = 3600.0
     ipc_dir: str = ""
     instance: str = ""

@@ -123,16 +123,29 @@ class Runtime:
         self.processes: dict[str, mp.Process] = {}
         self.stopping = False
         self._pools_unlinked = False
+        self.cuda_pools = None  # CudaPoolOwner on CUDA
 
     def create_pools(self) -> None:
-        """Allocate the shared pools: KV cache (core, decode) and patch buffer (vision, core)."""
+        """Allocate the shared pools: KV cache (core, decode) and patch buffer (vision, core).
+
+        CPU: files in the tmpfs folder. CUDA: this process owns the allocations (it starts before
+        and stops after every worker) and hands out IPC handles; workers see the GPU as cuda:0.
+        """
         from unifiedserve.engine.llm import DTYPES
 
         cfg = self.config
-        if cfg.device != "cpu":
-            raise NotImplementedError("shared pools on CUDA (IPC handles) come with the GPU backend")
         dtype = DTYPES[cfg.dtype]
         shapes = cfg.pool_shapes
+        if cfg.device != "cpu":
+            from unifiedserve.runtime.cuda_pools import CudaPoolOwner
+
+            self.cuda_pools = CudaPoolOwner()
+            for name, shape in shapes.items():
+                spec = self.cuda_pools.create(name, shape, dtype, cfg.gpu)
+                cfg.pools[name] = replace(spec, cuda_device=0)
+            log.info("CUDA pools on GPU %d: %.2f GiB (%s)", cfg.gpu, self.cuda_pools.num_bytes / GiB,
+                     ", ".join(f"{n} {cfg.pools[n].num_bytes / GiB:.2f}" for n in shapes))
+            return
         check_shm_space(self.shm_dir, sum(torch.Size(s).numel() * dtype.itemsize for s in shapes.values()))
         prefix = f"unifiedserve-{self.instance}"
         for name, shape in shapes.items():
@@ -189,4 +202,10 @@ class Runtime:
                     proc.join(2.0)
         for spec in self.config.pools.values():
             unlink_pool(spec)
+        if self.cuda_pools is not None:  # only once no worker can still map them
+            still = [name for name, p in self.processes.items() if p.is_alive()]
+            if still:
+                log.error("not freeing the CUDA pools: %s still alive", ", ".join(still))
+            else:
+                self.cuda_pools.free_all()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)

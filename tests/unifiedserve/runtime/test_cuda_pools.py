@@ -115,3 +115,40 @@ def test_a_pool_written_in_one_process_is_read_in_another():
     assert result == 3.0 * 1024 * 256, result
     assert torch.equal(mine, torch.full_like(mine, 3.0))  # the child's write, seen by the owner: no copy
     owner.free_all(live_openers=[] if child.exitcode is not None else ["child"])
+
+
+class _FakeProcess:
+    def __init__(self, alive):
+        self.alive, self.name, self.exitcode = alive, "fake", None if alive else 0
+
+    def is_alive(self):
+        return self.alive
+
+    def join(self, timeout=None):
+        pass
+
+    terminate = kill = join
+
+
+def test_runtime_owns_cuda_pools_and_frees_them_after_its_workers(monkeypatch, caplog):
+    from unifiedserve.runtime.config import RuntimeConfig
+    from unifiedserve.runtime.launcher import Runtime
+
+    driver = FakeDriver()
+    monkeypatch.setattr(cuda_pools, "DriverApi", lambda: driver)
+    shapes = {"kv": (2, 2, 8, 16, 2, 64), "patch": (4, 256, 1176)}
+    runtime = Runtime(RuntimeConfig(model="m", served_model_name="m", device="cuda", dtype="bfloat16", gpu=3,
+                                    pool_shapes=shapes))
+    runtime.create_pools()
+    pools = runtime.config.pools
+    assert set(pools) == {"kv", "patch"}
+    assert all(p.cuda_device == 0 and p.path is None for p in pools.values())  # workers see their GPU as cuda:0
+    assert [e[1] for e in driver.events] == [3, 3]  # allocated on the physical GPU
+    runtime.processes = {"decode": _FakeProcess(alive=True)}
+    runtime.stopping = True
+    runtime.processes["decode"].is_alive = lambda: True  # a worker that will not die
+    runtime.stop(timeout=0)
+    assert driver.live and "not freeing the CUDA pools: decode still alive" in caplog.text
+    runtime.processes = {"decode": _FakeProcess(alive=False)}
+    runtime.stop(timeout=0)
+    assert not driver.live and [e[0] for e in driver.events] == ["alloc", "alloc", "free", "free"]
