@@ -82,7 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(d)
     d.add_argument("--backend", default="auto", help="decoder backend: auto, pyav or torchcodec (default auto)")
     d.add_argument("--threads", type=_positive_int, default=None,
-                   help=f"decoder threads (default: one per core, {os.cpu_count()} here)")
+                   help=f"CPU decoder threads (default: one per core, {os.cpu_count()} here)")
+    d.add_argument("--device", default="cpu",
+                   help="cpu (default); cuda (every GPU's NVDEC), cuda:N, or a list such as cuda:0,cpu (GPUs and "
+                        "CPU together); auto: every GPU whose NVDEC works, and the CPU. What NVDEC cannot "
+                        "decode (e.g. AV1 on H100) goes to the CPU with a one-line note")
     d.add_argument("--output", choices=("rgb", "patches"), default="rgb",
                    help="rgb: uint8 frames [T,3,H,W]; patches: normalised Qwen2.5-VL patches [N,1176]")
     d.add_argument("--out", type=Path, help="save to FILE.npy, FILE.pt, or a folder of PNGs (rgb only)")
@@ -200,7 +204,7 @@ def _decode(args) -> int:
     if Path(args.file).suffix.lower() in IMAGE_SUFFIXES:
         return _decode_image(args)
     started = time.perf_counter()
-    with flashcodec.DecodeEngine(args.backend, args.threads) as engine:
+    with flashcodec.DecodeEngine(args.backend, devices=args.device, cpu_threads=args.threads) as engine:
         analysis = engine.analyse_bitstream(args.file, **_sampling_kwargs(args))
         plan = analysis.plan
         bar = None
@@ -224,10 +228,11 @@ def _decode(args) -> int:
     total_s = time.perf_counter() - started
     saved = None
     if args.out is not None:
-        saved = _save(args.out, result.frames, result.patches, result.grid_thw, result.frame_indices,
-                      result.sample_fps)
+        frames, patches = (t.cpu() if t is not None else None for t in (result.frames, result.patches))
+        saved = _save(args.out, frames, patches, result.grid_thw, result.frame_indices, result.sample_fps)
     summary = {
         "file": args.file, "backend": engine.backend.name, "threads": engine.num_threads, "resize": args.resize,
+        "devices": list(engine.layout.names),
         "num_frames": len(result.frame_indices), "num_output_frames": plan.num_output_frames,
         "height": plan.height, "width": plan.width, "sample_fps": result.sample_fps,
         "grid_thw": list(result.grid_thw), "frames_decoded": plan.decode_cost,
@@ -244,7 +249,9 @@ def _decode(args) -> int:
               f"{tuple(result.grid_thw)}), sampled at {result.sample_fps:.2f} fps from "
               f"{analysis.info.num_frames} frames")
         print(f"decoded {plan.decode_cost} frames in {result.decode_s:.3f} s (probe {result.probe_s:.3f} s, "
-              f"total {total_s:.3f} s) with {engine.backend.name} on {engine.num_threads} threads")
+              f"total {total_s:.3f} s) with {engine.backend.name} on {engine.num_threads} threads"
+              + (f" and NVDEC on {', '.join(engine.layout.names[:len(engine.layout.gpus)])}"
+                 if engine.layout.gpus else ""))
         if result.failed_frame_indices:
             print(f"warning: {len(result.failed_frame_indices)} frames could not be decoded and repeat a "
                   f"neighbour: {result.failed_frame_indices[:16]}")

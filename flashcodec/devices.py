@@ -14,22 +14,35 @@ to the CPU rank with one log line saying why.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 log = logging.getLogger("flashcodec.devices")
 
 __all__ = [
-    "DEVICE_KINDS", "DeviceError", "log_once", "num_visible_gpus", "nvdec_reject_reason",
-    "nvdec_unavailable_reason", "parse_device", "parse_devices", "pix_fmt_layout", "resolve_devices",
+    "CPU_THREAD_FPS", "DEVICE_KINDS", "DeviceError", "NVDEC_RANK_FPS", "RankLayout", "log_once", "make_layout",
+    "num_visible_gpus", "nvdec_reject_reason", "nvdec_unavailable_reason", "parse_device", "parse_devices",
+    "pix_fmt_layout", "resolve_devices", "resolve_output_device", "video_nvdec_reason",
 ]
 
 #: What the device knob accepts besides ``cuda:N``.
 DEVICE_KINDS = ("cpu", "cuda", "auto")
 
 _CUDA_N = re.compile(r"cuda:(\d+)")
+
+# Cost model: a rank's speed in 1080p H.264 frames/s. Only ratios matter (the planner splits a
+# video's decode cost in proportion; cross-rank steals compare finish times). Replace them with
+# measured speeds through ``rank_speeds``.
+#: One GPU's NVDEC rank: 14 sessions of one process decoded 3617 fps on the H100 (docs/gpu.md, 2026-11-23).
+NVDEC_RANK_FPS = 3617.0
+#: One CPU decoder thread: an estimate, not a measurement on the GPU machine. This project's 2-core
+#: CI machine decodes 720p H.264 at ~520 frames/s per thread with conversion (docs/benchmarks.md,
+#: dense h264: 9000 frames in 8.66 s on 2 threads), scaled by pixel count to 1080p.
+CPU_THREAD_FPS = 230.0
 
 
 class DeviceError(ValueError):
@@ -225,12 +238,22 @@ def nvdec_reject_reason(codec: str, pix_fmt: str | None, width: int, height: int
     return None
 
 
+def canonical_codec(decoder_name: str) -> str:
+    """The codec a decoder decodes: ``VideoInfo.codec`` names FFmpeg's decoder (``libdav1d`` for AV1)."""
+    try:
+        import av
+
+        return av.Codec(decoder_name, "r").canonical_name
+    except Exception:  # an unknown name stays as it is (and NVDEC has no entry for it)
+        return decoder_name
+
+
 def video_nvdec_reason(info, device_index: int) -> str | None:
     """:func:`nvdec_reject_reason` for a probed video on GPU ``device_index`` (asks the driver)."""
     from flashcodec.nvcuvid import NvcuvidError, decoder_caps
 
     try:
-        return nvdec_reject_reason(info.codec, info.pix_fmt, info.width, info.height,
+        return nvdec_reject_reason(canonical_codec(info.codec), info.pix_fmt, info.width, info.height,
                                    lambda codec, chroma, depth: decoder_caps(codec, chroma, depth, device_index))
     except (NvcuvidError, ValueError) as e:
         return f"the driver's decoder caps could not be read ({e})"
@@ -240,3 +263,112 @@ def describe(gpus: Iterable[int], cpu_threads: int) -> str:
     """``"cuda:0 + cuda:1 + cpu x16"``: the ranks of an engine, for logs and the CLI summary."""
     parts = [f"cuda:{i}" for i in gpus] + ([f"cpu x{cpu_threads}"] if cpu_threads else [])
     return " + ".join(parts)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """An engine's ranks: one per GPU (NVDEC sessions), then the CPU rank, and who takes which video.
+
+    ``cpu_shares`` says whether the CPU rank decodes alongside NVDEC (``"cpu"`` or ``"auto"`` was
+    among the devices) or only takes what NVDEC cannot (``"cuda"`` / ``"cuda:N"`` alone).
+    """
+
+    gpus: tuple[int, ...]
+    nvdec_sessions: int
+    cpu_threads: int  # 0: no CPU rank
+    cpu_shares: bool
+    speeds: tuple[float, ...]  # frames/s per rank, GPU ranks first
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f"cuda:{i}" for i in self.gpus) + (("cpu",) if self.cpu_threads else ())
+
+    def shares(self, nvdec_reason: Callable[[int], str | None]) -> tuple[list[float], frozenset[int], str | None]:
+        """Each rank's planning speed for one video, the ranks allowed to decode it, and why not NVDEC.
+
+        Args:
+            nvdec_reason: ``nvdec_reason(gpu_ordinal)`` -> why NVDEC there cannot take this video, or None.
+
+        Returns:
+            ``(speeds, allowed_ranks, reason)``: speed 0 for a rank that gets no share; ``reason``
+            is the first GPU's rejection (None when every GPU takes the video or there is none).
+
+        Raises:
+            DeviceError: no rank can decode the video (NVDEC cannot and ``cpu_threads`` is 0).
+        """
+        speeds, allowed, reason = [], set(), None
+        for rank, gpu in enumerate(self.gpus):
+            why = nvdec_reason(gpu)
+            reason = reason or why
+            speeds.append(0.0 if why else self.speeds[rank])
+            if not why:
+                allowed.add(rank)
+        if self.cpu_threads:
+            cpu = len(self.gpus)
+            if self.cpu_shares or not allowed:
+                speeds.append(self.speeds[cpu])
+                allowed.add(cpu)
+            else:
+                speeds.append(0.0)
+        if not allowed:
+            raise DeviceError(f"NVDEC cannot decode this video ({reason}) and the engine has no CPU rank; "
+                              "give it cpu_threads > 0")
+        return speeds, frozenset(allowed), reason
+
+
+def make_layout(devices: str | Sequence[str] = "cpu", cpu_threads: int | None = None,
+                nvdec_sessions: int = 14, rank_speeds: Mapping[str, float] | None = None,
+                **probes) -> RankLayout:
+    """Resolve an engine's device options into a :class:`RankLayout`.
+
+    Args:
+        devices: the device knob (see :func:`resolve_devices`).
+        cpu_threads: decoder threads of the CPU rank (default: one per core); 0 leaves no CPU
+            rank, allowed only with GPUs (videos NVDEC cannot take then fail with a clear error).
+        nvdec_sessions: concurrent NVDEC sessions (slots) per GPU rank.
+        rank_speeds: frames/s per rank name (``"cpu"``, ``"cuda:0"``) replacing the cost model's
+            defaults (:data:`NVDEC_RANK_FPS`, ``cpu_threads x`` :data:`CPU_THREAD_FPS`).
+        probes: fakes for :func:`resolve_devices` in tests.
+
+    Raises:
+        DeviceError: a device that is not here or a bad name; ValueError: bad counts or speeds.
+    """
+    gpus, cpu_named = resolve_devices(devices, **probes)
+    threads = (os.cpu_count() or 1) if cpu_threads is None else cpu_threads
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0 or (threads == 0 and not gpus):
+        raise ValueError(f"cpu_threads must be a positive integer (0 only with GPU devices), got {cpu_threads!r}")
+    if isinstance(nvdec_sessions, bool) or not isinstance(nvdec_sessions, int) or nvdec_sessions < 1:
+        raise ValueError(f"nvdec_sessions must be a positive integer, got {nvdec_sessions!r}")
+    layout = RankLayout(tuple(gpus), nvdec_sessions, threads, cpu_named or not gpus, ())
+    defaults = {name: NVDEC_RANK_FPS for name in layout.names if name != "cpu"}
+    defaults["cpu"] = threads * CPU_THREAD_FPS
+    given = dict(rank_speeds or {})
+    unknown = sorted(set(given) - set(layout.names))
+    if unknown or any(not float(v) > 0 for v in given.values()):
+        raise ValueError(f"rank_speeds must map some of {', '.join(layout.names)} to positive frames/s, got {given}")
+    speeds = tuple(float(given.get(name, defaults[name])) for name in layout.names)
+    return RankLayout(layout.gpus, nvdec_sessions, threads, layout.cpu_shares, speeds)
+
+
+def resolve_output_device(device, gpus: Sequence[int]):
+    """The ``torch.device`` outputs live on: ``device`` if given, else the first GPU rank's, else the CPU.
+
+    Raises:
+        ValueError: not ``cpu`` / ``cuda`` / ``cuda:N``; DeviceError: a CUDA device that is not visible.
+    """
+    import torch
+
+    if device is None:
+        return torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
+    try:
+        out = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"output_device must be cpu or cuda:N, got {device!r}") from None
+    if out.type == "cuda":
+        index = out.index if out.index is not None else 0
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise DeviceError(f"output_device {device} is not a visible CUDA device")
+        return torch.device("cuda", index)
+    if out.type != "cpu":
+        raise ValueError(f"output_device must be cpu or cuda:N, got {device!r}")
+    return out

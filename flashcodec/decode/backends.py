@@ -3,7 +3,8 @@
 Contract: a :class:`SegmentDecoder` belongs to one thread and one video. ``decode_segment``
 decodes packets ``start_position..stop_position`` and calls ``emit(display_index, frame)`` once
 per target frame, with ``frame`` a uint8 ``[H, W, 3]`` RGB array already at the plan's output
-size and in display orientation. Non-target frames are decoded but never converted. It returns
+size and in display orientation (a numpy array from CPU backends, a CUDA tensor on its GPU from
+NVDEC). Non-target frames are decoded but never converted. It returns
 the target indices it could not produce.
 
 How a target frame becomes RGB at the output size is the ``resize`` mode (:mod:`flashcodec.resize`):
@@ -11,8 +12,9 @@ How a target frame becomes RGB at the output size is the ``resize`` mode (:mod:`
 and resizes that with antialiased bicubic, as Qwen2.5-VL's reference pipeline does; ``"fast"``
 converts and resizes in one swscale call at the output size.
 
-Backends per decoder kind: ``pyav`` and ``torchcodec`` (CPU software decode) exist today; an
-NVDEC backend slots in as another :class:`Backend` whose ranks are CUDA devices.
+Backends per decoder kind: ``pyav`` and ``torchcodec`` (CPU software decode), chosen by name for
+the CPU rank; and NVDEC (:class:`flashcodec.decode.nvdec.NvdecBackend`, one per GPU rank), which
+engines create from their ``devices``, not by name.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from flashcodec.source import Source
 
 log = logging.getLogger(__name__)
 
-Emit = Callable[[int, np.ndarray], None]
+Emit = Callable[[int, "np.ndarray | torch.Tensor"], None]
 
 #: swscale filter of the ``"fast"`` mode's single colour-convert + resize. AREA is as close to an
 #: antialiased bicubic resize (what qwen-vl-utils does) as swscale's BICUBIC (mean |diff| 1.48 vs

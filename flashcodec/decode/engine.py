@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import itertools
-import os
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,12 +19,15 @@ import torch
 
 from flashcodec._errors import CorruptVideoError
 from flashcodec.decode.backends import Backend, get_backend
-from flashcodec.decode.scheduler import RankJob, RankScheduler
+from flashcodec.decode.scheduler import RankGroup, RankJob, RankScheduler
+from flashcodec.devices import make_layout, parse_devices, resolve_output_device, video_nvdec_reason
 from flashcodec.plan.sampling import SamplingOptions
 from flashcodec.plan.video import VideoPlan, plan_video
 from flashcodec.probe import VideoInfo, probe
 from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode
 from flashcodec.source import Source, SourceLike
+
+log = logging.getLogger(__name__)
 
 OUTPUTS = ("rgb", "patches")
 ON_CORRUPT = ("error", "repeat")
@@ -39,6 +42,7 @@ class BitstreamAnalysis:
     plan: VideoPlan
     probe_s: float
     source: Source = field(repr=False)
+    allowed_ranks: frozenset[int] | None = None  # ranks that may decode it (None: all)
 
 
 @dataclass(eq=False)
@@ -82,8 +86,10 @@ class _Request:
     """
 
     def __init__(self, analysis: BitstreamAnalysis, output: str, on_corrupt: str, patch_spec,
-                 progress: Callable[[int, int], None] | None, done: Callable[["_Request"], None]):
+                 progress: Callable[[int, int], None] | None, done: Callable[["_Request"], None],
+                 device: torch.device = torch.device("cpu")):
         self.analysis = analysis
+        self.device = device  # where the output lives; GPU ranks' frames never leave their GPU
         self.output = output
         self.on_corrupt = on_corrupt
         self.patch_spec = patch_spec
@@ -104,7 +110,7 @@ class _Request:
         self.error: BaseException | None = None
         self._lock = threading.Lock()
 
-    def _rank_buffer(self, rank: int) -> np.ndarray:
+    def _rank_buffer(self, rank: int) -> torch.Tensor:
         out = self.rank_outputs.get(rank)
         if out is None:
             with self._lock:
@@ -112,15 +118,23 @@ class _Request:
                 if out is None:
                     plan = self.analysis.plan
                     n = plan.ranks[rank].num_output_frames
-                    out = self.rank_outputs[rank] = torch.empty((n, plan.height, plan.width, 3), dtype=torch.uint8)
-        return out.numpy()
+                    out = self.rank_outputs[rank] = torch.empty((n, plan.height, plan.width, 3), dtype=torch.uint8,
+                                                                device=self.device)  # [T_rank, H, W, 3]
+        return out
 
-    def emit(self, display: int, frame: np.ndarray) -> None:
-        """Called by decoder threads with a ``[H, W, 3]`` uint8 frame at the output size."""
+    def emit(self, display: int, frame: np.ndarray | torch.Tensor) -> None:
+        """Called by decoder threads with a ``[H, W, 3]`` uint8 frame at the output size: a numpy
+        array from CPU ranks, a tensor on its GPU from NVDEC ranks (copied device to device)."""
         rank, rows = self._rows[display]
         buffer = self._rank_buffer(rank)
-        for row in rows:
-            buffer[row] = frame
+        if isinstance(frame, np.ndarray) and buffer.device.type == "cpu":
+            view = buffer.numpy()
+            for row in rows:
+                view[row] = frame
+        else:
+            src = torch.from_numpy(frame) if isinstance(frame, np.ndarray) else frame
+            for row in rows:
+                buffer[row].copy_(src)
         self.produced.add(display)
 
     def segment_done(self, segment, failed: list[int]) -> None:
@@ -203,18 +217,55 @@ class _Request:
 class DecodeEngine:
     """A process-wide pool of decoders (ranks x slots) serving many requests at once.
 
+    Ranks: one per GPU in ``devices`` (``nvdec_sessions`` concurrent NVDEC sessions as threads),
+    then the CPU rank (``cpu_threads`` software decoders). A video's GOP segments are split over
+    every rank that can decode it in proportion to the ranks' speeds, and a rank that runs dry
+    takes work from a slower one (:mod:`flashcodec.decode.scheduler`).
+
     Args:
-        backend: ``"auto"``, ``"pyav"`` or ``"torchcodec"`` (CPU software decoders).
-        num_threads: decoder slots on the CPU rank; default: one per core. This bounds the
-            decoder threads for all requests together.
+        backend: the CPU rank's decoder: ``"auto"``, ``"pyav"`` or ``"torchcodec"``.
+        num_threads: the CPU rank's decoder slots (the older name of ``cpu_threads``).
+        devices: ``"cpu"`` (default), ``"cuda"`` (every GPU), ``"cuda:N"``, ``"auto"`` (every GPU
+            whose NVDEC works, and the CPU) or a list. With GPUs alone the CPU rank decodes only
+            videos NVDEC cannot (AV1 on H100, H.264 4:4:4, ...); name ``"cpu"`` too to decode with both.
+        cpu_threads: decoder slots of the CPU rank; default one per core; 0: no CPU rank.
+        nvdec_sessions: NVDEC sessions per GPU (default 14: two per engine of an H100).
+        output_device: where outputs live; default the first GPU of ``devices``, else the CPU.
+        rank_speeds: frames/s per rank name (``"cpu"``, ``"cuda:0"``), replacing the cost model's
+            defaults (:mod:`flashcodec.devices`).
+
+    Raises:
+        ValueError: bad counts, a bad output device, or a device this machine lacks
+            (:class:`~flashcodec.devices.DeviceError`, which says why).
     """
 
-    def __init__(self, backend: str | Backend = "auto", num_threads: int | None = None):
+    def __init__(self, backend: str | Backend = "auto", num_threads: int | None = None, *,
+                 devices: str | list[str] = "cpu", cpu_threads: int | None = None, nvdec_sessions: int = 14,
+                 output_device: str | torch.device | None = None, rank_speeds: dict[str, float] | None = None):
+        if num_threads is not None and cpu_threads is not None:
+            raise ValueError("give cpu_threads or num_threads (its older name), not both")
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {num_threads}")
+        self.layout = make_layout(devices, num_threads if cpu_threads is None else cpu_threads, nvdec_sessions,
+                                  rank_speeds)
+        self.output_device = resolve_output_device(output_device, self.layout.gpus)
         self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
-        self.num_threads = num_threads or os.cpu_count() or 1
-        self._ranks = [RankScheduler(self.backend, self.num_threads, name=self.backend.device)]
+        self.num_threads = self.layout.cpu_threads
+        group = RankGroup()
+        try:
+            if self.layout.gpus:
+                from flashcodec.decode.nvdec import NvdecBackend
+
+                for gpu, speed in zip(self.layout.gpus, self.layout.speeds):
+                    RankScheduler(NvdecBackend(gpu, nvdec_sessions), nvdec_sessions, f"cuda:{gpu}", speed=speed,
+                                  group=group)
+            if self.layout.cpu_threads:
+                RankScheduler(self.backend, self.num_threads, name=self.backend.device, speed=self.layout.speeds[-1],
+                              group=group)
+        except BaseException:
+            group.shutdown()  # no slot thread outlives a failed constructor
+            raise
+        self._ranks = group.ranks  # GPU ranks first, then the CPU rank
         self._keys = itertools.count(1)
         self._lock = threading.Lock()
         self._analyses: dict[int, BitstreamAnalysis] = {}
@@ -236,9 +287,13 @@ class DecodeEngine:
         started = time.perf_counter()
         src = Source.of(source)
         info = probe(src)
-        plan = plan_video(info, options, num_ranks=self.num_ranks,
-                          decoders_per_rank=self._ranks[0].num_slots, frame_indices=frame_indices)
-        analysis = BitstreamAnalysis(next(self._keys), info, plan, time.perf_counter() - started, src)
+        speeds, allowed, reason = self.layout.shares(lambda gpu: video_nvdec_reason(info, gpu))
+        if reason is not None:
+            log.warning("flashcodec: %s decodes on the CPU rank: %s", src.name, reason)
+        plan = plan_video(info, options, num_ranks=self.num_ranks, decoders_per_rank=[r.num_slots for r in self._ranks],
+                          frame_indices=frame_indices, rank_speeds=speeds)
+        analysis = BitstreamAnalysis(next(self._keys), info, plan, time.perf_counter() - started, src,
+                                     allowed if len(allowed) < self.num_ranks else None)
         with self._lock:
             self._analyses[analysis.key_id] = analysis
         return analysis
@@ -269,14 +324,14 @@ class DecodeEngine:
             if analysis is None:
                 raise KeyError(f"unknown or already queued key id {key_id}")
             self._in_flight.add(key_id)
-        request = _Request(analysis, output, on_corrupt, patch_spec, progress, self._request_done)
+        request = _Request(analysis, output, on_corrupt, patch_spec, progress, self._request_done, self.output_device)
         plan = analysis.plan
         for rank_plan, scheduler in zip(plan.ranks, self._ranks):
-            scheduler.submit(RankJob(
+            scheduler.submit(RankJob(  # a rank that steals a segment opens the video on its own backend
                 key_id, rank_plan,
-                open_decoder=lambda b=scheduler.backend: b.open(analysis.source, analysis.info, plan.height, plan.width,
-                                                                resize=resize),
+                open_decoder=lambda b: b.open(analysis.source, analysis.info, plan.height, plan.width, resize=resize),
                 emit=request.emit, on_segment_done=request.segment_done, on_finished=request.rank_finished,
+                allowed_ranks=analysis.allowed_ranks,
             ))
 
     def _request_done(self, request: _Request) -> None:
@@ -337,23 +392,34 @@ class DecodeEngine:
         self.close()
 
 
-_default_engine: DecodeEngine | None = None
+_engines: dict[str, DecodeEngine] = {}
 _default_lock = threading.Lock()
 
 
-def default_engine() -> DecodeEngine:
-    """The process-wide engine used by the module-level functions (one slot per core)."""
-    global _default_engine
+def default_engine(device: str = "cpu") -> DecodeEngine:
+    """The process-wide engine for ``device`` used by the module-level functions (kept warm).
+
+    ``"cpu"``: one slot per core. Other devices as :class:`DecodeEngine` ``devices``; the
+    engine, its threads and its NVDEC sessions live as long as the process.
+    """
+    key = ",".join(parse_devices(device))
     with _default_lock:
-        if _default_engine is None:
-            _default_engine = DecodeEngine()
-        return _default_engine
+        engine = _engines.get(key)
+        if engine is None:
+            engine = _engines[key] = DecodeEngine(devices=device)
+        return engine
 
 
-def decode_video(source: SourceLike, *, backend: str | None = None, num_threads: int | None = None,
-                 **kwargs) -> DecodedVideo:
-    """One-call decode. A ``backend``/``num_threads`` other than the default uses a private engine."""
-    if backend in (None, "auto") and num_threads is None:
-        return default_engine().decode_video(source, **kwargs)
-    with DecodeEngine(backend or "auto", num_threads) as engine:
+def decode_video(source: SourceLike, *, device: str = "cpu", backend: str | None = None,
+                 num_threads: int | None = None, output_device: str | None = None, **kwargs) -> DecodedVideo:
+    """One-call decode on ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"``).
+
+    The default backend and thread count use the process-wide engine for that device; other
+    ``backend``/``num_threads``/``output_device`` values use a private engine for this call.
+    ``kwargs`` are :meth:`DecodeEngine.decode_video`'s. Raises what it raises, and
+    :class:`~flashcodec.devices.DeviceError` for a device this machine lacks.
+    """
+    if backend in (None, "auto") and num_threads is None and output_device is None:
+        return default_engine(device).decode_video(source, **kwargs)
+    with DecodeEngine(backend or "auto", num_threads, devices=device, output_device=output_device) as engine:
         return engine.decode_video(source, **kwargs)

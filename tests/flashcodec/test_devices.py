@@ -13,18 +13,6 @@ from flashcodec.devices import (
     pix_fmt_layout,
     resolve_devices,
 )
-from flashcodec.nvcuvid import DecoderCaps
-
-
-def h100_caps(codec, chroma, depth):
-    """What cuvidGetDecoderCaps reported on the project's H100 (docs/gpu.md, 2026-11-23)."""
-    supported = {("h264", "420", 8): 4096, ("hevc", "420", 8): 8192, ("hevc", "420", 10): 8192,
-                 ("hevc", "444", 8): 8192, ("hevc", "444", 10): 8192, ("vp9", "420", 8): 8192,
-                 ("mpeg4", "420", 8): 2048}
-    size = supported.get((codec, chroma, depth))
-    if size is None:
-        return DecoderCaps(codec, chroma, depth, False, 0, 0, 0, 0, 0, 0)
-    return DecoderCaps(codec, chroma, depth, True, 7, size, size, size * size // 256, 48, 16)
 
 
 @pytest.mark.parametrize("text,expected", [("cpu", "cpu"), (" CUDA ", "cuda"), ("cuda:01", "cuda:1"),
@@ -46,22 +34,14 @@ def test_parse_devices_lists_and_commas_keep_order_without_duplicates():
         parse_devices([])
 
 
-def fake_probes(num_gpus, broken=None):
-    def reason(i):
-        if i >= num_gpus:
-            return f"there is no cuda:{i}" if num_gpus else "no CUDA GPU is visible"
-        return broken
-    return {"unavailable_reason": reason, "gpu_count": lambda: num_gpus}
-
-
-def test_resolve_expands_cuda_and_keeps_explicit_ordinals():
+def test_resolve_expands_cuda_and_keeps_explicit_ordinals(fake_probes):
     assert resolve_devices("cuda", **fake_probes(2)) == ([0, 1], False)
     assert resolve_devices("cuda:1,cpu", **fake_probes(2)) == ([1], True)
     assert resolve_devices("cpu", **fake_probes(2)) == ([], True)
     assert resolve_devices("auto", **fake_probes(2)) == ([0, 1], True)
 
 
-def test_resolve_cuda_without_a_gpu_is_one_clear_error():
+def test_resolve_cuda_without_a_gpu_is_one_clear_error(fake_probes):
     with pytest.raises(DeviceError, match="no CUDA GPU is visible; use device cpu or auto"):
         resolve_devices("cuda", **fake_probes(0))
     with pytest.raises(DeviceError, match="cuda:2 cannot decode with NVDEC: there is no cuda:2"):
@@ -70,7 +50,7 @@ def test_resolve_cuda_without_a_gpu_is_one_clear_error():
         resolve_devices("cuda:0", **fake_probes(1, broken="libnvcuvid.so.1 cannot be loaded"))
 
 
-def test_auto_falls_back_to_the_cpu_and_logs_the_reason_once(caplog, monkeypatch):
+def test_auto_falls_back_to_the_cpu_and_logs_the_reason_once(caplog, monkeypatch, fake_probes):
     monkeypatch.setattr(devices, "_logged", set())
     with caplog.at_level(logging.INFO, logger="flashcodec.devices"):
         for _ in range(3):
@@ -100,7 +80,7 @@ def test_pix_fmt_layout(pix_fmt, layout):
     ("mpeg4", "yuv420p", (32, 32), "32x32 is outside NVDEC's mpeg4 limits"),
     ("h264", "rgb24", (640, 480), "pixel format rgb24 is not a YUV format NVDEC decodes"),
 ])
-def test_nvdec_decision_follows_the_h100_caps(codec, pix_fmt, size, why):
+def test_nvdec_decision_follows_the_h100_caps(codec, pix_fmt, size, why, h100_caps):
     reason = nvdec_reject_reason(codec, pix_fmt, *size, caps=h100_caps)
     if why is None:
         assert reason is None

@@ -1,0 +1,167 @@
+"""NVDEC backend: GOP segments decoded on a GPU's hardware decoders, frames kept on that GPU.
+
+One :class:`NvdecSegmentDecoder` is one NVDEC session: a torchcodec 0.16 ``VideoDecoder`` with
+``device="cuda:N"`` (torchcodec's own NVDEC front end, measured to work from many threads of one
+process on the primary context; PyAV's ``HWAccel`` decodes only in the main thread, see
+docs/gpu.md). The driver spreads concurrent sessions over the GPU's NVDEC engines and one session
+never uses more than one engine, so a rank of this backend runs 7-14 sessions as threads.
+
+Frames never leave the GPU. torchcodec hands each decoded picture over as full-resolution RGB
+``uint8 [N, 3, H, W]`` on the GPU, converted out of the decoder's surface at once (the surface
+pool is only as deep as the DPB, so nothing holds a surface). Each chunk is resized there with
+:func:`flashcodec.resize.resize_frames` (the reference antialiased bicubic), turned to display
+orientation if torchcodec has not done so, and emitted as ``[h, w, 3]`` GPU views that the
+engine copies into the request's GPU output.
+
+Colour: torchcodec 0.16's CUDA path builds its YUV->RGB matrix from the stream's colour-space and
+range tags (``compute_color_conversion_matrix(AVColorSpace, AVColorRange)`` in its library); this
+module passes no colour options of its own.
+
+Warm decoders: creating an NVDEC decoder costs tens of ms. torchcodec keeps released hardware
+decoders in a per-GPU LRU cache (default 20, reused for the same codec and size);
+:class:`NvdecBackend` raises that capacity to at least its session count, so when one video's
+sessions close, the next video of the same codec and size reuses every one of them. The rank's
+threads themselves live as long as the engine.
+
+Nothing here has been run on a GPU by the session that wrote it: the CPU tests cover the
+device-free logic, the ``cuda`` tests in tests/flashcodec/decode/test_nvdec_cuda.py cover the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from flashcodec.decode.backends import Backend, Emit, SegmentDecoder
+from flashcodec.devices import log_once
+from flashcodec.plan.segments import GopSegment
+from flashcodec.probe import VideoInfo
+from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode, resize_frames
+from flashcodec.source import Source
+
+log = logging.getLogger(__name__)
+
+#: Full-resolution frames fetched per ``get_frames_at`` call: bounds a session's GPU memory (8
+#: frames of 1080p RGB are 50 MB) while keeping calls few. Successive calls move forward in the
+#: same GOP, which torchcodec decodes on without seeking.
+FRAMES_PER_CALL = 8
+
+#: NVDEC sessions per GPU rank by default: 2 per engine on a 7-engine H100 (14 threads measured
+#: at 3617 fps with every engine 92 % busy, 7 threads at 3083; docs/gpu.md, 2026-11-23).
+DEFAULT_SESSIONS_PER_GPU = 14
+
+
+def frame_mappings_json(info: VideoInfo) -> str:
+    """torchcodec's ``custom_frame_mappings`` from our probe, so a session does not rescan the file."""
+    pts = info.frame_pts
+    last = int(pts[-1] - pts[-2]) if info.num_frames > 1 else 1
+    durations = np.diff(pts, append=pts[-1] + last)
+    keyframes = set(int(p) for p in pts[np.isin(info.decode_positions, info.keyframe_positions)])
+    return json.dumps({"frames": [
+        {"pts": int(p), "duration": int(d), "key_frame": int(int(p) in keyframes)}
+        for p, d in zip(pts.tolist(), durations.tolist())
+    ]})
+
+
+def to_display(frames: torch.Tensor, rotation: int, display_hw: tuple[int, int]) -> torch.Tensor:
+    """Full-resolution ``[N, 3, H, W]`` frames in display orientation (a view when no turn is needed).
+
+    torchcodec >= 0.16 applies the stream's rotation itself; a frame that still has the stored
+    shape of a 90/270-degree video is turned here (FFmpeg's angle is counter-clockwise).
+    """
+    k = (rotation // 90) % 4
+    if k in (1, 3) and tuple(frames.shape[2:]) != tuple(display_hw):
+        return torch.rot90(frames, k=k, dims=(2, 3))  # [N, 3, W, H] -> display
+    return frames
+
+
+class NvdecSegmentDecoder(SegmentDecoder):
+    """One NVDEC session on one GPU for one video; used by one thread.
+
+    ``decode_segment`` emits ``uint8 [h, w, 3]`` CUDA tensors (views; the engine copies them).
+    Both resize modes give the reference resize here: ``"fast"`` exists to save CPU time, and on
+    the GPU the reference resize costs little next to the decode.
+    """
+
+    def __init__(self, source: Source, info: VideoInfo, height: int, width: int, device_index: int,
+                 resize: str = DEFAULT_RESIZE_MODE):
+        from torchcodec.decoders import VideoDecoder
+
+        check_resize_mode(resize)
+        self._info = info
+        self._size = (height, width)
+        self._device = torch.device("cuda", device_index)
+        self._decoder = VideoDecoder(
+            source.path if source.path is not None else source.data,
+            stream_index=info.stream_index,
+            dimension_order="NCHW",
+            device=str(self._device),
+            custom_frame_mappings=frame_mappings_json(info),
+        )
+        fallback = self._decoder.cpu_fallback
+        if fallback:  # torchcodec decodes on the CPU and uploads: right frames, no NVDEC speed
+            log_once(f"{source.name}: torchcodec decodes on the CPU instead of NVDEC on {self._device} ({fallback})")
+
+    def decode_segment(self, segment: GopSegment, emit: Emit) -> list[int]:
+        indices = list(segment.target_indices)
+        failed: list[int] = []
+        for start in range(0, len(indices), FRAMES_PER_CALL):
+            chunk = indices[start:start + FRAMES_PER_CALL]
+            try:
+                frames = self._decoder.get_frames_at(chunk).data  # uint8 [n, 3, H0, W0] on the GPU
+            except RuntimeError as e:  # torchcodec reports decode failures as RuntimeError
+                log.debug("NVDEC failed on frames %s of %s: %s", chunk, segment, e)
+                failed += self._one_by_one(chunk, emit)
+                continue
+            self._emit(chunk, frames, emit)
+        return failed
+
+    def _one_by_one(self, indices: Sequence[int], emit: Emit) -> list[int]:
+        failed = []
+        for display in indices:
+            try:
+                frame = self._decoder.get_frame_at(display).data  # uint8 [3, H0, W0]
+            except RuntimeError:
+                failed.append(display)
+                continue
+            self._emit([display], frame.unsqueeze(0), emit)
+        return failed
+
+    def _emit(self, indices: Sequence[int], frames: torch.Tensor, emit: Emit) -> None:
+        frames = to_display(frames, self._info.rotation,
+                            (self._info.display_height, self._info.display_width))  # [n, 3, H0, W0]
+        small = resize_frames(frames, *self._size)  # [n, 3, h, w] on the same GPU
+        for display, frame in zip(indices, small):
+            emit(display, frame.permute(1, 2, 0))  # [h, w, 3] view
+
+    def close(self) -> None:
+        self._decoder = None  # returns the hardware decoder to torchcodec's per-GPU cache
+
+
+class NvdecBackend(Backend):
+    """NVDEC sessions on GPU ``device_index`` (a rank whose slots are concurrent sessions).
+
+    Args:
+        device_index: CUDA ordinal.
+        num_sessions: the rank's slots; torchcodec's per-GPU decoder cache is raised to at least
+            this, so every session's hardware decoder stays warm between videos.
+    """
+
+    name = "nvdec"
+
+    def __init__(self, device_index: int, num_sessions: int = DEFAULT_SESSIONS_PER_GPU):
+        if device_index < 0 or num_sessions < 1:
+            raise ValueError(f"need a CUDA ordinal >= 0 and >= 1 session, got {device_index}, {num_sessions}")
+        self.device_index = device_index
+        self.device = f"cuda:{device_index}"
+        from torchcodec.decoders import get_nvdec_cache_capacity, set_nvdec_cache_capacity
+
+        if get_nvdec_cache_capacity() < num_sessions:
+            set_nvdec_cache_capacity(num_sessions)
+
+    def open(self, source, info, height, width, resize=DEFAULT_RESIZE_MODE):
+        return NvdecSegmentDecoder(source, info, height, width, self.device_index, resize)
