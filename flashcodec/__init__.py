@@ -6,6 +6,7 @@ Quick use::
     video = flashcodec.decode_video("clip.mp4")          # Qwen2.5-VL sampling: 2 fps, <= 768 frames
     video.frames                                          # uint8 [T, 3, H, W]
     flashcodec.decode_video("clip.mp4", output="patches").patches   # [N, 1176] model-ready
+    flashcodec.decode_video("clip.mp4", device="cuda").frames       # NVDEC; the frames stay on the GPU
 """
 
 from flashcodec._errors import (
@@ -24,6 +25,7 @@ from flashcodec.decode.engine import (
     decode_video,
     default_engine,
 )
+from flashcodec.devices import DeviceError
 from flashcodec.image import DecodedImage, ImageDecodeError, decode_image
 from flashcodec.plan.sampling import SamplingOptions
 from flashcodec.plan.video import VideoPlan, plan_video
@@ -48,7 +50,8 @@ def get_decoding_output(key_id: int | None = None, timeout: float | None = None)
 __version__ = "0.1.0"
 
 __all__ = [
-    "BitstreamAnalysis", "CorruptVideoError", "DecodeEngine", "DecodedImage", "DecodedVideo", "ImageDecodeError", "FlashCodecError", "Gop",
+    "BitstreamAnalysis", "CorruptVideoError", "DecodeEngine", "DecodedImage", "DecodedVideo", "DeviceError", "ImageDecodeError",
+    "FlashCodecError", "Gop",
     "NoFramesError", "NotAVideoError", "SamplingOptions", "SourceNotFoundError", "UnsupportedCodecError",
     "VideoInfo", "VideoPlan", "add_decoding_request", "analyse_bitstream", "available_backends",
     "decode_image", "decode_video", "default_engine", "get_decoding_output", "plan_video", "probe",
