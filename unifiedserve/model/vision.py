@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from unifiedserve.attention.varlen import check_varlen_impl, fused_varlen_attention, resolve_varlen_impl
 from unifiedserve.model.config import VisionConfig
 from unifiedserve.model.llm import MLP, RMSNorm, rotate_half
 
@@ -94,17 +95,22 @@ def vision_layout(grid_thw: tuple[Grid, ...], merge_size: int, window_units: int
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int],
-                     scale: float) -> torch.Tensor:
+                     scale: float, impl: str = "grouped") -> torch.Tensor:
     """Bidirectional attention inside consecutive segments of the rows.
 
-    Segments of equal length are batched into one SDPA call (all full windows of a frame share
-    a length), so a frame costs a handful of calls rather than one per window.
+    ``grouped`` (here): segments of equal length are batched into one SDPA call (all full windows
+    of a frame share a length), so a frame costs a handful of calls rather than one per window.
+    The fused implementations are in :mod:`unifiedserve.attention.varlen`.
 
     Args:
         q, k, v: ``[N, H, D]``; ``seq_lens`` sums to ``N``.
+        impl: one of :data:`unifiedserve.attention.varlen.VARLEN_IMPLS`.
     Returns:
         ``[N, H, D]``.
     """
+    impl = resolve_varlen_impl(impl, q.device, q.dtype)
+    if impl != "grouped":
+        return fused_varlen_attention(q, k, v, seq_lens, scale, impl)
     n, h, d = q.shape
     out = torch.empty_like(q)
     starts: dict[int, list[int]] = {}
@@ -132,6 +138,7 @@ class VisionAttention(nn.Module):
         self.head_dim = config.head_dim
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
         self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
+        self.attention_impl = "auto"  # see VisionTower.set_attention_impl
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:
         n = x.shape[0]
@@ -140,7 +147,7 @@ class VisionAttention(nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, D] float32
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
-        out = varlen_attention(q, k, v, seq_lens, self.head_dim ** -0.5)  # [N, H, D]
+        out = varlen_attention(q, k, v, seq_lens, self.head_dim ** -0.5, self.attention_impl)  # [N, H, D]
         return self.proj(out.reshape(n, -1))
 
 
@@ -216,6 +223,13 @@ class VisionTower(nn.Module):
 
         tokens = self.merger(x)  # [N / 4, out_hidden], window order
         return tokens[layout.reverse_index.to(device)]  # [N / 4, out_hidden], row-major per frame
+
+    def set_attention_impl(self, impl: str) -> None:
+        """Choose the window/full attention kernel: ``auto`` (default), ``grouped``, ``padded`` or
+        ``flashinfer`` (see :mod:`unifiedserve.attention.varlen`). Raises ``ValueError`` on other names."""
+        check_varlen_impl(impl)
+        for block in self.blocks:
+            block.attn.attention_impl = impl
 
     def _rotary(self, patch_hw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """2-D rotary tables: the first half of each head's pairs turns with the row, the second

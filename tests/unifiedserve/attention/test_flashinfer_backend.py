@@ -1,0 +1,205 @@
+"""FlashInferAttention: its glue on CPU against a stand-in for flashinfer's wrappers (which follow
+flashinfer 0.6's documented plan/run semantics), and the real kernels on CUDA."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from attention_cases import DECODE_SEQS, MIXED_SEQS, dense_reference, make_step
+from unifiedserve.attention import KVCache, TorchPagedAttention
+from unifiedserve.attention import flashinfer_backend as fib
+
+BS = 4
+
+
+def _paged_reference(q, kv, qo_indptr, kv_indptr, indices, last_page_len, page_size, causal, scale):
+    """flashinfer's paged attention semantics, densely: request b's keys are the first
+    ``(pages - 1) * page_size + last_page_len`` slots of its pages; causal aligns bottom-right."""
+    k_cache, v_cache = kv  # [P, page, Hkv, D] each (NHD)
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b in range(len(kv_indptr) - 1):
+        pages = indices[kv_indptr[b]:kv_indptr[b + 1]].long()
+        kv_len = (len(pages) - 1) * page_size + int(last_page_len[b])
+        k = k_cache[pages].flatten(0, 1)[:kv_len].double()
+        v = v_cache[pages].flatten(0, 1)[:kv_len].double()
+        qs, qe = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("nhd,lhd->hnl", q[qs:qe].double(), k) * scale
+        if causal:
+            n = qe - qs
+            allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        out[qs:qe] = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
+    return out.to(q.dtype)
+
+
+class _FakeWrapper:
+    def __init__(self, workspace, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
+        assert kv_layout == "NHD" and workspace.dtype == torch.uint8
+        self.use_cuda_graph, self.use_tensor_cores = use_cuda_graph, use_tensor_cores
+        if use_cuda_graph:
+            assert len(paged_kv_indptr_buffer) == len(paged_kv_last_page_len_buffer) + 1
+        self.bufs = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        self.plans = 0
+
+    def _store(self, qo_indptr, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size,
+               causal, sm_scale, q_data_type, kv_data_type, pos_encoding_mode):
+        assert all(t.dtype == torch.int32 for t in (qo_indptr, indptr, indices, last))
+        assert pos_encoding_mode == "NONE" and q_data_type == kv_data_type
+        if self.use_cuda_graph:  # flashinfer copies into the fixed buffers; the batch size is fixed
+            ind_buf, idx_buf, last_buf = self.bufs
+            if len(last) != len(last_buf):
+                raise ValueError("The batch size should be fixed in cudagraph mode")
+            ind_buf.copy_(indptr), last_buf.copy_(last), idx_buf[:len(indices)].copy_(indices)
+            indptr, indices, last = ind_buf, idx_buf, last_buf
+        self.plan_args = dict(qo_indptr=qo_indptr.clone(), indptr=indptr, indices=indices, last=last,
+                              heads=(num_qo_heads, num_kv_heads, head_dim), page_size=page_size, causal=causal,
+                              scale=sm_scale, dtype=q_data_type)
+        self.plans += 1
+
+    def run(self, q, paged_kv_cache):
+        a = self.plan_args
+        assert isinstance(paged_kv_cache, tuple) and q.dtype == a["dtype"]
+        assert (q.shape[1], paged_kv_cache[0].shape[2], q.shape[2]) == a["heads"]
+        return _paged_reference(q, paged_kv_cache, a["qo_indptr"].tolist(), a["indptr"].tolist(), a["indices"],
+                                a["last"].tolist(), a["page_size"], a["causal"], a["scale"])
+
+
+class _FakeDecode(_FakeWrapper):
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+             pos_encoding_mode="NONE", sm_scale=None, q_data_type="float16", kv_data_type=None):
+        qo = torch.arange(len(last_page_len) + 1, dtype=torch.int32)
+        self._store(qo, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, False,
+                    sm_scale, q_data_type, kv_data_type, pos_encoding_mode)
+
+
+class _FakePrefill(_FakeWrapper):
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+             num_kv_heads, head_dim_qk, page_size, causal=False, pos_encoding_mode="NONE", sm_scale=None,
+             q_data_type="float16", kv_data_type=None):
+        self._store(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                    num_kv_heads, head_dim_qk, page_size, causal, sm_scale, q_data_type, kv_data_type,
+                    pos_encoding_mode)
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    """FlashInferAttention on a CPU cache, with flashinfer's wrappers replaced by the stand-ins."""
+    fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=_FakeDecode,
+                                 BatchPrefillWithPagedKVCacheWrapper=_FakePrefill)
+    monkeypatch.setattr(fib, "import_flashinfer", lambda: fake)
+    monkeypatch.setattr(fib, "WORKSPACE_BYTES", 1024)
+    monkeypatch.setattr(fib.FlashInferAttention, "_validate_cache", staticmethod(lambda cache: None))
+    return fake
+
+
+def _fi(hq=4, hkv=2, d=16, dtype=torch.bfloat16, device="cpu", blocks=16):
+    return fib.FlashInferAttention(KVCache(2, blocks, BS, hkv, d, dtype=dtype, device=device), hq, hkv, d)
+
+
+@pytest.mark.parametrize("seqs", [MIXED_SEQS, DECODE_SEQS], ids=["mixed", "decode"])
+def test_glue_matches_dense_reference(fake_flashinfer, seqs):
+    attn = _fi()
+    step = make_step(seqs, attn.kv_cache, 4, seed=7, layer=1)
+    attn.plan(seqs)
+    wrapper = attn._step.wrapper
+    assert wrapper is (attn._decode if seqs is DECODE_SEQS else attn._prefill)
+    assert attn._decode.use_tensor_cores and wrapper.plan_args["causal"] == (seqs is MIXED_SEQS)
+    out = attn.forward(1, step.q, step.k, step.v)
+    assert out.dtype == torch.bfloat16 and out.shape == step.q.shape
+    torch.testing.assert_close(out.double(), dense_reference(step, attn.scale), atol=2e-2, rtol=2e-2)
+
+
+def test_graph_decode_pads_and_rewrites_fixed_buffers(fake_flashinfer):
+    eager, graph = _fi(), _fi()
+    graph.init_cuda_graph([1, 4, 8], max_seq_len=16)
+    assert sorted(graph._graph_decode) == [1, 4, 8]
+    assert all(w.use_cuda_graph and w.use_tensor_cores for w in graph._graph_decode.values())
+    indptr_ptr = graph._graph_bufs["paged_kv_indptr"].data_ptr()
+    for seed, seqs in enumerate((DECODE_SEQS, DECODE_SEQS[:3], DECODE_SEQS[2:])):
+        e, g = (make_step(seqs, a.kv_cache, 4, seed=seed) for a in (eager, graph))
+        eager.plan(seqs)
+        expected = eager.forward(0, e.q, e.k, e.v)
+        graph.plan(seqs, graph_batch_size=8)
+        pad = 8 - len(seqs)
+        q = torch.cat([g.q, torch.randn(pad, 4, 16).bfloat16()])
+        junk = torch.randn(pad, 2, 16).bfloat16()
+        out = graph.forward(0, q, torch.cat([g.k, junk]), torch.cat([g.v, -junk]))
+        assert torch.equal(out[:len(seqs)], expected)
+        assert torch.equal(graph.kv_cache.tensor, eager.kv_cache.tensor)  # padding rows changed nothing
+        assert graph._graph_bufs["paged_kv_indptr"].data_ptr() == indptr_ptr
+        assert graph._graph_bufs["paged_kv_last_page_len"][len(seqs):8].tolist() == [1] * pad
+
+
+def test_graph_decode_errors(fake_flashinfer):
+    attn = _fi()
+    with pytest.raises(ValueError, match="not given to init_cuda_graph"):
+        attn.plan(DECODE_SEQS, graph_batch_size=4)
+    attn.init_cuda_graph([4], max_seq_len=8)
+    with pytest.raises(ValueError, match="exceeds the graph's max_seq_len 8"):
+        attn.plan(DECODE_SEQS, graph_batch_size=4)
+    with pytest.raises(ValueError, match="do not fit a graph of batch size 4"):
+        attn.plan([(1, 1, [i]) for i in range(5)], graph_batch_size=4)
+
+
+def test_constructor_rejects_cpu_and_fp32_caches():
+    with pytest.raises(ValueError, match="needs a CUDA KV cache"):
+        fib.FlashInferAttention(KVCache(1, 4, BS, 2, 8, dtype=torch.bfloat16), 4, 2, 8)
+    fp32 = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)
+    with pytest.raises(ValueError, match="take float16/bfloat16; the KV cache is torch.float32"):
+        fib.FlashInferAttention._validate_cache(fp32)
+
+
+def test_plan_tensors_are_int32_host_arrays():
+    from unifiedserve.attention import build_paged_batch
+    arrays = fib.plan_tensors(build_paged_batch([(3, 2, [4, 1])], BS))
+    assert {k: v.tolist() for k, v in arrays.items()} == {
+        "qo_indptr": [0, 2], "paged_kv_indptr": [0, 2], "paged_kv_indices": [4, 1], "paged_kv_last_page_len": [1]}
+    assert all(v.dtype == torch.int32 and v.device.type == "cpu" for v in arrays.values())
+
+
+# -- the real kernels ------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("hq, hkv", [(28, 4), (16, 2)])
+def test_flashinfer_matches_sdpa_and_reference(hq, hkv):
+    pytest.importorskip("flashinfer")
+    for seqs in (MIXED_SEQS, DECODE_SEQS):
+        attn = _fi(hq, hkv, 128, torch.bfloat16, "cuda")
+        sdpa = TorchPagedAttention(KVCache(2, 16, BS, hkv, 128, dtype=torch.bfloat16, device="cuda"), hq, hkv, 128)
+        step = make_step(seqs, attn.kv_cache, hq, seed=11)
+        make_step(seqs, sdpa.kv_cache, hq, seed=11)
+        attn.plan(seqs)
+        sdpa.plan(seqs)
+        out = attn.forward(0, step.q, step.k, step.v)
+        torch.testing.assert_close(out.double().cpu(), dense_reference(step, attn.scale), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(out, sdpa.forward(0, step.q, step.k, step.v), atol=2e-2, rtol=2e-2)
+        assert torch.equal(attn.kv_cache.tensor, sdpa.kv_cache.tensor)
+
+
+@pytest.mark.cuda
+def test_flashinfer_graph_replay_equals_eager():
+    pytest.importorskip("flashinfer")
+    attn = _fi(28, 4, 128, torch.bfloat16, "cuda", blocks=32)
+    attn.warmup()
+    attn.init_cuda_graph([4], max_seq_len=64)
+    first = make_step(DECODE_SEQS, attn.kv_cache, 28, seed=3)
+    attn.plan(DECODE_SEQS, graph_batch_size=4)
+    q, k, v = first.q.clone(), first.k.clone(), first.v.clone()
+    attn.forward(0, q, k, v)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attn.forward(0, q, k, v)
+    second_seqs = [(6, 1, [3, 9]), (9, 1, [5, 6, 7]), (2, 1, [0])]
+    second = make_step(second_seqs, attn.kv_cache, 28, seed=4)
+    attn.plan(second_seqs, graph_batch_size=4)
+    q[:3].copy_(second.q), k[:3].copy_(second.k), v[:3].copy_(second.v)
+    graph.replay()
+    replayed = out[:3].clone()
+    assert torch.equal(replayed, attn.forward(0, q, k, v)[:3])  # the same padded plan, eagerly
+    torch.testing.assert_close(replayed.double().cpu(), dense_reference(second, attn.scale), atol=2e-2, rtol=2e-2)

@@ -1,0 +1,198 @@
+"""Paged attention on CUDA with flashinfer's kernels (imported lazily: flashinfer is a CUDA-only extra).
+
+* Decode steps run ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)``: the tensor-core
+  path is the one that serves Qwen2.5-VL's GQA groups (28/4 for 7B, 16/2 for 3B).
+* Every other step (prefill chunks over cached prefix pages, mixed with decode rows) runs
+  ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True``; flashinfer aligns the causal mask
+  to the bottom right, so a chunk's row i sees the cached prefix plus rows 0..i.
+* New K/V go into the cache with one ``index_copy_`` per tensor on the slot map: the project's
+  cache layout per layer (``[blocks, block_size, kv_heads, head_dim]`` for K and for V) is
+  flashinfer's ``NHD`` paged layout, passed to the kernels as a ``(k, v)`` tuple.
+* CUDA-graph decode: one decode wrapper per captured batch size, all reading fixed indptr/indices/
+  last-page-length buffers that ``plan`` overwrites in place (see :class:`AttentionBackend`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from unifiedserve.attention.base import AttentionBackend, KVCache
+from unifiedserve.attention.metadata import PagedBatch, SeqSpec, build_paged_batch, pad_decode_batch
+
+#: flashinfer's recommended float workspace (split-KV partial results); shared by all wrappers,
+#: which is safe because they run one after another on one stream.
+WORKSPACE_BYTES = 128 * 1024 * 1024
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def import_flashinfer() -> Any:
+    """The ``flashinfer`` module, or an ``ImportError`` that says how to get it."""
+    try:
+        import flashinfer
+    except ImportError as exc:
+        raise ImportError("flashinfer is not installed: install flashinfer-python (0.6.x) on the CUDA machine "
+                          "(see docs/gpu.md), or use the torch attention backend") from exc
+    return flashinfer
+
+
+def plan_tensors(batch: PagedBatch) -> dict[str, torch.Tensor]:
+    """flashinfer's int32 host arrays for a batch (its ``plan`` copies them to the device)."""
+    return {name: torch.tensor(getattr(batch, name), dtype=torch.int32)
+            for name in ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")}
+
+
+@dataclass
+class _Step:
+    wrapper: Any  # the planned flashinfer wrapper this step's layers run
+    num_tokens: int
+    slot_mapping: torch.Tensor  # int64 [N] on the device
+    write_rows: torch.Tensor | None  # int64 [N]: source row of each K/V write (graph padding)
+
+
+class FlashInferAttention(AttentionBackend):
+    """flashinfer paged prefill/decode over the project's KV cache (CUDA, float16/bfloat16 only).
+
+    Raises (constructor):
+        ValueError: the cache is not on CUDA or not float16/bfloat16.
+        ImportError: flashinfer is not installed.
+    """
+
+    supports_cuda_graph = True
+
+    def __init__(self, kv_cache: KVCache, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 scale: float | None = None):
+        super().__init__(kv_cache, num_q_heads, num_kv_heads, head_dim, scale)
+        self._validate_cache(kv_cache)
+        self._fi = import_flashinfer()
+        device = kv_cache.device
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
+        self._decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD",
+                                                                   use_tensor_cores=True)
+        self._graph_decode: dict[int, Any] = {}  # batch size -> wrapper bound to the fixed buffers
+        self._graph_bufs: dict[str, torch.Tensor] = {}
+        self._graph_max_seq_len = 0
+        self._step: _Step | None = None
+
+    @staticmethod
+    def _validate_cache(kv_cache: KVCache) -> None:
+        if kv_cache.device.type != "cuda":
+            raise ValueError(f"FlashInferAttention needs a CUDA KV cache, got {kv_cache.device}")
+        if kv_cache.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"flashinfer's kernels take float16/bfloat16; the KV cache is {kv_cache.dtype} "
+                             "(use the torch backend for float32)")
+
+    # -- planning (host side, outside the forward and any graph) ------------------------------------
+
+    def _plan_kwargs(self) -> dict[str, Any]:
+        dtype = self.kv_cache.dtype
+        return dict(pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=dtype, kv_data_type=dtype)
+
+    def plan(self, seqs: Sequence[SeqSpec], graph_batch_size: int | None = None) -> None:
+        batch = build_paged_batch(seqs, self.kv_cache.block_size)
+        if graph_batch_size is not None:
+            self._step = self._plan_graph(batch, graph_batch_size)
+            return
+        arrays = plan_tensors(batch)
+        if batch.is_decode:
+            wrapper = self._decode
+            wrapper.plan(arrays["paged_kv_indptr"], arrays["paged_kv_indices"], arrays["paged_kv_last_page_len"],
+                         self.num_q_heads, self.num_kv_heads, self.head_dim, self.kv_cache.block_size,
+                         **self._plan_kwargs())
+        else:
+            wrapper = self._prefill
+            wrapper.plan(arrays["qo_indptr"], arrays["paged_kv_indptr"], arrays["paged_kv_indices"],
+                         arrays["paged_kv_last_page_len"], self.num_q_heads, self.num_kv_heads, self.head_dim,
+                         self.kv_cache.block_size, causal=True, **self._plan_kwargs())
+        slot_mapping = torch.tensor(batch.slot_mapping, dtype=torch.int64).to(self.kv_cache.device,
+                                                                                 non_blocking=True)
+        self._step = _Step(wrapper, batch.num_tokens, slot_mapping, None)
+
+    def init_cuda_graph(self, batch_sizes: Sequence[int], max_seq_len: int) -> None:
+        if not batch_sizes or min(batch_sizes) < 1 or max_seq_len < 1:
+            raise ValueError(f"need batch sizes >= 1 and max_seq_len >= 1, got {list(batch_sizes)} and {max_seq_len}")
+        device = self.kv_cache.device
+        max_batch = max(batch_sizes)
+        max_pages = max_batch * -(-max_seq_len // self.kv_cache.block_size)
+        # One set of fixed buffers for the largest batch; each size's wrapper holds prefix views of
+        # them (flashinfer sizes its batch from the views' lengths). Only one graph replays at a
+        # time and plan() rewrites the buffers before each replay, so sharing them is safe.
+        bufs = {
+            "paged_kv_indptr": torch.zeros(max_batch + 1, dtype=torch.int32, device=device),
+            "paged_kv_indices": torch.zeros(max_pages, dtype=torch.int32, device=device),
+            "paged_kv_last_page_len": torch.zeros(max_batch, dtype=torch.int32, device=device),
+            "slot_mapping": torch.zeros(max_batch, dtype=torch.int64, device=device),
+            "write_rows": torch.zeros(max_batch, dtype=torch.int64, device=device),
+        }
+        self._graph_bufs = bufs
+        self._graph_max_seq_len = max_seq_len
+        self._graph_decode = {
+            size: self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, kv_layout="NHD", use_cuda_graph=True, use_tensor_cores=True,
+                paged_kv_indptr_buffer=bufs["paged_kv_indptr"][:size + 1],
+                paged_kv_indices_buffer=bufs["paged_kv_indices"],
+                paged_kv_last_page_len_buffer=bufs["paged_kv_last_page_len"][:size])
+            for size in sorted(set(batch_sizes))}
+
+    def _plan_graph(self, batch: PagedBatch, graph_batch_size: int) -> _Step:
+        wrapper = self._graph_decode.get(graph_batch_size)
+        if wrapper is None:
+            raise ValueError(f"graph batch size {graph_batch_size} was not given to init_cuda_graph "
+                             f"(sizes: {sorted(self._graph_decode)})")
+        if batch.max_kv_len > self._graph_max_seq_len:
+            raise ValueError(f"a sequence of {batch.max_kv_len} tokens exceeds the graph's max_seq_len "
+                             f"{self._graph_max_seq_len}")
+        padded = pad_decode_batch(batch, graph_batch_size)
+        arrays = plan_tensors(padded)
+        # flashinfer's graph-mode plan copies these into the wrapper's fixed buffers
+        wrapper.plan(arrays["paged_kv_indptr"], arrays["paged_kv_indices"], arrays["paged_kv_last_page_len"],
+                     self.num_q_heads, self.num_kv_heads, self.head_dim, self.kv_cache.block_size,
+                     **self._plan_kwargs())
+        n = graph_batch_size
+        slot_mapping, write_rows = self._graph_bufs["slot_mapping"][:n], self._graph_bufs["write_rows"][:n]
+        slot_mapping.copy_(torch.tensor(padded.slot_mapping, dtype=torch.int64))
+        write_rows.copy_(torch.tensor(padded.write_rows, dtype=torch.int64))
+        return _Step(wrapper, n, slot_mapping, write_rows)
+
+    # -- per layer (inside the forward; no host syncs) --------------------------------------------
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        step = self._step
+        if step is None:
+            raise RuntimeError("call plan(seqs) before the model forward")
+        if q.shape[0] != step.num_tokens:
+            raise ValueError(f"forward got {q.shape[0]} rows, the plan has {step.num_tokens}")
+        dtype = self.kv_cache.dtype
+        k_slots, v_slots = self.kv_cache.layer(layer)  # [blocks * block_size, kv_heads, head_dim]
+        if step.write_rows is not None:
+            k, v = k[step.write_rows], v[step.write_rows]  # padding rows repeat row 0's write
+        k_slots.index_copy_(0, step.slot_mapping, k.to(dtype))
+        v_slots.index_copy_(0, step.slot_mapping, v.to(dtype))
+        out = step.wrapper.run(q.to(dtype), self.kv_cache.paged_layer(layer))  # [N, q_heads, head_dim]
+        return out.to(q.dtype)
+
+    def warmup(self) -> None:
+        """JIT-compile (or load from ``~/.cache/flashinfer``) the decode and causal prefill kernels.
+
+        Plans a one-token sequence on block 0 and runs both wrappers on layer 0 without writing the
+        cache; the first call on a fresh machine takes tens of seconds per kernel.
+        """
+        layer0 = self.kv_cache.paged_layer(0)
+        q = torch.zeros((2, self.num_q_heads, self.head_dim), dtype=self.kv_cache.dtype,
+                        device=self.kv_cache.device)
+        decode = plan_tensors(build_paged_batch([(0, 1, [0])], self.kv_cache.block_size))
+        self._decode.plan(decode["paged_kv_indptr"], decode["paged_kv_indices"], decode["paged_kv_last_page_len"],
+                          self.num_q_heads, self.num_kv_heads, self.head_dim, self.kv_cache.block_size,
+                          **self._plan_kwargs())
+        self._decode.run(q[:1], layer0)
+        prefill = plan_tensors(build_paged_batch([(0, 2, [0, 0])], self.kv_cache.block_size))
+        self._prefill.plan(prefill["qo_indptr"], prefill["paged_kv_indptr"], prefill["paged_kv_indices"],
+                           prefill["paged_kv_last_page_len"], self.num_q_heads, self.num_kv_heads, self.head_dim,
+                           self.kv_cache.block_size, causal=True, **self._plan_kwargs())
+        self._prefill.run(q, layer0)
+        torch.cuda.synchronize(self.kv_cache.device)
+        self._step = None  # the warm-up plan is not a step

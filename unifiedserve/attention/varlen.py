@@ -1,0 +1,141 @@
+"""Bidirectional attention inside consecutive segments of rows (the vision tower's window and
+full-frame attention), as one fused call per layer.
+
+Implementations, selectable so a GPU run can measure them against each other:
+
+* ``grouped``: segments of equal length batched into one SDPA call each (a handful of calls per
+  layer; lives in :mod:`unifiedserve.model.vision`, the CPU path).
+* ``padded``: every segment padded to the longest into one ``[S, H, L, D]`` SDPA call with a
+  key-padding mask (the block-diagonal mask, stored per block); one call per layer, at the cost of
+  attending over the padding.
+* ``flashinfer``: flashinfer's ``BatchPrefillWithRaggedKVCacheWrapper`` (``causal=False``), one
+  ragged kernel per layer with no padding; CUDA, float16/bfloat16 only.
+
+``auto`` is ``grouped`` on CPU; on CUDA ``flashinfer`` when it imports and the dtype is half,
+else ``grouped``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+VARLEN_IMPLS = ("auto", "grouped", "padded", "flashinfer")
+_HALF = (torch.float16, torch.bfloat16)
+#: planned ragged wrappers kept per (segments, device, dtype, heads, head_dim): the tower uses two
+#: segmentations per forward (windows and frames), so a few entries cover the current grids.
+_MAX_PLANS = 4
+
+
+def check_varlen_impl(impl: str) -> str:
+    """``impl`` if it is one of :data:`VARLEN_IMPLS`, else ``ValueError`` naming the choices."""
+    if impl not in VARLEN_IMPLS:
+        raise ValueError(f"unknown vision attention implementation {impl!r}; choose one of {', '.join(VARLEN_IMPLS)}")
+    return impl
+
+
+@functools.lru_cache(maxsize=1)
+def _flashinfer_available() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_varlen_impl(impl: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The concrete implementation ``impl`` stands for on this device and dtype.
+
+    Raises:
+        ValueError: an unknown name, or ``flashinfer`` where it cannot run (not CUDA, not half
+            precision, not installed).
+    """
+    check_varlen_impl(impl)
+    usable = device.type == "cuda" and dtype in _HALF and _flashinfer_available()
+    if impl == "auto":
+        return "flashinfer" if usable else "grouped"
+    if impl == "flashinfer" and not usable:
+        raise ValueError(f"flashinfer vision attention needs CUDA, float16/bfloat16 and flashinfer installed "
+                         f"(device {device}, dtype {dtype})")
+    return impl
+
+
+def fused_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int],
+                           scale: float, impl: str) -> torch.Tensor:
+    """Attention inside each segment with one call: q, k, v ``[N, H, D]`` -> ``[N, H, D]``.
+
+    Args:
+        seq_lens: segment lengths, summing to ``N``.
+        impl: ``padded`` or ``flashinfer`` (``grouped`` lives with the tower).
+
+    Raises:
+        ValueError: segments that do not cover the rows, or an implementation not served here.
+    """
+    if sum(seq_lens) != q.shape[0] or min(seq_lens, default=1) < 1:
+        raise ValueError(f"segments {len(seq_lens)} (sum {sum(seq_lens)}) must be positive and cover {q.shape[0]} rows")
+    if impl == "padded":
+        return _padded(q, k, v, tuple(seq_lens), scale)
+    if impl == "flashinfer":
+        return _ragged_wrapper(tuple(seq_lens), q.device, q.dtype, q.shape[1], q.shape[2], scale).run(q, k, v)
+    raise ValueError(f"fused_varlen_attention serves 'padded' and 'flashinfer', got {impl!r}")
+
+
+@functools.lru_cache(maxsize=8)
+def padded_layout(seq_lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Index maps for padding segments to the longest one (built once per segmentation).
+
+    Returns:
+        ``gather`` int64 [S, L]: source row of each padded position (row 0 for padding);
+        ``valid`` bool [S, L]: the position holds a real row;
+        ``rows`` int64 [N]: flat padded position ``s * L + i`` of each real row, in row order.
+    """
+    lens = torch.tensor(seq_lens, dtype=torch.int64)  # [S]
+    longest = int(lens.max())
+    starts = torch.cumsum(lens, 0) - lens  # [S]
+    offsets = torch.arange(longest)  # [L]
+    valid = offsets[None, :] < lens[:, None]  # [S, L]
+    gather = torch.where(valid, starts[:, None] + offsets[None, :], torch.zeros((), dtype=torch.int64))
+    rows = torch.nonzero(valid.flatten()).flatten()  # [N], in row order because segments are consecutive
+    return gather.to(device), valid.to(device), rows.to(device)
+
+
+def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: tuple[int, ...],
+            scale: float) -> torch.Tensor:
+    n, h, d = q.shape
+    gather, valid, rows = padded_layout(seq_lens, q.device)
+    qs, ks, vs = (x[gather].transpose(1, 2) for x in (q, k, v))  # [S, H, L, D]
+    mask = valid[:, None, None, :]  # [S, 1, 1, L]: keys of the segment only
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)  # [S, H, L, D]
+    return o.transpose(1, 2).reshape(-1, h, d)[rows]  # [N, H, D]
+
+
+_WORKSPACES: dict[torch.device, torch.Tensor] = {}
+_PLANS: OrderedDict[tuple, Any] = OrderedDict()
+
+
+def _ragged_wrapper(seq_lens: tuple[int, ...], device: torch.device, dtype: torch.dtype, num_heads: int,
+                    head_dim: int, scale: float) -> Any:
+    """A ragged prefill wrapper planned for these segments (cached: planning is host work)."""
+    key = (seq_lens, device, dtype, num_heads, head_dim, scale)
+    wrapper = _PLANS.get(key)
+    if wrapper is not None:
+        _PLANS.move_to_end(key)
+        return wrapper
+    from unifiedserve.attention.flashinfer_backend import WORKSPACE_BYTES, import_flashinfer
+    fi = import_flashinfer()
+    if device not in _WORKSPACES:
+        _WORKSPACES[device] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int32), 0)
+    wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(_WORKSPACES[device], kv_layout="NHD")
+    wrapper.plan(indptr, indptr, num_heads, num_heads, head_dim, causal=False, sm_scale=scale,
+                 q_data_type=dtype, kv_data_type=dtype)
+    _PLANS[key] = wrapper
+    if len(_PLANS) > _MAX_PLANS:
+        _PLANS.popitem(last=False)
+    return wrapper
