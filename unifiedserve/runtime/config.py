@@ -47,7 +47,7 @@ class RuntimeConfig:
     max_video_seconds: float = 3600.0
     ipc_dir: str = ""
     instance: str = ""
-    pool_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # "kv", "patch": set by build_config
+    pool_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # "kv", "patch", "weights": build_config
     pools: dict[str, PoolSpec] = field(default_factory=dict)  # the shared tensors, once created
 
     @property

@@ -49,7 +49,9 @@ class CoreWorker(Worker):
 
     def setup(self) -> dict[str, str]:
         cfg = self.config
-        self.model, self.model_config = load_model(cfg.model, DTYPES[cfg.dtype], cfg.device)
+        # the LLM's weights go into the shared pool, where decode reads them too (one copy)
+        weights = open_pool(cfg.pools["weights"]) if "weights" in cfg.pools else None
+        self.model, self.model_config = load_model(cfg.model, DTYPES[cfg.dtype], cfg.device, llm_storage=weights)
         self.model.eval()
         kv, patch = open_pool(cfg.pools["kv"]), open_pool(cfg.pools["patch"])
         self.runner = ModelRunner(self.model, num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size,

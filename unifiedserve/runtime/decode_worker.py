@@ -43,7 +43,10 @@ class DecodeWorker(Worker):
 
     def setup(self) -> dict[str, str]:
         cfg = self.config
-        self.model, model_config = load_model(cfg.model, DTYPES[cfg.dtype], cfg.device)
+        # core fills the shared weights pool; decode only maps it (it runs nothing before core's first hand-off)
+        weights = open_pool(cfg.pools["weights"]) if "weights" in cfg.pools else None
+        self.model, model_config = load_model(cfg.model, DTYPES[cfg.dtype], cfg.device, llm_storage=weights,
+                                              fill_llm=weights is None)
         self.model.eval()
         text = model_config.text
         kv = open_pool(cfg.pools["kv"])

@@ -38,6 +38,7 @@ def build_config(model: str, *, served_model_name: str | None = None, device: st
                  **kwargs) -> RuntimeConfig:
     """A :class:`RuntimeConfig` with pool sizes derived from memory budgets (GiB) and the model's shapes."""
     from unifiedserve.engine.llm import DTYPES
+    from unifiedserve.model.weight_pool import llm_weight_bytes
 
     cfg = ModelConfig.from_json(os.path.join(model, "config.json"))
     itemsize = DTYPES[dtype].itemsize
@@ -65,6 +66,8 @@ def build_config(model: str, *, served_model_name: str | None = None, device: st
     pool_shapes = {
         "kv": (text.num_hidden_layers, 2, num_kv_blocks, block_size, text.num_key_value_heads, text.head_dim),
         "patch": (num_patch_pages, page_size, patch_dim),
+        # one copy of the LLM's weights for core and decode (bytes: the parameters keep their dtypes)
+        "weights": (llm_weight_bytes(cfg, DTYPES[dtype]),),
     }
     return RuntimeConfig(model=model, served_model_name=served_model_name or os.path.basename(model.rstrip("/")),
                          device=device, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
@@ -72,6 +75,9 @@ def build_config(model: str, *, served_model_name: str | None = None, device: st
                          num_kv_blocks=num_kv_blocks, page_size=page_size, num_patch_pages=num_patch_pages,
                          num_visual_pages=num_visual_pages, scheduler=scheduler, **kwargs)
 
+
+#: Pools of raw bytes (views of several dtypes live in them), not of the model's dtype.
+BYTE_POOLS = frozenset({"weights"})
 
 UNIFIED_NICE = 5  # unified on CPU: vision and core yield to decode (the latency-critical stage)
 
@@ -134,22 +140,25 @@ class Runtime:
         from unifiedserve.engine.llm import DTYPES
 
         cfg = self.config
-        dtype = DTYPES[cfg.dtype]
         shapes = cfg.pool_shapes
+
+        def dtype_of(name: str) -> torch.dtype:
+            return torch.uint8 if name in BYTE_POOLS else DTYPES[cfg.dtype]
+
         if cfg.device != "cpu":
             from unifiedserve.runtime.cuda_pools import CudaPoolOwner
 
             self.cuda_pools = CudaPoolOwner()
             for name, shape in shapes.items():
-                spec = self.cuda_pools.create(name, shape, dtype, cfg.gpu)
+                spec = self.cuda_pools.create(name, shape, dtype_of(name), cfg.gpu)
                 cfg.pools[name] = replace(spec, cuda_device=0)
             log.info("CUDA pools on GPU %d: %.2f GiB (%s)", cfg.gpu, self.cuda_pools.num_bytes / GiB,
                      ", ".join(f"{n} {cfg.pools[n].num_bytes / GiB:.2f}" for n in shapes))
             return
-        check_shm_space(self.shm_dir, sum(torch.Size(s).numel() * dtype.itemsize for s in shapes.values()))
+        check_shm_space(self.shm_dir, sum(torch.Size(s).numel() * dtype_of(n).itemsize for n, s in shapes.items()))
         prefix = f"unifiedserve-{self.instance}"
         for name, shape in shapes.items():
-            cfg.pools[name] = create_cpu_pool(self.shm_dir, prefix, name, shape, dtype)
+            cfg.pools[name] = create_cpu_pool(self.shm_dir, prefix, name, shape, dtype_of(name))
 
     def start(self) -> None:
         from unifiedserve.runtime.worker import worker_main
