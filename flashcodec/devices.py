@@ -19,14 +19,14 @@ import re
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 log = logging.getLogger("flashcodec.devices")
 
 __all__ = [
     "CPU_THREAD_FPS", "DEVICE_KINDS", "DeviceError", "NVDEC_RANK_FPS", "RankLayout", "log_once", "make_layout",
     "num_visible_gpus", "nvdec_reject_reason", "nvdec_unavailable_reason", "parse_device", "parse_devices",
-    "pix_fmt_layout", "resolve_devices", "resolve_output_device", "video_nvdec_reason",
+    "canonical_codec", "pix_fmt_layout", "resolve_devices", "resolve_output_device", "video_nvdec_reason",
 ]
 
 #: What the device knob accepts besides ``cuda:N``.
@@ -257,12 +257,6 @@ def video_nvdec_reason(info, device_index: int) -> str | None:
                                    lambda codec, chroma, depth: decoder_caps(codec, chroma, depth, device_index))
     except (NvcuvidError, ValueError) as e:
         return f"the driver's decoder caps could not be read ({e})"
-
-
-def describe(gpus: Iterable[int], cpu_threads: int) -> str:
-    """``"cuda:0 + cuda:1 + cpu x16"``: the ranks of an engine, for logs and the CLI summary."""
-    parts = [f"cuda:{i}" for i in gpus] + ([f"cpu x{cpu_threads}"] if cpu_threads else [])
-    return " + ".join(parts)
 
 
 @dataclass(frozen=True)

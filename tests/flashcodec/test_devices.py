@@ -6,7 +6,11 @@ import pytest
 
 from flashcodec import devices
 from flashcodec.devices import (
+    CPU_THREAD_FPS,
+    NVDEC_RANK_FPS,
     DeviceError,
+    canonical_codec,
+    make_layout,
     nvdec_reject_reason,
     parse_device,
     parse_devices,
@@ -96,3 +100,38 @@ def test_nvdec_unusable_here_has_a_reason():
         pytest.skip("a GPU is visible")
     reason = devices.nvdec_unavailable_reason(0)
     assert reason and ("CPU-only" in reason or "no CUDA GPU" in reason)
+
+
+def test_layout_ranks_speeds_and_who_takes_which_video(fake_probes):
+    gpu_only = make_layout("cuda", 4, 14, **fake_probes(2))
+    assert gpu_only.names == ("cuda:0", "cuda:1", "cpu") and gpu_only.speeds == (NVDEC_RANK_FPS, NVDEC_RANK_FPS,
+                                                                                 4 * CPU_THREAD_FPS)
+    # "cuda" alone: the CPU rank takes only what NVDEC cannot
+    assert gpu_only.shares(lambda gpu: None) == ([NVDEC_RANK_FPS, NVDEC_RANK_FPS, 0.0], frozenset({0, 1}), None)
+    speeds, allowed, reason = gpu_only.shares(lambda gpu: "NVDEC has no av1 420 8-bit decoder")
+    assert speeds == [0.0, 0.0, 4 * CPU_THREAD_FPS] and allowed == frozenset({2}) and "av1" in reason
+    # "cuda:1,cpu" / "auto": GPUs and the CPU share every video, at the speeds given
+    both = make_layout("cuda:1,cpu", 8, 7, {"cuda:1": 3000.0, "cpu": 1000.0}, **fake_probes(2))
+    assert both.names == ("cuda:1", "cpu") and both.nvdec_sessions == 7
+    assert both.shares(lambda gpu: None) == ([3000.0, 1000.0], frozenset({0, 1}), None)
+    assert make_layout("auto", 2, **fake_probes(1)).shares(lambda gpu: None)[1] == frozenset({0, 1})
+
+
+def test_layout_errors(fake_probes):
+    with pytest.raises(ValueError, match="cpu_threads"):
+        make_layout("cpu", 0, **fake_probes(1))
+    with pytest.raises(ValueError, match="nvdec_sessions"):
+        make_layout("cuda", 2, 0, **fake_probes(1))
+    with pytest.raises(ValueError, match="rank_speeds"):
+        make_layout("cuda", 2, 4, {"cuda:3": 1.0}, **fake_probes(1))
+    with pytest.raises(ValueError, match="rank_speeds"):
+        make_layout("cuda", 2, 4, {"cpu": 0}, **fake_probes(1))
+    gpu_alone = make_layout("cuda", 0, **fake_probes(1))
+    assert gpu_alone.names == ("cuda:0",)
+    with pytest.raises(DeviceError, match="no CPU rank"):
+        gpu_alone.shares(lambda gpu: "NVDEC has no av1 420 8-bit decoder")
+
+
+def test_canonical_codec_names_the_codec_not_the_decoder():
+    assert canonical_codec("libdav1d") == "av1" and canonical_codec("h264") == "h264"
+    assert canonical_codec("no-such-decoder") == "no-such-decoder"
