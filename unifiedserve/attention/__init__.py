@@ -23,43 +23,38 @@ log = logging.getLogger(__name__)
 BACKEND_NAMES = ("auto", "flashinfer", "torch")
 
 
-def get_attention_backend(device: str | torch.device, name: str = "auto",
-                          dtype: torch.dtype | None = None) -> type[AttentionBackend]:
+def get_attention_backend(device: str | torch.device, name: str = "auto", dtype: torch.dtype | None = None,
+                          head_dim: int | None = None) -> type[AttentionBackend]:
     """The backend class to build for a device.
 
     Args:
         device: where the KV cache lives (``cpu``, ``cuda``, ``cuda:1``, ...).
-        name: ``auto`` (flashinfer on CUDA when it imports and supports ``dtype``, else torch, with
-            one log line saying why), ``flashinfer`` or ``torch``.
-        dtype: the KV cache dtype, when known: flashinfer's kernels take fp16/bf16 only.
+        name: ``auto`` (flashinfer on CUDA when it imports and serves ``dtype`` and ``head_dim``,
+            else torch, with one log line saying why), ``flashinfer`` or ``torch``.
+        dtype: the KV cache dtype, when known (flashinfer takes float16/bfloat16 only).
+        head_dim: the attention head dim, when known (flashinfer: 64, 128 or 256).
 
     Returns:
         An :class:`AttentionBackend` subclass (construct it with the KV cache and head counts).
 
     Raises:
-        ValueError: an unknown name, or ``flashinfer`` asked for where it cannot run (not CUDA, not
-            importable, or an fp32 cache).
+        ValueError: an unknown name, or ``flashinfer`` asked for where it cannot run.
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
     if name == "torch":
         return TorchPagedAttention
-    is_cuda = torch.device(device).type == "cuda"
-    reason = None
-    if not is_cuda:
-        reason = f"device {device} is not CUDA"
-    elif dtype is not None and dtype not in (torch.float16, torch.bfloat16):
-        reason = f"flashinfer's kernels take float16/bfloat16, the KV cache is {dtype}"
-    else:
+    from unifiedserve.attention.flashinfer_backend import FlashInferAttention, unsupported_reason
+    reason = unsupported_reason(device, dtype, head_dim)
+    if reason is None:
         try:
             import flashinfer  # noqa: F401  (a CUDA-only extra: imported only when CUDA asks for it)
         except ImportError as exc:
             reason = f"flashinfer does not import ({exc})"
         else:
-            from unifiedserve.attention.flashinfer_backend import FlashInferAttention
             return FlashInferAttention
     if name == "flashinfer":
         raise ValueError(f"the flashinfer attention backend cannot run here: {reason}")
-    if is_cuda:  # on CPU torch is the only choice: nothing to explain
+    if torch.device(device).type == "cuda":  # on CPU torch is the only choice: nothing to explain
         log.info("attention backend: torch SDPA (%s)", reason)
     return TorchPagedAttention

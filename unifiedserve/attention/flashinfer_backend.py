@@ -27,6 +27,24 @@ from unifiedserve.attention.metadata import PagedBatch, SeqSpec, build_paged_bat
 #: which is safe because they run one after another on one stream.
 WORKSPACE_BYTES = 128 * 1024 * 1024
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+#: head dims flashinfer's prefill kernels are built for (its Hopper FA3 path asserts 64/128/256)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def unsupported_reason(device: str | torch.device, dtype: torch.dtype | None = None,
+                       head_dim: int | None = None) -> str | None:
+    """Why this backend cannot serve a cache on ``device`` (``None`` when it can, flashinfer aside).
+
+    ``dtype`` and ``head_dim`` are checked when given. Imports nothing.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"device {device} is not CUDA"
+    if dtype is not None and dtype not in SUPPORTED_DTYPES:
+        return f"flashinfer's kernels take float16/bfloat16, the KV cache is {dtype}"
+    if head_dim is not None and head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"flashinfer's kernels are built for head dims 64/128/256, the model has {head_dim}"
+    return None
 
 
 def import_flashinfer() -> Any:
@@ -57,7 +75,7 @@ class FlashInferAttention(AttentionBackend):
     """flashinfer paged prefill/decode over the project's KV cache (CUDA, float16/bfloat16 only).
 
     Raises (constructor):
-        ValueError: the cache is not on CUDA or not float16/bfloat16.
+        ValueError: the cache is not on CUDA or not float16/bfloat16, or the head dim is not 64/128/256.
         ImportError: flashinfer is not installed.
     """
 
@@ -67,6 +85,8 @@ class FlashInferAttention(AttentionBackend):
                  scale: float | None = None):
         super().__init__(kv_cache, num_q_heads, num_kv_heads, head_dim, scale)
         self._validate_cache(kv_cache)
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(unsupported_reason("cuda", head_dim=head_dim))
         self._fi = import_flashinfer()
         device = kv_cache.device
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -80,11 +100,9 @@ class FlashInferAttention(AttentionBackend):
 
     @staticmethod
     def _validate_cache(kv_cache: KVCache) -> None:
-        if kv_cache.device.type != "cuda":
-            raise ValueError(f"FlashInferAttention needs a CUDA KV cache, got {kv_cache.device}")
-        if kv_cache.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"flashinfer's kernels take float16/bfloat16; the KV cache is {kv_cache.dtype} "
-                             "(use the torch backend for float32)")
+        reason = unsupported_reason(kv_cache.device, kv_cache.dtype)
+        if reason is not None:
+            raise ValueError(f"FlashInferAttention cannot serve this KV cache: {reason} (use the torch backend)")
 
     # -- planning (host side, outside the forward and any graph) ------------------------------------
 

@@ -9,7 +9,10 @@ Implementations, selectable so a GPU run can measure them against each other:
   key-padding mask (the block-diagonal mask, stored per block); one call per layer, at the cost of
   attending over the padding.
 * ``flashinfer``: flashinfer's ``BatchPrefillWithRaggedKVCacheWrapper`` (``causal=False``), one
-  ragged kernel per layer with no padding; CUDA, float16/bfloat16 only.
+  ragged kernel per layer with no padding of segments; CUDA, float16/bfloat16 only. Its kernels
+  are built for head dims 64/128/256 (the FA3 path asserts it), so other head dims (the ViT's 80)
+  are zero-padded up to the next one: zeros add nothing to q·k, and the padded output columns
+  are dropped. The softmax scale stays that of the true head dim.
 
 ``auto`` is ``grouped`` on CPU; on CUDA ``flashinfer`` when it imports and the dtype is half,
 else ``grouped``.
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 
 VARLEN_IMPLS = ("auto", "grouped", "padded", "flashinfer")
 _HALF = (torch.float16, torch.bfloat16)
+_KERNEL_HEAD_DIMS = (64, 128, 256)
 #: planned ragged wrappers kept per (segments, device, dtype, heads, head_dim): the tower uses two
 #: segmentations per forward (windows and frames), so a few entries cover the current grids.
 _MAX_PLANS = 4
@@ -81,7 +85,7 @@ def fused_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
     if impl == "padded":
         return _padded(q, k, v, tuple(seq_lens), scale)
     if impl == "flashinfer":
-        return _ragged_wrapper(tuple(seq_lens), q.device, q.dtype, q.shape[1], q.shape[2], scale).run(q, k, v)
+        return _ragged(q, k, v, tuple(seq_lens), scale)
     raise ValueError(f"fused_varlen_attention serves 'padded' and 'flashinfer', got {impl!r}")
 
 
@@ -112,6 +116,18 @@ def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: tuple[i
     mask = valid[:, None, None, :]  # [S, 1, 1, L]: keys of the segment only
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)  # [S, H, L, D]
     return o.transpose(1, 2).reshape(-1, h, d)[rows]  # [N, H, D]
+
+
+def _ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: tuple[int, ...],
+            scale: float) -> torch.Tensor:
+    head_dim = q.shape[2]
+    kernel_dim = next((d for d in _KERNEL_HEAD_DIMS if d >= head_dim), None)
+    if kernel_dim is None:
+        raise ValueError(f"flashinfer vision attention supports head dims up to 256, got {head_dim}")
+    if kernel_dim != head_dim:
+        q, k, v = (F.pad(x, (0, kernel_dim - head_dim)) for x in (q, k, v))  # [N, H, kernel_dim]
+    wrapper = _ragged_wrapper(seq_lens, q.device, q.dtype, q.shape[1], kernel_dim, scale)
+    return wrapper.run(q, k, v)[..., :head_dim]  # [N, H, head_dim]
 
 
 _WORKSPACES: dict[torch.device, torch.Tensor] = {}

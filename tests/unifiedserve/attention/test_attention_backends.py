@@ -185,3 +185,20 @@ def test_torch_backend_graph_replay_equals_eager_on_cuda():
     eager.kv_cache.tensor.copy_(attn.kv_cache.tensor)
     eager.plan(second_seqs)
     torch.testing.assert_close(replayed, eager.forward(0, second.q, second.k, second.v), atol=2e-2, rtol=2e-2)
+
+
+def test_auto_on_cuda_with_an_odd_head_dim_falls_back(caplog):
+    with caplog.at_level(logging.INFO, logger="unifiedserve.attention"):
+        assert get_attention_backend("cuda:0", "auto", torch.bfloat16, head_dim=16) is TorchPagedAttention
+    assert [r.getMessage() for r in caplog.records] == [
+        "attention backend: torch SDPA (flashinfer's kernels are built for head dims 64/128/256, the model has 16)"]
+
+
+def test_missing_flashinfer_on_cuda(monkeypatch, caplog):
+    monkeypatch.setitem(__import__("sys").modules, "flashinfer", None)  # makes `import flashinfer` fail
+    with caplog.at_level(logging.INFO, logger="unifiedserve.attention"):
+        assert get_attention_backend("cuda", "auto", torch.bfloat16, head_dim=128) is TorchPagedAttention
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("attention backend: torch SDPA (flashinfer does not import (")
+    with pytest.raises(ValueError, match="cannot run here: flashinfer does not import"):
+        get_attention_backend("cuda", "flashinfer", torch.bfloat16, head_dim=128)

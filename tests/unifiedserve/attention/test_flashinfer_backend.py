@@ -98,7 +98,7 @@ def fake_flashinfer(monkeypatch):
     return fake
 
 
-def _fi(hq=4, hkv=2, d=16, dtype=torch.bfloat16, device="cpu", blocks=16):
+def _fi(hq=4, hkv=2, d=64, dtype=torch.bfloat16, device="cpu", blocks=16):
     return fib.FlashInferAttention(KVCache(2, blocks, BS, hkv, d, dtype=dtype, device=device), hq, hkv, d)
 
 
@@ -127,8 +127,8 @@ def test_graph_decode_pads_and_rewrites_fixed_buffers(fake_flashinfer):
         expected = eager.forward(0, e.q, e.k, e.v)
         graph.plan(seqs, graph_batch_size=8)
         pad = 8 - len(seqs)
-        q = torch.cat([g.q, torch.randn(pad, 4, 16).bfloat16()])
-        junk = torch.randn(pad, 2, 16).bfloat16()
+        q = torch.cat([g.q, torch.randn(pad, 4, 64).bfloat16()])
+        junk = torch.randn(pad, 2, 64).bfloat16()
         out = graph.forward(0, q, torch.cat([g.k, junk]), torch.cat([g.v, -junk]))
         assert torch.equal(out[:len(seqs)], expected)
         assert torch.equal(graph.kv_cache.tensor, eager.kv_cache.tensor)  # padding rows changed nothing
@@ -147,11 +147,23 @@ def test_graph_decode_errors(fake_flashinfer):
         attn.plan([(1, 1, [i]) for i in range(5)], graph_batch_size=4)
 
 
+def test_constructor_rejects_odd_head_dims(fake_flashinfer):
+    with pytest.raises(ValueError, match="built for head dims 64/128/256, the model has 80"):
+        _fi(d=80)
+
+
+def test_selection_reasons_for_head_dim():
+    assert fib.unsupported_reason("cuda", torch.bfloat16, 128) is None
+    assert fib.unsupported_reason("cuda", torch.bfloat16, 16) == (
+        "flashinfer's kernels are built for head dims 64/128/256, the model has 16")
+    assert fib.unsupported_reason("cpu") == "device cpu is not CUDA"
+
+
 def test_constructor_rejects_cpu_and_fp32_caches():
-    with pytest.raises(ValueError, match="needs a CUDA KV cache"):
+    with pytest.raises(ValueError, match="cannot serve this KV cache: device cpu is not CUDA"):
         fib.FlashInferAttention(KVCache(1, 4, BS, 2, 8, dtype=torch.bfloat16), 4, 2, 8)
     fp32 = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)
-    with pytest.raises(ValueError, match="take float16/bfloat16; the KV cache is torch.float32"):
+    with pytest.raises(ValueError, match="cannot serve this KV cache: flashinfer.s kernels take float16/bfloat16, the KV cache is torch.float32"):
         fib.FlashInferAttention._validate_cache(fp32)
 
 

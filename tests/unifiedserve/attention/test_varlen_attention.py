@@ -93,3 +93,47 @@ def test_cuda_implementations_match_grouped(impl):
 
 def test_impl_names_are_listed():
     assert VARLEN_IMPLS == ("auto", "grouped", "padded", "flashinfer")
+
+
+class _FakeRagged:
+    """Stands in for flashinfer's ragged prefill wrapper: records the plan, attends per segment."""
+
+    planned: list[dict] = []
+
+    def __init__(self, workspace, kv_layout="NHD"):
+        assert kv_layout == "NHD"
+
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, causal=False, sm_scale=None,
+             q_data_type=None, kv_data_type=None):
+        assert torch.equal(qo_indptr, kv_indptr) and qo_indptr.dtype == torch.int32 and not causal
+        self.args = dict(lens=qo_indptr.diff().tolist(), heads=(num_qo_heads, num_kv_heads), dim=head_dim_qk,
+                         scale=sm_scale, dtype=q_data_type)
+        _FakeRagged.planned.append(self.args)
+
+    def run(self, q, k, v):
+        assert q.shape[2] == self.args["dim"] and q.dtype == self.args["dtype"]
+        return _segment_reference(q, k, v, self.args["lens"], self.args["scale"]).to(q.dtype)
+
+
+def test_flashinfer_path_pads_head_dim_80_and_plans_once(monkeypatch):
+    import types
+
+    from unifiedserve.attention import flashinfer_backend as fib
+    from unifiedserve.attention import varlen
+
+    monkeypatch.setattr(fib, "import_flashinfer",
+                        lambda: types.SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=_FakeRagged))
+    monkeypatch.setattr(fib, "WORKSPACE_BYTES", 1024)
+    monkeypatch.setattr(varlen, "_PLANS", varlen.OrderedDict())
+    monkeypatch.setattr(varlen, "_WORKSPACES", {})
+    monkeypatch.setattr(_FakeRagged, "planned", [])
+    q, k, v = _qkv(sum(SEGMENTS), heads=2, dim=80, seed=4)
+    for _ in range(3):  # three layers, one plan
+        out = fused_varlen_attention(q, k, v, SEGMENTS, 80 ** -0.5, "flashinfer")
+    assert out.shape == q.shape
+    torch.testing.assert_close(out.double(), _segment_reference(q, k, v, SEGMENTS, 80 ** -0.5), atol=1e-5, rtol=1e-5)
+    assert _FakeRagged.planned == [dict(lens=list(SEGMENTS), heads=(2, 2), dim=128, scale=80 ** -0.5,
+                                        dtype=torch.float32)]
+    big = _qkv(8, dim=300)
+    with pytest.raises(ValueError, match="head dims up to 256, got 300"):
+        fused_varlen_attention(*big, (8,), 0.1, "flashinfer")
