@@ -5,10 +5,11 @@ and ``"auto"`` (every GPU whose NVDEC works here, else none; the CPU always). Li
 
 Whether NVDEC works is decided once per process and GPU (:func:`nvdec_unavailable_reason`):
 torch must be a CUDA build that sees the GPU, the driver must ship ``libnvcuvid.so.1``, and
-torchcodec must be a CUDA build (0.16 is the first on PyPI). Whether it can take a given video is
-decided per video from the driver's decoder caps (:func:`nvdec_reject_reason`): codec, chroma
-format, bit depth and coded size. H100/A100/H200 have no AV1 and no H.264 4:4:4; such videos go
-to the CPU rank with one log line saying why.
+torchcodec must be a CUDA build (0.16 is the first on PyPI). Asking for a GPU that does not
+exist is an error; a GPU whose NVDEC is unusable hands its work to the CPU rank, with one log line
+saying why. Whether NVDEC can take a given video is decided per video from the driver's decoder
+caps (:func:`nvdec_reject_reason`): codec, chroma format, bit depth and coded size. H100/A100/H200
+have no AV1 and no H.264 4:4:4; such videos go to the CPU rank with one log line saying why.
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ import re
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 log = logging.getLogger("flashcodec.devices")
 
 __all__ = [
-    "CPU_THREAD_FPS", "DEVICE_KINDS", "DeviceError", "NVDEC_RANK_FPS", "RankLayout", "log_once", "make_layout",
-    "num_visible_gpus", "nvdec_reject_reason", "nvdec_unavailable_reason", "parse_device", "parse_devices",
-    "canonical_codec", "pix_fmt_layout", "resolve_devices", "resolve_output_device", "video_nvdec_reason",
+    "CPU_THREAD_FPS", "DEVICE_KINDS", "NVDEC_RANK_FPS", "DeviceError", "RankLayout", "ResolvedDevices",
+    "canonical_codec", "log_once", "make_layout", "num_visible_gpus", "nvdec_reject_reason",
+    "nvdec_unavailable_reason", "parse_device", "parse_devices", "pix_fmt_layout", "resolve_devices",
+    "resolve_output_device", "video_nvdec_reason",
 ]
 
 #: What the device knob accepts besides ``cuda:N``.
@@ -105,7 +107,7 @@ def log_once(message: str, level: int = logging.WARNING) -> None:
 def _torchcodec_cuda_reason() -> str | None:
     try:
         import torchcodec
-        from torchcodec.decoders import get_nvdec_cache_capacity  # noqa: F401  (0.16+ only)
+        import torchcodec.decoders  # noqa: F401  (loads FFmpeg: fails here when its libraries are missing)
     except ImportError:
         return "torchcodec >= 0.16 (a CUDA build) is not installed"
     except Exception as e:  # torchcodec raises OSError/RuntimeError when FFmpeg's libraries are missing
@@ -144,44 +146,53 @@ def nvdec_unavailable_reason(device_index: int) -> str | None:
     return _torchcodec_cuda_reason()
 
 
+class ResolvedDevices(NamedTuple):
+    gpus: list[int]  # GPUs whose NVDEC decodes, ascending
+    cpu_named: bool  # "cpu" or "auto" was given: the CPU rank shares every video
+    asked_gpus: list[int]  # every GPU named, NVDEC usable or not (outputs may live there)
+
+
 def resolve_devices(spec: str | Sequence[str], *,
                     unavailable_reason: Callable[[int], str | None] = nvdec_unavailable_reason,
-                    gpu_count: Callable[[], int] = num_visible_gpus) -> tuple[list[int], bool]:
-    """Turn a device spec into the GPU ordinals whose NVDEC to use and whether ``cpu`` was named.
+                    gpu_count: Callable[[], int] = num_visible_gpus) -> ResolvedDevices:
+    """Turn a device spec into the GPUs whose NVDEC to use.
 
-    ``"cuda"`` is every visible GPU, ``"auto"`` every GPU where NVDEC works (none is fine: the
-    reason is logged once and decoding stays on the CPU). ``unavailable_reason`` and ``gpu_count``
-    are the probes (replaced by fakes in tests).
-
-    Returns:
-        ``(gpu_indices, cpu_named)``: ascending ordinals, and whether ``"cpu"`` or ``"auto"`` was given.
+    ``"cuda"`` is every visible GPU, ``"cuda:N"`` one, ``"auto"`` every GPU where NVDEC works.
+    A named GPU whose NVDEC is unusable (no ``libnvcuvid``, a CPU-only torchcodec) is no error:
+    its work goes to the CPU rank, and the reason is logged once (so is ``auto``'s, at INFO).
+    ``unavailable_reason`` and ``gpu_count`` are the probes (replaced by fakes in tests).
 
     Raises:
-        DeviceError: ``cuda`` / ``cuda:N`` was asked for and NVDEC cannot be used there; the
-            message says why (no GPU, no ``libnvcuvid``, a CPU-only torch or torchcodec).
+        DeviceError: ``cuda`` / ``cuda:N`` was asked for and there is no such GPU (none visible,
+            a CPU-only torch, or an ordinal past the last GPU); the message says why.
     """
     names = parse_devices(spec)
+    count = gpu_count()
     gpus: list[int] = []
+    asked: list[int] = []
     for name in names:
         if name == "cpu":
             continue
         if name == "auto":
-            count = gpu_count()
             working = [i for i in range(count) if unavailable_reason(i) is None]
             if not working:
                 reason = unavailable_reason(0) if count else "no CUDA GPU is visible"
                 log_once(f"device auto decodes on the CPU: NVDEC is not usable ({reason})", logging.INFO)
             gpus += working
             continue
-        indices = range(gpu_count()) if name == "cuda" else [int(name[5:])]
-        if not indices:
-            raise DeviceError(f"device {name} was asked for, but {unavailable_reason(0)}; use device cpu or auto")
+        indices = list(range(count)) if name == "cuda" else [int(name[5:])]
+        missing = [i for i in indices if i >= count]
+        if not indices or missing:
+            why = unavailable_reason(missing[0] if missing else 0) or f"only {count} GPUs are visible"
+            raise DeviceError(f"device {name} was asked for, but {why}; use device cpu or auto")
         for i in indices:
+            asked.append(i)
             reason = unavailable_reason(i)
-            if reason is not None:
-                raise DeviceError(f"device cuda:{i} cannot decode with NVDEC: {reason}; use device cpu or auto")
-            gpus.append(i)
-    return sorted(set(gpus)), "cpu" in names or "auto" in names
+            if reason is None:
+                gpus.append(i)
+            else:
+                log_once(f"cuda:{i}'s share goes to the CPU rank: NVDEC is not usable there ({reason})")
+    return ResolvedDevices(sorted(set(gpus)), "cpu" in names or "auto" in names, sorted(set(asked)))
 
 
 #: ``pix_fmt`` prefixes -> chroma format (NVDEC's names).
@@ -272,6 +283,7 @@ class RankLayout:
     cpu_threads: int  # 0: no CPU rank
     cpu_shares: bool
     speeds: tuple[float, ...]  # frames/s per rank, GPU ranks first
+    output_gpu: int | None = None  # where outputs live by default: the first GPU named (or used)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -327,10 +339,11 @@ def make_layout(devices: str | Sequence[str] = "cpu", cpu_threads: int | None = 
     Raises:
         DeviceError: a device that is not here or a bad name; ValueError: bad counts or speeds.
     """
-    gpus, cpu_named = resolve_devices(devices, **probes)
+    gpus, cpu_named, asked = resolve_devices(devices, **probes)
     threads = (os.cpu_count() or 1) if cpu_threads is None else cpu_threads
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0 or (threads == 0 and not gpus):
-        raise ValueError(f"cpu_threads must be a positive integer (0 only with GPU devices), got {cpu_threads!r}")
+        raise ValueError(f"cpu_threads must be a positive integer (0 only with GPUs whose NVDEC works), "
+                         f"got {cpu_threads!r}")
     if isinstance(nvdec_sessions, bool) or not isinstance(nvdec_sessions, int) or nvdec_sessions < 1:
         raise ValueError(f"nvdec_sessions must be a positive integer, got {nvdec_sessions!r}")
     layout = RankLayout(tuple(gpus), nvdec_sessions, threads, cpu_named or not gpus, ())
@@ -341,11 +354,12 @@ def make_layout(devices: str | Sequence[str] = "cpu", cpu_threads: int | None = 
     if unknown or any(not float(v) > 0 for v in given.values()):
         raise ValueError(f"rank_speeds must map some of {', '.join(layout.names)} to positive frames/s, got {given}")
     speeds = tuple(float(given.get(name, defaults[name])) for name in layout.names)
-    return RankLayout(layout.gpus, nvdec_sessions, threads, layout.cpu_shares, speeds)
+    output_gpu = (asked or gpus or [None])[0]
+    return RankLayout(layout.gpus, nvdec_sessions, threads, layout.cpu_shares, speeds, output_gpu)
 
 
-def resolve_output_device(device, gpus: Sequence[int]):
-    """The ``torch.device`` outputs live on: ``device`` if given, else the first GPU rank's, else the CPU.
+def resolve_output_device(device, default_gpu: int | None):
+    """The ``torch.device`` outputs live on: ``device`` if given, else ``cuda:default_gpu``, else the CPU.
 
     Raises:
         ValueError: not ``cpu`` / ``cuda`` / ``cuda:N``; DeviceError: a CUDA device that is not visible.
@@ -353,7 +367,7 @@ def resolve_output_device(device, gpus: Sequence[int]):
     import torch
 
     if device is None:
-        return torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
+        return torch.device("cuda", default_gpu) if default_gpu is not None else torch.device("cpu")
     try:
         out = torch.device(device)
     except (RuntimeError, TypeError):

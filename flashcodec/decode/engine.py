@@ -248,7 +248,7 @@ class DecodeEngine:
             raise ValueError(f"num_threads must be at least 1, got {num_threads}")
         self.layout = make_layout(devices, num_threads if cpu_threads is None else cpu_threads, nvdec_sessions,
                                   rank_speeds)
-        self.output_device = resolve_output_device(output_device, self.layout.gpus)
+        self.output_device = resolve_output_device(output_device, self.layout.output_gpu)
         self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
         self.num_threads = self.layout.cpu_threads
         group = RankGroup()

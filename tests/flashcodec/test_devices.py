@@ -39,26 +39,37 @@ def test_parse_devices_lists_and_commas_keep_order_without_duplicates():
 
 
 def test_resolve_expands_cuda_and_keeps_explicit_ordinals(fake_probes):
-    assert resolve_devices("cuda", **fake_probes(2)) == ([0, 1], False)
-    assert resolve_devices("cuda:1,cpu", **fake_probes(2)) == ([1], True)
-    assert resolve_devices("cpu", **fake_probes(2)) == ([], True)
-    assert resolve_devices("auto", **fake_probes(2)) == ([0, 1], True)
+    assert resolve_devices("cuda", **fake_probes(2)) == ([0, 1], False, [0, 1])
+    assert resolve_devices("cuda:1,cpu", **fake_probes(2)) == ([1], True, [1])
+    assert resolve_devices("cpu", **fake_probes(2)) == ([], True, [])
+    assert resolve_devices("auto", **fake_probes(2)) == ([0, 1], True, [])
 
 
 def test_resolve_cuda_without_a_gpu_is_one_clear_error(fake_probes):
-    with pytest.raises(DeviceError, match="no CUDA GPU is visible; use device cpu or auto"):
+    with pytest.raises(DeviceError, match="device cuda was asked for, but no CUDA GPU is visible; use device cpu"):
         resolve_devices("cuda", **fake_probes(0))
-    with pytest.raises(DeviceError, match="cuda:2 cannot decode with NVDEC: there is no cuda:2"):
+    with pytest.raises(DeviceError, match="device cuda:2 was asked for, but there is no cuda:2"):
         resolve_devices("cuda:2", **fake_probes(2))
-    with pytest.raises(DeviceError, match="libnvcuvid.so.1"):
-        resolve_devices("cuda:0", **fake_probes(1, broken="libnvcuvid.so.1 cannot be loaded"))
+
+
+def test_a_gpu_whose_nvdec_is_unusable_hands_its_work_to_the_cpu(fake_probes, monkeypatch, caplog):
+    monkeypatch.setattr(devices, "_logged", set())
+    with caplog.at_level(logging.WARNING, logger="flashcodec.devices"):
+        resolved = resolve_devices("cuda:0", **fake_probes(1, broken="libnvcuvid.so.1 cannot be loaded"))
+        layout = make_layout("cuda:0", 2, **fake_probes(1, broken="libnvcuvid.so.1 cannot be loaded"))
+    assert resolved == ([], False, [0])
+    assert layout.names == ("cpu",) and layout.cpu_shares and layout.output_gpu == 0  # outputs still on the GPU
+    assert [r.getMessage() for r in caplog.records] == [
+        "flashcodec: cuda:0's share goes to the CPU rank: NVDEC is not usable there (libnvcuvid.so.1 cannot be loaded)"]
+    with pytest.raises(ValueError, match="cpu_threads"):
+        make_layout("cuda:0", 0, **fake_probes(1, broken="libnvcuvid.so.1 cannot be loaded"))
 
 
 def test_auto_falls_back_to_the_cpu_and_logs_the_reason_once(caplog, monkeypatch, fake_probes):
     monkeypatch.setattr(devices, "_logged", set())
     with caplog.at_level(logging.INFO, logger="flashcodec.devices"):
         for _ in range(3):
-            assert resolve_devices("auto", **fake_probes(1, broken="torch 2.13 is a CPU-only build")) == ([], True)
+            assert resolve_devices("auto", **fake_probes(1, broken="torch 2.13 is a CPU-only build")) == ([], True, [])
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["flashcodec: device auto decodes on the CPU: NVDEC is not usable "
                      "(torch 2.13 is a CPU-only build)"]
