@@ -25,8 +25,8 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 log = logging.getLogger("flashcodec.devices")
 
 __all__ = [
-    "CPU_THREAD_FPS", "DEVICE_KINDS", "NVDEC_RANK_FPS", "DeviceError", "RankLayout", "ResolvedDevices",
-    "canonical_codec", "log_once", "make_layout", "num_visible_gpus", "nvdec_reject_reason",
+    "CPU_THREAD_FPS", "DEFAULT_NVDEC_SESSIONS", "DEVICE_KINDS", "NVDEC_RANK_FPS", "DeviceError", "RankLayout",
+    "ResolvedDevices", "canonical_codec", "log_once", "make_layout", "num_visible_gpus", "nvdec_reject_reason",
     "nvdec_unavailable_reason", "parse_device", "parse_devices", "pix_fmt_layout", "resolve_devices",
     "resolve_output_device", "video_nvdec_reason",
 ]
@@ -45,6 +45,9 @@ NVDEC_RANK_FPS = 3617.0
 #: CI machine decodes 720p H.264 at ~520 frames/s per thread with conversion (docs/benchmarks.md,
 #: dense h264: 9000 frames in 8.66 s on 2 threads), scaled by pixel count to 1080p.
 CPU_THREAD_FPS = 230.0
+#: NVDEC sessions per GPU rank by default: 2 per engine on a 7-engine H100 (14 threads measured
+#: at 3617 fps with every engine 92 % busy, 7 threads at 3083; docs/gpu.md, 2026-11-23).
+DEFAULT_NVDEC_SESSIONS = 14
 
 
 class DeviceError(ValueError):
@@ -323,7 +326,7 @@ class RankLayout:
 
 
 def make_layout(devices: str | Sequence[str] = "cpu", cpu_threads: int | None = None,
-                nvdec_sessions: int = 14, rank_speeds: Mapping[str, float] | None = None,
+                nvdec_sessions: int = DEFAULT_NVDEC_SESSIONS, rank_speeds: Mapping[str, float] | None = None,
                 **probes) -> RankLayout:
     """Resolve an engine's device options into a :class:`RankLayout`.
 

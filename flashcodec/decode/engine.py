@@ -20,7 +20,8 @@ import torch
 from flashcodec._errors import CorruptVideoError
 from flashcodec.decode.backends import Backend, get_backend
 from flashcodec.decode.scheduler import RankGroup, RankJob, RankScheduler
-from flashcodec.devices import make_layout, parse_devices, resolve_output_device, video_nvdec_reason
+from flashcodec.devices import (DEFAULT_NVDEC_SESSIONS, make_layout, parse_devices, resolve_output_device,
+                                video_nvdec_reason)
 from flashcodec.plan.sampling import SamplingOptions
 from flashcodec.plan.video import VideoPlan, plan_video
 from flashcodec.probe import VideoInfo, probe
@@ -240,7 +241,8 @@ class DecodeEngine:
     """
 
     def __init__(self, backend: str | Backend = "auto", num_threads: int | None = None, *,
-                 devices: str | list[str] = "cpu", cpu_threads: int | None = None, nvdec_sessions: int = 14,
+                 devices: str | list[str] = "cpu", cpu_threads: int | None = None,
+                 nvdec_sessions: int = DEFAULT_NVDEC_SESSIONS,
                  output_device: str | torch.device | None = None, rank_speeds: dict[str, float] | None = None):
         if num_threads is not None and cpu_threads is not None:
             raise ValueError("give cpu_threads or num_threads (its older name), not both")

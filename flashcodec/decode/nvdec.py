@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from flashcodec.decode.backends import Backend, Emit, SegmentDecoder
-from flashcodec.devices import log_once
+from flashcodec.devices import DEFAULT_NVDEC_SESSIONS, log_once
 from flashcodec.plan.segments import GopSegment
 from flashcodec.probe import VideoInfo
 from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode, resize_frames
@@ -50,9 +50,6 @@ log = logging.getLogger(__name__)
 #: same GOP, which torchcodec decodes on without seeking.
 FRAMES_PER_CALL = 8
 
-#: NVDEC sessions per GPU rank by default: 2 per engine on a 7-engine H100 (14 threads measured
-#: at 3617 fps with every engine 92 % busy, 7 threads at 3083; docs/gpu.md, 2026-11-23).
-DEFAULT_SESSIONS_PER_GPU = 14
 
 
 def frame_mappings_json(info: VideoInfo) -> str:
@@ -153,7 +150,7 @@ class NvdecBackend(Backend):
 
     name = "nvdec"
 
-    def __init__(self, device_index: int, num_sessions: int = DEFAULT_SESSIONS_PER_GPU):
+    def __init__(self, device_index: int, num_sessions: int = DEFAULT_NVDEC_SESSIONS):
         if device_index < 0 or num_sessions < 1:
             raise ValueError(f"need a CUDA ordinal >= 0 and >= 1 session, got {device_index}, {num_sessions}")
         self.device_index = device_index
