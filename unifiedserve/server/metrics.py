@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from flashcodec.telemetry import register_prometheus
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                     7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -51,6 +53,8 @@ class Metrics:
         self.healthy = Gauge("unifiedserve_healthy", "1 while every worker process is alive.", ["model_name"],
                              registry=r).labels(**labels)
         self.healthy.set(1)
+        # NVDEC/NVJPG utilisation per GPU and engine, read from NVML at each scrape; none without NVML
+        self.has_gpu_telemetry = register_prometheus(r, prefix="unifiedserve")
 
     def finished(self, reason: str) -> None:
         self.requests.labels(finish_reason=reason, **self._labels).inc()
