@@ -189,6 +189,7 @@ def run_file_benchmark(path: str, *, sampling: str = "dense", peers: str = "all"
     if unknown:
         raise ValueError(f"unknown peers {unknown}; choose from {', '.join(PEERS)}")
 
+    sampler = _gpu_sampler()  # engine use during every decode below, when a GPU is present
     probe_s, info = _timed(lambda: flashcodec.probe(path), 1)
     indices = sampling_indices(info, sampling)
     plan = flashcodec.plan_video(info, frame_indices=indices)
@@ -264,6 +265,20 @@ def run_file_benchmark(path: str, *, sampling: str = "dense", peers: str = "all"
     if fastest:
         say("resize modes vs the fastest peer: " + ", ".join(
             f"{mode} {s:.3f} s = {summary['speedups'][mode][fastest]:.2f}x" for mode, s in mode_s.items()))
+    if sampler is not None:
+        gpus = sampler.stop()
+        summary["gpu_telemetry"] = {"unavailable": sampler.unavailable, "gpus": [g.as_dict() for g in gpus]}
+        say("GPU engines during the benchmark (NVML): " + (sampler.unavailable or ""))
+        for line in (line for g in gpus for line in g.lines()):
+            say("  " + line)
     if json_path:
         Path(json_path).write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _gpu_sampler():
+    """A started :class:`~flashcodec.telemetry.TelemetrySampler` when a GPU is visible, else None."""
+    from flashcodec.devices import num_visible_gpus
+    from flashcodec.telemetry import TelemetrySampler
+
+    return TelemetrySampler().start() if num_visible_gpus() else None

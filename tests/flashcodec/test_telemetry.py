@@ -214,3 +214,17 @@ def test_server_metrics_export_the_gauges_and_skip_them_without_nvml(monkeypatch
     plain = Metrics("m")
     assert not plain.has_gpu_telemetry
     assert b"unifiedserve_healthy" in plain.render() and b"utilization" not in plain.render()
+
+
+def test_bench_prints_engine_use_when_a_gpu_is_present(monkeypatch, capsys, tiny_h264):
+    import flashcodec.devices as devices
+    import flashcodec.telemetry as telemetry
+    from flashcodec.benchmark import run_file_benchmark
+
+    module, _ = fake_nvml(nvdec=(70.0,) * 7)
+    monkeypatch.setattr(devices, "num_visible_gpus", lambda: 1)
+    monkeypatch.setattr(telemetry, "open_nvml", lambda: Nvml(module, num_nvdec_engines=7))
+    summary = run_file_benchmark(str(tiny_h264), sampling="sparse", peers="", num_threads=1)
+    (gpu,) = summary["gpu_telemetry"]["gpus"]
+    assert gpu["num_samples"] >= 2 and gpu["num_nvdec_busy"] == 7
+    assert "7 of 7 engines busy" in capsys.readouterr().out
