@@ -21,6 +21,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "paged_copy.h"
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -31,51 +33,59 @@ namespace {
 // Aim for at least this many bytes per parallel task so thread start-up does not dominate.
 constexpr int64_t kGrainBytes = 64 * 1024;
 
-struct Index {
-  const int64_t* indptr;        // [B+1]
-  const int64_t* page_indptr;   // [B+1]
-  const int64_t* page_indices;  // [num_entries]
-  const int64_t* cu_page_len;   // [B]
-  int64_t num_requests;
-  int64_t num_entries;
-};
+}  // namespace
 
-void check_index_tensor(const at::Tensor& t, const char* name) {
+void check_buffer(const at::Tensor& buffer, c10::DeviceType device_type) {
+  TORCH_CHECK(buffer.dim() >= 2, "buffer must be [num_pages, page_size, ...], got shape ", buffer.sizes());
+  TORCH_CHECK(buffer.device().type() == device_type, "buffer must be on ", c10::DeviceTypeName(device_type),
+              " for this kernel, got ", buffer.device());
+  TORCH_CHECK(buffer.is_contiguous(), "buffer must be contiguous");
+  TORCH_CHECK(buffer.size(1) > 0, "buffer's page_size (dim 1) must be positive, got shape ", buffer.sizes());
+}
+
+static void check_index_tensor(const at::Tensor& t, const char* name, c10::Device device) {
   TORCH_CHECK(t.dim() == 1, name, " must be 1-D, got shape ", t.sizes());
   TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
-  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU for the CPU kernel, got ", t.device());
+  TORCH_CHECK(t.device() == device, name, " must be on the buffer's device ", device, ", got ", t.device());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-// Validates the whole index before any byte moves, so a bad index never half-writes the buffer.
-Index check_index(const at::Tensor& buffer, const at::Tensor& pv_indptr, const at::Tensor& pv_page_indptr,
-                  const at::Tensor& pv_page_indices, const at::Tensor& pv_cu_page_len) {
-  TORCH_CHECK(buffer.dim() >= 2, "buffer must be [num_pages, page_size, ...], got shape ", buffer.sizes());
-  TORCH_CHECK(buffer.device().is_cpu(), "buffer must be on the CPU for the CPU kernel, got ", buffer.device());
-  TORCH_CHECK(buffer.is_contiguous(), "buffer must be contiguous");
-  check_index_tensor(pv_indptr, "pv_indptr");
-  check_index_tensor(pv_page_indptr, "pv_page_indptr");
-  check_index_tensor(pv_page_indices, "pv_page_indices");
-  check_index_tensor(pv_cu_page_len, "pv_cu_page_len");
+void check_index_tensors(const at::Tensor& pv_indptr, const at::Tensor& pv_page_indptr,
+                         const at::Tensor& pv_page_indices, const at::Tensor& pv_cu_page_len, c10::Device device) {
+  check_index_tensor(pv_indptr, "pv_indptr", device);
+  check_index_tensor(pv_page_indptr, "pv_page_indptr", device);
+  check_index_tensor(pv_page_indices, "pv_page_indices", device);
+  check_index_tensor(pv_cu_page_len, "pv_cu_page_len", device);
+  const int64_t B = pv_cu_page_len.size(0);
+  TORCH_CHECK(pv_indptr.size(0) == B + 1, "pv_indptr must have ", B + 1, " entries (B+1), got ", pv_indptr.size(0));
+  TORCH_CHECK(pv_page_indptr.size(0) == B + 1, "pv_page_indptr must have ", B + 1, " entries (B+1), got ",
+              pv_page_indptr.size(0));
+}
 
+Index check_index_values(const at::Tensor& pv_indptr, const at::Tensor& pv_page_indptr,
+                         const at::Tensor& pv_page_indices, const at::Tensor& pv_cu_page_len, int64_t num_pages,
+                         int64_t page_size) {
+  // Only now are values read: the lengths were checked by check_index_tensors, and the data_ptr<int64_t>()
+  // calls cannot throw on a dtype mismatch any more.
+  TORCH_CHECK(page_size > 0, "page_size must be positive, got ", page_size);
   Index ix{pv_indptr.data_ptr<int64_t>(), pv_page_indptr.data_ptr<int64_t>(),
            pv_page_indices.data_ptr<int64_t>(), pv_cu_page_len.data_ptr<int64_t>(),
            pv_cu_page_len.size(0), pv_page_indices.size(0)};
   const int64_t B = ix.num_requests;
-  TORCH_CHECK(pv_indptr.size(0) == B + 1, "pv_indptr must have ", B + 1, " entries (B+1), got ", pv_indptr.size(0));
-  TORCH_CHECK(pv_page_indptr.size(0) == B + 1, "pv_page_indptr must have ", B + 1, " entries (B+1), got ",
-              pv_page_indptr.size(0));
   TORCH_CHECK(ix.indptr[0] == 0 && ix.page_indptr[0] == 0, "pv_indptr and pv_page_indptr must start at 0");
   TORCH_CHECK(ix.page_indptr[B] == ix.num_entries, "pv_page_indptr[-1] (", ix.page_indptr[B],
               ") must equal len(pv_page_indices) (", ix.num_entries, ")");
-
-  const int64_t num_pages = buffer.size(0);
-  const int64_t page_size = buffer.size(1);
   for (int64_t b = 0; b < B; ++b) {
+    // Compare before subtracting: both offsets are then >= 0 (induction from [0] == 0), so no overflow.
+    TORCH_CHECK(ix.indptr[b + 1] >= ix.indptr[b] && ix.page_indptr[b + 1] >= ix.page_indptr[b] &&
+                    ix.cu_page_len[b] >= 0,
+                "request ", b, ": negative row count, page count or pv_cu_page_len");
     const int64_t n = ix.indptr[b + 1] - ix.indptr[b];
     const int64_t have = ix.page_indptr[b + 1] - ix.page_indptr[b];
-    TORCH_CHECK(n >= 0 && have >= 0 && ix.cu_page_len[b] >= 0, "request ", b,
-                ": negative row count, page count or pv_cu_page_len");
+    // have <= num_entries (page_indptr is non-decreasing up to num_entries), so a request with
+    // need == have has n < (have + 1) * page_size: offsets computed from n cannot overflow either.
+    TORCH_CHECK(have <= ix.num_entries && n <= (have + 1) * page_size, "request ", b, ": ", n, " rows cannot fit in ",
+                have, " listed pages of ", page_size);
     const int64_t need = n == 0 ? 0 : (ix.cu_page_len[b] % page_size + n + page_size - 1) / page_size;
     TORCH_CHECK(have == need, "request ", b, ": ", n, " rows from token ", ix.cu_page_len[b], " span ", need,
                 " pages of ", page_size, ", but the index lists ", have);
@@ -85,6 +95,33 @@ Index check_index(const at::Tensor& buffer, const at::Tensor& pv_indptr, const a
                 ix.page_indices[j], " is out of range for a buffer of ", num_pages, " pages");
   }
   return ix;
+}
+
+void check_src(const at::Tensor& buffer, const at::Tensor& src, int64_t num_rows) {
+  TORCH_CHECK(src.scalar_type() == buffer.scalar_type(), "src dtype ", src.scalar_type(), " must match buffer dtype ",
+              buffer.scalar_type());
+  TORCH_CHECK(src.device() == buffer.device(), "src must be on the buffer's device ", buffer.device(), ", got ",
+              src.device());
+  TORCH_CHECK(src.dim() == buffer.dim() - 1 && src.sizes().slice(1) == buffer.sizes().slice(2),
+              "src must be [N, ", buffer.sizes().slice(2), "] to match buffer ", buffer.sizes(), ", got ", src.sizes());
+  TORCH_CHECK(src.size(0) == num_rows, "src has ", src.size(0), " rows, pv_indptr[-1] is ", num_rows);
+}
+
+int64_t row_bytes_of(const at::Tensor& buffer) {
+  int64_t row_elems = 1;  // buffer is [num_pages, page_size, ...]: a row is one token's trailing dims
+  for (int64_t d = 2; d < buffer.dim(); ++d) row_elems *= buffer.size(d);
+  return row_elems * static_cast<int64_t>(buffer.element_size());
+}
+
+namespace {
+
+// All checks of one CPU call, in order: buffer, index metadata, index values.
+Index check_cpu(const at::Tensor& buffer, const at::Tensor& pv_indptr, const at::Tensor& pv_page_indptr,
+                const at::Tensor& pv_page_indices, const at::Tensor& pv_cu_page_len) {
+  check_buffer(buffer, c10::DeviceType::CPU);
+  check_index_tensors(pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len, buffer.device());
+  return check_index_values(pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len, buffer.size(0),
+                            buffer.size(1));
 }
 
 // kToPages: rows -> pages (scatter); otherwise pages -> rows (gather).
@@ -115,23 +152,11 @@ void copy_runs(char* pages, char* rows, int64_t page_size, int64_t row_bytes, co
   });
 }
 
-int64_t row_bytes_of(const at::Tensor& buffer) {
-  int64_t row_elems = 1;  // buffer is [num_pages, page_size, ...]: a row is one token's trailing dims
-  for (int64_t d = 2; d < buffer.dim(); ++d) row_elems *= buffer.size(d);
-  return row_elems * static_cast<int64_t>(buffer.element_size());
-}
-
 void paged_scatter_cpu(const at::Tensor& buffer, const at::Tensor& src, const at::Tensor& pv_indptr,
                        const at::Tensor& pv_page_indptr, const at::Tensor& pv_page_indices,
                        const at::Tensor& pv_cu_page_len) {
-  const Index ix = check_index(buffer, pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len);
-  TORCH_CHECK(src.scalar_type() == buffer.scalar_type(), "src dtype ", src.scalar_type(), " must match buffer dtype ",
-              buffer.scalar_type());
-  TORCH_CHECK(src.device().is_cpu(), "src must be on the CPU for the CPU kernel, got ", src.device());
-  TORCH_CHECK(src.dim() == buffer.dim() - 1 && src.sizes().slice(1) == buffer.sizes().slice(2),
-              "src must be [N, ", buffer.sizes().slice(2), "] to match buffer ", buffer.sizes(), ", got ", src.sizes());
-  TORCH_CHECK(src.size(0) == ix.indptr[ix.num_requests], "src has ", src.size(0), " rows, pv_indptr[-1] is ",
-              ix.indptr[ix.num_requests]);
+  const Index ix = check_cpu(buffer, pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len);
+  check_src(buffer, src, ix.indptr[ix.num_requests]);
   const at::Tensor rows = src.contiguous();  // [N, dim]
   copy_runs<true>(static_cast<char*>(buffer.data_ptr()), static_cast<char*>(rows.data_ptr()), buffer.size(1),
                   row_bytes_of(buffer), ix);
@@ -139,7 +164,7 @@ void paged_scatter_cpu(const at::Tensor& buffer, const at::Tensor& src, const at
 
 at::Tensor paged_gather_cpu(const at::Tensor& buffer, const at::Tensor& pv_indptr, const at::Tensor& pv_page_indptr,
                             const at::Tensor& pv_page_indices, const at::Tensor& pv_cu_page_len) {
-  const Index ix = check_index(buffer, pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len);
+  const Index ix = check_cpu(buffer, pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len);
   std::vector<int64_t> shape(buffer.sizes().begin() + 1, buffer.sizes().end());
   shape[0] = ix.indptr[ix.num_requests];
   at::Tensor out = at::empty(shape, buffer.options());  // [N, dim]

@@ -148,6 +148,7 @@ def test_failed_build_warns_once_and_falls_back(tmp_path, monkeypatch, caplog):
     broken = tmp_path / "broken.cpp"
     broken.write_text("#error this extension does not compile\n")
     monkeypatch.setattr(ops, "_SOURCES", [broken])
+    monkeypatch.setattr(ops, "_CUDA_SOURCES", [])  # one build to fail, on a CUDA machine too
     monkeypatch.setattr(ops, "_EXTENSION_NAME", "unifiedserve_ops_broken_test")
     monkeypatch.setattr(ops, "_native", None)
     monkeypatch.setattr(ops, "_info", {})
