@@ -126,6 +126,8 @@ def _ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: tuple[i
         raise ValueError(f"flashinfer vision attention supports head dims up to 256, got {head_dim}")
     if kernel_dim != head_dim:
         q, k, v = (F.pad(x, (0, kernel_dim - head_dim)) for x in (q, k, v))  # [N, H, kernel_dim]
+    else:  # the tower's v is a strided view of its fused qkv output; hand the kernel dense rows
+        q, k, v = (x.contiguous() for x in (q, k, v))
     wrapper = _ragged_wrapper(seq_lens, q.device, q.dtype, q.shape[1], kernel_dim, scale)
     return wrapper.run(q, k, v)[..., :head_dim]  # [N, H, head_dim]
 
