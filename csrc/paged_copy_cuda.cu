@@ -61,8 +61,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t offset = cu_page_len[b] % page_size;
   const int64_t n = indptr[b + 1] - indptr[b];
   // token positions counted from the start of the request's first listed page
-  const int64_t lo = max(offset, k * page_size);
-  const int64_t hi_pos = min(offset + n, (k + 1) * page_size);
+  const int64_t lo = offset > k * page_size ? offset : k * page_size;
+  const int64_t hi_pos = offset + n < (k + 1) * page_size ? offset + n : (k + 1) * page_size;
   const int64_t run = (hi_pos - lo) * row_vecs;  // Vecs to copy for this page
   Vec* page_run = pages + (page_indices[j] * page_size + (lo - k * page_size)) * row_vecs;
   Vec* row_run = rows + (indptr[b] + lo - offset) * row_vecs;
@@ -95,10 +95,10 @@ struct DeviceIndex {
   int64_t num_rows;  // pv_indptr[-1], read from the validated host copy
 };
 
-// Every check of one CUDA call (same as the CPU kernel's), then the device pointers for the kernel.
+// The index checks of one CUDA call (same as the CPU kernel's), then the device pointers for the kernel.
+// The buffer was checked by the caller.
 DeviceIndex check_cuda(const at::Tensor& buffer, const at::Tensor& pv_indptr, const at::Tensor& pv_page_indptr,
                        const at::Tensor& pv_page_indices, const at::Tensor& pv_cu_page_len) {
-  check_buffer(buffer, c10::DeviceType::CUDA);
   check_index_tensors(pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len, buffer.device());
   const int64_t B = pv_cu_page_len.size(0);
   const int64_t P = pv_page_indices.size(0);
@@ -148,6 +148,7 @@ void launch(void* pages, void* rows, int64_t page_size, int64_t row_bytes, const
 void paged_scatter_cuda(const at::Tensor& buffer, const at::Tensor& src, const at::Tensor& pv_indptr,
                         const at::Tensor& pv_page_indptr, const at::Tensor& pv_page_indices,
                         const at::Tensor& pv_cu_page_len) {
+  check_buffer(buffer, c10::DeviceType::CUDA);  // first: the guard needs a CUDA device
   const c10::cuda::CUDAGuard guard(buffer.device());
   const DeviceIndex ix = check_cuda(buffer, pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len);
   check_src(buffer, src, ix.num_rows);
@@ -157,6 +158,7 @@ void paged_scatter_cuda(const at::Tensor& buffer, const at::Tensor& src, const a
 
 at::Tensor paged_gather_cuda(const at::Tensor& buffer, const at::Tensor& pv_indptr, const at::Tensor& pv_page_indptr,
                              const at::Tensor& pv_page_indices, const at::Tensor& pv_cu_page_len) {
+  check_buffer(buffer, c10::DeviceType::CUDA);  // first: the guard needs a CUDA device
   const c10::cuda::CUDAGuard guard(buffer.device());
   const DeviceIndex ix = check_cuda(buffer, pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len);
   std::vector<int64_t> shape(buffer.sizes().begin() + 1, buffer.sizes().end());

@@ -185,9 +185,11 @@ def _build(build_dir: pathlib.Path, name: str, sources: list[pathlib.Path]) -> b
     with open(build_dir / "build.flock", "w") as flock:
         fcntl.flock(flock, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
+        # copies: cpp_extension appends to the lists it is given (a CUDA attempt would leave -ltorch_cuda
+        # in _LDFLAGS for the CPU-only build that follows it)
         cpp_extension.load(name=name, sources=[str(s) for s in sources], build_directory=str(build_dir),
-                           extra_cflags=_CFLAGS, extra_cuda_cflags=_CUDA_CFLAGS if cuda else None,
-                           extra_ldflags=_LDFLAGS, extra_include_paths=[str(_CSRC)], with_cuda=cuda,
+                           extra_cflags=list(_CFLAGS), extra_cuda_cflags=list(_CUDA_CFLAGS) if cuda else None,
+                           extra_ldflags=list(_LDFLAGS), extra_include_paths=[str(_CSRC)], with_cuda=cuda,
                            is_python_module=False, verbose=False)
     return library.exists() and library.stat().st_mtime_ns != before
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import math
 import os
+import pathlib
 import random
 import shutil
 import subprocess
@@ -47,23 +50,40 @@ def random_tensor(shape, dtype, gen):
     return torch.randn(shape, generator=gen).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_native_matches_reference(native, dtype, page_size):
+def shifted_rows(num_rows: int, feature: tuple, dtype, gen, shift: int) -> torch.Tensor:
+    """A contiguous [num_rows, *feature] tensor starting ``shift`` elements into its storage (misaligned)."""
+    row = math.prod(feature)
+    flat = random_tensor(((num_rows + 1) * row + shift,), dtype, gen)
+    return flat[shift:shift + num_rows * row].view(num_rows, *feature)
+
+
+# trailing dims of a row (() = one element per row); with the dtypes they cover every CUDA copy width:
+# 16 B (8 x bf16), 8 B (2 x fp32), 4 B, 2 B (1 x fp16), 1 B (uint8)
+FEATURES = [(3,), (7,), (2, 5), (), (8,), (2,)]
+
+
+def check_parity(kernels, device: str, dtype: torch.dtype, page_size: int, trials: int = 20) -> None:
+    """Random batches through ``kernels`` (torch.ops.unifiedserve) and the reference: equal bytes."""
     rng, gen = random.Random(page_size), torch.Generator().manual_seed(page_size)
-    for trial in range(20):
-        feature = [(3,), (7,), (2, 5), ()][trial % 4]  # trailing dims of a row; () = one element per row
+    for trial in range(trials):
+        feature = FEATURES[trial % len(FEATURES)]
         num_pages = rng.randint(1, 40)
         index = random_index(rng, num_pages, page_size)
-        ix = RaggedIndexTensors.from_index(index)
-        src = random_tensor((index.num_tokens, *feature), dtype, gen)
-        start = random_tensor((num_pages, page_size, *feature), dtype, gen)
+        ix = RaggedIndexTensors.from_index(index, device)
+        src = shifted_rows(index.num_tokens, feature, dtype, gen, shift=trial % 3).to(device)
+        start = random_tensor((num_pages, page_size, *feature), dtype, gen).to(device)
         got, want = start.clone(), start.clone()
-        native.paged_scatter(got, src, *ix)
+        kernels.paged_scatter(got, src, *ix)
         reference.paged_scatter(want, src, ix)
-        assert torch.equal(got, want)  # exact: both only move bytes
-        assert torch.equal(native.paged_gather(got, *ix), reference.paged_gather(want, ix))
-        assert torch.equal(native.paged_gather(got, *ix), src)  # a write then a read is the identity
+        assert torch.equal(got, want), f"trial {trial}: scatter differs"  # exact: both only move bytes
+        assert torch.equal(kernels.paged_gather(got, *ix), reference.paged_gather(want, ix))
+        assert torch.equal(kernels.paged_gather(got, *ix), src)  # a write then a read is the identity
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.uint8])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_native_matches_reference(native, dtype, page_size):
+    check_parity(native, "cpu", dtype, page_size)
 
 
 def test_threads_split_long_requests(native):
@@ -110,20 +130,61 @@ def test_planned_stream_round_trip(native):
     assert alloc.num_free_pages == alloc.num_pages
 
 
-@pytest.mark.parametrize("impl", ["native", "reference"])
-def test_bad_input_raises_and_writes_nothing(native, impl):
-    scatter = (lambda b, s, ix: native.paged_scatter(b, s, *ix)) if impl == "native" else reference.paged_scatter
-    buffer = torch.zeros(4, 4, 3)
-    good = RaggedIndexTensors.from_index(RaggedIndex.build([(3, 2, [1, 2])], 4))
-    short = good._replace(pv_page_indices=torch.tensor([1]), pv_page_indptr=torch.tensor([0, 1]))
-    out_of_range = good._replace(pv_page_indices=torch.tensor([1, 9]))
-    for ix, src in [(short, torch.ones(3, 3)), (out_of_range, torch.ones(3, 3)), (good, torch.ones(2, 3)),
-                    (good, torch.ones(3, 3, dtype=torch.float64)), (good, torch.ones(3, 4))]:
+def bad_inputs(device: str = "cpu", native: bool = True):
+    """The zero buffer, a good index, and (index, src) pairs that must be rejected.
+
+    ``native`` adds the index layouts only the kernels reject (int32, 2-D, strided): the reference takes
+    any integer tensors.
+    """
+    buffer = torch.zeros(4, 4, 3, device=device)
+    good = RaggedIndexTensors.from_index(RaggedIndex.build([(3, 2, [1, 2])], 4), device)
+    t = lambda values, **kw: torch.tensor(values, device=device, **kw)  # noqa: E731
+    ones = lambda *shape, **kw: torch.ones(*shape, device=device, **kw)  # noqa: E731
+    cases = [
+        (good._replace(pv_page_indices=t([1]), pv_page_indptr=t([0, 1])), ones(3, 3)),  # lists too few pages
+        (good._replace(pv_page_indices=t([1, 9])), ones(3, 3)),  # page out of range
+        (good._replace(pv_page_indices=t([1, -1])), ones(3, 3)),
+        (good._replace(pv_indptr=t([0, -3])), ones(3, 3)),  # negative row count
+        (good._replace(pv_indptr=t([0])), ones(3, 3)),  # B+1 entries expected
+        (good, ones(2, 3)), (good, ones(3, 3, dtype=torch.float64)), (good, ones(3, 4)),
+    ]
+    if native:
+        cases += [(good._replace(pv_indptr=t([0, 3], dtype=torch.int32)), ones(3, 3)),
+                  (good._replace(pv_page_indices=t([[1, 2]])), ones(3, 3)),
+                  (good._replace(pv_page_indices=t([1, 5, 2])[::2]), ones(3, 3))]  # not contiguous
+    if device != "cpu":  # mixed devices
+        cases += [(RaggedIndexTensors.from_index(RaggedIndex.build([(3, 2, [1, 2])], 4)), ones(3, 3)),
+                  (good, torch.ones(3, 3))]
+    return buffer, good, cases
+
+
+def check_bad_inputs(scatter, device: str = "cpu", native: bool = True) -> None:
+    buffer, good, cases = bad_inputs(device, native)
+    for i, (ix, src) in enumerate(cases):
         with pytest.raises(RuntimeError):
             scatter(buffer, src, ix)
-    assert not buffer.any()
+        assert not buffer.any(), f"bad case {i} wrote to the buffer"
     with pytest.raises(RuntimeError):
-        scatter(buffer.transpose(0, 1), torch.ones(3, 3), good)
+        scatter(buffer.transpose(0, 1), torch.ones(3, 3, device=device), good)
+    with pytest.raises(RuntimeError):  # page_size 0
+        scatter(torch.zeros(4, 0, 3, device=device), torch.ones(0, 3, device=device), good)
+
+
+def test_bad_input_raises_and_writes_nothing_reference():
+    check_bad_inputs(reference.paged_scatter, native=False)
+
+
+def test_bad_input_raises_and_writes_nothing_native(native):
+    """In a child process: a native crash then fails this test with its trace instead of killing the run."""
+    code = ("import torch; from unifiedserve import ops; import test_paged_copy_ops as t\n"
+            "assert ops.native_available(), ops.build_info()\n"
+            "t.check_bad_inputs(lambda b, s, ix: torch.ops.unifiedserve.paged_scatter(b, s, *ix))\n"
+            "print('all bad inputs raised')")
+    path = os.pathsep.join([os.path.dirname(__file__), os.getcwd(), os.environ.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": path}, timeout=240)
+    assert run.returncode == 0 and "all bad inputs raised" in run.stdout, (
+        f"exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
 
 
 def test_kv_slot_scatter():
@@ -163,3 +224,94 @@ def test_failed_build_warns_once_and_falls_back(tmp_path, monkeypatch, caplog):
     assert len(warnings) == 1 and "using the torch reference" in warnings[0].getMessage()
     assert "\n" not in warnings[0].getMessage()
     assert not ops.native_available() and ops.build_info()["reason"]
+
+
+def test_failed_cuda_build_falls_back_to_cpu_build(tmp_path, monkeypatch, caplog):
+    """A .cu that does not compile costs the CUDA kernels only: one warning, then the CPU-only build loads."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler")
+    plain, broken = tmp_path / "plain.cpp", tmp_path / "broken.cu"
+    plain.write_text("int unifiedserve_fallback_test() { return 1; }\n")  # no op registration: loads beside the real one
+    broken.write_text("#error this CUDA source does not compile\n")
+    monkeypatch.setattr(ops, "_SOURCES", [plain])
+    monkeypatch.setattr(ops, "_CUDA_SOURCES", [broken])
+    monkeypatch.setattr(ops, "_cuda_toolchain", lambda: "")  # as if torch were a CUDA build with nvcc
+    monkeypatch.setattr(ops, "_EXTENSION_NAME", "unifiedserve_ops_fallback_test")
+    monkeypatch.setattr(ops, "_native", None)
+    monkeypatch.setattr(ops, "_info", {})
+    monkeypatch.setenv("UNIFIEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("UNIFIEDSERVE_NO_NATIVE", raising=False)
+    with caplog.at_level(logging.WARNING, logger="unifiedserve.ops"):
+        assert ops.native_available()
+    info = ops.build_info()
+    assert info["native"] and not info["cuda"] and info["cuda_reason"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "CUDA kernels unavailable" in warnings[0]
+    assert not ops._native_for(torch.zeros(1, 1, device="meta"))  # only CPU and (built) CUDA are native
+
+
+def test_cuda_toolchain_reasons(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert "not a CUDA build" in ops._cuda_toolchain()
+    monkeypatch.setattr(ops, "_CUDA_SOURCES", [])
+    assert ops._cuda_toolchain() == "no CUDA sources"
+
+
+@pytest.fixture(scope="module")
+def cuda_native():
+    """The extension's CUDA kernels: a CUDA torch with nvcc must have built them."""
+    reason = ops._cuda_toolchain()
+    if reason:
+        pytest.skip(reason)
+    assert ops.native_available() and ops.build_info()["cuda"], ops.build_info().get("cuda_reason")
+    return torch.ops.unifiedserve
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES + [torch.uint8])
+@pytest.mark.parametrize("page_size", [1, 4, 16, 256])
+def test_cuda_kernel_matches_reference(cuda_native, dtype, page_size):
+    check_parity(cuda_native, "cuda", dtype, page_size)
+
+
+@pytest.mark.cuda
+def test_cuda_public_ops_use_the_kernel(cuda_native, monkeypatch):
+    """ops.paged_scatter/paged_gather on CUDA buffers take the kernel, not the reference; long pages split."""
+    def no_reference(*args):
+        raise AssertionError("the torch reference ran for a CUDA buffer")
+
+    monkeypatch.setattr(reference, "paged_scatter", no_reference)
+    monkeypatch.setattr(reference, "paged_gather", no_reference)
+    gen = torch.Generator().manual_seed(3)
+    alloc, page_size = PageAllocator(64, 256), 256
+    a, b = PagedStream("a", page_size), PagedStream("b", page_size)
+    plan_write([(a, 100)], alloc)
+    index = plan_write([(a, 3000), (b, 700)], alloc)
+    buffer = torch.zeros(64, page_size, 1176, dtype=torch.bfloat16, device="cuda")  # pages of 588 KiB
+    src = torch.randn(index.num_tokens, 1176, generator=gen).to(torch.bfloat16).cuda()
+    ops.paged_scatter(buffer, src, index)
+    assert torch.equal(ops.paged_gather(buffer, index), src)
+    read, _ = plan_read([(a, 100), (b, 10)], page_size)
+    assert torch.equal(ops.paged_gather(buffer, read)[100:], src[3000:3010])
+
+
+@pytest.mark.cuda
+def test_cuda_bad_input_raises_and_writes_nothing(cuda_native):
+    check_bad_inputs(lambda b, s, ix: cuda_native.paged_scatter(b, s, *ix), "cuda")
+    buffer, good, _ = bad_inputs("cuda")
+    with pytest.raises(RuntimeError):
+        cuda_native.paged_gather(buffer, *good._replace(pv_page_indices=torch.tensor([1, 9], device="cuda")))
+
+
+@pytest.mark.slow
+def test_cuda_sources_compile_with_nvcc():
+    """Without a GPU the CUDA kernel can still be compiled: csrc/nvcc_check.py against this torch's headers."""
+    script = pathlib.Path(__file__).resolve().parents[3] / "csrc" / "nvcc_check.py"
+    spec = importlib.util.spec_from_file_location("nvcc_check", script)
+    nvcc_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nvcc_check)
+    if nvcc_check.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert "paged_copy_cuda.cu: compiles for sm_90" in run.stdout
