@@ -193,7 +193,8 @@ def _sampler(gpu: int, codec: str) -> TelemetrySampler:
         engines = decoder_caps(codec, "420", 8, gpu).num_engines or None
     except Exception:  # engine count unknown: NVML's own list is used
         engines = None
-    return TelemetrySampler(0.1, lambda: open_nvml([gpu], num_nvdec_engines=engines))
+    # 0.2 s between GPM samples: NVML's metrics are computed over the interval of two samples
+    return TelemetrySampler(0.2, lambda: open_nvml([gpu], num_nvdec_engines=engines))
 
 
 def _telemetry(sampler: TelemetrySampler, seconds: float) -> dict:

@@ -2,7 +2,9 @@
 
 Clips: YUV 4:2:0 frames synthesised with torch (on the GPU when there is one, so making a
 2-minute 1080p clip costs seconds), encoded with PyAV at a target bit rate and a fixed GOP:
-NVENC (``h264_nvenc`` / ``hevc_nvenc``) when the driver's encoder opens, else libx264 / libx265.
+NVENC (``h264_nvenc`` / ``hevc_nvenc``) when the driver's encoder (``libnvidia-encode.so.1``)
+opens, else libx264 / libx265. PyAV 19.0.2's manylinux wheel bundles all four (its libavcodec
+names them; read from the wheel, not run here).
 Clean test patterns decode unrealistically fast, so each frame has what camera footage has:
 
 - a textured background (smooth gradients, coarse blotches, fine grain) panning on a circle,
