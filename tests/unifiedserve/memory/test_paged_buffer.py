@@ -38,6 +38,53 @@ def test_storage_is_wrapped_not_copied_and_checked():
     assert PagedBuffer.num_pages_for_budget(2**20, page_size=16, dim=256, dtype=torch.bfloat16) == 128
 
 
+def test_device_and_dtype_follow_the_arguments_or_the_storage():
+    meta = PagedBuffer(4, 2, 3, dtype=torch.bfloat16, device="meta")  # allocated on the asked-for device
+    assert meta.device.type == "meta" and meta.dtype == torch.bfloat16
+    default = PagedBuffer(4, 2, 3)
+    assert default.device == torch.device("cpu") and default.dtype == torch.float32
+    storage = shared_cpu_tensor((4, 2, 3), torch.float16)
+    wrapped = PagedBuffer(4, 2, 3, storage=storage)  # dtype and device from the storage
+    assert wrapped.dtype == torch.float16 and wrapped.device.type == "cpu" and wrapped.tensor.is_shared()
+    assert PagedBuffer(4, 2, 3, dtype=torch.float16, device="cpu", storage=storage).tensor is storage
+    with pytest.raises(ValueError, match="dtype"):
+        PagedBuffer(4, 2, 3, dtype=torch.float32, storage=storage)
+    with pytest.raises(ValueError, match="device"):
+        PagedBuffer(4, 2, 3, device="meta", storage=storage)
+    with pytest.raises(ValueError, match="device must be"):
+        PagedBuffer(4, 2, 3, device="gpu0")
+
+
+def test_write_rejects_rows_of_another_dtype_or_device():
+    buffer = PagedBuffer(8, 4, 6)
+    index = plan_write([(PagedStream("s", 4), 5)], PageAllocator(8, 4))
+    with pytest.raises(ValueError, match="src is torch.float64"):
+        buffer.write(torch.ones(5, 6, dtype=torch.float64), index)
+    with pytest.raises(ValueError, match="on meta"):
+        buffer.write(torch.ones(5, 6, device="meta"), index)
+    assert not buffer.tensor.any()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_cuda_without_cuda_is_a_value_error():
+    with pytest.raises(ValueError, match="cuda"):
+        PagedBuffer(4, 2, 3, device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_buffer_on_cuda_round_trips(dtype):
+    buffer = PagedBuffer(16, 4, 1176, dtype=dtype, device="cuda")
+    assert buffer.tensor.is_cuda
+    alloc, stream = PageAllocator(16, 4), PagedStream("video", 4, num_tokens=21)
+    rows = torch.randn(21, 1176, generator=torch.Generator().manual_seed(0)).to(dtype).cuda()
+    for start, stop in [(0, 5), (5, 6), (6, 21)]:
+        buffer.write(rows[start:stop], plan_write([(stream, stop - start)], alloc))
+    index, _ = plan_read([(stream, 21)], 4)
+    got = buffer.read(index)
+    assert got.is_cuda and torch.equal(got, rows)
+
+
 def _child(handle: SharedTensorHandle, queue) -> None:
     tensor = handle.open()
     queue.put(float(tensor[1, 0, 0]))  # the parent's write, seen here
