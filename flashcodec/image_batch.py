@@ -189,8 +189,9 @@ class ImageBatchDecoder:
             Given, it is used as is, without the nvJPEG availability probe (tests, other decoders).
 
     Raises:
-        DeviceError: ``cuda`` / ``cuda:N`` was asked for and nvJPEG cannot run there (says why).
-        ValueError: a bad device name, thread count or batch size.
+        DeviceError: ``cuda`` / ``cuda:N`` was asked for and nvJPEG cannot run there (says why),
+            or ``output_device`` is a GPU that is not visible.
+        ValueError: a bad device name, output device, thread count or batch size.
     """
 
     def __init__(self, device: str = "auto", *, cpu_threads: int | None = None,
@@ -212,7 +213,13 @@ class ImageBatchDecoder:
                 raise DeviceError(f"device {name} cannot decode JPEGs with nvJPEG: {reason}; use device cpu or auto")
         self._jpeg_batch = jpeg_batch or _nvjpeg_batch
         self.batch_size = batch_size
-        self.output_device = torch.device(output_device) if output_device is not None else (self.gpu or torch.device("cpu"))
+        try:
+            self.output_device = torch.device(output_device) if output_device is not None else \
+                (self.gpu or torch.device("cpu"))
+        except (RuntimeError, TypeError):
+            raise ValueError(f"output_device must be cpu or cuda:N, got {output_device!r}") from None
+        if self.output_device.type == "cuda" and (self.output_device.index or 0) >= num_visible_gpus():
+            raise DeviceError(f"output_device {output_device} is not a visible CUDA device")
         self._pool = ThreadPoolExecutor(cpu_threads, thread_name_prefix="flashcodec-image")
 
     def decode(self, sources: Sequence[SourceLike], *, min_pixels: int | None = None, max_pixels: int | None = None,

@@ -179,6 +179,8 @@ def test_auto_without_gpu_falls_back_with_one_log_line(monkeypatch, caplog):
 def test_cuda_without_gpu_is_a_clear_error():
     with pytest.raises(DeviceError, match="cannot decode JPEGs with nvJPEG"):
         decode_images([_jpeg()], device="cuda:0")
+    with pytest.raises(DeviceError, match="not a visible CUDA device"):
+        ImageBatchDecoder("cpu", output_device="cuda:0")
 
 
 def test_bad_arguments():
@@ -192,6 +194,8 @@ def test_bad_arguments():
         ImageBatchDecoder("cpu", batch_size=0)
     with pytest.raises(ValueError, match="unknown device"):
         ImageBatchDecoder("gpu")
+    with pytest.raises(ValueError, match="output_device"):
+        ImageBatchDecoder("cpu", output_device="tpu:0")
 
 
 @pytest.mark.cuda
