@@ -8,8 +8,14 @@ contiguous copies of the same bytes, the memory-bandwidth floors: ``Tensor.copy_
 memory for scatter, ``Tensor.clone`` for gather (which allocates its output too). Prints a table with
 ratios and writes JSON to bench/results/.
 
-    python bench/kernels/bench_paged_copy.py            # N = 1k, 10k, 100k
-    python bench/kernels/bench_paged_copy.py --quick    # N = 1k, 10k
+With ``--device cuda`` the buffer, rows and index live on the GPU and the native side is the CUDA kernel
+(csrc/paged_copy_cuda.cu); each timed call ends with ``torch.cuda.synchronize()``, so a time is the
+latency of one call, including the op's host copy of the index for validation (the reference syncs
+too). The table then shows GB/s of payload moved (bytes read + bytes written) and the ratio.
+
+    python bench/kernels/bench_paged_copy.py                 # N = 1k, 10k, 100k
+    python bench/kernels/bench_paged_copy.py --quick         # N = 1k, 10k
+    python bench/kernels/bench_paged_copy.py --device cuda   # CUDA kernel vs the torch reference
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ NUM_REQUESTS = 4
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="only N = 1k and 10k")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where buffer and rows live (default cpu)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--page-sizes", default="16,256", help="comma-separated (default 16,256)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -65,16 +72,20 @@ def make_index(num_rows: int, page_size: int, seed: int) -> tuple[RaggedIndex, i
     return RaggedIndex.build(spans, page_size), num_pages
 
 
-def timed(fn, min_time: float) -> tuple[float, float]:
+def timed(fn, min_time: float, device: str = "cpu") -> tuple[float, float]:
     """(best, median) seconds of fn() over repeats lasting about min_time, after two warmup calls.
 
-    The table uses the best: on a shared machine the median mostly measures other people's load.
+    The table uses the best: on a shared machine the median mostly measures other people's load. On
+    CUDA every call is followed by a synchronize, so a sample is one call's full latency.
     """
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     fn(), fn()
+    sync()
     samples, spent = [], 0.0
     while spent < min_time or len(samples) < 5:
         start = time.perf_counter()
         fn()
+        sync()
         samples.append(time.perf_counter() - start)
         spent += samples[-1]
         if len(samples) >= 200:
@@ -82,13 +93,14 @@ def timed(fn, min_time: float) -> tuple[float, float]:
     return min(samples), statistics.median(samples)
 
 
-def bench_cell(kind: str, num_rows: int, page_size: int, dtype: torch.dtype, min_time: float) -> dict:
+def bench_cell(kind: str, num_rows: int, page_size: int, dtype: torch.dtype, min_time: float,
+               device: str = "cpu") -> dict:
     dim = DIMS[kind]
     index, num_pages = make_index(num_rows, page_size, seed=num_rows + page_size)
-    ix = RaggedIndexTensors.from_index(index)
+    ix = RaggedIndexTensors.from_index(index, device)
     gen = torch.Generator().manual_seed(0)
-    src = torch.randn(num_rows, dim, generator=gen).to(dtype)  # [N, dim]
-    buffer = torch.zeros(num_pages, page_size, dim, dtype=dtype)  # [pages, page_size, dim]
+    src = torch.randn(num_rows, dim, generator=gen).to(dtype).to(device)  # [N, dim]
+    buffer = torch.zeros(num_pages, page_size, dim, dtype=dtype, device=device)  # [pages, page_size, dim]
     check = buffer.clone()
     native = torch.ops.unifiedserve
 
@@ -102,6 +114,8 @@ def bench_cell(kind: str, num_rows: int, page_size: int, dtype: torch.dtype, min
     flat = torch.empty_like(src)
     row = {"kind": kind, "dim": dim, "rows": num_rows, "page_size": page_size, "dtype": str(dtype).split(".")[-1],
            "mib": src.numel() * src.element_size() / 2**20}
+    if device != "cpu":
+        row["device"] = device
     cases = {"copy": lambda: flat.copy_(src),  # scatter's floor: same bytes into existing memory
              "clone": lambda: src.clone(),  # gather's floor: it also allocates (and first-touches) its output
              "scatter_native": lambda: native.paged_scatter(buffer, src, *ix),
@@ -109,11 +123,29 @@ def bench_cell(kind: str, num_rows: int, page_size: int, dtype: torch.dtype, min
              "gather_native": lambda: native.paged_gather(buffer, *ix),
              "gather_reference": lambda: reference.paged_gather(buffer, ix)}
     for name, fn in cases.items():
-        row[f"{name}_s"], row[f"{name}_median_s"] = timed(fn, min_time)
+        row[f"{name}_s"], row[f"{name}_median_s"] = timed(fn, min_time, device)
+    if device != "cpu":  # payload read + written per call, over the best time
+        moved = 2 * src.numel() * src.element_size()
+        row.update({f"{name}_gbps": moved / row[f"{name}_s"] / 1e9 for name in cases})
     return row
 
 
-def machine_info() -> dict:
+def print_cuda_table(rows: list[dict]) -> None:
+    head = (f"{'kind':6} {'dim':>5} {'rows':>7} {'page':>4} {'MiB':>6} | {'scatter GB/s nat/ref':>20} {'x':>5} | "
+            f"{'gather GB/s nat/ref':>20} {'x':>5} | {'copy GB/s':>9}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['kind']:6} {r['dim']:>5} {r['rows']:>7} {r['page_size']:>4} {r['mib']:>6.1f} | "
+              f"{r['scatter_native_gbps']:>9.1f}/{r['scatter_reference_gbps']:<10.1f} "
+              f"{r['scatter_reference_s'] / r['scatter_native_s']:>5.1f} | "
+              f"{r['gather_native_gbps']:>9.1f}/{r['gather_reference_gbps']:<10.1f} "
+              f"{r['gather_reference_s'] / r['gather_native_s']:>5.1f} | {r['copy_gbps']:>9.1f}")
+    print("best of repeats, each call synchronized; GB/s = bytes read + written / time; x = reference / native "
+          "time; copy = contiguous copy_ of the same bytes")
+
+
+def machine_info(device: str = "cpu") -> dict:
     def git(*args):
         try:
             return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT, timeout=5).stdout.strip()
@@ -125,7 +157,14 @@ def machine_info() -> dict:
     return {"machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__, "commit": git("rev-parse", "--short", "HEAD"),
             "dirty": bool(git("status", "--porcelain", "--", "csrc", "unifiedserve/ops")),
-            "native_build": ops.build_info()}
+            "native_build": ops.build_info(), **gpu_info(device)}
+
+
+def gpu_info(device: str) -> dict:
+    if device != "cuda":
+        return {}
+    props = torch.cuda.get_device_properties(0)
+    return {"gpu": props.name, "gpu_memory_gib": props.total_memory / 2**30, "cuda": torch.version.cuda}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -148,17 +187,24 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_paged_copy.py: error: --device cuda, but torch.cuda.is_available() is False", file=sys.stderr)
+        return 1
     if not ops.native_available():
         print(f"native ops unavailable: {ops.build_info()['reason']}", file=sys.stderr)
         return 1
+    if args.device == "cuda" and not ops.build_info()["cuda"]:
+        print(f"CUDA kernels unavailable: {ops.build_info()['cuda_reason']}", file=sys.stderr)
+        return 1
     dtype = getattr(torch, args.dtype)
     sizes = [1_000, 10_000] if args.quick else [1_000, 10_000, 100_000]
-    rows = [bench_cell(kind, n, int(p), dtype, args.min_time)
+    rows = [bench_cell(kind, n, int(p), dtype, args.min_time, args.device)
             for kind in DIMS for p in args.page_sizes.split(",") for n in sizes]
-    print_table(rows)
+    (print_cuda_table if args.device == "cuda" else print_table)(rows)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"paged-copy-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"machine": machine_info(), "args": vars(args) | {"out": str(args.out)},
+    suffix = "-cuda" if args.device == "cuda" else ""
+    path = args.out / f"paged-copy{suffix}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({"machine": machine_info(args.device), "args": vars(args) | {"out": str(args.out)},
                                 "results": rows}, indent=2))
     print(f"wrote {path}")
     return 0
