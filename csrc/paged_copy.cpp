@@ -13,8 +13,8 @@
 // a single memcpy. at::parallel_for splits the flat list of pages, so a long request is spread over
 // threads as well as many short ones.
 //
-// Only the CPU dispatch key is registered here; the CUDA kernels will register
-// TORCH_LIBRARY_IMPL(unifiedserve, CUDA, m) in csrc/paged_copy.cu against the same schemas.
+// The schemas and the CPU kernels live here; csrc/paged_copy_cuda.cu registers the CUDA kernels against the
+// same schemas, and paged_copy.h holds the checks both run, so they reject exactly the same inputs.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
