@@ -6,7 +6,8 @@ them with the reference: a sequential PyAV decode to full-resolution RGB (the st
 tags) resized by :func:`flashcodec.resize.resize_frames` (float32 bicubic + antialias, rounded,
 as torchvision's ``resize`` in qwen-vl-utils' ``fetch_video``). Prints mean / p99 / max |diff| in
 levels of 255 and each mode's conversion cost per frame (decoded frame -> RGB at the output size,
-one thread, decode excluded), as a Markdown table.
+one thread, decode excluded), as a Markdown table. Then the same for images: ``resize="fast"``
+against ``"exact"`` (PIL bicubic, qwen-vl-utils' image resize) on a seeded 4032x3024 JPEG.
 
     python bench/decode/fidelity.py                 # about a minute on 2 cores
 """
@@ -86,7 +87,30 @@ def main(argv=None) -> int:
                 diff = (out.frames[:n].to(torch.int16) - ref.to(torch.int16)).abs().numpy()
                 print(f"| {width}x{height} | {w}x{h} | {mode} | {diff.mean():.3f} | {np.percentile(diff, 99):.0f} | "
                       f"{diff.max()} | {convert_ms(frames, h, w, mode):.2f} |")
+    image_fidelity(args.cache)
     return 0
+
+
+def image_fidelity(cache: Path | None) -> None:
+    folder = Path(cache) if cache else synthetic_video.default_cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "fidelity_4032x3024_s0.jpg"
+    if not path.exists():
+        synthetic_video.make_image(path, width=4032, height=3024, seed=0)
+    print("\n| image | output | mode | ms (best of 5) | mean / p99 / max vs exact |")
+    print("|---|---|---|---|---|")
+    exact = None
+    for mode in RESIZE_MODES:
+        best = float("inf")
+        for _ in range(5):
+            started = time.perf_counter()
+            image = flashcodec.decode_image(path, max_pixels=1000 * 750, resize=mode)
+            best = min(best, time.perf_counter() - started)
+        exact = image.pixels if exact is None else exact
+        diff = (image.pixels.to(torch.int16) - exact.to(torch.int16)).abs().numpy()
+        h, w = image.size
+        print(f"| 4032x3024 JPEG | {w}x{h} | {mode} | {best * 1e3:.0f} | "
+              f"{diff.mean():.3f} / {np.percentile(diff, 99):.0f} / {diff.max()} |")
 
 
 if __name__ == "__main__":
