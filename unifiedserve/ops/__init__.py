@@ -86,7 +86,9 @@ def paged_scatter(buffer: torch.Tensor, src: torch.Tensor, index: RaggedIndex | 
 
     Row ``r`` of ``src`` goes where ``index`` puts it (see :class:`~unifiedserve.memory.RaggedIndex`).
     ``buffer`` must be contiguous and share ``src``'s dtype; rows may start at any slot of a page and
-    cross page boundaries. The index must not name one slot twice.
+    cross page boundaries. The index must not name one slot twice. On CUDA the kernel (when built)
+    validates a host copy of the index first, so a call waits for the work already queued on the
+    current stream (see csrc/README.md).
 
     Raises:
         RuntimeError: shapes, dtypes or the index do not fit (nothing is written then).
@@ -100,6 +102,8 @@ def paged_scatter(buffer: torch.Tensor, src: torch.Tensor, index: RaggedIndex | 
 
 def paged_gather(buffer: torch.Tensor, index: RaggedIndex | RaggedIndexTensors) -> torch.Tensor:
     """Read the rows ``index`` names from ``buffer`` [num_pages, page_size, ...] into a new [N, ...] tensor.
+
+    The result is on ``buffer``'s device; on CUDA the call syncs once, as :func:`paged_scatter` does.
 
     Raises:
         RuntimeError: the buffer or the index do not fit.
