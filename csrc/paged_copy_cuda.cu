@@ -33,7 +33,8 @@
 namespace unifiedserve {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 256;      // per block at most; fewer when a page holds fewer Vecs (page_size 1)
+constexpr int kMinThreads = 32;    // one warp
 constexpr int kVecsPerThread = 4;  // loads in flight per thread before the stores
 constexpr int64_t kMaxGridY = 65535;
 
@@ -69,17 +70,18 @@ __global__ void __launch_bounds__(kThreads)
   const Vec* from = kToPages ? row_run : page_run;
   Vec* to = kToPages ? page_run : row_run;
 
-  const int64_t chunk = static_cast<int64_t>(kThreads) * kVecsPerThread;
+  const int64_t threads = blockDim.x;
+  const int64_t chunk = threads * kVecsPerThread;
   for (int64_t start = blockIdx.y * chunk; start < run; start += gridDim.y * chunk) {
     Vec v[kVecsPerThread];
 #pragma unroll
     for (int u = 0; u < kVecsPerThread; ++u) {
-      const int64_t i = start + u * kThreads + threadIdx.x;
+      const int64_t i = start + u * threads + threadIdx.x;
       if (i < run) v[u] = from[i];
     }
 #pragma unroll
     for (int u = 0; u < kVecsPerThread; ++u) {
-      const int64_t i = start + u * kThreads + threadIdx.x;
+      const int64_t i = start + u * threads + threadIdx.x;
       if (i < run) to[i] = v[u];
     }
   }
@@ -115,10 +117,15 @@ DeviceIndex check_cuda(const at::Tensor& buffer, const at::Tensor& pv_indptr, co
 template <bool kToPages, typename Vec>
 void launch_as(void* pages, void* rows, int64_t page_size, int64_t row_bytes, const DeviceIndex& ix) {
   const int64_t row_vecs = row_bytes / static_cast<int64_t>(sizeof(Vec));
-  const int64_t chunk = static_cast<int64_t>(kThreads) * kVecsPerThread;
-  const int64_t chunks_per_page = (page_size * row_vecs + chunk - 1) / chunk;
+  const int64_t page_vecs = page_size * row_vecs;  // the most one block's run can hold
+  // one warp while a page holds <= 32 x kVecsPerThread Vecs, doubling up to kThreads, so blocks of small
+  // pages (page_size 1 or 4) do not leave most of their warps idle
+  int threads = kMinThreads;
+  while (threads < kThreads && threads * int64_t{kVecsPerThread} < page_vecs) threads *= 2;
+  const int64_t chunk = int64_t{threads} * kVecsPerThread;
+  const int64_t chunks_per_page = (page_vecs + chunk - 1) / chunk;
   const dim3 grid(static_cast<unsigned>(ix.num_entries), static_cast<unsigned>(std::min(chunks_per_page, kMaxGridY)));
-  paged_copy_kernel<kToPages, Vec><<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+  paged_copy_kernel<kToPages, Vec><<<grid, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       static_cast<Vec*>(pages), static_cast<Vec*>(rows), ix.indptr, ix.page_indptr, ix.page_indices, ix.cu_page_len,
       ix.num_requests, page_size, row_vecs);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
