@@ -180,7 +180,8 @@ def test_bad_input_raises_and_writes_nothing_native(native):
             "assert ops.native_available(), ops.build_info()\n"
             "t.check_bad_inputs(lambda b, s, ix: torch.ops.unifiedserve.paged_scatter(b, s, *ix))\n"
             "print('all bad inputs raised')")
-    path = os.pathsep.join([os.path.dirname(__file__), os.getcwd(), os.environ.get("PYTHONPATH", "")])
+    here = pathlib.Path(__file__).resolve()
+    path = os.pathsep.join([str(here.parent), str(here.parents[3]), os.environ.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": path}, timeout=240)
     assert run.returncode == 0 and "all bad inputs raised" in run.stdout, (
@@ -231,7 +232,8 @@ def test_failed_cuda_build_falls_back_to_cpu_build(tmp_path, monkeypatch, caplog
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler")
     plain, broken = tmp_path / "plain.cpp", tmp_path / "broken.cu"
-    plain.write_text("int unifiedserve_fallback_test() { return 1; }\n")  # no op registration: loads beside the real one
+    # no op registration, so it loads beside the session's real extension
+    plain.write_text("int unifiedserve_fallback_test() { return 1; }\n")
     broken.write_text("#error this CUDA source does not compile\n")
     monkeypatch.setattr(ops, "_SOURCES", [plain])
     monkeypatch.setattr(ops, "_CUDA_SOURCES", [broken])
