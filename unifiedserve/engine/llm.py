@@ -6,12 +6,16 @@ A step is schedule -> run the model -> sample and post-process (stop conditions,
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from unifiedserve.attention import BACKEND_NAMES
+from unifiedserve.engine.device import (DEFAULT_GPU_MEMORY_UTILIZATION, DTYPES, check_utilization,
+                                        graph_batch_sizes, resolve_device, resolve_dtype)
 from unifiedserve.engine.inputs import VisionInput, make_request
 from unifiedserve.engine.output import TextOutput
 from unifiedserve.engine.request import Request
@@ -22,28 +26,60 @@ from unifiedserve.engine.scheduler import Scheduler, SchedulerConfig
 from unifiedserve.memory.block_manager import BlockManager
 from unifiedserve.memory.pages import PageAllocator
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+__all__ = ["DTYPES", "EngineConfig", "LLM", "RequestOutput"]
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Memory pools and budgets of one engine. Defaults suit the CPU demo model."""
+    """Memory pools, budgets, device and dtype of one engine. Defaults suit the CPU demo model.
 
-    num_kv_blocks: int = 1024
+    ``device`` and ``dtype`` are resolved at construction: ``device="auto"`` is CUDA when torch
+    sees a GPU, else the CPU; ``dtype="auto"`` is bfloat16 on CUDA and float32 on the CPU.
+    ``num_kv_blocks=None`` means 1024 on the CPU and, on CUDA, as many blocks as
+    ``gpu_memory_utilization`` (default 0.9) of the GPU leaves after the weights and the profiled
+    peak of a maximum-size step; an explicit ``num_kv_blocks`` wins. On CUDA, decode steps of up to
+    ``max_cuda_graph_batch`` sequences replay CUDA graphs captured at start-up unless
+    ``enforce_eager``; the CPU always runs eagerly.
+
+    Raises:
+        ValueError: an unknown device or dtype (the message names the choices), CUDA without a GPU,
+            ``gpu_memory_utilization`` on the CPU or outside (0, 1], a non-positive size.
+    """
+
+    num_kv_blocks: int | None = None
     block_size: int = 16
     num_patch_pages: int = 512
     num_visual_pages: int = 256
     page_size: int = 256  # rows per page of the patch and visual-token buffers
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = "auto"
+    device: str = "auto"
+    enforce_eager: bool = False
+    gpu_memory_utilization: float | None = None
+    max_cuda_graph_batch: int = 64
+    attention: str = "auto"  # attention backend: auto | flashinfer | torch
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        for name in ("num_kv_blocks", "block_size", "num_patch_pages", "num_visual_pages", "page_size"):
+        device = resolve_device(self.device)
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
+        if self.attention not in BACKEND_NAMES:
+            raise ValueError(f"attention must be one of {', '.join(BACKEND_NAMES)}, got {self.attention!r}")
+        if device == "cpu":
+            if self.gpu_memory_utilization is not None:
+                raise ValueError("gpu_memory_utilization applies to CUDA only; on the CPU give num_kv_blocks")
+            if self.num_kv_blocks is None:
+                object.__setattr__(self, "num_kv_blocks", 1024)
+        else:
+            if self.gpu_memory_utilization is None:
+                object.__setattr__(self, "gpu_memory_utilization", DEFAULT_GPU_MEMORY_UTILIZATION)
+            check_utilization(self.gpu_memory_utilization)
+        for name in ("block_size", "num_patch_pages", "num_visual_pages", "page_size", "max_cuda_graph_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
 
 
 @dataclass
@@ -73,10 +109,14 @@ class LLM:
 
     Args:
         model: checkpoint directory (HF format). ``None``: the demo model (written on first use).
-        config: pools, budgets, dtype.
+        config: pools, budgets, device, dtype (default ``EngineConfig()``: CUDA when present).
+
+    On CUDA the start-up also sizes the KV pool (unless ``num_kv_blocks`` is given), warms the
+    attention kernels, and captures the decode CUDA graphs (unless ``enforce_eager``), so none of
+    that lands on a request's path.
     """
 
-    def __init__(self, model: str | Path | None = None, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None):
         from unifiedserve.model.demo import DEFAULT_DEMO_PATH, write_demo_model
         from unifiedserve.model.loader import load_model
         from unifiedserve.model.processor import load_processor
@@ -85,13 +125,26 @@ class LLM:
             model = DEFAULT_DEMO_PATH
             if not (Path(model) / "config.json").exists():
                 write_demo_model(model)
-        self.config = config
+        config = config if config is not None else EngineConfig()
         self.model, self.model_config = load_model(model, DTYPES[config.dtype], config.device)
         self.model.eval()
         self.processor = load_processor(model)
+        self.kv_sizing = None
+        if config.num_kv_blocks is None:  # CUDA: from gpu_memory_utilization
+            from unifiedserve.engine.profile import profile_kv_sizing
+
+            self.kv_sizing = profile_kv_sizing(self.model, config)
+            config = replace(config, num_kv_blocks=self.kv_sizing.num_blocks)
+        self.config = config
         self.runner = ModelRunner(self.model, num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
                                   num_patch_pages=config.num_patch_pages, num_visual_pages=config.num_visual_pages,
-                                  page_size=config.page_size, device=config.device)
+                                  page_size=config.page_size, device=config.device, attention=config.attention)
+        self.runner.warmup()
+        if self.runner.device.type == "cuda" and not config.enforce_eager:
+            if self.runner.attn.supports_cuda_graph:
+                self.runner.capture_decode_graphs(graph_batch_sizes(config.max_cuda_graph_batch))
+            else:
+                log.info("decode runs eagerly: %s cannot capture CUDA graphs", type(self.runner.attn).__name__)
         self.scheduler = Scheduler(config.scheduler, BlockManager(config.num_kv_blocks, config.block_size),
                                    PageAllocator(config.num_patch_pages, config.page_size),
                                    PageAllocator(config.num_visual_pages, config.page_size))
@@ -129,7 +182,7 @@ class LLM:
         request = make_request(request_id, prompt_token_ids, params, list(vision), self.model_config)
         self.scheduler.add(request)
         self.runner.add_request(request, list(vision))
-        self._live[request_id] = _Live(request, SamplerState.for_params(params), params.stop_ids(self.eos_token_ids),
+        self._live[request_id] = _Live(request, SamplerState.for_params(params, self.runner.device), params.stop_ids(self.eos_token_ids),
                                        TextOutput(self.processor.incremental_decoder(), params.stop))
         return request_id
 

@@ -1,26 +1,127 @@
-"""The model runner: owns the model and every device tensor (KV cache, patch and visual-token buffers)."""
+"""The model runner: owns the model and every device tensor (KV cache, patch and visual-token buffers).
+
+A step is built on the host (token ids, M-RoPE positions, block tables are small Python data),
+copied to the device once, and run without a host sync: the attention plan is made before the
+forward, the visual rows are found on the host, and the rotary tables are indexed on the device.
+The only device-to-host copy of a step is the sampled token ids (:func:`~unifiedserve.engine.sampling.sample`).
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
-from unifiedserve.attention import AttentionMetadata, KVCache, get_attention_backend
+from unifiedserve.attention import KVCache, TorchPagedAttention, get_attention_backend
 from unifiedserve.engine.inputs import MediaGrid, VisionInput
 from unifiedserve.engine.request import Request
 from unifiedserve.engine.scheduler import SchedulerOutput
 from unifiedserve.memory.buffers import PagedBuffer
 from unifiedserve.model.rope import decode_positions, get_rope_index
 
+log = logging.getLogger(__name__)
+
+#: Longest sequence a torch-SDPA CUDA graph serves: its decode gathers ``max_seq_len`` keys per
+#: sequence whatever the real lengths, so longer steps run eagerly instead.
+TORCH_GRAPH_MAX_SEQ_LEN = 4096
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor -> ``device`` without blocking the host (pinned staging copy on CUDA)."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class RopeTables:
+    """M-RoPE ``cos``/``sin`` on the device without host syncs (what ``mrope_cos_sin`` computes).
+
+    The frequency table and the axis of each frequency pair are built once; a step only indexes
+    them with its positions, so this also runs inside a CUDA graph.
+    """
+
+    def __init__(self, text_config, device: torch.device):
+        d = text_config.head_dim
+        self.inv_freq = 1.0 / (text_config.rope_theta ** (
+            torch.arange(0, d, 2, dtype=torch.float, device=device) / d))  # [D/2]
+        axis = [a for a, n in enumerate(text_config.mrope_section) for _ in range(n)]
+        self.axis = torch.tensor(axis, dtype=torch.int64).to(device)  # [D/2]: 0..0 1..1 2..2
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 ``[3, N]`` on the device -> ``(cos, sin)``, each ``[N, head_dim]`` in ``dtype``."""
+        freqs = positions[self.axis].T.float() * self.inv_freq  # [N, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def run_decoder(model, attn, input_ids: torch.Tensor, positions: torch.Tensor, rope: RopeTables,
+                visual: torch.Tensor | None = None, visual_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Embed, run every layer on the planned ``attn``, final norm; all on the device, no host sync.
+
+    Args:
+        input_ids: int64 ``[N]``; positions: int64 ``[3, N]`` (both on the model's device).
+        visual, visual_rows: ``[V, hidden]`` visual tokens and the int64 ``[V]`` rows they replace.
+
+    Returns:
+        ``[N, hidden]`` final hidden states.
+    """
+    lm = model.language_model
+    x = lm.embed_tokens(input_ids)  # [N, hidden]
+    if visual_rows is not None:
+        x.index_copy_(0, visual_rows, visual.to(x.dtype))
+    cos, sin = rope(positions, x.dtype)  # [N, D] each
+    for layer in lm.layers:
+        x = layer(x, cos, sin, attn)  # [N, hidden]
+    return lm.norm(x)
+
+
+def forward_tokens(model, attn, input_ids: torch.Tensor, positions: torch.Tensor,
+                   seqs: list[tuple[int, int, list[int]]], visual: torch.Tensor | None,
+                   sample_rows: list[int], visual_mask: torch.Tensor | None = None,
+                   rope: RopeTables | None = None) -> torch.Tensor:
+    """One LLM forward over a flattened batch; returns the logits ``[S, vocab]`` of ``sample_rows``.
+
+    Args:
+        input_ids: int64 [N] on the host; positions: int64 [3, N] on the host (M-RoPE). Both are
+            copied to the model's device once.
+        seqs: ``(tokens already cached, new tokens, KV block table)`` per sequence, in row order.
+        visual: visual-token embeddings (on the model's device) for the image/video placeholders
+            among ``input_ids``, in order.
+        visual_mask: bool [N] on the host, rows that take ``visual`` (default: rows with a placeholder id).
+        rope: the model's :class:`RopeTables` (built here when ``None``).
+
+    Raises:
+        ValueError: positions of the wrong shape, or placeholders and visual tokens differ in number.
+    """
+    device = model.language_model.tok_embeddings.weight.device
+    n = input_ids.shape[0]
+    if positions.dim() != 2 or positions.shape[0] != 3 or positions.shape[1] != n:
+        raise ValueError(f"positions must be [3, {n}], got {list(positions.shape)}")
+    input_ids, positions = input_ids.cpu(), positions.cpu()  # host data already: no copy
+    if visual_mask is None:
+        cfg = model.config
+        visual_mask = (input_ids == cfg.image_token_id) | (input_ids == cfg.video_token_id)
+    rows = visual_mask.cpu().nonzero().flatten()  # [V] on the host
+    num_visual = 0 if visual is None else visual.shape[0]
+    if rows.numel() != num_visual:
+        raise ValueError(f"input_ids has {rows.numel()} image/video placeholder tokens but "
+                         f"{num_visual} visual tokens were given")
+    attn.plan(seqs)
+    rope = rope or RopeTables(model.config.text, device)
+    hidden = run_decoder(model, attn, to_device(input_ids, device), to_device(positions, device), rope,
+                         visual if num_visual else None, to_device(rows, device) if num_visual else None)
+    picked = to_device(torch.tensor(sample_rows, dtype=torch.int64), device)
+    return model.compute_logits(hidden.index_select(0, picked))  # [S, vocab]
+
 
 @dataclass
 class _RequestTensors:
-    prompt_ids: torch.Tensor  # int64 [L]
-    positions: torch.Tensor  # int64 [3, L] M-RoPE positions of the prompt
+    prompt_ids: torch.Tensor  # int64 [L] (host)
+    positions: torch.Tensor  # int64 [3, L] M-RoPE positions of the prompt (host)
     mrope_delta: int  # decode position of output token i is L + delta + i on all three axes
-    patches: torch.Tensor | None  # [P, patch_dim] until written into the patch buffer
+    patches: torch.Tensor | None  # [P, patch_dim] (host) until written into the patch buffer
     grids: list[tuple[int, int, int]]  # encode items' grids, in encode order
     block_table: list[int] | None = None  # KV blocks, set at admission
 
@@ -29,36 +130,95 @@ class ModelRunner:
     """Executes :class:`SchedulerOutput` steps on one device.
 
     Args:
-        model: a loaded :class:`unifiedserve.model.Qwen2_5_VL`.
+        model: a loaded :class:`unifiedserve.model.Qwen2_5_VL` (its weights set the device and dtype).
         num_kv_blocks, block_size: KV cache size.
         num_patch_pages, num_visual_pages, page_size: embedding buffer sizes.
+        device: where the caches live; must be the model's device.
         kv_storage, patch_storage: existing tensors to use as the KV cache and the patch buffer
             (shared with other processes); allocated here when ``None``.
+        attention: attention backend name (``auto``, ``flashinfer``, ``torch``).
+
+    Raises:
+        ValueError: the model's weights are on another device, or a bad backend name.
     """
 
     def __init__(self, model, *, num_kv_blocks: int, block_size: int, num_patch_pages: int,
                  num_visual_pages: int, page_size: int, device: str = "cpu",
-                 kv_storage: torch.Tensor | None = None, patch_storage: torch.Tensor | None = None):
+                 kv_storage: torch.Tensor | None = None, patch_storage: torch.Tensor | None = None,
+                 attention: str = "auto"):
         self.model = model
         cfg = model.config
         text = cfg.text
-        dtype = next(model.parameters()).dtype
-        self.dtype = dtype
-        self.device = device
+        weight = next(model.parameters())
+        self.dtype = weight.dtype
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if weight.device != self.device:
+            raise ValueError(f"the model's weights are on {weight.device}, the runner's device is {self.device}")
         self.block_size = block_size
         head_dim = text.head_dim
         self.kv_cache = KVCache(text.num_hidden_layers, num_kv_blocks, block_size, text.num_key_value_heads,
-                                head_dim, dtype=dtype, device=device, storage=kv_storage)
-        self.attn = get_attention_backend(device)(self.kv_cache, text.num_attention_heads,
-                                                  text.num_key_value_heads, head_dim)
+                                head_dim, dtype=self.dtype, device=self.device, storage=kv_storage)
+        backend = get_attention_backend(self.device, attention, dtype=self.kv_cache.dtype, head_dim=head_dim)
+        self.attn = backend(self.kv_cache, text.num_attention_heads, text.num_key_value_heads, head_dim)
+        self.rope = RopeTables(text, self.device)
         patch_dim = 3 * cfg.vision.temporal_patch_size * cfg.vision.patch_size ** 2
-        self.patch_buffer = PagedBuffer(num_patch_pages, page_size, patch_dim, dtype=dtype, device=device,
+        self.patch_buffer = PagedBuffer(num_patch_pages, page_size, patch_dim, dtype=self.dtype, device=self.device,
                                         storage=patch_storage)
-        self.visual_buffer = PagedBuffer(num_visual_pages, page_size, cfg.vision.out_hidden_size, dtype=dtype,
-                                         device=device)
+        self.visual_buffer = PagedBuffer(num_visual_pages, page_size, cfg.vision.out_hidden_size, dtype=self.dtype,
+                                         device=self.device)
+        self.graphs = None  # DecodeGraphs once captured
         self._tensors: dict[str, _RequestTensors] = {}
-        self.last_encode_s = 0.0  # wall time of the last step's vision encode (stage metrics)
+        self._encode_s = 0.0
+        self._encode_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
+    @property
+    def last_encode_s(self) -> float:
+        """Wall time of the last step's vision encode (stage metrics); 0 when it encoded nothing.
+
+        On CUDA it is read from events, after the step's token copy has already waited for them.
+        """
+        if self._encode_events is not None:
+            start, end = self._encode_events
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0
+        return self._encode_s
+
+    # -- start-up ------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Compile/load the attention kernels (flashinfer JITs on first use) before any request."""
+        self.attn.warmup()
+
+    def capture_decode_graphs(self, batch_sizes, max_seq_len: int | None = None) -> None:
+        """Capture decode steps as CUDA graphs at these batch sizes (start-up only: no request may be running).
+
+        Args:
+            batch_sizes: decode batch sizes; a step of ``n`` sequences replays the smallest size >= n.
+            max_seq_len: longest sequence a graph step serves (default: the KV cache's capacity,
+                capped by the model's ``max_position_embeddings`` and, for the torch backend, by
+                :data:`TORCH_GRAPH_MAX_SEQ_LEN`); longer steps run eagerly.
+
+        Raises:
+            ValueError: not on CUDA, requests are live, or the backend cannot capture.
+        """
+        from unifiedserve.engine.cuda_graph import DecodeGraphs
+
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; this runner is on {self.device}")
+        if self._tensors:
+            raise ValueError("capture decode graphs at start-up, before any request is added")
+        if max_seq_len is None:
+            max_seq_len = min(self.kv_cache.num_blocks * self.block_size,
+                              self.model.config.text.max_position_embeddings)
+            if isinstance(self.attn, TorchPagedAttention):
+                max_seq_len = min(max_seq_len, TORCH_GRAPH_MAX_SEQ_LEN)
+        start = time.perf_counter()
+        self.graphs = DecodeGraphs(self.model, self.attn, self.rope, batch_sizes, max_seq_len)
+        log.info("captured decode CUDA graphs for batch sizes %s (sequences up to %d tokens) in %.1f s",
+                 list(self.graphs.batch_sizes), max_seq_len, time.perf_counter() - start)
+
+    # -- requests ------------------------------------------------------------------------------
     def add_request(self, request: Request, vision: list[VisionInput] | list[MediaGrid]) -> None:
         """Compute positions, and hold the request's patches (if given) until the scheduler admits it.
 
@@ -78,31 +238,38 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self._tensors.pop(request_id, None)
 
+    # -- steps ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[str, torch.Tensor]:
-        """Run one step; returns the logits ``[vocab]`` of each request that samples a token now."""
+        """Run one step; returns the logits ``[vocab]`` (on the device) of each request that samples now."""
         rows = [self._tensors[r].patches for r in out.admitted if self._tensors[r].patches is not None]
         if rows:
-            self.patch_buffer.write(torch.cat(rows), out.patch_write)  # [P, patch_dim]
+            self.patch_buffer.write(to_device(torch.cat(rows), self.device), out.patch_write)  # [P, patch_dim]
         for r in out.admitted:
             self._tensors[r].patches = None  # now only in the patch buffer
         for r, table in out.block_tables.items():
             self._tensors[r].block_table = table
-        self.last_encode_s = 0.0
+        self._encode_s, self._encode_events = 0.0, None
         if out.encode:
+            events = None
+            if self.device.type == "cuda":
+                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                events[0].record()
             start = time.perf_counter()
             patches = self.patch_buffer.read(out.patch_read)  # [P, patch_dim]
             grids = [self._tensors[w.request_id].grids[w.item_index] for w in out.encode]
             visual = self.model.encode_vision(patches, grids)  # [P / merge^2, hidden]
             self.visual_buffer.write(visual, out.visual_write)
-            self.last_encode_s = time.perf_counter() - start
+            if events is not None:
+                events[1].record()
+                self._encode_events = events
+            self._encode_s = time.perf_counter() - start
         if not (out.prefill or out.decode):
             return {}
         return self._forward(out, requests)
 
     def _forward(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[str, torch.Tensor]:
         ids, positions, seqs, sample_rows, sample_ids = [], [], [], [], []
-        visual = self.visual_buffer.read(out.visual_read) if out.visual_read is not None else None
         num_rows = 0
         for chunk in out.prefill:
             t = self._tensors[chunk.request_id]
@@ -123,12 +290,17 @@ class ModelRunner:
             num_rows += 1
             sample_rows.append(num_rows - 1)
             sample_ids.append(rid)
-        input_ids = torch.cat(ids)
-        cfg = self.model.config
-        visual_mask = (input_ids == cfg.image_token_id) | (input_ids == cfg.video_token_id)
-        visual_mask[num_rows - len(out.decode):] = False  # generated tokens are text, whatever their id
-        logits = forward_tokens(self.model, self.attn, self.block_size, input_ids, torch.cat(positions, dim=1),
-                                seqs, visual, sample_rows, visual_mask)
+        input_ids = torch.cat(ids)  # [N] (host)
+        positions = torch.cat(positions, dim=1)  # [3, N] (host)
+        if not out.prefill and self.graphs is not None and self.graphs.serves(seqs):
+            logits = self.graphs.run(seqs, input_ids, positions)  # [N, vocab]: decode rows are the samples
+        else:
+            visual = self.visual_buffer.read(out.visual_read) if out.visual_read is not None else None
+            cfg = self.model.config
+            visual_mask = (input_ids == cfg.image_token_id) | (input_ids == cfg.video_token_id)
+            visual_mask[num_rows - len(out.decode):] = False  # generated tokens are text, whatever their id
+            logits = forward_tokens(self.model, self.attn, input_ids, positions, seqs, visual, sample_rows,
+                                    visual_mask, self.rope)
         return dict(zip(sample_ids, logits))
 
     def _blocks(self, req: Request) -> list[int]:
@@ -136,20 +308,3 @@ class ModelRunner:
 
     def mrope_delta(self, request_id: str) -> int:
         return self._tensors[request_id].mrope_delta
-
-
-def forward_tokens(model, attn, block_size: int, input_ids: torch.Tensor, positions: torch.Tensor,
-                   seqs: list[tuple[int, int, list[int]]], visual: torch.Tensor | None,
-                   sample_rows: list[int], visual_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """One LLM forward over a flattened batch; returns the logits ``[S, vocab]`` of ``sample_rows``.
-
-    Args:
-        input_ids: int64 [N]; positions: int64 [3, N] (M-RoPE).
-        seqs: ``(tokens already cached, new tokens, KV block table)`` per sequence, in row order.
-        visual: visual-token embeddings for the image/video placeholders among ``input_ids``, in order.
-        visual_mask: bool [N], rows that take ``visual`` (default: rows with a placeholder id).
-    """
-    embeds = model.embed(input_ids, visual, visual_mask)  # [N, hidden]
-    attn.begin(AttentionMetadata.build(seqs, block_size))
-    hidden = model(embeds, positions, attn)  # [N, hidden]
-    return model.compute_logits(hidden[sample_rows])  # [S, vocab]

@@ -1,4 +1,12 @@
-"""The sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+"""The sampler: greedy, temperature, top-k, top-p, per-request seeds, batched on the logits' device.
+
+One call filters the whole batch at once (per-row temperature, top-k and top-p as tensors) and
+ends with a single copy of the chosen ids to the host. A random row draws its token with its own
+generator (on the logits' device) by the exponential race: ``argmax(probs / q)`` with
+``q ~ Exp(1)`` per vocabulary entry, which is exactly how torch's ``multinomial`` draws one sample,
+so a seeded request gives the tokens torch's ``multinomial`` would, and the same ones whatever
+else is in the batch.
+"""
 
 from __future__ import annotations
 
@@ -11,37 +19,88 @@ from unifiedserve.engine.params import SamplingParams
 
 @dataclass
 class SamplerState:
-    """Per-request random state; seeded requests are reproducible whatever else is in the batch."""
+    """Per-request random state; seeded requests are reproducible whatever else is in the batch.
+
+    The generator lives on the device the logits are on (``for_params(..., device=)``).
+    """
 
     generator: torch.Generator = field(default_factory=torch.Generator)
 
     @classmethod
-    def for_params(cls, params: SamplingParams) -> "SamplerState":
-        g = torch.Generator()
+    def for_params(cls, params: SamplingParams, device: str | torch.device = "cpu") -> "SamplerState":
+        """A fresh state: seeded from ``params.seed``, else from a non-deterministic seed."""
+        g = torch.Generator(device=device)
         if params.seed is not None:
             g.manual_seed(params.seed)
         else:
             g.seed()
         return cls(g)
 
+    @classmethod
+    def from_bytes(cls, state: bytes, device: str | torch.device = "cpu") -> "SamplerState":
+        """Rebuild a state serialized with :meth:`to_bytes` (a hand-off between processes)."""
+        g = torch.Generator(device=device)
+        g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        return cls(g)
+
+    def to_bytes(self) -> bytes:
+        return bytes(self.generator.get_state().numpy())
+
+
+def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState]) -> torch.Tensor:
+    """Pick one token per row without leaving the device.
+
+    Args:
+        logits: ``[B, vocab]`` (any float dtype; computed in fp32).
+        params, states: one per row; a random row's generator must be on ``logits.device``.
+
+    Returns:
+        int64 ``[B]`` on ``logits.device``.
+
+    Raises:
+        ValueError: ``params``/``states`` lengths differ from the rows.
+    """
+    if len(params) != logits.shape[0] or len(states) != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows of logits but {len(params)} params and {len(states)} states")
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)  # [B]
+    random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if not random_rows:
+        return greedy
+    device = logits.device
+    vocab = logits.shape[-1]
+    sub = [params[i] for i in random_rows]
+    rows = torch.tensor(random_rows, dtype=torch.int64).to(device, non_blocking=True)
+    # per-row knobs as one host-built tensor copied once: [R] each
+    knobs = torch.tensor([[p.temperature, p.top_k if p.top_k and p.top_k < vocab else vocab, p.top_p] for p in sub],
+                         dtype=torch.float64).to(device, non_blocking=True)
+    temperature, top_k, top_p = knobs[:, 0:1].float(), knobs[:, 1:2].long(), knobs[:, 2:3].float()
+    scaled = logits[rows] / temperature  # [R, vocab]
+    if any(p.top_k and p.top_k < vocab for p in sub):
+        ordered = scaled.sort(dim=-1, descending=True).values  # [R, vocab]
+        kth = ordered.gather(1, top_k - 1)  # [R, 1]: the k-th largest logit (the smallest kept)
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)  # [R, vocab]
+    if any(p.top_p < 1.0 for p in sub):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)  # [R, vocab]
+        # keep the smallest prefix whose mass reaches top_p (always at least one token); rows
+        # without top_p keep everything, even where rounding lets the cumsum pass 1.0
+        drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p) & (top_p < 1.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
+    race = torch.empty_like(probs)  # [R, vocab]: Exp(1) noise, each row from its own generator
+    for r, i in enumerate(random_rows):
+        race[r].exponential_(1.0, generator=states[i].generator)
+    chosen = (probs / race).argmax(dim=-1)  # [R]
+    return greedy.index_copy(0, rows, chosen)
+
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState]) -> list[int]:
-    """Pick one token per row. logits: [B, vocab] (any float dtype; computed in fp32)."""
-    logits = logits.float()
-    tokens = logits.argmax(dim=-1).tolist()  # greedy rows keep these
-    for row, (p, state) in enumerate(zip(params, states)):
-        if p.is_greedy:
-            continue
-        row_logits = logits[row] / p.temperature  # [vocab]
-        if p.top_k and p.top_k < row_logits.shape[0]:
-            kth = torch.topk(row_logits, p.top_k).values[-1]
-            row_logits = row_logits.masked_fill(row_logits < kth, float("-inf"))
-        probs = torch.softmax(row_logits, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # keep the smallest prefix whose mass reaches top_p (always at least one token)
-            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        tokens[row] = int(torch.multinomial(probs, 1, generator=state.generator))
-    return tokens
+    """Pick one token per row: :func:`sample_tensor`, then the step's one copy of ids to the host.
+
+    Args:
+        logits: ``[B, vocab]``; params, states: one per row.
+
+    Returns:
+        ``B`` token ids.
+    """
+    return sample_tensor(logits, params, states).tolist()

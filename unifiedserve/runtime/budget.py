@@ -74,8 +74,8 @@ def prefill_seconds(runner, num_tokens: int) -> float:
         return math.inf
     ids = torch.randint(0, 1000, (num_tokens,))
     positions = torch.arange(num_tokens).expand(3, -1)
-    return _time(lambda: forward_tokens(runner.model, runner.attn, bs, ids, positions, [(0, num_tokens, blocks)],
-                                        None, [num_tokens - 1]))
+    return _time(lambda: forward_tokens(runner.model, runner.attn, ids, positions, [(0, num_tokens, blocks)],
+                                        None, [num_tokens - 1], rope=runner.rope))
 
 
 @torch.inference_mode()

@@ -128,7 +128,7 @@ class CoreWorker(Worker):
             return
         self.runner.add_request(request, grids)
         self.live[msg.request_id] = _Live(msg.params, frozenset(msg.stop_token_ids),
-                                          SamplerState.for_params(msg.params), protocol.StageTimes(added=time.time()))
+                                          SamplerState.for_params(msg.params, self.runner.device), protocol.StageTimes(added=time.time()))
 
     # -- one iteration ----------------------------------------------------------------------------------
     def step(self) -> None:
@@ -181,7 +181,7 @@ class CoreWorker(Worker):
                 continue
             handoffs.append(protocol.Handoff(
                 rid, self.runner._tensors[rid].block_table, req.prompt_len, self.runner.mrope_delta(rid), token,
-                live.params, sorted(live.stop_ids), bytes(live.sampler.generator.get_state().numpy())))
+                live.params, sorted(live.stop_ids), live.sampler.to_bytes()))
             self.scheduler.hand_off(rid)
             self.runner.release(rid)
             self.live.pop(rid)

@@ -83,9 +83,8 @@ class DecodeWorker(Worker):
     def _fill(self) -> None:
         while self.pending and len(self.batch) < self.config.max_decode_batch:
             h = self.pending.popleft()
-            generator = torch.Generator()
-            generator.set_state(torch.frombuffer(bytearray(h.sampler_state), dtype=torch.uint8))
-            self.batch[h.request_id] = _Seq(h, SamplerState(generator), frozenset(h.stop_token_ids), [h.first_token])
+            self.batch[h.request_id] = _Seq(h, SamplerState.from_bytes(h.sampler_state, self.config.device),
+                                            frozenset(h.stop_token_ids), [h.first_token])
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -96,7 +95,7 @@ class DecodeWorker(Worker):
             ids.append(seq.tokens[-1])
             positions.append(decode_positions(num_done, h.mrope_delta))
             seqs.append((num_done, 1, h.block_table))
-        logits = forward_tokens(self.model, self.attn, self.config.block_size, torch.tensor(ids, dtype=torch.int64),
+        logits = forward_tokens(self.model, self.attn, torch.tensor(ids, dtype=torch.int64),
                                 torch.cat(positions, dim=1), seqs, None, list(range(len(ids))),
                                 visual_mask=torch.zeros(len(ids), dtype=torch.bool))  # generated tokens are text
         batch = list(self.batch.values())

@@ -1,0 +1,132 @@
+"""Decode steps as CUDA graphs: one graph per captured batch size, replayed on static buffers.
+
+Follows the attention backends' CUDA-graph protocol (``unifiedserve/attention/base.py``):
+``init_cuda_graph`` once, then ``plan(seqs, graph_batch_size=B)`` before capture and before every
+replay, which only rewrites the backend's fixed metadata buffers. The runner's own static inputs
+(token ids and M-RoPE positions, ``B`` rows, padding rows zero) are written the same way, so a
+graph captured once serves every later step of at most ``B`` sequences. All graphs share one
+memory pool and are captured largest first (the smaller ones reuse its blocks).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import torch
+
+from unifiedserve.engine.runner import RopeTables, run_decoder, to_device
+
+#: The dummy decode step planned for capture: nothing cached, one new token in block 0.
+_CAPTURE_SEQ = (0, 1, [0])
+
+
+class DecodeGraphs:
+    """Captured decode graphs of a model on an attention backend.
+
+    Capture writes the K/V of a dummy token into block 0, slot 0: build it before any request.
+
+    Args:
+        model: the loaded model (on a CUDA device).
+        attn: its attention backend (``supports_cuda_graph``).
+        rope: the model's :class:`RopeTables`.
+        batch_sizes: decode batch sizes to capture (each >= 1).
+        max_seq_len: longest sequence (cached + the new token) a graph step may hold.
+
+    Raises:
+        ValueError: the backend cannot capture, the model is not on CUDA, or a bad size.
+    """
+
+    def __init__(self, model, attn, rope: RopeTables, batch_sizes: Sequence[int], max_seq_len: int):
+        if not getattr(attn, "supports_cuda_graph", False):
+            raise ValueError(f"{type(attn).__name__} does not support CUDA-graph decode")
+        device = model.language_model.tok_embeddings.weight.device
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the model on a CUDA device, it is on {device}")
+        self.batch_sizes = tuple(sorted(set(int(b) for b in batch_sizes)))
+        if not self.batch_sizes or self.batch_sizes[0] < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
+        self.model, self.attn, self.rope = model, attn, rope
+        self.device = device
+        self.max_seq_len = max_seq_len
+        largest = self.batch_sizes[-1]
+        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)  # [B_max]
+        self.positions = torch.zeros((3, largest), dtype=torch.int64, device=device)  # [3, B_max]
+        attn.init_cuda_graph(self.batch_sizes, max_seq_len)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}  # [B, vocab] logits each graph writes
+        self._capture_all()
+
+    @torch.inference_mode()
+    def _body(self, size: int) -> torch.Tensor:
+        """The decode step on the static buffers: ``[size, vocab]`` logits (every row is sampled)."""
+        hidden = run_decoder(self.model, self.attn, self.input_ids[:size], self.positions[:, :size], self.rope)
+        return self.model.compute_logits(hidden)  # [size, vocab]
+
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        current = torch.cuda.current_stream(self.device)
+        for size in reversed(self.batch_sizes):
+            self.attn.plan([_CAPTURE_SEQ], graph_batch_size=size)
+            # first runs on a side stream, as torch asks before capture (lazy inits, cuBLAS workspaces)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._body(size)
+            current.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[size] = self._body(size)
+            self._graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+
+    def graph_size(self, num_seqs: int) -> int | None:
+        """The captured size a step of ``num_seqs`` sequences replays, or ``None`` when none fits."""
+        i = bisect.bisect_left(self.batch_sizes, num_seqs)
+        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+
+    def serves(self, seqs: Sequence[tuple[int, int, Sequence[int]]]) -> bool:
+        """True when a step of these sequences can replay a graph: all decode, a size fits, short enough."""
+        return (bool(seqs) and self.graph_size(len(seqs)) is not None
+                and all(new == 1 and cached + 1 <= self.max_seq_len for cached, new, _ in seqs))
+
+    def _prepare(self, seqs, input_ids: torch.Tensor, positions: torch.Tensor) -> int:
+        n = len(seqs)
+        size = self.graph_size(n)
+        if size is None or not self.serves(seqs):
+            raise ValueError(f"no captured decode graph serves {n} sequences (sizes {list(self.batch_sizes)}, "
+                             f"max_seq_len {self.max_seq_len})")
+        if input_ids.shape != (n,) or positions.shape != (3, n):
+            raise ValueError(f"expected input_ids [{n}] and positions [3, {n}], got {list(input_ids.shape)} "
+                             f"and {list(positions.shape)}")
+        self.attn.plan(seqs, graph_batch_size=size)
+        ids = torch.zeros(size, dtype=torch.int64)  # padding rows: token 0 at position 0
+        ids[:n] = input_ids
+        pos = torch.zeros((3, size), dtype=torch.int64)
+        pos[:, :n] = positions
+        self.input_ids[:size].copy_(to_device(ids, self.device), non_blocking=True)
+        self.positions[:, :size].copy_(to_device(pos, self.device), non_blocking=True)
+        return size
+
+    def run(self, seqs, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Replay the graph for a decode step.
+
+        Args:
+            seqs: ``(cached, 1, block_ids)`` per sequence, in row order.
+            input_ids: int64 ``[n]`` (host): each sequence's last token; positions: int64 ``[3, n]`` (host).
+
+        Returns:
+            ``[n, vocab]`` logits (a fresh tensor: the graph's output buffer is rewritten next replay).
+
+        Raises:
+            ValueError: no captured graph serves the step (see :meth:`serves`) or shapes disagree.
+        """
+        size = self._prepare(seqs, input_ids, positions)
+        self._graphs[size].replay()
+        return self._outputs[size][:len(seqs)].clone()
+
+    def run_eager(self, seqs, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The same step as :meth:`run`, the same kernels launched one by one (to check replay against)."""
+        size = self._prepare(seqs, input_ids, positions)
+        return self._body(size)[:len(seqs)].clone()
