@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from unifiedserve.server.limits import QWEN_MAX_FRAMES, QWEN_MAX_PIXELS, BodySiz
 
 log = logging.getLogger("unifiedserve")
 
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 WORKER_DEATH_GRACE_S = 2.0  # /health reports unhealthy this long before the server exits
 
 
@@ -31,10 +33,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"Hugging Face checkpoint folder of a Qwen2.5-VL-family model (default: the demo model at "
                         f"{DEFAULT_DEMO_PATH}, written on first run)")
     g.add_argument("--served-model-name", default=None, help="model id in the API (default: the folder's name)")
-    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where the model runs (default auto: CUDA when available and supported, else CPU)")
+    g.add_argument("--device", type=_device_arg, default="auto", metavar="{auto,cpu,cuda,cuda:N}",
+                   help="where the model runs (default auto: CUDA when available and supported, else CPU; the "
+                        "multi-process server runs on CPU until its CUDA pools are verified, see issue 14)")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="weights and activations (default auto: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never replay CUDA graphs for decode (CUDA only; on CPU decode is always eager)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="CUDA only: share of the GPU's memory for weights, activations and the KV cache, which "
+                        "gets what the weights and a profiled peak step leave (default 0.9; --num-kv-blocks wins). "
+                        "Refused on CPU")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + completion in tokens, visual tokens included (default: the model's, "
                         "capped by the KV cache)")
@@ -104,19 +113,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shm-dir", default=DEFAULT_SHM_DIR, help=f"tmpfs folder for the CPU pools (default {DEFAULT_SHM_DIR})")
 
 
-def _resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
+def _device_arg(value: str) -> str:
+    if not _DEVICE_RE.match(value):
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from auto, cpu, cuda, cuda:N)")
+    return value
 
-    if torch.cuda.is_available():
-        log.warning("CUDA is available but the CUDA attention backend is not built yet; serving on CPU")
-    return "cpu"
+
+def _resolve_device(device: str) -> str:
+    """The server's device: CPU until the multi-process runtime's CUDA pools (issue 14) are verified on a GPU.
+
+    Raises:
+        ValueError: CUDA asked for explicitly (the one line says why and what to use instead).
+    """
+    from unifiedserve.engine.device import resolve_device
+
+    if device == "cpu":
+        return device
+    if device == "auto":
+        if resolve_device("auto") != "cpu":
+            log.warning("CUDA is available, but the server runs on CPU: the multi-process runtime on CUDA needs "
+                        "its CUDA IPC pools (issue 14), not yet verified on a GPU (--device cpu silences this)")
+        return "cpu"
+    raise ValueError(f"--device {device}: the multi-process server does not run on CUDA yet (its shared KV and "
+                     f"patch pools need CUDA IPC, issue 14); use --device cpu, or the in-process engine "
+                     f"unifiedserve.engine.LLM, which runs on CUDA")
 
 
 def run(args: argparse.Namespace) -> int:
     setup_logging("api")
     limits = request_limits(args)  # before anything is built or spawned
+    from unifiedserve.engine.device import resolve_dtype
+
+    device = _resolve_device(args.device)
+    if args.gpu_memory_utilization is not None:
+        raise ValueError(f"--gpu-memory-utilization applies to CUDA only and the server runs on {device}; size the "
+                         f"KV cache with --kv-cache-gb or --num-kv-blocks")
+    dtype = resolve_dtype(args.dtype, device)
     from unifiedserve.model.demo import DEFAULT_DEMO_PATH, write_demo_model
     from unifiedserve.runtime.launcher import Runtime, build_config
 
@@ -128,12 +160,6 @@ def run(args: argparse.Namespace) -> int:
             write_demo_model(model)
     elif not (Path(model) / "config.json").is_file():
         raise ValueError(f"--model {model}: no config.json there; give a Hugging Face checkpoint folder")
-    device = _resolve_device(args.device)
-    if device == "cuda":
-        from unifiedserve.attention import get_attention_backend
-
-        get_attention_backend("cuda")  # raises a clear "not built yet"
-    dtype = args.dtype if args.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
     sched = SchedulerConfig(
         prefill_token_budget=args.prefill_token_budget or SchedulerConfig.prefill_token_budget,
         encode_token_budget=args.encode_token_budget or SchedulerConfig.encode_token_budget,

@@ -109,3 +109,37 @@ def test_encode_grid():
         assert h * w >= budget // 2  # near the budget, not a token grid
     with pytest.raises(ValueError, match="merge window"):
         encode_grid(3, 2)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cuda"], "does not run on CUDA yet"), (["--device", "cuda:1"], "does not run on CUDA yet"),
+    (["--device", "cpu", "--gpu-memory-utilization", "0.5"], "applies to CUDA only"),
+])
+def test_serve_refuses_cuda_flags_in_one_line_before_spawning(argv, message, capsys, monkeypatch):
+    from unifiedserve import cli
+    from unifiedserve.runtime import launcher
+
+    monkeypatch.setattr(launcher.Runtime, "start", lambda self: pytest.fail("a worker was spawned"))
+    assert cli.main(["serve", *argv, "--model", "/nonexistent"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("unifiedserve: error: ") and message in err[0]
+
+
+def test_serve_device_flag_values(capsys):
+    from unifiedserve import cli
+
+    args = cli.build_parser().parse_args(["serve", "--device", "cuda:3", "--enforce-eager"])
+    assert args.device == "cuda:3" and args.enforce_eager and args.gpu_memory_utilization is None
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--device", "gpu"])
+    assert "auto, cpu, cuda, cuda:N" in capsys.readouterr().err
+
+
+def test_serve_auto_on_a_cuda_machine_says_once_it_runs_on_cpu(monkeypatch, caplog):
+    from unifiedserve.server import serve
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with caplog.at_level("WARNING", logger="unifiedserve"):
+        assert serve._resolve_device("auto") == "cpu"
+    lines = [r.getMessage() for r in caplog.records if "runs on CPU" in r.getMessage()]
+    assert len(lines) == 1 and "issue 14" in lines[0]
