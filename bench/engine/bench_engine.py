@@ -1,14 +1,21 @@
 #!/usr/bin/env python3
-"""Engine benchmark on CPU: our paged engine vs transformers' Qwen2_5_VLForConditionalGeneration.
+"""Engine benchmark: our paged engine vs transformers' Qwen2_5_VLForConditionalGeneration, CPU or CUDA.
 
-Same model (the demo checkpoint unless --model), same requests, fp32, warmup excluded:
-  - prefill tokens/s (one prompt);
-  - decode tokens/s at batch 1 / 8 / 32, against transformers' one-request-at-a-time ``generate``
-    (the issue's target: batched decode >= 3x that);
-  - vision patches/s (the vision tower on video slices).
-Greedy tokens are checked equal before anything is timed.
+Same checkpoint (the demo model unless --model, e.g. a preset written by
+``unifiedserve demo-model --preset qwen2.5-vl-7b``), same inputs, same dtype, warm-ups excluded,
+every device timing synchronized:
+  - decode step latency and tokens/s at each --batches size (ours: engine steps after every
+    request has its first token, CUDA graphs unless --enforce-eager; transformers: batched
+    ``generate``, (N new tokens - 1 new token) / (N - 1)), against the floor: the bytes a step
+    must read / the device-to-device copy bandwidth measured in this run;
+  - prefill tokens/s, TFLOP/s and MFU of one --prefill-tokens chunk, against transformers' forward;
+  - vision-tower patches/s, TFLOP/s and MFU on video slices, against transformers' visual forward.
+Correctness is checked before anything is timed: in float32 the greedy tokens must equal
+transformers'; in bf16/fp16 the prefill's last-token logits must have cosine >= 0.99 with
+transformers' (and the greedy agreement is reported); the vision outputs likewise.
 
-    python bench/engine/bench_engine.py [--model PATH] [--batches 1,8,32] [--new-tokens 32]
+    python bench/engine/bench_engine.py [--model PATH] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16]
+        [--short] [--out DIR_OR_FILE.json]
 """
 
 from __future__ import annotations
@@ -22,26 +29,42 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engine_metrics as em  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
+MIN_COSINE = 0.99
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: a fresh demo model)")
-    p.add_argument("--batches", default="1,8,32", help="decode batch sizes (default 1,8,32)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, "
+                                                   "float16")
+    p.add_argument("--short", action="store_true", help="fewer tokens and repeats (the GPU check's time limit)")
+    p.add_argument("--batches", default=None, help="decode batch sizes (default 1,8,64 on CUDA, 1,8,32 on CPU)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of decode requests (default 64)")
-    p.add_argument("--prefill-tokens", type=int, default=1024, help="prompt length for the prefill test")
-    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request (default 32)")
-    p.add_argument("--slices", type=int, default=4, help="video slices (392x728 frame pairs) for vision")
+    p.add_argument("--prefill-tokens", type=int, default=None, help="prefill chunk (default 8192 CUDA, 1024 CPU)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per request (default 32, short 16)")
+    p.add_argument("--slices", type=int, default=None, help="video slices (392x728 frame pairs, 1456 patches each) "
+                                                            "for vision (default 16 CUDA, 4 CPU)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats of prefill/vision (default 5, short 3)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for our decode")
+    p.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU (default: data sheet by GPU name)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where the JSON goes")
-    return p.parse_args(argv)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results",
+                   help="a folder (a timestamped JSON goes there) or a .json file")
+    args = p.parse_args(argv)
+    for name in ("prompt_tokens", "prefill_tokens", "new_tokens", "slices", "repeats"):
+        value = getattr(args, name)
+        if value is not None and value < (2 if name == "new_tokens" else 1):
+            p.error(f"--{name.replace('_', '-')} must be at least {2 if name == 'new_tokens' else 1}, got {value}")
+    return args
 
 
-def timed(fn):
-    t = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - t, result
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
 
 
 def main(argv=None) -> int:
@@ -50,94 +73,183 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from flashcodec.benchmark import machine_info
     from unifiedserve.engine import LLM, EngineConfig, SamplingParams, SchedulerConfig
+    from unifiedserve.engine.device import DTYPES, resolve_device, resolve_dtype
+    from unifiedserve.engine.runner import forward_tokens
     from unifiedserve.model.demo import write_demo_model
 
+    try:
+        device_name = resolve_device(args.device)
+        dtype_name = resolve_dtype(args.dtype, device_name)
+    except ValueError as e:
+        print(f"bench_engine: error: {e}", file=sys.stderr)
+        return 1
+    device = torch.device(device_name)
+    cuda = device.type == "cuda"
+    batches = [int(b) for b in (args.batches or ("1,8,64" if cuda else "1,8,32")).split(",")]
+    prefill_tokens = args.prefill_tokens or (8192 if cuda else 1024)
+    new_tokens = args.new_tokens or (16 if args.short else 32)
+    slices = args.slices or (16 if cuda else 4)
+    repeats = args.repeats or (3 if args.short else 5)
+    dtype = DTYPES[dtype_name]
     model_path = args.model
     if model_path is None:
         model_path = Path(tempfile.mkdtemp()) / "demo-model"
         write_demo_model(model_path)
-    batches = [int(b) for b in args.batches.split(",")]
     max_batch = max(batches)
-    total = max_batch * (args.prompt_tokens + args.new_tokens) + args.prefill_tokens + args.new_tokens
-    engine = LLM(model_path, EngineConfig(num_kv_blocks=total // 16 + 64, scheduler=SchedulerConfig(
-        prefill_token_budget=max(args.prefill_tokens, max_batch * args.prompt_tokens), max_num_seqs=max_batch)))
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32).eval()
+    total = max_batch * (args.prompt_tokens + new_tokens) + prefill_tokens + new_tokens
+    engine = LLM(model_path, EngineConfig(
+        device=device_name, dtype=dtype_name, num_kv_blocks=total // 16 + 64, enforce_eager=args.enforce_eager,
+        max_cuda_graph_batch=max_batch, scheduler=SchedulerConfig(
+            prefill_token_budget=max(prefill_tokens, max_batch * args.prompt_tokens), max_num_seqs=max_batch)))
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    model, runner = engine.model, engine.runner
     vocab = engine.model_config.text.vocab_size
     gen = torch.Generator().manual_seed(0)
 
     def prompt(n):
         return torch.randint(10, vocab - 100, (n,), generator=gen).tolist()
 
-    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
-
-    def hf_generate(ids):
+    def hf_generate(prompts, n):
         with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+            ids = torch.tensor(prompts, device=device)  # equal lengths: no padding
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                               do_sample=False)
-        return out[0, len(ids):].tolist()
+        return out[:, len(prompts[0]):].tolist()
 
-    # correctness first
+    def ours_prefill_logits(ids):
+        blocks = list(range(-(-len(ids) // engine.config.block_size)))
+        return forward_tokens(model, runner.attn, torch.tensor(ids), torch.arange(len(ids)).expand(3, -1),
+                              [(0, len(ids), blocks)], None, [len(ids) - 1], torch.zeros(len(ids), dtype=torch.bool),
+                              runner.rope)[0]
+
+    def hf_prefill_logits(ids):
+        with torch.no_grad():
+            return hf(input_ids=torch.tensor([ids], device=device), logits_to_keep=1).logits[0, -1]
+
+    # -- correctness first -------------------------------------------------------------------
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     check = prompt(args.prompt_tokens)
-    ours = engine.generate([(check, [], params)])[0].token_ids
-    assert ours == hf_generate(check), "greedy tokens differ from transformers: refusing to time"
-    results = {}
+    ours_tokens = engine.generate([(check, [], params)])[0].token_ids
+    hf_tokens = hf_generate([check], new_tokens)[0]
+    agreement = sum(a == b for a, b in zip(ours_tokens, hf_tokens)) / new_tokens
+    with torch.inference_mode():
+        logit_cos = cosine(ours_prefill_logits(check), hf_prefill_logits(check))
+    if dtype == torch.float32 and ours_tokens != hf_tokens:
+        print("bench_engine: error: float32 greedy tokens differ from transformers: refusing to time", file=sys.stderr)
+        return 1
+    if logit_cos < MIN_COSINE:
+        print(f"bench_engine: error: prefill logits cosine {logit_cos:.4f} < {MIN_COSINE} vs transformers: refusing "
+              f"to time", file=sys.stderr)
+        return 1
+    grid = [(1, 28, 52)] * slices  # one 392x728 frame pair per slice
+    patches = torch.randn(sum(t * h * w for t, h, w in grid), runner.patch_buffer.dim, generator=gen).to(device, dtype)
+    grid_t = torch.tensor(grid, device=device)
 
-    # prefill
-    long_prompt = prompt(args.prefill_tokens)
-    with torch.no_grad():
-        hf(input_ids=torch.tensor([long_prompt]))  # warmup
-        hf_prefill_s, _ = timed(lambda: hf(input_ids=torch.tensor([long_prompt])))
-    one = SamplingParams(max_tokens=1, ignore_eos=True)
-    engine.generate([(long_prompt, [], one)])  # warmup
-    our_prefill_s, _ = timed(lambda: engine.generate([(long_prompt, [], one)]))
-    results["prefill_tokens_per_s"] = {"ours": args.prefill_tokens / our_prefill_s,
-                                       "transformers": args.prefill_tokens / hf_prefill_s}
+    def hf_visual():
+        out = hf.model.visual(patches, grid_thw=grid_t)
+        return out if torch.is_tensor(out) else out.pooler_output
 
-    # decode: time from the step where every request has its first token to the end
-    hf_generate(check)  # warmup
-    hf_s, _ = timed(lambda: [hf_generate(p) for p in [prompt(args.prompt_tokens) for _ in range(4)]])
-    hf_tokens_per_s = 4 * args.new_tokens / hf_s
+    with torch.inference_mode():
+        vision_cos = cosine(model.encode_vision(patches, grid), hf_visual())
+    if vision_cos < MIN_COSINE:
+        print(f"bench_engine: error: vision output cosine {vision_cos:.4f} < {MIN_COSINE}: refusing to time",
+              file=sys.stderr)
+        return 1
+    results = {"correctness": {"greedy_agreement": agreement, "prefill_logits_cosine": logit_cos,
+                               "vision_cosine": vision_cos, "tokens_checked": new_tokens}}
+
+    # -- the floor: copy bandwidth and peak --------------------------------------------------
+    bandwidth = em.copy_bandwidth(device, (1 << 30) if cuda else (1 << 28))
+    peak, peak_source = em.peak_tflops(device, dtype_name, args.peak_tflops)
+    results["device"] = {"copy_bandwidth_GBps": bandwidth / 1e9, "peak_tflops": peak, "peak_source": peak_source,
+                         "cuda_graphs": runner.graphs is not None,
+                         "attention_backend": type(runner.attn).__name__}
+
+    # -- decode --------------------------------------------------------------------------------
     decode = {}
     for batch in batches:
         prompts = [prompt(args.prompt_tokens) for _ in range(batch)]
+        engine.generate([(p, [], SamplingParams(max_tokens=3, ignore_eos=True)) for p in prompts])  # warm-up
         for ids in prompts:
             engine.add_request(ids, [], params)
         while any(not r.output_token_ids for r in engine.scheduler.requests.values()):
-            engine.step()  # prefill
-        start, produced = time.perf_counter(), 0
+            engine.step()  # prefill: not timed
+        em.sync(device)
+        start, steps, produced = time.perf_counter(), 0, 0
         while engine.has_unfinished:
             produced += len(engine.step())
-        decode[batch] = produced / (time.perf_counter() - start)
-    results["decode_tokens_per_s"] = {"ours": decode, "transformers_one_at_a_time": hf_tokens_per_s}
+            steps += 1
+        ours_s = (time.perf_counter() - start) / steps
+        hf_generate(prompts, 2)  # warm-up
+        em.sync(device)
+        t_one = em.median_seconds(lambda: hf_generate(prompts, 1), device, 1, warmup=0)
+        t_all = em.median_seconds(lambda: hf_generate(prompts, new_tokens), device, 1, warmup=0)
+        hf_s = max(t_all - t_one, 1e-9) / (new_tokens - 1)
+        floor_s = em.decode_bytes(model, batch, args.prompt_tokens + new_tokens // 2) / bandwidth
+        decode[batch] = {"ours_step_ms": ours_s * 1e3, "ours_tokens_per_s": produced / (ours_s * steps),
+                         "transformers_step_ms": hf_s * 1e3, "transformers_tokens_per_s": batch / hf_s,
+                         "speedup": hf_s / ours_s, "floor_step_ms": floor_s * 1e3, "vs_floor": ours_s / floor_s}
+    results["decode"] = decode
 
-    # vision: video slices of a 392x728 frame pair (1456 patches each)
-    grid = [(1, 28, 52)] * args.slices
-    patches = torch.randn(sum(t * h * w for t, h, w in grid), 1176)
-    with torch.no_grad():
-        engine.model.encode_vision(patches, grid)
-        ours_v, _ = timed(lambda: engine.model.encode_vision(patches, grid))
-        hf.model.visual(patches, grid_thw=torch.tensor(grid))
-        hf_v, _ = timed(lambda: hf.model.visual(patches, grid_thw=torch.tensor(grid)))
-    results["vision_patches_per_s"] = {"ours": patches.shape[0] / ours_v, "transformers": patches.shape[0] / hf_v}
+    # -- prefill -------------------------------------------------------------------------------
+    long_prompt = prompt(prefill_tokens)
+    with torch.inference_mode():
+        ours_p = em.median_seconds(lambda: ours_prefill_logits(long_prompt), device, repeats)
+        hf_p = em.median_seconds(lambda: hf_prefill_logits(long_prompt), device, repeats)
+    flops = em.prefill_flops(engine.model_config.text, model.language_model.layers, prefill_tokens)
+    results["prefill"] = _throughput(prefill_tokens, "tokens", ours_p, hf_p, flops, peak)
+
+    # -- vision --------------------------------------------------------------------------------
+    with torch.inference_mode():
+        ours_v = em.median_seconds(lambda: model.encode_vision(patches, grid), device, repeats)
+        hf_v = em.median_seconds(hf_visual, device, repeats)
+    flops = em.vit_flops(engine.model_config.vision, model.visual, grid)
+    results["vision"] = _throughput(patches.shape[0], "patches", ours_v, hf_v, flops, peak)
     assert engine.pool_usage() == {"kv_blocks_used": 0, "patch_pages_used": 0, "visual_pages_used": 0}
 
-    print(f"{'metric':<34} {'ours':>10} {'transformers':>13} {'ratio':>7}")
-    p = results["prefill_tokens_per_s"]
-    print(f"{'prefill tokens/s':<34} {p['ours']:>10.0f} {p['transformers']:>13.0f} {p['ours'] / p['transformers']:>6.2f}x")
-    for batch, tps in decode.items():
-        print(f"{f'decode tokens/s, batch {batch}':<34} {tps:>10.0f} {hf_tokens_per_s:>13.0f} "
-              f"{tps / hf_tokens_per_s:>6.2f}x")
-    v = results["vision_patches_per_s"]
-    print(f"{'vision patches/s':<34} {v['ours']:>10.0f} {v['transformers']:>13.0f} {v['ours'] / v['transformers']:>6.2f}x")
-    print("(transformers decode: generate() one request at a time, the same tokens)")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()},
-                                "results": results}, indent=2))
+    _print(results, device_name, dtype_name)
+    config = {"model": str(model_path), "device": device_name, "dtype": dtype_name, "batches": batches,
+              "prompt_tokens": args.prompt_tokens, "prefill_tokens": prefill_tokens, "new_tokens": new_tokens,
+              "slices": slices, "repeats": repeats, "short": args.short, "enforce_eager": args.enforce_eager}
+    path = args.out if args.out.suffix == ".json" else args.out / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": em.machine_info(device), "config": config, "results": results},
+                               indent=2))
     print(f"wrote {path}")
     return 0
+
+
+def _throughput(units: int, unit: str, ours_s: float, hf_s: float, flops: float, peak: float | None) -> dict:
+    out = {f"{unit}": units, f"ours_{unit}_per_s": units / ours_s, f"transformers_{unit}_per_s": units / hf_s,
+           "speedup": hf_s / ours_s, "flops": flops, "ours_tflops": flops / ours_s / 1e12,
+           "transformers_tflops": flops / hf_s / 1e12}
+    if peak:
+        out["ours_mfu"] = out["ours_tflops"] / peak
+        out["transformers_mfu"] = out["transformers_tflops"] / peak
+    return out
+
+
+def _print(results: dict, device: str, dtype: str) -> None:
+    d = results["device"]
+    print(f"{device}, {dtype}, {d['attention_backend']}, CUDA graphs: {d['cuda_graphs']}; copy bandwidth "
+          f"{d['copy_bandwidth_GBps']:.0f} GB/s; peak {d['peak_tflops']} TFLOP/s ({d['peak_source']})")
+    c = results["correctness"]
+    print(f"correctness: greedy agreement {c['greedy_agreement']:.3f}, prefill logits cosine "
+          f"{c['prefill_logits_cosine']:.5f}, vision cosine {c['vision_cosine']:.5f}")
+    print(f"{'decode':<10} {'ours ms':>9} {'tok/s':>9} {'hf ms':>9} {'hf tok/s':>9} {'speedup':>8} "
+          f"{'floor ms':>9} {'x floor':>8}")
+    for batch, r in results["decode"].items():
+        print(f"{f'batch {batch}':<10} {r['ours_step_ms']:>9.2f} {r['ours_tokens_per_s']:>9.0f} "
+              f"{r['transformers_step_ms']:>9.2f} {r['transformers_tokens_per_s']:>9.0f} {r['speedup']:>7.2f}x "
+              f"{r['floor_step_ms']:>9.3f} {r['vs_floor']:>7.2f}x")
+    for name, unit in (("prefill", "tokens"), ("vision", "patches")):
+        r = results[name]
+        mfu = (f", MFU ours {r['ours_mfu']:.1%} / transformers {r['transformers_mfu']:.1%}" if "ours_mfu" in r
+               else "")
+        print(f"{name} ({r[unit]} {unit}): ours {r[f'ours_{unit}_per_s']:.0f}/s ({r['ours_tflops']:.3g} TFLOP/s), "
+              f"transformers {r[f'transformers_{unit}_per_s']:.0f}/s ({r['transformers_tflops']:.3g} TFLOP/s), "
+              f"{r['speedup']:.2f}x{mfu}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,146 @@
+"""Figures the engine benchmark derives: timers that wait for the device, FLOPs, MFU, the bandwidth floor.
+
+FLOP counts are for one forward (multiply-add = 2 FLOPs), matmuls only:
+
+* LLM prefill of ``T`` tokens from an empty cache: ``2 * P_layers * T`` for the decoder layers'
+  linear weights plus causal attention ``2 * L * Hq * D * T^2`` (QK^T and PV, each half of ``T^2``).
+* ViT over ``P`` patches: ``2 * P_blocks * P`` for the blocks' linear weights, the patch embedding
+  and the merger (on ``P / merge^2`` rows), plus attention ``4 * H * D * P * K`` per layer, with
+  ``K`` the keys a patch sees: its window in windowed layers, its whole frame in full layers.
+
+The decode floor is the bytes one step must read (every decoder and output weight, the KV of the
+batch) divided by the device's copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+#: Dense tensor-core peak (TFLOP/s) by device name and dtype, from NVIDIA's data sheets (no sparsity).
+PEAK_TFLOPS = {
+    "H100 PCIe": {"bfloat16": 756.0, "float16": 756.0, "float32": 51.0},
+    "H100": {"bfloat16": 989.4, "float16": 989.4, "float32": 66.9},  # SXM / HBM3
+    "H200": {"bfloat16": 989.4, "float16": 989.4, "float32": 66.9},
+    "A100": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn, device: torch.device, repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` untimed ones, device work included."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Bytes/s a device-to-device copy moves (each byte read once and written once: 2x the size)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = median_seconds(lambda: dst.copy_(src), device, repeats, warmup=2)
+    del src, dst
+    return 2 * num_bytes / seconds
+
+
+def peak_tflops(device: torch.device, dtype: str, override: float | None) -> tuple[float | None, str]:
+    """The peak to divide by, and where it came from (``None`` when unknown: MFU is then left out)."""
+    if override:
+        return override, "--peak-tflops"
+    if device.type != "cuda":
+        return None, "no peak known for a CPU (give --peak-tflops)"
+    name = torch.cuda.get_device_name(device)
+    for key, table in PEAK_TFLOPS.items():  # "H100 PCIe" before "H100"
+        if key in name:
+            return table[dtype], f"data sheet ({key}, {dtype}, dense)"
+    return None, f"no peak known for {name!r} (give --peak-tflops)"
+
+
+def linear_params(module: torch.nn.Module) -> int:
+    """Weights of the module's ``nn.Linear`` layers (biases excluded)."""
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+
+def prefill_flops(text_config, layers: torch.nn.Module, tokens: int) -> float:
+    """FLOPs of one causal prefill of ``tokens`` tokens (see the module docstring)."""
+    attention = 2 * text_config.num_hidden_layers * text_config.num_attention_heads * text_config.head_dim * tokens ** 2
+    return 2.0 * linear_params(layers) * tokens + attention
+
+
+def vit_flops(vision_config, visual: torch.nn.Module, grids: list[tuple[int, int, int]]) -> float:
+    """FLOPs of one vision-tower forward over frames ``(t, h, w)`` in patches (see the module docstring)."""
+    v = vision_config
+    patches = sum(t * h * w for t, h, w in grids)
+    merge = v.spatial_merge_size ** 2
+    patch_dim = 3 * v.temporal_patch_size * v.patch_size ** 2
+    merger = linear_params(visual.merger)
+    blocks = linear_params(visual.blocks)
+    flops = 2.0 * (blocks * patches + patch_dim * v.hidden_size * patches + merger * patches / merge)
+    window = (v.window_size // v.patch_size) ** 2  # patches per attention window
+    full = len(v.fullatt_block_indexes)
+    per_key = 4 * v.num_heads * (v.hidden_size // v.num_heads)
+    for t, h, w in grids:
+        frame = h * w
+        keys_windowed = min(window, frame)
+        flops += per_key * t * frame * ((v.depth - full) * keys_windowed + full * frame)
+    return flops
+
+
+def decode_bytes(model, batch: int, context: int) -> int:
+    """Bytes one decode step reads: every weight of the decoder and the output projection (the
+    embedding table only for the batch's rows), and the KV of ``batch`` sequences of ``context`` tokens."""
+    lm = model.language_model
+    t = model.config.text
+    itemsize = next(lm.parameters()).element_size()
+    weights = sum(p.numel() for p in lm.parameters()) * itemsize
+    if lm.lm_head is not None:  # untied: the embedding table is gathered, not read whole
+        weights -= lm.tok_embeddings.weight.numel() * itemsize - batch * t.hidden_size * itemsize
+    kv = batch * context * t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * itemsize
+    return weights + kv
+
+
+def machine_info(device: torch.device) -> dict:
+    """Machine, versions and commit for the JSON (no optional imports: the GPU image lacks PyAV)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=root, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    info = {"machine": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "commit": commit, "device": str(device),
+            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    try:
+        import flashinfer
+
+        info["flashinfer"] = flashinfer.__version__
+    except ImportError:
+        info["flashinfer"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    sms=props.multi_processor_count)
+    return info

@@ -1,0 +1,82 @@
+"""bench/engine: FLOP and byte counts against hand-computed values, and a tiny CPU run end to end."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench" / "engine"))
+
+import engine_metrics as em  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from unifiedserve.model.demo import write_demo_model
+    from unifiedserve.model.loader import load_model
+
+    path = tmp_path_factory.mktemp("demo")
+    write_demo_model(path)
+    return load_model(path, torch.float32, "cpu")[0]
+
+
+def test_prefill_flops(model):
+    t = model.config.text
+    per_layer = (t.hidden_size * (t.num_attention_heads + 2 * t.num_key_value_heads) * t.head_dim  # qkv
+                 + t.num_attention_heads * t.head_dim * t.hidden_size  # o
+                 + 3 * t.hidden_size * t.intermediate_size)  # gate, up, down
+    expected = 2 * per_layer * t.num_hidden_layers * 100 + 2 * t.num_hidden_layers * t.num_attention_heads * \
+        t.head_dim * 100 ** 2
+    assert em.prefill_flops(t, model.language_model.layers, 100) == pytest.approx(expected)
+
+
+def test_vit_flops(model):
+    v = model.config.vision
+    grid = [(2, 8, 12)]
+    p = 2 * 8 * 12
+    d = v.hidden_size
+    per_patch = 4 * d * d + 3 * d * v.intermediate_size  # qkv + proj, gate/up/down
+    merged = d * v.spatial_merge_size ** 2
+    merger = merged * merged + merged * v.out_hidden_size
+    window = min((v.window_size // v.patch_size) ** 2, 96)
+    full = len(v.fullatt_block_indexes)
+    attention = 4 * d * p * ((v.depth - full) * window + full * 96)
+    patch_dim = 3 * v.temporal_patch_size * v.patch_size ** 2
+    expected = 2 * (v.depth * per_patch * p + patch_dim * d * p + merger * p / v.spatial_merge_size ** 2) + attention
+    assert em.vit_flops(v, model.visual, grid) == pytest.approx(expected)
+
+
+def test_decode_bytes(model):
+    t = model.config.text
+    lm = model.language_model
+    all_weights = sum(p.numel() for p in lm.parameters()) * 4
+    kv = 3 * 50 * t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * 4
+    table = lm.tok_embeddings.weight.numel() * 4
+    gathered = 3 * t.hidden_size * 4
+    expected = all_weights + kv if lm.lm_head is None else all_weights - table + gathered + kv
+    assert em.decode_bytes(model, 3, 50) == expected
+
+
+def test_peak_tflops():
+    assert em.peak_tflops(torch.device("cpu"), "float32", 123.0) == (123.0, "--peak-tflops")
+    peak, why = em.peak_tflops(torch.device("cpu"), "float32", None)
+    assert peak is None and "--peak-tflops" in why
+
+
+@pytest.mark.slow
+def test_bench_engine_runs_on_cpu(tmp_path):
+    import bench_engine
+
+    out = tmp_path / "engine.json"
+    assert bench_engine.main(["--device", "cpu", "--batches", "1,2", "--prefill-tokens", "32", "--new-tokens", "3",
+                              "--slices", "1", "--repeats", "1", "--prompt-tokens", "8", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    r = report["results"]
+    assert report["config"]["dtype"] == "float32" and report["machine"]["device"] == "cpu"
+    assert r["correctness"]["greedy_agreement"] == 1.0 and r["correctness"]["prefill_logits_cosine"] > 0.999
+    assert set(r["decode"]) == {"1", "2"} and all(d["ours_tokens_per_s"] > 0 for d in r["decode"].values())
+    assert r["prefill"]["tokens"] == 32 and r["vision"]["patches"] == 28 * 52
+    assert "ours_mfu" not in r["prefill"]  # no peak known for a CPU
