@@ -35,7 +35,9 @@ class EngineConfig:
     """Memory pools, budgets, device and dtype of one engine. Defaults suit the CPU demo model.
 
     ``device`` and ``dtype`` are resolved at construction: ``device="auto"`` is CUDA when torch
-    sees a GPU, else the CPU; ``dtype="auto"`` is bfloat16 on CUDA and float32 on the CPU.
+    sees a GPU, else the CPU; ``dtype="auto"`` is bfloat16 on CUDA and float32 on the CPU. The
+    default device stays the CPU, so code written for the CPU engine behaves the same on a GPU
+    machine; ask for ``auto`` or ``cuda`` (the CLI's ``--device`` defaults to ``auto``).
     ``num_kv_blocks=None`` means 1024 on the CPU and, on CUDA, as many blocks as
     ``gpu_memory_utilization`` (default 0.9) of the GPU leaves after the weights and the profiled
     peak of a maximum-size step; an explicit ``num_kv_blocks`` wins. On CUDA, decode steps of up to
@@ -53,7 +55,7 @@ class EngineConfig:
     num_visual_pages: int = 256
     page_size: int = 256  # rows per page of the patch and visual-token buffers
     dtype: str = "auto"
-    device: str = "auto"
+    device: str = "cpu"
     enforce_eager: bool = False
     gpu_memory_utilization: float | None = None
     max_cuda_graph_batch: int = 64
@@ -109,7 +111,7 @@ class LLM:
 
     Args:
         model: checkpoint directory (HF format). ``None``: the demo model (written on first use).
-        config: pools, budgets, device, dtype (default ``EngineConfig()``: CUDA when present).
+        config: pools, budgets, device, dtype (default ``EngineConfig()``: the CPU, float32).
 
     On CUDA the start-up also sizes the KV pool (unless ``num_kv_blocks`` is given), warms the
     attention kernels, and captures the decode CUDA graphs (unless ``enforce_eager``), so none of

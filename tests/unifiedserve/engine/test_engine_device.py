@@ -39,10 +39,11 @@ def test_resolve_dtype():
 
 
 def test_engine_config_on_cpu():
-    cfg = EngineConfig()
+    assert (EngineConfig().device, EngineConfig().dtype) == ("cpu", "float32")  # the default stays the CPU
+    auto = EngineConfig(device="auto")
     expected = "cuda" if torch.cuda.is_available() else "cpu"
-    assert cfg.device == expected
-    assert cfg.dtype == ("bfloat16" if expected == "cuda" else "float32")
+    assert auto.device == expected
+    assert auto.dtype == ("bfloat16" if expected == "cuda" else "float32")
     cpu = EngineConfig(device="cpu")
     assert (cpu.device, cpu.dtype, cpu.num_kv_blocks, cpu.gpu_memory_utilization) == ("cpu", "float32", 1024, None)
     assert EngineConfig(device="cpu", num_kv_blocks=7).num_kv_blocks == 7
