@@ -22,9 +22,11 @@ _CAPTURE_SEQ = (0, 1, [0])
 
 
 class DecodeGraphs:
-    """Captured decode graphs of a model on an attention backend.
+    """Decode graphs of a model on an attention backend: static buffers now, graphs at :meth:`capture`.
 
-    Capture writes the K/V of a dummy token into block 0, slot 0: build it before any request.
+    Before capture (and on any device) :meth:`run_eager` runs the padded step on the static
+    buffers without a graph. Capture writes the K/V of a dummy token into block 0, slot 0: capture
+    before any request.
 
     Args:
         model: the loaded model (on a CUDA device).
@@ -34,15 +36,13 @@ class DecodeGraphs:
         max_seq_len: longest sequence (cached + the new token) a graph step may hold.
 
     Raises:
-        ValueError: the backend cannot capture, the model is not on CUDA, or a bad size.
+        ValueError: the backend cannot capture or a bad size.
     """
 
     def __init__(self, model, attn, rope: RopeTables, batch_sizes: Sequence[int], max_seq_len: int):
         if not getattr(attn, "supports_cuda_graph", False):
             raise ValueError(f"{type(attn).__name__} does not support CUDA-graph decode")
         device = model.language_model.tok_embeddings.weight.device
-        if device.type != "cuda":
-            raise ValueError(f"CUDA graphs need the model on a CUDA device, it is on {device}")
         self.batch_sizes = tuple(sorted(set(int(b) for b in batch_sizes)))
         if not self.batch_sizes or self.batch_sizes[0] < 1:
             raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
@@ -55,7 +55,6 @@ class DecodeGraphs:
         attn.init_cuda_graph(self.batch_sizes, max_seq_len)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}  # [B, vocab] logits each graph writes
-        self._capture_all()
 
     @torch.inference_mode()
     def _body(self, size: int) -> torch.Tensor:
@@ -63,7 +62,18 @@ class DecodeGraphs:
         hidden = run_decoder(self.model, self.attn, self.input_ids[:size], self.positions[:, :size], self.rope)
         return self.model.compute_logits(hidden)  # [size, vocab]
 
-    def _capture_all(self) -> None:
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def capture(self) -> None:
+        """Capture every batch size, largest first, into one shared memory pool.
+
+        Raises:
+            ValueError: the model is not on a CUDA device.
+        """
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the model on a CUDA device, it is on {self.device}")
         pool = torch.cuda.graph_pool_handle()
         current = torch.cuda.current_stream(self.device)
         for size in reversed(self.batch_sizes):
@@ -121,7 +131,10 @@ class DecodeGraphs:
 
         Raises:
             ValueError: no captured graph serves the step (see :meth:`serves`) or shapes disagree.
+            RuntimeError: :meth:`capture` has not run.
         """
+        if not self.captured:
+            raise RuntimeError("DecodeGraphs.run before capture()")
         size = self._prepare(seqs, input_ids, positions)
         self._graphs[size].replay()
         return self._outputs[size][:len(seqs)].clone()

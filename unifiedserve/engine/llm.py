@@ -184,7 +184,8 @@ class LLM:
         request = make_request(request_id, prompt_token_ids, params, list(vision), self.model_config)
         self.scheduler.add(request)
         self.runner.add_request(request, list(vision))
-        self._live[request_id] = _Live(request, SamplerState.for_params(params, self.runner.device), params.stop_ids(self.eos_token_ids),
+        self._live[request_id] = _Live(request, SamplerState.for_params(params, self.runner.device),
+                                       params.stop_ids(self.eos_token_ids),
                                        TextOutput(self.processor.incremental_decoder(), params.stop))
         return request_id
 

@@ -214,7 +214,9 @@ class ModelRunner:
             if isinstance(self.attn, TorchPagedAttention):
                 max_seq_len = min(max_seq_len, TORCH_GRAPH_MAX_SEQ_LEN)
         start = time.perf_counter()
-        self.graphs = DecodeGraphs(self.model, self.attn, self.rope, batch_sizes, max_seq_len)
+        graphs = DecodeGraphs(self.model, self.attn, self.rope, batch_sizes, max_seq_len)
+        graphs.capture()
+        self.graphs = graphs
         log.info("captured decode CUDA graphs for batch sizes %s (sequences up to %d tokens) in %.1f s",
                  list(self.graphs.batch_sizes), max_seq_len, time.perf_counter() - start)
 

@@ -136,3 +136,42 @@ def test_cuda_graph_replay_equals_eager(demo_path, dtype):
     assert torch.equal(replayed.argmax(-1), plain.argmax(-1))
     while engine.has_unfinished:
         engine.step()
+
+
+@torch.inference_mode()
+def test_padded_graph_step_matches_the_plain_forward_on_cpu(model):
+    """The graph body (static buffers, padding rows, graph-mode attention plan), run eagerly on the CPU."""
+    from unifiedserve.engine.cuda_graph import DecodeGraphs
+
+    bs = 16
+    attn = _attn(model, num_blocks=32, block_size=bs)
+    rope = RopeTables(model.config.text, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    lengths = [5, 20, 33]  # prompts, each in its own blocks
+    blocks = [[0, 1], [2, 3], [4, 5, 6]]
+    for n, b in zip(lengths, blocks):  # prefill each prompt into its blocks
+        ids = torch.randint(10, 1000, (n,), generator=gen)
+        forward_tokens(model, attn, ids, torch.arange(n).expand(3, -1), [(0, n, b)], None, [n - 1])
+    graphs = DecodeGraphs(model, attn, rope, [1, 2, 4, 8], max_seq_len=64)
+    assert not graphs.captured and [graphs.graph_size(n) for n in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, None]
+    seqs = [(n, 1, b) for n, b in zip(lengths, blocks)]
+    ids = torch.randint(10, 1000, (3,), generator=gen)
+    positions = torch.tensor(lengths).expand(3, -1)
+    assert graphs.serves(seqs) and graphs.serves([(63, 1, [0, 1, 2, 3])])
+    assert not graphs.serves([(64, 1, [0, 1, 2, 3, 4])])  # past max_seq_len
+    assert not graphs.serves([(0, 2, [0])])  # not a decode
+    before = attn.kv_cache.tensor.clone()  # [layers, 2, blocks, block_size, heads, dim]
+    padded = graphs.run_eager(seqs, ids, positions)  # 3 sequences in the size-4 buffers
+    after_padded = attn.kv_cache.tensor.clone()
+    changed = (after_padded != before).any(-1).any(-1).any(0).any(0).nonzero().tolist()  # [block, offset]
+    assert sorted(changed) == sorted([b[n // bs], n % bs] for n, b in zip(lengths, blocks))  # padding wrote nothing
+    plain = forward_tokens(model, attn, ids, positions, seqs, None, [0, 1, 2], rope=rope)
+    torch.testing.assert_close(attn.kv_cache.tensor, after_padded, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(padded, plain, atol=1e-5, rtol=1e-5)
+    assert torch.equal(padded.argmax(-1), plain.argmax(-1))
+    with pytest.raises(ValueError, match="no captured decode graph serves 9"):
+        graphs.run_eager([(1, 1, [0])] * 9, torch.zeros(9, dtype=torch.int64), torch.zeros(3, 9, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="before capture"):
+        graphs.run(seqs, ids, positions)
+    with pytest.raises(ValueError, match="CUDA graphs need"):
+        graphs.capture()
