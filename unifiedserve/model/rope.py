@@ -1,20 +1,26 @@
 """M-RoPE positions of a Qwen2.5-VL prompt: one ``(temporal, height, width)`` triple per token.
 
-Rules (those of transformers 5's ``Qwen2_5_VLModel.get_rope_index``, for one sequence):
+The rule is the one Qwen2.5-VL was released and trained with: the ``get_rope_index`` published
+with the model (transformers 4.49 to 5.2, and vLLM's ``MRotaryEmbedding``), for one sequence:
 
 * a run of text tokens continues a counter ``p`` on all three axes: ``p, p+1, ...``;
 * a media's placeholder tokens (``t x h/m x w/m`` visual tokens, row-major per frame pair) get
-  ``(p + floor(i_t * interval), p + i_h, p + i_w)``, where ``interval`` is 1 for an image and
-  ``tokens_per_second * second_per_grid_t`` for a video (the product is taken in float32, as
-  transformers does with the processor's float32 ``second_per_grid_ts``); afterwards the
-  counter advances by ``max(h, w) / m`` only.
+  ``(p + floor(i_t * second_per_grid_t * tokens_per_second), p + i_h, p + i_w)`` for a video
+  (the products taken left to right in float32, as the released code multiplies the arange by the
+  processor's float32 ``second_per_grid_ts`` and then by the integer ``tokens_per_second``), and
+  ``(p, p + i_h, p + i_w)`` for an image;
+* after a media the counter restarts at **the largest position so far + 1** (the temporal axis
+  included);
 * ``delta = max(positions) + 1 - L``; the ``i``-th generated token (0-based) sits at
   ``L + delta + i`` on all three axes.
 
-Note: the original Qwen2.5-VL code (and transformers 4) advances the counter past the largest
-position of the media, *including* the temporal axis. The two rules differ only for text that
-follows a video whose scaled temporal extent exceeds its spatial one; we follow transformers 5,
-the reference this project is tested against.
+Why not the installed transformers' rule: from 5.3 transformers advances the counter after a media
+by ``max(h, w) / m`` only, ignoring time (transformers issue #45381 shows 348 vs 31 for the same
+input). For text after a video whose scaled temporal extent exceeds its spatial one, that puts
+the question at positions the model never saw in training, even *before* positions the video's
+own frames use. The model must see what it was trained on, so this module keeps the released
+rule, and the project's tests state it themselves instead of taking it from whichever
+transformers is installed.
 """
 
 from __future__ import annotations
@@ -82,12 +88,11 @@ def get_rope_index(
             if size > run_len:
                 raise ValueError(f"{kind} {k} with grid {(t, h, w)} needs {size} placeholder tokens, "
                                  f"found a run of {run_len}")
-            if token == config.video_token_id:
-                interval = torch.tensor(seconds[k], dtype=torch.float32) * config.vision.tokens_per_second
-            else:
-                interval = 1
-            parts.append(_media_positions(pos, t, h // merge, w // merge, interval))
-            pos += max(h, w) // merge
+            second_per_grid = seconds[k] if token == config.video_token_id else None
+            media_positions = _media_positions(pos, t, h // merge, w // merge, second_per_grid,
+                                               config.vision.tokens_per_second)
+            parts.append(media_positions)
+            pos = int(media_positions.max()) + 1  # the released rule: past the largest position, time included
             used[token] += 1
             run_len -= size
     for token, grids in media.items():
@@ -104,9 +109,17 @@ def decode_positions(num_tokens: int, delta: int, count: int = 1) -> torch.Tenso
     return torch.arange(num_tokens + delta, num_tokens + delta + count, dtype=torch.int64).expand(3, -1)
 
 
-def _media_positions(start: int, t: int, h: int, w: int, interval: torch.Tensor | int) -> torch.Tensor:
-    """``[3, t*h*w]`` positions of one media's visual tokens (row-major per temporal step)."""
-    t_pos = (torch.arange(t) * interval).long()  # [t], truncated after scaling
+def _media_positions(start: int, t: int, h: int, w: int, second_per_grid: float | None,
+                     tokens_per_second: int) -> torch.Tensor:
+    """``[3, t*h*w]`` positions of one media's visual tokens (row-major per temporal step).
+
+    ``second_per_grid`` is None for an image (every token at temporal offset 0).
+    """
+    if second_per_grid is None:
+        t_pos = torch.zeros(t, dtype=torch.int64)
+    else:  # (i_t * s) * tokens_per_second in float32, truncated: the released code's order of operations
+        scaled = torch.arange(t) * torch.tensor(second_per_grid, dtype=torch.float32)  # [t] float32
+        t_pos = (scaled * tokens_per_second).long()
     return torch.stack([
         t_pos.view(t, 1, 1).expand(t, h, w),
         torch.arange(h).view(1, h, 1).expand(t, h, w),
