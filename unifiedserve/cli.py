@@ -9,31 +9,45 @@ import time
 
 
 def _add_demo_model(sub) -> None:
-    from unifiedserve.model.demo import DEFAULT_DEMO_PATH
+    from unifiedserve.model.presets import DEFAULT_DEMO_PATH, PRESETS
 
     p = sub.add_parser(
-        "demo-model", help="write a tiny random-weight Qwen2.5-VL checkpoint (for tests and demos)",
-        description="Write a tiny, deterministic, random-weight Qwen2.5-VL checkpoint in Hugging Face format "
+        "demo-model", help="write a random-weight Qwen2.5-VL checkpoint (the tiny demo, or a real size)",
+        description="Write a deterministic, random-weight Qwen2.5-VL checkpoint in Hugging Face format "
                     "(config, safetensors, BPE tokenizer, chat template, preprocessor config). transformers "
-                    "and unifiedserve both load it. The weights are random: the model's text is gibberish.")
+                    "and unifiedserve both load it. --preset tiny (default) is small enough for CPU demos and "
+                    "tests; qwen2.5-vl-3b / qwen2.5-vl-7b have the public checkpoints' architecture, so GPU "
+                    "benchmarks run offline at real size. The weights are random: the model's text is gibberish.")
     p.add_argument("path", nargs="?", default=str(DEFAULT_DEMO_PATH),
                    help=f"output directory (default {DEFAULT_DEMO_PATH}); existing weights there are replaced")
-    p.add_argument("--shards", type=int, default=1, metavar="N",
-                   help="split the weights into N safetensors shards with an index (default 1)")
+    p.add_argument("--preset", choices=PRESETS, default="tiny", help="architecture (default tiny)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="dtype of the stored weights (default float32; bfloat16 halves a 7B's 33 GB)")
+    p.add_argument("--num-text-layers", type=int, default=None, metavar="N",
+                   help="fewer language-model layers than the preset (public presets only)")
+    p.add_argument("--num-vision-layers", type=int, default=None, metavar="N",
+                   help="fewer vision blocks, full-attention ones kept at their relative places (public presets only)")
+    p.add_argument("--shards", type=int, default=None, metavar="N",
+                   help="split the weights into N safetensors shards with an index (default: 1 for tiny, one per "
+                        "4 GiB otherwise)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
-    p.add_argument("--tie-word-embeddings", action="store_true",
-                   help="share the token embedding with the output projection (no lm_head.weight)")
+    p.add_argument("--tie-word-embeddings", action="store_true", default=None,
+                   help="share the token embedding with the output projection (no lm_head.weight; default: the "
+                        "preset's own choice)")
     p.add_argument("--measure", action="store_true",
                    help="then time one frame-pair encode (392x728) against one decode step, fp32 on the CPU")
 
 
 def _demo_model(args) -> int:
+    import torch
+
     from unifiedserve.model.demo import measure_encode_decode_ratio, write_demo_model
 
     start = time.perf_counter()
-    path = write_demo_model(args.path, seed=args.seed, num_shards=args.shards,
-                            tie_word_embeddings=args.tie_word_embeddings)
-    print(f"wrote {path} in {time.perf_counter() - start:.2f} s")
+    path = write_demo_model(args.path, seed=args.seed, num_shards=args.shards, preset=args.preset,
+                            tie_word_embeddings=args.tie_word_embeddings, dtype=getattr(torch, args.dtype),
+                            num_text_layers=args.num_text_layers, num_vision_layers=args.num_vision_layers)
+    print(f"wrote {path} ({args.preset}, {args.dtype}) in {time.perf_counter() - start:.2f} s")
     if args.measure:
         print(json.dumps(measure_encode_decode_ratio(path), indent=2))
     return 0

@@ -7,16 +7,20 @@ Quick use::
     processor = load_processor("~/.cache/unifiedserve/demo-model")
 """
 
-from unifiedserve.model.config import ModelConfig, TextConfig, VisionConfig
-from unifiedserve.model.llm import LanguageModel
-from unifiedserve.model.loader import CheckpointError, load_model
-from unifiedserve.model.processor import IncrementalDecoder, Processor, load_processor
-from unifiedserve.model.qwen2_5_vl import Qwen2_5_VL
-from unifiedserve.model.rope import decode_positions, get_rope_index
-from unifiedserve.model.vision import VisionTower
+import importlib
 
-__all__ = [
-    "CheckpointError", "IncrementalDecoder", "LanguageModel", "ModelConfig", "Processor", "Qwen2_5_VL",
-    "TextConfig", "VisionConfig", "VisionTower", "decode_positions", "get_rope_index", "load_model",
-    "load_processor",
-]
+# Names are imported on first use, so that e.g. the CLI can read the presets without importing torch.
+_EXPORTS = {
+    "ModelConfig": "config", "TextConfig": "config", "VisionConfig": "config", "LanguageModel": "llm",
+    "CheckpointError": "loader", "load_model": "loader", "IncrementalDecoder": "processor",
+    "Processor": "processor", "load_processor": "processor", "Qwen2_5_VL": "qwen2_5_vl",
+    "decode_positions": "rope", "get_rope_index": "rope", "VisionTower": "vision",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'unifiedserve.model' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"unifiedserve.model.{_EXPORTS[name]}"), name)

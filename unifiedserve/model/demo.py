@@ -35,12 +35,13 @@ from safetensors.torch import save_file
 
 from unifiedserve.model.config import ModelConfig, TextConfig, VisionConfig
 from unifiedserve.model.loader import checkpoint_names, checkpoint_shapes
+from unifiedserve.model.presets import DEFAULT_DEMO_PATH, PRESETS, preset_architecture
 from unifiedserve.model.qwen2_5_vl import Qwen2_5_VL
 
 __all__ = ["DEFAULT_DEMO_PATH", "DEMO_VISION", "SPECIAL_TOKENS", "demo_config", "encode_decode_flop_ratio",
            "measure_encode_decode_ratio", "write_demo_model"]
 
-DEFAULT_DEMO_PATH = Path("~/.cache/unifiedserve/demo-model")
+MAX_SHARD_BYTES = 4 * 2**30  # default shard size of the public presets
 
 #: Qwen's special tokens, appended after the BPE vocabulary in this order.
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -111,18 +112,32 @@ January, February, March, April, May, June, July, August, September, October, No
 """
 
 
-def demo_config(vocab_size: int, token_ids: dict[str, int], tie_word_embeddings: bool = False) -> ModelConfig:
-    """The demo model's configuration for a tokenizer with ``vocab_size`` tokens (padded to 64)."""
+def demo_config(num_tokens: int, token_ids: dict[str, int], tie_word_embeddings: bool | None = None,
+                preset: str = "tiny", **overrides) -> ModelConfig:
+    """The configuration of a random-weight checkpoint for a tokenizer with ``num_tokens`` tokens.
+
+    ``tiny`` is the demo model (vocabulary padded to 64); the public presets take their architecture
+    from :mod:`unifiedserve.model.presets` (``overrides``: ``num_text_layers``, ``num_vision_layers``,
+    ``vocab_size``). ``tie_word_embeddings`` None keeps the preset's own choice.
+    """
+    if preset == "tiny":
+        if overrides:
+            raise ValueError(f"the tiny preset takes no {', '.join(sorted(overrides))}")
+        text, vision, tie = TextConfig(vocab_size=-(-num_tokens // 64) * 64, **_DEMO_TEXT), DEMO_VISION, False
+    else:
+        text, vision, tie = preset_architecture(preset, **overrides)
+        if text.vocab_size < num_tokens:
+            raise ValueError(f"vocab_size {text.vocab_size} is smaller than the tokenizer's {num_tokens} tokens")
     return ModelConfig(
-        text=TextConfig(vocab_size=-(-vocab_size // 64) * 64, **_DEMO_TEXT),
-        vision=DEMO_VISION,
+        text=text,
+        vision=vision,
         image_token_id=token_ids["<|image_pad|>"],
         video_token_id=token_ids["<|video_pad|>"],
         vision_start_token_id=token_ids["<|vision_start|>"],
         vision_end_token_id=token_ids["<|vision_end|>"],
         bos_token_id=token_ids["<|endoftext|>"],
         eos_token_ids=(token_ids["<|im_end|>"],),
-        tie_word_embeddings=tie_word_embeddings,
+        tie_word_embeddings=tie if tie_word_embeddings is None else tie_word_embeddings,
     )
 
 
@@ -140,65 +155,96 @@ def _train_tokenizer():
     return tokenizer
 
 
-def _random_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors (Hugging Face names and shapes) with scales that keep activations O(1)."""
+def _weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor names (Hugging Face) and shapes of ``config``, without allocating anything."""
     with torch.device("meta"):
         model = Qwen2_5_VL(config)
     shapes: dict[str, tuple[int, ...]] = {}
     for name, param in model.named_parameters():
         shapes.update(zip(checkpoint_names(name), checkpoint_shapes(name, tuple(param.shape), config)))
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name in sorted(shapes):
-        shape = shapes[name]
-        x = torch.randn(shape, generator=gen)
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight") or ".norm" in name or "ln_q" in name:
-            x = 1.0 + 0.1 * x  # RMSNorm scales
-        elif name.endswith(".bias"):
-            x = 0.1 * x
-        else:
-            x = x * math.prod(shape[1:]) ** -0.5  # weights (and embeddings) ~ 1 / sqrt(fan_in)
-        tensors[name] = x.contiguous()
-    return tensors
+    return shapes
 
 
-def _save_shards(tensors: dict[str, torch.Tensor], path: Path, num_shards: int) -> None:
-    names = sorted(tensors)
-    if num_shards == 1:
-        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-        return
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    weight_map, shard, size, index = {}, {}, 0, 0
+def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """One checkpoint tensor (float32, on the generator's device) with a scale that keeps activations O(1)."""
+    x = torch.randn(shape, generator=gen, device=gen.device)
+    if name.endswith("norm.weight") or name.endswith("layernorm.weight") or ".norm" in name or "ln_q" in name:
+        return 1.0 + 0.1 * x  # RMSNorm scales
+    if name.endswith(".bias"):
+        return 0.1 * x
+    return x * math.prod(shape[1:]) ** -0.5  # weights (and embeddings) ~ 1 / sqrt(fan_in)
+
+
+def _split_shards(sizes: dict[str, int], num_shards: int) -> list[list[str]]:
+    """Consecutive runs of the sorted names, each about ``1 / num_shards`` of the bytes."""
+    names, total = sorted(sizes), sum(sizes.values())
+    shards, current, size = [], [], 0
     for i, name in enumerate(names):
-        shard[name] = tensors[name]
-        size += tensors[name].numel() * tensors[name].element_size()
-        last = i == len(names) - 1
-        if last or (size >= total * (index + 1) / num_shards and index < num_shards - 1):
-            file = f"model-{index + 1:05d}-of-{num_shards:05d}.safetensors"
-            save_file(shard, path / file, metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, file))
-            shard, index = {}, index + 1
-    if index != num_shards:
+        current.append(name)
+        size += sizes[name]
+        if i == len(names) - 1 or (size >= total * (len(shards) + 1) / num_shards and len(shards) < num_shards - 1):
+            shards.append(current)
+            current = []
+    if len(shards) != num_shards:
         raise ValueError(f"could not split the weights into {num_shards} shards; use fewer")
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return shards
 
 
-def write_demo_model(path: str | Path = DEFAULT_DEMO_PATH, *, seed: int = 0, num_shards: int = 1,
-                     tie_word_embeddings: bool = False, dtype: torch.dtype = torch.float32) -> Path:
-    """Write the demo checkpoint into ``path`` (created if needed; existing files are replaced).
+def _write_weights(config: ModelConfig, path: Path, seed: int, num_shards: int | None, dtype: torch.dtype,
+                   device: str) -> None:
+    """Generate and save the weights one shard at a time (a 7B checkpoint never sits in memory whole).
+
+    Tensors are drawn in sorted-name order from one generator, so a seed gives the same weights
+    whatever the sharding (on one device kind: CPU and CUDA generators differ).
+    """
+    shapes = _weight_shapes(config)
+    sizes = {name: math.prod(shape) * dtype.itemsize for name, shape in shapes.items()}
+    if num_shards is None:
+        num_shards = max(1, -(-sum(sizes.values()) // MAX_SHARD_BYTES))
+    shards = _split_shards(sizes, num_shards)
+    gen = torch.Generator(device).manual_seed(seed)
+    weight_map = {}
+    for index, names in enumerate(shards):
+        file = "model.safetensors" if num_shards == 1 else f"model-{index + 1:05d}-of-{num_shards:05d}.safetensors"
+        tensors = {name: _random_tensor(name, shapes[name], gen).to(dtype).cpu().contiguous() for name in names}
+        save_file(tensors, path / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+        del tensors
+    if num_shards > 1:
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2))
+
+
+def write_demo_model(path: str | Path = DEFAULT_DEMO_PATH, *, seed: int = 0, num_shards: int | None = None,
+                     tie_word_embeddings: bool | None = None, dtype: torch.dtype = torch.float32,
+                     preset: str = "tiny", num_text_layers: int | None = None, num_vision_layers: int | None = None,
+                     vocab_size: int | None = None, device: str | None = None) -> Path:
+    """Write a random-weight checkpoint into ``path`` (created if needed; existing files are replaced).
 
     Args:
         seed: seeds the random weights; the tokenizer does not depend on it.
         num_shards: 1 writes ``model.safetensors``; more write ``model-0000i-of-0000n.safetensors``
-            and ``model.safetensors.index.json``.
-        tie_word_embeddings: share the token embedding with the output projection (no lm_head).
+            and ``model.safetensors.index.json``. None: 1 for the tiny model, else one per 4 GiB.
+        tie_word_embeddings: share the token embedding with the output projection (no lm_head);
+            None keeps the preset's choice (tiny: untied, 3B: tied, 7B: untied).
         dtype: dtype of the stored weights.
+        preset: ``tiny`` (the demo model) or a public architecture (:data:`presets.PRESETS`).
+        num_text_layers, num_vision_layers, vocab_size: shrink a public preset (tests at real widths).
+        device: where the random numbers are drawn (default: CUDA for public presets when present,
+            which takes seconds instead of minutes for a 7B; the CPU for ``tiny``, whose weights tests pin).
     Returns:
         The checkpoint directory.
+    Raises:
+        ValueError: a bad preset, shard count or override.
     """
-    if not isinstance(num_shards, int) or not 1 <= num_shards <= 16:
-        raise ValueError(f"num_shards must be an integer in 1..16, got {num_shards!r}")
+    if num_shards is not None and (not isinstance(num_shards, int) or not 1 <= num_shards <= 64):
+        raise ValueError(f"num_shards must be an integer in 1..64, got {num_shards!r}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    overrides = {k: v for k, v in (("num_text_layers", num_text_layers), ("num_vision_layers", num_vision_layers),
+                                   ("vocab_size", vocab_size)) if v is not None}
+    if device is None:
+        device = "cuda" if preset != "tiny" and torch.cuda.is_available() else "cpu"
     path = Path(path).expanduser()
     path.mkdir(parents=True, exist_ok=True)
     for old in list(path.glob("*.safetensors")) + list(path.glob("model.safetensors.index.json")):
@@ -207,13 +253,11 @@ def write_demo_model(path: str | Path = DEFAULT_DEMO_PATH, *, seed: int = 0, num
     tokenizer = _train_tokenizer()
     tokenizer.save(str(path / "tokenizer.json"))
     ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
-    config = demo_config(tokenizer.get_vocab_size(), ids, tie_word_embeddings)
+    config = demo_config(tokenizer.get_vocab_size(), ids, tie_word_embeddings, preset, **overrides)
     hf = config.to_hf_dict()
     hf["dtype"] = str(dtype).removeprefix("torch.")
     _write_json(path / "config.json", hf)
-
-    tensors = {k: v.to(dtype) for k, v in _random_weights(config, seed).items()}  # no lm_head when tied
-    _save_shards(tensors, path, num_shards)
+    _write_weights(config, path, seed, num_shards, dtype, device)  # no lm_head when tied
 
     _write_json(path / "tokenizer_config.json", {
         "tokenizer_class": "Qwen2Tokenizer",

@@ -26,7 +26,7 @@ WORKER_DEATH_GRACE_S = 2.0  # /health reports unhealthy this long before the ser
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from unifiedserve.model.demo import DEFAULT_DEMO_PATH
+    from unifiedserve.model.presets import DEFAULT_DEMO_PATH
 
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, metavar="PATH",

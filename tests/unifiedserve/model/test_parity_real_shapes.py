@@ -1,0 +1,113 @@
+"""Parity at the real Qwen2.5-VL-3B and -7B widths: greedy tokens identical, logits within 1e-3 of transformers.
+
+The tiny demo model guards the code paths; this guards the shapes: GQA 16/2 (3B) and 28/4 (7B), head_dim
+128, ``mrope_section`` [16, 24, 24], the 1280-wide vision tower with window attention and its full-attention
+blocks at their relative places, the merger into 2048 / 3584 widths, and the 3B's tied embedding.
+Random weights (``unifiedserve demo-model --preset``) with 2 text layers and 8 vision blocks (full attention at
+1, 3, 5, 7 as 7, 15, 23, 31 of 32), and a 2048-token vocabulary: the vocabulary only widens the embedding and
+the output projection, and the public 152k would cost gigabytes here for nothing. transformers is given the
+project's M-RoPE positions (the released rule; see ``unifiedserve/model/rope.py``). fp32, CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+
+import flashcodec
+from unifiedserve.engine.inputs import VisionInput
+from unifiedserve.engine.llm import LLM, EngineConfig
+from unifiedserve.engine.params import SamplingParams
+from unifiedserve.engine.scheduler import SchedulerConfig
+from unifiedserve.model.demo import write_demo_model
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 4
+LOGITS_ATOL = 1e-3
+
+
+@pytest.fixture(scope="module", params=["qwen2.5-vl-3b", "qwen2.5-vl-7b"])
+def models(request, tmp_path_factory, use_released_rope):
+    """One engine (small pools: the default ones are sized for the tiny model's widths) and transformers."""
+    path = write_demo_model(tmp_path_factory.mktemp(request.param), preset=request.param, num_text_layers=2,
+                            num_vision_layers=8, vocab_size=2048, seed=5)
+    engine = LLM(path, EngineConfig(num_kv_blocks=64, num_patch_pages=8, num_visual_pages=8, page_size=64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    yield engine, use_released_rope(hf)
+    del engine, hf
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def media(video_factory, image_factory):
+    clip = video_factory(codec="h264", suffix=".mp4", width=128, height=96, duration_s=2.0, fps=24.0, gop=12)
+    video = flashcodec.decode_video(clip, num_frames=4, height=56, width=112, output="patches")
+    image = flashcodec.decode_image(image_factory(".png", width=97, height=61))
+    return {"video": VisionInput.from_video(video), "image": VisionInput.from_image(image)}
+
+
+def _ours(engine, parts, scheduler):
+    """Greedy tokens and the logits each was sampled from ``[NEW_TOKENS, vocab]``, under ``scheduler``'s budgets."""
+    engine.scheduler.config = scheduler  # the engine is idle between cases: only the budgets change
+    content = [{"type": kind, "vision": v} for kind, v in parts] + [{"type": "text", "text": "What is shown?"}]
+    ids, vision = engine.build_prompt([{"role": "user", "content": content}])
+    rows = []
+    execute = engine.runner.execute
+
+    def recording(out, requests):
+        result = execute(out, requests)
+        rows.extend(row.clone() for row in result.values())
+        return result
+
+    engine.runner.execute = recording
+    try:
+        out, = engine.generate([(ids, vision, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))])
+    finally:
+        del engine.runner.execute  # back to the class's method
+    assert engine.pool_usage() == {"kv_blocks_used": 0, "patch_pages_used": 0, "visual_pages_used": 0}
+    return ids, vision, out.token_ids, torch.stack(rows)
+
+
+def _reference(hf, ids, vision):
+    kwargs = {}
+    images = [v for v in vision if v.kind == "image"]
+    videos = [v for v in vision if v.kind == "video"]
+    if images:
+        kwargs.update(pixel_values=torch.cat([v.patches for v in images]),
+                      image_grid_thw=torch.tensor([v.grid_thw for v in images]))
+    if videos:
+        kwargs.update(pixel_values_videos=torch.cat([v.patches for v in videos]),
+                      video_grid_thw=torch.tensor([v.grid_thw for v in videos]),
+                      second_per_grid_ts=torch.tensor([v.second_per_grid_t for v in videos]))
+    cfg = hf.config
+    kwargs["mm_token_type_ids"] = torch.tensor([[1 if t == cfg.image_token_id else 2 if t == cfg.video_token_id
+                                                 else 0 for t in ids]])
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                          do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences[0, len(ids):].tolist(), torch.cat(out.logits)
+
+
+@pytest.mark.parametrize("case, parts, scheduler", [
+    ("text", [], SchedulerConfig()),
+    ("image", [("image", "image")], SchedulerConfig()),
+    ("video", [("video", "video")], SchedulerConfig()),
+    ("image + video, chunked", [("image", "image"), ("video", "video")],
+     SchedulerConfig(prefill_token_budget=11, encode_token_budget=24)),
+])
+def test_greedy_tokens_and_logits_match_transformers(models, media, case, parts, scheduler):
+    engine, hf = models
+    ids, vision, tokens, logits = _ours(engine, [(kind, media[key]) for kind, key in parts], scheduler)
+    ref_tokens, ref_logits = _reference(hf, ids, vision)
+    diff = (logits - ref_logits).abs().max().item()
+    print(f"\n{engine.model_config.text.hidden_size}-wide {case}: {len(ids)} prompt tokens, logits max |diff| {diff:.2e}")
+    assert tokens == ref_tokens
+    assert diff < LOGITS_ATOL
