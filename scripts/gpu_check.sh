@@ -8,8 +8,10 @@
 #
 # Groups (one per run: both wheel sets together exceed what a run may carry):
 #   decode     flashcodec on NVDEC / nvJPEG / NVML: the decode tests and bench/decode/bench_gpu.py
-#   attention  the engine on flashinfer: the engine/attention/ops tests, bench/kernels and bench/engine on
-#              a random-weight Qwen2.5-VL-7B preset
+#   attention  the engine on flashinfer: a random-weight Qwen2.5-VL-7B preset, the kernels' JIT warm-up,
+#              the unifiedserve cuda tests, the MPS launcher test, bench/kernels and bench/engine
+# The steps' limits add up to more than the device's 10 minutes only where a step usually ends early;
+# what ran is in OUTDIR/status.txt either way.
 # Each step has its own time limit so that a hang in one still leaves the others' results in OUTDIR.
 # FULL_SUITE=1 also runs the whole CPU suite on the device's stack (torch 2.11, Python 3.12).
 set -uo pipefail
@@ -65,15 +67,17 @@ if [ "$group" = decode ]; then
   step "bench/decode/bench_gpu.py --short"
   run 270 bench-decode python3 bench/decode/bench_gpu.py --short --out "$out/bench_decode"
 else
-  step "flashinfer warm-up (JIT, once per machine: never timed)"
-  run 240 flashinfer-warmup python3 -m unifiedserve.attention.warmup --preset qwen2.5-vl-7b
-  step "cuda tests (unifiedserve)"
-  run 120 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/unifiedserve
+  step "a random-weight Qwen2.5-VL-7B (bf16, drawn on the GPU; real architecture, no download)"
+  run 150 demo-model python3 -m unifiedserve.cli demo-model /tmp/qwen2.5-vl-7b --preset qwen2.5-vl-7b --dtype bfloat16
+  step "flashinfer warm-up (JIT once per machine; nothing is timed before it)"
+  run 240 flashinfer-warmup python3 -m unifiedserve.attention.warmup --model /tmp/qwen2.5-vl-7b
+  step "cuda tests (unifiedserve) and the MPS launcher"
+  run 150 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/unifiedserve
+  run 60 pytest-mps python3 -m pytest -q -p no:cacheprovider tests/launch
   step "bench/kernels (paged copy on CUDA)"
-  run 40 bench-kernels python3 bench/kernels/bench_paged_copy.py --device cuda --out "$out/bench_kernels.json"
+  run 40 bench-kernels python3 bench/kernels/bench_paged_copy.py --device cuda --quick --out "$out/bench_kernels.json"
   step "bench/engine on the 7B preset"
-  run 30 demo-model python3 -m unifiedserve.cli demo-model --preset qwen2.5-vl-7b --dtype bfloat16 --out /tmp/qwen2.5-vl-7b
-  run 180 bench-engine python3 bench/engine/bench_engine.py --model /tmp/qwen2.5-vl-7b --device cuda --short \
+  run 240 bench-engine python3 bench/engine/bench_engine.py --model /tmp/qwen2.5-vl-7b --device cuda --short \
     --out "$out/bench_engine.json"
 fi
 
