@@ -9,6 +9,8 @@ Quick use::
     flashcodec.decode_video("clip.mp4", device="cuda").frames       # NVDEC; the frames stay on the GPU
 """
 
+import importlib
+
 from flashcodec._errors import (
     CorruptVideoError,
     FlashCodecError,
@@ -17,34 +19,38 @@ from flashcodec._errors import (
     SourceNotFoundError,
     UnsupportedCodecError,
 )
-from flashcodec.decode.backends import available_backends
-from flashcodec.decode.engine import (
-    BitstreamAnalysis,
-    DecodedVideo,
-    DecodeEngine,
-    decode_video,
-    default_engine,
-)
-from flashcodec.devices import DeviceError
-from flashcodec.image import DecodedImage, ImageDecodeError, decode_image
-from flashcodec.plan.sampling import SamplingOptions
-from flashcodec.plan.video import VideoPlan, plan_video
-from flashcodec.probe import Gop, VideoInfo, probe
+
+# Everything else is imported on first use: `flashcodec --help` and `import flashcodec` then cost
+# neither torch nor PyAV until a name that needs them is touched. (The probe lives in `_probe`, so
+# that importing that module never replaces the package's `probe` function with the module.)
+_EXPORTS = {
+    "available_backends": "decode.backends", "BitstreamAnalysis": "decode.engine", "DecodedVideo": "decode.engine",
+    "DecodeEngine": "decode.engine", "decode_video": "decode.engine", "default_engine": "decode.engine",
+    "DeviceError": "devices", "DecodedImage": "image", "ImageDecodeError": "image", "decode_image": "image",
+    "decode_images": "image_batch", "SamplingOptions": "plan.sampling", "VideoPlan": "plan.video",
+    "plan_video": "plan.video", "Gop": "_probe", "VideoInfo": "_probe", "probe": "_probe",
+}
 
 
-def analyse_bitstream(source, **options) -> BitstreamAnalysis:
-    """Probe and plan ``source`` on the default engine; returns its key id, info and plan."""
-    return default_engine().analyse_bitstream(source, **options)
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'flashcodec' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"flashcodec.{_EXPORTS[name]}"), name)
+
+
+def analyse_bitstream(source, **options):
+    """Probe and plan ``source`` on the default engine; returns its key id, info and plan (a ``BitstreamAnalysis``)."""
+    return __getattr__("default_engine")().analyse_bitstream(source, **options)
 
 
 def add_decoding_request(key_id: int, **options) -> None:
     """Queue an analysed video for decoding on the default engine."""
-    default_engine().add_decoding_request(key_id, **options)
+    __getattr__("default_engine")().add_decoding_request(key_id, **options)
 
 
-def get_decoding_output(key_id: int | None = None, timeout: float | None = None) -> DecodedVideo:
-    """Block (GIL released) until a request on the default engine is decoded; return it."""
-    return default_engine().get_decoding_output(key_id, timeout)
+def get_decoding_output(key_id: int | None = None, timeout: float | None = None):
+    """Block (GIL released) until a request on the default engine is decoded; return its ``DecodedVideo``."""
+    return __getattr__("default_engine")().get_decoding_output(key_id, timeout)
 
 
 __version__ = "0.1.0"
@@ -54,5 +60,5 @@ __all__ = [
     "FlashCodecError", "Gop",
     "NoFramesError", "NotAVideoError", "SamplingOptions", "SourceNotFoundError", "UnsupportedCodecError",
     "VideoInfo", "VideoPlan", "add_decoding_request", "analyse_bitstream", "available_backends",
-    "decode_image", "decode_video", "default_engine", "get_decoding_output", "plan_video", "probe",
+    "decode_image", "decode_images", "decode_video", "default_engine", "get_decoding_output", "plan_video", "probe",
 ]

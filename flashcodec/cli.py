@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "probe":
-            from flashcodec.probe import probe
+            from flashcodec._probe import probe
 
             _print_probe(probe(args.file), args.json)
             return 0

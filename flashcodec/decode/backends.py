@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from flashcodec.plan.segments import GopSegment
-from flashcodec.probe import VideoInfo
+from flashcodec._probe import VideoInfo
 from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode, resize_frames_uint8
 from flashcodec.source import Source
 

@@ -24,7 +24,7 @@ from flashcodec.devices import (DEFAULT_NVDEC_SESSIONS, make_layout, parse_devic
                                 video_nvdec_reason)
 from flashcodec.plan.sampling import SamplingOptions
 from flashcodec.plan.video import VideoPlan, plan_video
-from flashcodec.probe import VideoInfo, probe
+from flashcodec._probe import VideoInfo, probe
 from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode
 from flashcodec.source import Source, SourceLike
 

@@ -39,7 +39,7 @@ import torch
 from flashcodec.decode.backends import Backend, Emit, SegmentDecoder
 from flashcodec.devices import DEFAULT_NVDEC_SESSIONS, log_once
 from flashcodec.plan.segments import GopSegment
-from flashcodec.probe import VideoInfo
+from flashcodec._probe import VideoInfo
 from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode, resize_frames
 from flashcodec.source import Source
 

@@ -15,7 +15,7 @@ from flashcodec.decode import engine as engine_module
 from flashcodec.decode import nvdec
 from flashcodec.decode.backends import Backend, PyAVBackend, SegmentDecoder
 from flashcodec.devices import DeviceError, canonical_codec, make_layout, nvdec_reject_reason
-from flashcodec.probe import probe
+from flashcodec._probe import probe
 from flashcodec.source import Source
 
 TINY = dict(width=128, height=96, duration_s=2.0, fps=24.0, gop=12)

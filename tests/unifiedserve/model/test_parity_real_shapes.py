@@ -49,7 +49,9 @@ def models(request, tmp_path_factory, use_released_rope):
 @pytest.fixture(scope="module")
 def media(video_factory, image_factory):
     clip = video_factory(codec="h264", suffix=".mp4", width=128, height=96, duration_s=2.0, fps=24.0, gop=12)
-    video = flashcodec.decode_video(clip, num_frames=4, height=56, width=112, output="patches")
+    # 8 frames of 56x56 over 2 s: 4 temporal grids of 2x2 tokens, temporal offsets 0..3 past the spatial
+    # 0..1, so the text after the video sits where the released M-RoPE rule and transformers >= 5.3 differ
+    video = flashcodec.decode_video(clip, num_frames=8, height=56, width=56, output="patches")
     image = flashcodec.decode_image(image_factory(".png", width=97, height=61))
     return {"video": VisionInput.from_video(video), "image": VisionInput.from_image(image)}
 
