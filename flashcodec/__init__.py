@@ -13,6 +13,7 @@ import importlib
 
 from flashcodec._errors import (
     CorruptVideoError,
+    DecodeCancelledError,
     FlashCodecError,
     NoFramesError,
     NotAVideoError,
@@ -56,7 +57,7 @@ def get_decoding_output(key_id: int | None = None, timeout: float | None = None)
 __version__ = "0.1.0"
 
 __all__ = [
-    "BitstreamAnalysis", "CorruptVideoError", "DecodeEngine", "DecodedImage", "DecodedVideo", "DeviceError", "ImageDecodeError",
+    "BitstreamAnalysis", "CorruptVideoError", "DecodeCancelledError", "DecodeEngine", "DecodedImage", "DecodedVideo", "DeviceError", "ImageDecodeError",
     "FlashCodecError", "Gop",
     "NoFramesError", "NotAVideoError", "SamplingOptions", "SourceNotFoundError", "UnsupportedCodecError",
     "VideoInfo", "VideoPlan", "add_decoding_request", "analyse_bitstream", "available_backends",

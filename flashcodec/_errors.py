@@ -28,5 +28,9 @@ class CorruptVideoError(FlashCodecError, ValueError):
         self.failed_frame_indices = list(failed_frame_indices or [])
 
 
+class DecodeCancelledError(FlashCodecError):
+    """The request was cancelled (``DecodeEngine.cancel``) before its decode finished."""
+
+
 class NoFramesError(FlashCodecError, ValueError):
     """The video stream has no frames (or too few to sample)."""

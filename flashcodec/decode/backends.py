@@ -36,6 +36,13 @@ from flashcodec.source import Source
 log = logging.getLogger(__name__)
 
 Emit = Callable[[int, "np.ndarray | torch.Tensor"], None]
+ShouldStop = Callable[[], bool]
+
+
+def never() -> bool:
+    """The ``should_stop`` of a segment nobody will cancel."""
+    return False
+
 
 #: swscale filter of the ``"fast"`` mode's single colour-convert + resize. AREA is as close to an
 #: antialiased bicubic resize (what qwen-vl-utils does) as swscale's BICUBIC (mean |diff| 1.48 vs
@@ -52,7 +59,13 @@ MAX_DEMUX_SKIP_PACKETS = 600
 
 class SegmentDecoder(ABC):
     @abstractmethod
-    def decode_segment(self, segment: GopSegment, emit: Emit) -> list[int]: ...
+    def decode_segment(self, segment: GopSegment, emit: Emit, should_stop: ShouldStop = never) -> list[int]:
+        """Decode one GOP segment, calling ``emit`` per target frame; returns the targets it could not produce.
+
+        ``should_stop`` is polled at every packet (or batch of frames): when it turns true the decoder
+        stops there and returns (the request was cancelled; what it returns is then ignored), and the
+        decoder stays usable for another segment.
+        """
 
     def close(self) -> None:
         pass
@@ -142,7 +155,7 @@ class PyAVSegmentDecoder(SegmentDecoder):
         self._packets, self._position = None, -1
         raise EOFError(f"packet at decode position {position} not found")
 
-    def decode_segment(self, segment: GopSegment, emit: Emit) -> list[int]:
+    def decode_segment(self, segment: GopSegment, emit: Emit, should_stop: ShouldStop = never) -> list[int]:
         targets = set(segment.target_indices)
         # Frames that are neither targets nor references of later frames need not be decoded at
         # all: the decoder skips them (skip_frame=NONREF) and every other frame stays bit-exact.
@@ -157,6 +170,10 @@ class PyAVSegmentDecoder(SegmentDecoder):
         packets = self._packets
         try:
             while position <= segment.stop_position:
+                if should_stop():  # cancelled: stop at this packet; the next segment seeks afresh
+                    self._context.flush_buffers()
+                    self._position, self._pending = -1, None
+                    return sorted(targets)
                 if packet is None:
                     packet = next(packets)
                     if packet.size == 0:
@@ -240,8 +257,10 @@ class TorchCodecSegmentDecoder(SegmentDecoder):
         small = resize_frames_uint8(frames.permute(0, 3, 1, 2), *self._resize_to)  # [N, 3, H, W] channels-last
         return small.permute(0, 2, 3, 1).numpy()
 
-    def decode_segment(self, segment: GopSegment, emit: Emit) -> list[int]:
+    def decode_segment(self, segment: GopSegment, emit: Emit, should_stop: ShouldStop = never) -> list[int]:
         indices = list(segment.target_indices)
+        if should_stop():
+            return indices
         try:
             batch = self._decoder.get_frames_at(indices)
         except RuntimeError as e:  # torchcodec reports decode failures as RuntimeError

@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from flashcodec._errors import CorruptVideoError
+from flashcodec._errors import CorruptVideoError, DecodeCancelledError
 from flashcodec.decode.backends import Backend, get_backend
 from flashcodec.decode.scheduler import RankGroup, RankJob, RankScheduler
 from flashcodec.devices import (DEFAULT_NVDEC_SESSIONS, make_layout, parse_devices, resolve_output_device,
@@ -267,6 +267,7 @@ class DecodeEngine:
         except BaseException:
             group.shutdown()  # no slot thread outlives a failed constructor
             raise
+        self._group = group
         self._ranks = group.ranks  # GPU ranks first, then the CPU rank
         self._keys = itertools.count(1)
         self._lock = threading.Lock()
@@ -274,6 +275,7 @@ class DecodeEngine:
         self._done = threading.Condition()
         self._finished: dict[int, _Request] = {}
         self._in_flight: set[int] = set()
+        self._cancelled: set[int] = set()  # cancelled keys whose get_decoding_output has not raised yet
 
     @property
     def num_ranks(self) -> int:
@@ -336,10 +338,29 @@ class DecodeEngine:
                 allowed_ranks=analysis.allowed_ranks,
             ))
 
-    def _request_done(self, request: _Request) -> None:
+    def cancel(self, key_id: int) -> bool:
+        """Stop a request: an analysed one is forgotten, a queued one's segments are dropped, running
+        segments stop at their next packet, and its frame buffers are freed. Returns at once.
+
+        A later (or waiting) :meth:`get_decoding_output` of ``key_id`` raises
+        :class:`~flashcodec.DecodeCancelledError`. Returns False for a key that is unknown or finished.
+        """
+        with self._lock:
+            if self._analyses.pop(key_id, None) is not None:
+                return True
         with self._done:
-            self._in_flight.discard(request.analysis.key_id)
-            self._finished[request.analysis.key_id] = request
+            if key_id not in self._in_flight:
+                return False
+            self._cancelled.add(key_id)
+        self._group.cancel(key_id, DecodeCancelledError(f"decoding request {key_id} was cancelled"))
+        return True
+
+    def _request_done(self, request: _Request) -> None:
+        key_id = request.analysis.key_id
+        with self._done:
+            self._in_flight.discard(key_id)
+            if key_id not in self._cancelled:  # a cancelled request's frames are dropped here
+                self._finished[key_id] = request
             self._done.notify_all()
 
     def get_decoding_output(self, key_id: int | None = None, timeout: float | None = None) -> DecodedVideo:
@@ -351,6 +372,9 @@ class DecodeEngine:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._done:
             while True:
+                if key_id is not None and key_id in self._cancelled and key_id not in self._in_flight:
+                    self._cancelled.discard(key_id)
+                    raise DecodeCancelledError(f"decoding request {key_id} was cancelled")
                 if key_id is None and self._finished:
                     key = next(iter(self._finished))
                 elif key_id is not None and key_id in self._finished:

@@ -36,7 +36,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from flashcodec.decode.backends import Backend, Emit, SegmentDecoder
+from flashcodec.decode.backends import Backend, Emit, SegmentDecoder, ShouldStop, never
 from flashcodec.devices import DEFAULT_NVDEC_SESSIONS, log_once
 from flashcodec.plan.segments import GopSegment
 from flashcodec._probe import VideoInfo
@@ -103,10 +103,12 @@ class NvdecSegmentDecoder(SegmentDecoder):
         if fallback:  # torchcodec decodes on the CPU and uploads: right frames, no NVDEC speed
             log_once(f"{source.name}: torchcodec decodes on the CPU instead of NVDEC on {self._device} ({fallback})")
 
-    def decode_segment(self, segment: GopSegment, emit: Emit) -> list[int]:
+    def decode_segment(self, segment: GopSegment, emit: Emit, should_stop: ShouldStop = never) -> list[int]:
         indices = list(segment.target_indices)
         failed: list[int] = []
         for start in range(0, len(indices), FRAMES_PER_CALL):
+            if should_stop():  # cancelled: stop between batches
+                return failed + indices[start:]
             chunk = indices[start:start + FRAMES_PER_CALL]
             try:
                 frames = self._decoder.get_frames_at(chunk).data  # uint8 [n, 3, H0, W0] on the GPU

@@ -75,6 +75,10 @@ class RankJob:
         self.cancelled = False
         self.owner: RankScheduler | None = None  # set by submit
 
+    def should_stop(self) -> bool:
+        """Polled by decoders at each packet: a cancelled or failed request stops where it is."""
+        return self.cancelled
+
     @property
     def has_pending(self) -> bool:
         return not self.cancelled and any(self.lanes)
@@ -129,6 +133,23 @@ class RankGroup:
     def live_keys(self) -> set[int]:
         """Key ids of requests with a job queued on any rank (call with ``cond`` held)."""
         return {job.key_id for rank in self.ranks for job in rank._jobs}
+
+    def cancel(self, key_id: int, error: BaseException) -> None:
+        """Stop a request on every rank: queued segments are dropped, running ones stop at their next
+        packet, and each of its rank jobs finishes with ``error`` once no slot is working on it."""
+        idle = []
+        with self.cond:
+            for rank in self.ranks:
+                for job in [j for j in rank._jobs if j.key_id == key_id]:
+                    job.cancelled = True
+                    if job.error is None:
+                        job.error = error
+                    if job.in_flight == 0:  # no slot will finish it: do it here
+                        rank._jobs.remove(job)
+                        idle.append(job)
+            self.cond.notify_all()
+        for job in idle:
+            job.on_finished(job, job.error)
 
     def shutdown(self) -> None:
         for rank in self.ranks:
@@ -241,7 +262,7 @@ class RankScheduler:
                     decoder = decoders.get(job.key_id)
                     if decoder is None:
                         decoder = decoders[job.key_id] = job.open_decoder(self.backend)
-                    failed = decoder.decode_segment(segment, job.emit)
+                    failed = decoder.decode_segment(segment, job.emit, job.should_stop)
             except BaseException as e:  # reported to the request, never kills the slot
                 log.debug("segment %s of request %s failed on %s", segment, job.key_id, self.name, exc_info=True)
                 error = e

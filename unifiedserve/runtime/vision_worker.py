@@ -44,6 +44,7 @@ class _Job:
     decode_s: dict[int, float] = field(default_factory=dict)
     written: set[int] = field(default_factory=set)
     pages: list[int] | None = None  # from core's WritePatches
+    key_ids: list[int] = field(default_factory=list)  # FlashCodec requests decoding its videos
 
 
 class VisionWorker(Worker):
@@ -88,7 +89,9 @@ class VisionWorker(Worker):
                 job.pages = message.pages
                 self._write_ready(job)
         elif isinstance(message, protocol.CancelMedia):
-            self.jobs.pop(message.request_id, None)
+            job = self.jobs.pop(message.request_id, None)
+            for key_id in job.key_ids if job is not None else ():
+                self.engine.cancel(key_id)  # its decoder slots go to the next request at once
 
     def step(self) -> None:
         while True:
@@ -102,6 +105,9 @@ class VisionWorker(Worker):
         self.in_flight -= 1
         job = self.jobs.get(request_id)
         if job is None:  # cancelled meanwhile
+            if kind == "probed":  # its videos were analysed but will never be decoded: forget them
+                for _, analysis in payload[2]:
+                    self.engine.cancel(analysis.key_id)
             return
         if kind == "failed":
             self.jobs.pop(request_id)
@@ -110,6 +116,7 @@ class VisionWorker(Worker):
             plans, probe_s, analyses = payload
             job.plans = plans
             self.send("api", protocol.MediaProbed(request_id, plans, probe_s))
+            job.key_ids = [analysis.key_id for _, analysis in analyses]
             for index, analysis in analyses:
                 self._started()
                 threading.Thread(target=self._decode, args=(job, index, analysis), daemon=True,

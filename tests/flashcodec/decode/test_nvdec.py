@@ -13,7 +13,7 @@ import torch
 import flashcodec
 from flashcodec.decode import engine as engine_module
 from flashcodec.decode import nvdec
-from flashcodec.decode.backends import Backend, PyAVBackend, SegmentDecoder
+from flashcodec.decode.backends import Backend, PyAVBackend, SegmentDecoder, never
 from flashcodec.devices import DeviceError, canonical_codec, make_layout, nvdec_reject_reason
 from flashcodec._probe import probe
 from flashcodec.source import Source
@@ -120,9 +120,9 @@ class TensorEmitting(SegmentDecoder):
     def __init__(self, inner, calls):
         self.inner, self.calls = inner, calls
 
-    def decode_segment(self, segment, emit):
+    def decode_segment(self, segment, emit, should_stop=never):
         self.calls.append(segment)
-        return self.inner.decode_segment(segment, lambda d, f: emit(d, torch.from_numpy(f.copy())))
+        return self.inner.decode_segment(segment, lambda d, f: emit(d, torch.from_numpy(f.copy())), should_stop)
 
     def close(self):
         self.inner.close()

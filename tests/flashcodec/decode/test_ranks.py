@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from flashcodec.decode.backends import Backend, SegmentDecoder
+from flashcodec.decode.backends import Backend, SegmentDecoder, never
 from flashcodec.decode.scheduler import RankGroup, RankJob, RankScheduler, should_steal
 from flashcodec.plan.segments import GopTable, plan_distribution
 
@@ -20,8 +20,14 @@ class SleepDecoder(SegmentDecoder):
     def __init__(self, backend: "SleepBackend"):
         self.backend = backend
 
-    def decode_segment(self, segment, emit):
-        time.sleep(segment.cost * self.backend.seconds_per_frame)
+    def decode_segment(self, segment, emit, should_stop=never):
+        self.backend.started.append(segment)
+        deadline = time.monotonic() + segment.cost * self.backend.seconds_per_frame
+        while (left := deadline - time.monotonic()) > 0:  # a "packet" every 5 ms: stop there when asked
+            if should_stop():
+                self.backend.stopped.append(segment)
+                return list(segment.target_indices)
+            time.sleep(min(0.005, left))
         for display in segment.target_indices:
             emit(display, self.backend.device)
         return []
@@ -33,6 +39,7 @@ class SleepBackend(Backend):
     def __init__(self, device: str, seconds_per_frame: float):
         self.device = device
         self.seconds_per_frame = seconds_per_frame
+        self.started, self.stopped = [], []  # segments begun, and those cut short by should_stop
 
     def open(self, source, info, height, width, resize="exact"):
         return SleepDecoder(self)
