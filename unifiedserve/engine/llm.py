@@ -21,7 +21,7 @@ from unifiedserve.engine.output import TextOutput
 from unifiedserve.engine.request import Request
 from unifiedserve.engine.runner import ModelRunner
 from unifiedserve.engine.params import SamplingParams, finish_reason
-from unifiedserve.engine.sampling import SamplerState, sample
+from unifiedserve.engine.sampling import SamplerState, TokenLogprobs, sample, token_logprobs
 from unifiedserve.engine.scheduler import Scheduler, SchedulerConfig
 from unifiedserve.memory.block_manager import BlockManager
 from unifiedserve.memory.pages import PageAllocator
@@ -96,6 +96,8 @@ class RequestOutput:
     new_text: str
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    #: per output token (parallel to ``token_ids``) when the request asked for ``logprobs``, else None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -104,6 +106,7 @@ class _Live:
     sampler: SamplerState
     stop_ids: frozenset[int]
     output: TextOutput
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class LLM:
@@ -211,16 +214,19 @@ class LLM:
         if logits:
             ids = list(logits)
             live = [self._live[r] for r in ids]
-            tokens = sample(torch.stack([logits[r] for r in ids]), [x.request.params for x in live],
-                            [x.sampler for x in live])
-            for rid, token in zip(ids, tokens):
-                results.append(self._append(rid, token))
+            rows = torch.stack([logits[r] for r in ids])  # [B, vocab]
+            params = [x.request.params for x in live]
+            tokens = sample(rows, params, [x.sampler for x in live])
+            for rid, token, lp in zip(ids, tokens, token_logprobs(rows, tokens, params)):
+                results.append(self._append(rid, token, lp))
         return results
 
-    def _append(self, request_id: str, token: int) -> RequestOutput:
+    def _append(self, request_id: str, token: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
         live = self._live[request_id]
         req = live.request
         req.output_token_ids.append(token)
+        if logprobs is not None:
+            live.logprobs.append(logprobs)
         new_text = ""
         reason = finish_reason(token, len(req.output_token_ids), live.stop_ids, req.params.max_tokens)
         if reason != "stop":
@@ -228,7 +234,8 @@ class LLM:
             if live.output.stopped:
                 reason = "stop"
         out = RequestOutput(request_id, req.prompt_len, list(req.output_token_ids), live.output.text, [token],
-                            new_text, reason is not None, reason)
+                            new_text, reason is not None, reason,
+                            list(live.logprobs) if req.params.logprobs is not None else None)
         if reason is not None:
             self._finish(request_id, reason)
         return out

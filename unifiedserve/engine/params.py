@@ -6,6 +6,10 @@ import math
 from dataclasses import dataclass
 
 
+#: Most alternatives a request may ask for per token (OpenAI's limit for top_logprobs).
+MAX_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. ``temperature == 0`` means greedy."""
@@ -18,6 +22,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings; the matched text is not returned
     ignore_eos: bool = False  # keep going past the model's end-of-sequence token (benchmarks)
+    #: None: no log-probabilities; k >= 0: each output token's log-probability under the model's
+    #: distribution (log-softmax of the raw logits) and the k most likely tokens' (OpenAI's top_logprobs)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -32,6 +39,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -11,6 +11,7 @@ else is in the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -104,3 +105,38 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], states: list[Samp
         ``B`` token ids.
     """
     return sample_tensor(logits, params, states).tolist()
+
+
+class TokenLogprobs(NamedTuple):
+    """One output token's log-probability and the ``k`` most likely tokens' (``top``, best first)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int],
+                   params: list[SamplingParams]) -> list[TokenLogprobs | None]:
+    """Log-probabilities of the sampled tokens under the model's distribution, for rows that ask.
+
+    The distribution is the log-softmax of the raw logits (before temperature, top-k and top-p), as
+    OpenAI and vLLM report it. Rows whose ``params.logprobs`` is None get None; the work (one
+    log-softmax and one top-k over the asking rows, one copy to the host) is skipped when none ask.
+
+    Args:
+        logits: ``[B, vocab]``; token_ids: the ``B`` sampled ids; params: one per row.
+    """
+    asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    if not asking:
+        return out
+    rows = torch.tensor(asking, dtype=torch.int64, device=logits.device)
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)  # [A, vocab]
+    chosen = logprobs.gather(1, torch.tensor([[token_ids[i]] for i in asking], device=logits.device))  # [A, 1]
+    k = max(params[i].logprobs for i in asking)
+    top = logprobs.topk(k, dim=-1) if k else None  # values, indices: [A, k]
+    chosen_list = chosen[:, 0].tolist()
+    top_values, top_ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+    for a, i in enumerate(asking):
+        n = params[i].logprobs
+        out[i] = TokenLogprobs(chosen_list[a], list(zip(top_ids[a][:n], top_values[a][:n])) if n else [])
+    return out

@@ -23,7 +23,7 @@ from unifiedserve.engine.inputs import MediaGrid, make_request
 from unifiedserve.engine.params import finish_reason
 from unifiedserve.engine.llm import DTYPES
 from unifiedserve.engine.runner import ModelRunner
-from unifiedserve.engine.sampling import SamplerState, sample
+from unifiedserve.engine.sampling import SamplerState, sample, token_logprobs
 from unifiedserve.engine.scheduler import Scheduler
 from unifiedserve.memory.block_manager import BlockManager
 from unifiedserve.memory.pages import PageAllocator
@@ -166,14 +166,17 @@ class CoreWorker(Worker):
     def _sample(self, logits: dict[str, torch.Tensor]) -> None:
         ids = list(logits)
         lives = [self.live[r] for r in ids]
-        tokens = sample(torch.stack([logits[r] for r in ids]), [x.params for x in lives], [x.sampler for x in lives])
+        rows = torch.stack([logits[r] for r in ids])  # [B, vocab]
+        tokens = sample(rows, [x.params for x in lives], [x.sampler for x in lives])
+        logprobs = token_logprobs(rows, tokens, [x.params for x in lives])
         outputs, handoffs = [], []
-        for rid, live, token in zip(ids, lives, tokens):
+        for rid, live, token, lp in zip(ids, lives, tokens, logprobs):
             req = self.scheduler.requests[rid]
             req.output_token_ids.append(token)
             index = len(req.output_token_ids) - 1
             reason = finish_reason(token, len(req.output_token_ids), live.stop_ids, live.params.max_tokens)
-            outputs.append(protocol.TokenOutput(rid, index, token, reason, live.stages if index == 0 else None))
+            outputs.append(protocol.TokenOutput(rid, index, token, reason, live.stages if index == 0 else None,
+                                                *(lp if lp is not None else (None, None))))
             if reason is not None:
                 self._finish(rid, reason)
                 continue

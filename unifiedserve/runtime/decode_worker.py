@@ -19,7 +19,7 @@ from unifiedserve.attention import KVCache, get_attention_backend
 from unifiedserve.engine.llm import DTYPES
 from unifiedserve.engine.params import finish_reason
 from unifiedserve.engine.runner import forward_tokens
-from unifiedserve.engine.sampling import SamplerState, sample
+from unifiedserve.engine.sampling import SamplerState, sample, token_logprobs
 from unifiedserve.model.loader import load_model
 from unifiedserve.model.rope import decode_positions
 from unifiedserve.runtime import protocol
@@ -99,13 +99,16 @@ class DecodeWorker(Worker):
                                 torch.cat(positions, dim=1), seqs, None, list(range(len(ids))),
                                 visual_mask=torch.zeros(len(ids), dtype=torch.bool))  # generated tokens are text
         batch = list(self.batch.values())
-        tokens = sample(logits, [s.handoff.params for s in batch], [s.sampler for s in batch])
+        params = [s.handoff.params for s in batch]
+        tokens = sample(logits, params, [s.sampler for s in batch])
+        logprobs = token_logprobs(logits, tokens, params)
         outputs, finished = [], []
-        for seq, token in zip(batch, tokens):
+        for seq, token, lp in zip(batch, tokens, logprobs):
             seq.tokens.append(token)
             reason = finish_reason(token, len(seq.tokens), seq.stop_ids, seq.handoff.params.max_tokens)
             rid = seq.handoff.request_id
-            outputs.append(protocol.TokenOutput(rid, len(seq.tokens) - 1, token, reason))
+            outputs.append(protocol.TokenOutput(rid, len(seq.tokens) - 1, token, reason, None,
+                                                *(lp if lp is not None else (None, None))))
             if reason is not None:
                 finished.append(rid)
         self.send("api", protocol.TokenOutputs(outputs))

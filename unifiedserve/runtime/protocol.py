@@ -140,6 +140,8 @@ class TokenOutput(msgspec.Struct):
     token_id: int
     finish_reason: str | None = None  # "stop" | "length" when this token ends the request
     stages: StageTimes | None = None  # with the first token
+    logprob: float | None = None  # when the request asked for logprobs: log-softmax of the raw logits
+    top_logprobs: list[tuple[int, float]] | None = None  # its k most likely (token id, logprob), best first
 
 
 class TokenOutputs(msgspec.Struct, tag=True):

@@ -199,7 +199,8 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         params = SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0), seed=body.seed,
-            stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()), ignore_eos=body.ignore_eos)
+            stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()), ignore_eos=body.ignore_eos,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         stop_ids = params.stop_ids(state.eos_token_ids)
         await client.add(stream, protocol.AddRequest(request_id, prompt_ids, plans, params, sorted(stop_ids)))
         first = await _wait(stream.queue.get(), request)
@@ -290,6 +291,7 @@ class _Generation:
         self.finish_reason: str | None = None
         self.last_time = 0.0
         self.created = int(arrival)
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None  # OpenAI's content entries
 
     def consume(self, out: protocol.TokenOutput) -> str:
         """One token in; returns the new text. Sets ``finish_reason`` when the request ends."""
@@ -305,11 +307,24 @@ class _Generation:
         text = ""
         if out.finish_reason != "stop" or out.token_id not in self.stop_ids:
             text = self.output.append(out.token_id)
+            if self.logprobs is not None and out.logprob is not None:  # the stop token is not output
+                self.logprobs.append(self._logprob_entry(out.token_id, out.logprob, out.top_logprobs or []))
         if self.output.stopped:
             self.finish_reason = "stop"
         elif out.finish_reason is not None:
             self.finish_reason = out.finish_reason
         return text
+
+    def _new_logprobs(self, sent: int) -> list[dict] | None:
+        return None if self.logprobs is None else self.logprobs[sent:]
+
+    def _logprob_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> dict:
+        """OpenAI's ``logprobs.content`` item: the token's text, its UTF-8 bytes, its and the top tokens' logprobs."""
+        def piece(tid: int, lp: float) -> dict:
+            text = self.state.processor.decode([tid], skip_special_tokens=False)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        return {**piece(token_id, logprob), "top_logprobs": [piece(t, lp) for t, lp in top]}
 
     def _stage_metrics(self, st: protocol.StageTimes | None) -> None:
         stage = self.state.metrics.stage
@@ -360,13 +375,16 @@ class _Generation:
             "id": self.request_id, "object": "chat.completion", "created": self.created,
             "model": self.state.model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": self.output.text},
-                         "logprobs": None, "finish_reason": self.finish_reason}],
+                         "logprobs": None if self.logprobs is None else {"content": self.logprobs},
+                         "finish_reason": self.finish_reason}],
             "usage": self.usage()})
 
-    def _chunk(self, delta: dict, finish_reason: str | None = None, usage: dict | None = None) -> str:
+    def _chunk(self, delta: dict, finish_reason: str | None = None, usage: dict | None = None,
+               logprobs: list[dict] | None = None) -> str:
         body = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.state.model_name,
-                "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                "choices": [] if delta is None else [{"index": 0, "delta": delta,
+                                                      "logprobs": None if logprobs is None else {"content": logprobs},
                                                       "finish_reason": finish_reason}]}
         if usage is not None:
             body["usage"] = usage
@@ -377,14 +395,16 @@ class _Generation:
         try:
             yield self._chunk({"role": "assistant", "content": ""})
             out = first
+            sent = 0  # logprob entries already streamed
             while True:
                 text = self.consume(out)
                 if text or self.finish_reason is None:  # one event per token, even with no visible text yet
-                    yield self._chunk({"content": text})
+                    yield self._chunk({"content": text}, logprobs=self._new_logprobs(sent))
+                    sent = len(self.logprobs or ())
                 if self.finish_reason is not None:
                     break
                 out = await self._next()
-            yield self._chunk({}, self.finish_reason)
+            yield self._chunk({}, self.finish_reason, logprobs=self._new_logprobs(sent) or None)
             if include_usage:
                 yield self._chunk(None, usage=self.usage())
             yield "data: [DONE]\n\n"

@@ -1,7 +1,7 @@
 """The OpenAI chat-completions request schema this server accepts (pydantic), and error bodies.
 
 Every field either works or is refused: an OpenAI field this server does not implement gets a 400
-naming it (unless it carries its neutral value, e.g. ``logprobs: false``), and so does any other
+naming it (unless it carries its neutral value, e.g. ``tools: []``), and so does any other
 unknown field. Text must be valid Unicode (a lone surrogate such as ``"\ud800"`` is refused).
 """
 
@@ -26,7 +26,7 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 _HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
 #: Fields that are accepted only with their neutral value (the value that asks for nothing).
 _NEUTRAL_VALUES: dict[str, tuple] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, False, True), "response_format": (None, {"type": "text"}),
     "logit_bias": (None, {}), "functions": (None, []), "function_call": (None, "none"),
@@ -95,9 +95,13 @@ class ChatCompletionRequest(_Model):
     stop: Text | list[Text] | None = None
     n: int = 1
     ignore_eos: bool = False  # vLLM extension: keep generating past EOS (benchmarks)
+    logprobs: bool = False  # each output token's log-probability (log-softmax of the model's raw logits)
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # and the k most likely tokens'
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         for name, value in (self.model_extra or {}).items():
             if name in _HARMLESS_FIELDS:
                 continue

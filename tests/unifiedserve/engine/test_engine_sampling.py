@@ -153,3 +153,44 @@ def test_sampler_on_cuda_greedy_equals_cpu_and_seeds_reproduce():
     greedy = [i for i, p in enumerate(MIXED) if p.is_greedy]
     assert [gpu[i] for i in greedy] == [cpu[i] for i in greedy]
     assert gpu == again
+
+
+def test_logprobs_are_the_log_softmax_of_the_model_logits():
+    """Each token's logprob and its top-k equal log_softmax of the raw logits it was sampled from."""
+    from unifiedserve.engine.llm import LLM
+
+    engine = LLM()
+    ids, vision = engine.build_prompt([{"role": "user", "content": "Hello there"}])
+    rows = []
+    execute = engine.runner.execute
+
+    def recording(out, requests):
+        result = execute(out, requests)
+        rows.extend(v.clone() for v in result.values())
+        return result
+
+    engine.runner.execute = recording
+    sampled, greedy, plain = engine.generate([
+        (ids, vision, SamplingParams(max_tokens=3, logprobs=4, temperature=0.8, seed=1)),
+        (ids, vision, SamplingParams(max_tokens=3, logprobs=0)),
+        (ids, vision, SamplingParams(max_tokens=3)),
+    ])
+    assert plain.logprobs is None and [lp.top for lp in greedy.logprobs] == [[], [], []]
+    # one engine step samples the three requests together: rows come in request order per step
+    per_step = torch.stack(rows).view(3, 3, -1).transpose(0, 1)  # [request, step, vocab]
+    for out, logits in zip((sampled, greedy), per_step):
+        reference = torch.log_softmax(logits.float(), dim=-1)
+        for token, lp, ref in zip(out.token_ids, out.logprobs, reference):
+            assert lp.logprob == pytest.approx(ref[token].item(), abs=1e-6)
+            values, indices = ref.topk(len(lp.top)) if lp.top else (torch.empty(0), torch.empty(0))
+            assert [t for t, _ in lp.top] == indices.tolist()
+            assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-6)
+    assert all(lp.logprob == pytest.approx(max(ref).item(), abs=1e-6)
+               for lp, ref in zip(greedy.logprobs, torch.log_softmax(per_step[1].float(), -1)))
+
+
+def test_logprobs_bounds():
+    with pytest.raises(ValueError, match="logprobs must be an integer in 0..20"):
+        SamplingParams(logprobs=21)
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=-1)

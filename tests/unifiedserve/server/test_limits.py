@@ -113,7 +113,8 @@ def test_visual_tokens_over_the_context_are_refused_before_expansion(processor, 
 
 def test_fields_that_are_not_implemented_are_named(processor, media_dir):
     http, client = make_api(processor, media_dir)
-    for fields, name in [({"logprobs": True}, "logprobs"), ({"top_logprobs": 3}, "top_logprobs"),
+    for fields, name in [({"top_logprobs": 3}, "top_logprobs needs logprobs"),
+                         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
                          ({"tool_choice": "auto"}, "tool_choice"),
                          ({"response_format": {"type": "json_object"}}, "response_format"),

@@ -99,6 +99,24 @@ def test_video_nonstream_and_stream_agree(server, client, media):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
 
 
+def test_logprobs_streamed_and_not(client, media):
+    _, files = media
+    kw = dict(model="demo-model", messages=video_message(files["video"]), logprobs=True, top_logprobs=3, **GREEDY)
+    whole = client.chat.completions.create(**kw)
+    entries = whole.choices[0].logprobs.content
+    assert len(entries) == whole.usage.completion_tokens == 12
+    for e in entries:  # greedy: the chosen token is the most likely one
+        assert len(e.top_logprobs) == 3 and e.logprob == pytest.approx(e.top_logprobs[0].logprob)
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+        assert e.logprob <= 0 and bytes(e.bytes) == e.token.encode()
+    streamed = [c.choices[0].logprobs.content for c in client.chat.completions.create(stream=True, **kw)
+                if c.choices and c.choices[0].logprobs is not None]
+    flat = [e for chunk in streamed for e in chunk]
+    assert [(e.token, round(e.logprob, 5)) for e in flat] == [(e.token, round(e.logprob, 5)) for e in entries]
+    plain = client.chat.completions.create(model="demo-model", messages=video_message(files["video"]), **GREEDY)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == whole.choices[0].message.content
+
+
 def test_image_and_text(client, media):
     _, files = media
     out = client.chat.completions.create(model="demo-model", messages=image_message(files["image"]), **GREEDY)
