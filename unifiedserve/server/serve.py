@@ -44,15 +44,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CUDA only: share of the GPU's memory for weights, activations and the KV cache, which "
                         "gets what the weights and a profiled peak step leave (default 0.9; --num-kv-blocks wins). "
                         "Refused on CPU")
-    g.add_argument("--max-model-len", type=int, default=None,
+    g.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="longest prompt + completion in tokens, visual tokens included (default: the model's, "
                         "capped by the KV cache)")
-    g.add_argument("--default-max-tokens", type=int, default=512,
+    g.add_argument("--default-max-tokens", type=_positive_int, default=512,
                    help="completion length when a request gives no max_tokens (default 512)")
 
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     g.add_argument("--api-key", default=os.environ.get("UNIFIEDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $UNIFIEDSERVE_API_KEY, or none)")
     g.add_argument("--policy", choices=("unified", "monolithic", "split"), default="unified",
@@ -61,26 +61,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "encode/prefill iterations (vLLM/SGLang chunked prefill; the encoder blocks decode). "
                         "split: core and decode on disjoint CPU sets (half each) with matching thread counts "
                         "(DistServe/EPD style)")
-    g.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the workers (default 600)")
+    g.add_argument("--startup-timeout", type=_positive_float, default=600.0, help="seconds to wait for the workers (default 600)")
 
     g = p.add_argument_group("media")
     g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="allow file:// media URLs under DIR (default: file:// refused)")
     g.add_argument("--allowed-media-domains", nargs="*", default=(), metavar="HOST",
                    help="allow http(s) media URLs from these hosts (default: none)")
-    g.add_argument("--max-media-mb", type=float, default=512.0,
+    g.add_argument("--max-media-mb", type=_positive_float, default=512.0,
                    help="largest data: URL payload or download, in MiB (default 512)")
-    g.add_argument("--max-pixels", type=int, default=QWEN_MAX_PIXELS, metavar="N",
+    g.add_argument("--max-pixels", type=_positive_int, default=QWEN_MAX_PIXELS, metavar="N",
                    help=f"most pixels per image or video frame a request may ask for (min_pixels/max_pixels; "
                         f"default {QWEN_MAX_PIXELS}, Qwen2.5-VL's largest image budget)")
-    g.add_argument("--max-frames", type=int, default=QWEN_MAX_FRAMES, metavar="N",
+    g.add_argument("--max-frames", type=_positive_int, default=QWEN_MAX_FRAMES, metavar="N",
                    help=f"most frames sampled from one video (default {QWEN_MAX_FRAMES})")
-    g.add_argument("--max-media-per-request", type=int, default=16, metavar="N",
+    g.add_argument("--max-media-per-request", type=_positive_int, default=16, metavar="N",
                    help="most image and video parts in one request (default 16)")
-    g.add_argument("--max-request-mb", type=float, default=64.0, metavar="MB",
+    g.add_argument("--max-request-mb", type=_positive_float, default=64.0, metavar="MB",
                    help="largest request body in MiB, checked while it streams in: 413 above it (default 64; "
                         "data: URLs count here, file:// and http(s) media do not)")
-    g.add_argument("--max-video-seconds", type=float, default=3600.0,
+    g.add_argument("--max-video-seconds", type=_positive_float, default=3600.0,
                    help="refuse longer videos (default 3600)")
     g.add_argument("--vision-threads", type=int, default=0,
                    help="FlashCodec decoder threads shared by all requests (default: one per core)")
@@ -91,26 +91,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "every core otherwise (default: a quarter of the cores, at least 1)")
 
     g = p.add_argument_group("scheduling (Algorithm 3)")
-    g.add_argument("--prefill-token-budget", type=int, default=None, metavar="TAU",
+    g.add_argument("--prefill-token-budget", type=_positive_int, default=None, metavar="TAU",
                    help="prompt tokens prefilled per core iteration (default 512, or derived from --tbt-slo-ms)")
-    g.add_argument("--encode-token-budget", type=int, default=None, metavar="ALPHA",
+    g.add_argument("--encode-token-budget", type=_positive_int, default=None, metavar="ALPHA",
                    help="patch tokens encoded per core iteration (default 4096, or derived from --tbt-slo-ms)")
-    g.add_argument("--tbt-slo-ms", type=float, default=None,
+    g.add_argument("--tbt-slo-ms", type=_positive_float, default=None,
                    help="derive both budgets from this time-between-tokens SLO by a short profile at start "
                         "(cached per model, device and dtype); explicit budget flags win")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="requests admitted to encode/prefill at once")
-    g.add_argument("--max-decode-batch", type=int, default=256, help="requests decoded together at most")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=64, help="requests admitted to encode/prefill at once")
+    g.add_argument("--max-decode-batch", type=_positive_int, default=256, help="requests decoded together at most")
 
     g = p.add_argument_group("memory pools")
-    g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB (default 1)")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides --kv-cache-gb)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    g.add_argument("--patch-buffer-gb", type=float, default=2.0,
+    g.add_argument("--kv-cache-gb", type=_positive_float, default=1.0, help="KV cache size in GiB (default 1)")
+    g.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="KV cache size in blocks (overrides --kv-cache-gb)")
+    g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--patch-buffer-gb", type=_positive_float, default=2.0,
                    help="patch buffer (vision -> encode) in GiB; one request's patches must fit (default 2)")
-    g.add_argument("--visual-buffer-gb", type=float, default=0.25,
+    g.add_argument("--visual-buffer-gb", type=_positive_float, default=0.25,
                    help="visual-token buffer (encode -> prefill) in GiB (default 0.25)")
-    g.add_argument("--page-size", type=int, default=256, help="rows per page of both buffers (default 256)")
+    g.add_argument("--page-size", type=_positive_int, default=256, help="rows per page of both buffers (default 256)")
     g.add_argument("--shm-dir", default=DEFAULT_SHM_DIR, help=f"tmpfs folder for the CPU pools (default {DEFAULT_SHM_DIR})")
+
+
+def _positive_int(value: str) -> int:
+    """argparse type: an integer >= 1 (a zero or negative size is a mistake, never "use the default")."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _positive_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {value}")
+    return x
+
+
+def _port(value: str) -> int:
+    n = _positive_int(value)
+    if n > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in 1..65535, got {n}")
+    return n
 
 
 def _device_arg(value: str) -> str:
