@@ -121,13 +121,8 @@ def _torchcodec_cuda_reason() -> str | None:
     return None
 
 
-@lru_cache(maxsize=None)
-def nvdec_unavailable_reason(device_index: int) -> str | None:
-    """Why NVDEC cannot be used on GPU ``device_index`` in this process, or None when it can.
-
-    Checks, in order: a CUDA build of torch that sees the GPU, ``libnvcuvid.so.1`` (the driver's
-    video decoder), a CUDA build of torchcodec. Cached: the answer does not change in a process.
-    """
+def gpu_unavailable_reason(device_index: int) -> str | None:
+    """Why torch cannot use GPU ``device_index`` here (a CPU-only build, no GPU, no such index), or None."""
     try:
         import torch
     except ImportError:
@@ -139,6 +134,19 @@ def nvdec_unavailable_reason(device_index: int) -> str | None:
         return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
     if not 0 <= device_index < count:
         return f"there is no cuda:{device_index} ({count} GPU{'s' if count > 1 else ''} visible)"
+    return None
+
+
+@lru_cache(maxsize=None)
+def nvdec_unavailable_reason(device_index: int) -> str | None:
+    """Why NVDEC cannot be used on GPU ``device_index`` in this process, or None when it can.
+
+    Checks, in order: a CUDA build of torch that sees the GPU, ``libnvcuvid.so.1`` (the driver's
+    video decoder), a CUDA build of torchcodec. Cached: the answer does not change in a process.
+    """
+    reason = gpu_unavailable_reason(device_index)
+    if reason is not None:
+        return reason
     from flashcodec.nvcuvid import NvcuvidError, num_gpus
 
     try:

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 from PIL import Image
 
-from flashcodec.devices import DeviceError, log_once, num_visible_gpus, parse_device
+from flashcodec.devices import DeviceError, gpu_unavailable_reason, log_once, num_visible_gpus, parse_device
 from flashcodec.image import (
     DEFAULT_MAX_IMAGE_PIXELS,
     DecodedImage,
@@ -86,13 +86,9 @@ def nvjpeg_unavailable_reason(device_index: int) -> str | None:
     Checks a CUDA build of torch that sees the GPU, an importable torchvision, and one real
     decode of a 16x16 JPEG on that GPU. Cached: the answer does not change in a process.
     """
-    if torch.version.cuda is None:
-        return f"torch {torch.__version__} is a CPU-only build"
-    count = num_visible_gpus()
-    if count == 0:
-        return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
-    if not 0 <= device_index < count:
-        return f"there is no cuda:{device_index} ({count} GPU{'s' if count > 1 else ''} visible)"
+    reason = gpu_unavailable_reason(device_index)
+    if reason is not None:
+        return reason
     try:
         import torchvision.io  # noqa: F401
     except ImportError:
