@@ -32,6 +32,23 @@ IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable Latin-1 bytes stand for themselves,
+    the others for ``chr(256 + n)`` in byte order (the table ``tokenizers``' ByteLevel uses)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
+
 class Processor:
     """Chat template, tokenizer and placeholder expansion of one checkpoint."""
 
@@ -121,6 +138,20 @@ class Processor:
                 raise ValueError(f"{len(grids[token])} {kind} grids given but the prompt has "
                                  f"{count} {kind} placeholders")
         return out
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (a byte-level BPE token may be part of a UTF-8 character).
+
+        Byte-level vocabularies (Qwen's, the demo's) spell each byte with one printable character
+        (GPT-2's byte-to-unicode table); special tokens and other vocabularies give their text.
+        """
+        token = self.tokenizer.id_to_token(token_id)
+        if token is None:
+            return b""
+        try:
+            return bytes(_BYTE_OF_CHAR[ch] for ch in token)
+        except KeyError:
+            return token.encode("utf-8")
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``."""

@@ -321,8 +321,12 @@ class _Generation:
     def _logprob_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> dict:
         """OpenAI's ``logprobs.content`` item: the token's text, its UTF-8 bytes, its and the top tokens' logprobs."""
         def piece(tid: int, lp: float) -> dict:
-            text = self.state.processor.decode([tid], skip_special_tokens=False)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+            raw = self.state.processor.token_bytes(tid)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:  # part of a character: shown as its bytes, as OpenAI does
+                text = "".join(f"\\x{b:02x}" for b in raw)
+            return {"token": text, "logprob": lp, "bytes": list(raw)}
 
         return {**piece(token_id, logprob), "top_logprobs": [piece(t, lp) for t, lp in top]}
 

@@ -128,3 +128,12 @@ def test_transformers5_size_layout_and_missing_files(tmp_path, checkpoint):
     (path / "tokenizer.json").unlink()
     with pytest.raises(ValueError, match="tokenizer.json not found"):
         load_processor(path)
+
+
+def test_token_bytes_spell_the_text_exactly(processor):
+    """Byte-level tokens can split a character; their bytes still concatenate to the text's UTF-8."""
+    text = "Hello world, café ☕ — 日本語 <|im_end|>"
+    ids = processor.tokenize(text)
+    assert b"".join(processor.token_bytes(i) for i in ids) == text.encode("utf-8")
+    assert any(len(processor.token_bytes(i)) == 1 and processor.token_bytes(i)[0] >= 0x80 for i in ids)
+    assert processor.token_bytes(10**9) == b""
