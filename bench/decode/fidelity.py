@@ -8,6 +8,7 @@ as torchvision's ``resize`` in qwen-vl-utils' ``fetch_video``). Prints mean / p9
 levels of 255 and each mode's conversion cost per frame (decoded frame -> RGB at the output size,
 one thread, decode excluded), as a Markdown table. Then the same for images: ``resize="fast"``
 against ``"exact"`` (PIL bicubic, qwen-vl-utils' image resize) on a seeded 4032x3024 JPEG.
+With ``--filters``, instead: the candidate filters for ``"exact"`` on 720p -> 728x392 frames.
 
     python bench/decode/fidelity.py                 # about a minute on 2 cores
 """
@@ -67,7 +68,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--frames", type=int, default=16, help="frames sampled per clip (default 16)")
     p.add_argument("--cache", type=Path, default=None, help="clip cache (default ~/.cache/flashcodec/videos)")
+    p.add_argument("--filters", action="store_true", help="compare the candidate filters for exact instead")
     args = p.parse_args(argv)
+    if args.filters:
+        filter_candidates(args.cache, args.frames)
+        return 0
     torch.set_num_threads(1)
     print("| clip | output | mode | mean | p99 | max | convert ms / frame |")
     print("|---|---|---|---|---|---|---|")
@@ -89,6 +94,70 @@ def main(argv=None) -> int:
                       f"{diff.max()} | {convert_ms(frames, h, w, mode):.2f} |")
     image_fidelity(args.cache)
     return 0
+
+
+def _sws(frame: av.VideoFrame, height: int, width: int, flags) -> np.ndarray:
+    return frame.to_ndarray(width=width, height=height, format="rgb24", interpolation=flags)
+
+
+def _full_then(resize_rgb):
+    """A candidate that converts at full resolution, then resizes the [H0, W0, 3] RGB array."""
+    return lambda frame, height, width: resize_rgb(frame.to_ndarray(format="rgb24"), height, width)
+
+
+def _torch_uint8(rgb, height, width):
+    x = torch.from_numpy(rgb).permute(2, 0, 1)[None]  # [1, 3, H0, W0] channels-last
+    return torch.nn.functional.interpolate(x, size=(height, width), mode="bicubic", antialias=True)[0].permute(1, 2, 0)
+
+
+def _sws_rgb(rgb, height, width):
+    return av.VideoFrame.from_ndarray(rgb, format="rgb24").to_ndarray(width=width, height=height,
+                                                                      interpolation="BICUBIC")
+
+
+def _pil(rgb, height, width):
+    from PIL import Image
+
+    return np.asarray(Image.fromarray(rgb).resize((width, height), Image.Resampling.BICUBIC))
+
+
+def _float_reference(rgb, height, width):
+    return resize_frames(torch.from_numpy(rgb).permute(2, 0, 1)[None], height, width)[0].permute(1, 2, 0)
+
+
+def filter_candidates(cache: Path | None, num_frames: int) -> None:
+    from av.video.reformatter import Interpolation as I
+
+    full_chroma = I.BICUBIC | I.FULL_CHR_H_INT | I.FULL_CHR_H_INP | I.ACCURATE_RND
+    candidates = {
+        "one swscale call, AREA (fast)": lambda f, h, w: _sws(f, h, w, "AREA"),
+        "one swscale call, BICUBIC": lambda f, h, w: _sws(f, h, w, "BICUBIC"),
+        "one swscale call, BICUBIC + full chroma + accurate rounding": lambda f, h, w: _sws(f, h, w, full_chroma),
+        "full-res RGB + torch uint8 antialiased bicubic (exact)": _full_then(_torch_uint8),
+        "full-res RGB + swscale BICUBIC": _full_then(_sws_rgb),
+        "full-res RGB + PIL bicubic": _full_then(_pil),
+        "full-res RGB + float32 reference": _full_then(_float_reference),
+    }
+    torch.set_num_threads(1)
+    spec = dict(codec="h264", width=1280, height=720, duration_s=4.0, fps=30.0, gop=30, bframes=3,
+                suffix=".mp4", preset="veryfast", seed=1280)
+    path = synthetic_video.cached_video(spec, cache_dir=cache)
+    frames = decoded_frames(path, np.linspace(0, 119, num_frames).round().astype(int).tolist())
+    h, w = 392, 728
+    ref = reference(frames, h, w)
+    print("| filter | mean | p99 | max | ms / frame |")
+    print("|---|---|---|---|---|")
+    for name, fn in candidates.items():
+        out = torch.from_numpy(np.stack([np.asarray(fn(f, h, w)) for f in frames])).permute(0, 3, 1, 2)
+        diff = (out.to(torch.int16) - ref.to(torch.int16)).abs().numpy()
+        best = float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
+            for frame in frames:
+                fn(frame, h, w)
+            best = min(best, time.perf_counter() - started)
+        print(f"| {name} | {diff.mean():.3f} | {np.percentile(diff, 99):.0f} | {diff.max()} | "
+              f"{best * 1e3 / len(frames):.2f} |")
 
 
 def image_fidelity(cache: Path | None) -> None:
