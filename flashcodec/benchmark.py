@@ -156,7 +156,8 @@ def _mean_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a.astype(np.int16) - b.astype(np.int16)).mean())
 
 
-def _timed(fn, repeat: int):
+def best_time(fn, repeat: int):
+    """(best seconds, last result) over ``repeat`` timed calls; warm up before calling this."""
     best, result = float("inf"), None
     for _ in range(repeat):
         t = time.perf_counter()
@@ -190,7 +191,7 @@ def run_file_benchmark(path: str, *, sampling: str = "dense", peers: str = "all"
         raise ValueError(f"unknown peers {unknown}; choose from {', '.join(PEERS)}")
 
     sampler = _gpu_sampler()  # engine use during every decode below, when a GPU is present
-    probe_s, info = _timed(lambda: flashcodec.probe(path), 1)
+    probe_s, info = best_time(lambda: flashcodec.probe(path), 1)
     indices = sampling_indices(info, sampling)
     plan = flashcodec.plan_video(info, frame_indices=indices)
     h, w = plan.height, plan.width
@@ -211,13 +212,13 @@ def run_file_benchmark(path: str, *, sampling: str = "dense", peers: str = "all"
             del warm
         for _ in range(repeat):  # modes alternate, so a busy spell on a shared machine hits both alike
             for mode in RESIZE_MODES:
-                seconds, _ = _timed(lambda: run(mode), 1)
+                seconds, _ = best_time(lambda: run(mode), 1)
                 mode_s[mode] = min(mode_s[mode], seconds)
     fc_s = mode_s[DEFAULT_RESIZE_MODE]
     if "torchcodec" in installed_peers():  # the other backend, to pick the default by measurement
         with flashcodec.DecodeEngine("torchcodec", threads) as engine:
             engine.decode_video(path, frame_indices=indices)  # warmup
-            tc_s, tc_out = _timed(lambda: engine.decode_video(path, frame_indices=indices), repeat)
+            tc_s, tc_out = best_time(lambda: engine.decode_video(path, frame_indices=indices), repeat)
         tc_frames = tc_out.frames[: len(target)].numpy()
         results_backend = {"seconds": tc_s, "mean_abs_diff": _mean_abs_diff(tc_frames, reference)}
     else:
@@ -240,7 +241,7 @@ def run_file_benchmark(path: str, *, sampling: str = "dense", peers: str = "all"
         try:
             if repeat > 1:  # a warmup run, as flashcodec had
                 PEERS[name](path, target, h, w, threads)
-            seconds, frames = _timed(lambda: PEERS[name](path, target, h, w, threads), repeat)
+            seconds, frames = best_time(lambda: PEERS[name](path, target, h, w, threads), repeat)
             diff = _mean_abs_diff(frames, reference)
             results[name] = {"seconds": seconds, "mean_abs_diff": diff, "shape": list(frames.shape)}
         except Exception as e:  # a peer's failure is reported, not fatal

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import flashcodec  # noqa: E402
-from flashcodec.benchmark import machine_info, sampling_indices  # noqa: E402
+from flashcodec.benchmark import best_time, machine_info, sampling_indices  # noqa: E402
 from flashcodec.devices import DEFAULT_NVDEC_SESSIONS, nvdec_unavailable_reason  # noqa: E402
 from flashcodec.image_batch import ImageBatchDecoder, nvjpeg_unavailable_reason  # noqa: E402
 from flashcodec.plan.video import floor_cost  # noqa: E402
@@ -97,16 +97,6 @@ def parse_args(argv=None):
 def _sync(gpu: int) -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize(gpu)
-
-
-def _best(fn, repeat: int):
-    """(best seconds, last result) over ``repeat`` timed calls; the caller has already warmed up."""
-    best, result = float("inf"), None
-    for _ in range(repeat):
-        t = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, result
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -250,7 +240,7 @@ def bench_codec(clip, args) -> dict:
         diff = _diff(frames, state["gpu_frames"]) if "gpu_frames" in state else None
         if diff is not None and diff > MAX_SANE_DIFF:
             raise AssertionError(f"one-session frames differ from flashcodec's by mean {diff:.2f}; refusing to time")
-        seconds, _ = _best(lambda: (_session_decode(decoder, dense, h, w), _sync(gpu)), args.repeat)
+        seconds, _ = best_time(lambda: (_session_decode(decoder, dense, h, w), _sync(gpu)), args.repeat)
         return {"seconds": seconds, "fps": must_decode / seconds, "vs_flashcodec_mean_abs_diff": diff}
 
     def ceiling():
@@ -258,7 +248,7 @@ def bench_codec(clip, args) -> dict:
         decoders = [_session(path, gpu) for _ in range(S)]
         _in_threads(decoders, [dense[:CHUNK]] * S, h, w, gpu)  # warm-up: every decoder made and used
         with _sampler(gpu, info.codec) as sampler:  # NVML reads in a thread: no cost to the decode
-            seconds, _ = _best(lambda: _in_threads(decoders, [dense] * S, h, w, gpu), args.repeat)
+            seconds, _ = best_time(lambda: _in_threads(decoders, [dense] * S, h, w, gpu), args.repeat)
         state["ceiling_telemetry"] = _telemetry(sampler, seconds)
         return {"seconds": seconds, "sessions": S, "fps": S * must_decode / seconds}
 
@@ -267,7 +257,7 @@ def bench_codec(clip, args) -> dict:
         runs = gop_split(info, dense, S)
         decoders = [_session(path, gpu) for _ in runs]
         _in_threads(decoders, [r[:CHUNK] for r in runs], h, w, gpu)
-        seconds, _ = _best(lambda: _in_threads(decoders, runs, h, w, gpu), args.repeat)
+        seconds, _ = best_time(lambda: _in_threads(decoders, runs, h, w, gpu), args.repeat)
         return {"seconds": seconds, "fps": must_decode / seconds, "sessions": len(runs)}
 
     def gpu_and_cpu():
@@ -305,7 +295,7 @@ def bench_codec(clip, args) -> dict:
         need_gpu()
         decoder = _session(path, gpu)
         _session_decode(decoder, sparse[:2], h, w)
-        seconds, _ = _best(lambda: (_session_decode(decoder, sparse, h, w), _sync(gpu)), args.repeat)
+        seconds, _ = best_time(lambda: (_session_decode(decoder, sparse, h, w), _sync(gpu)), args.repeat)
         return {"seconds": seconds, "num_frames": len(sparse)}
 
     for name, fn in (("cpu_alone", cpu_alone), ("gpu_alone", gpu_alone), ("one_session", one_session),
@@ -335,7 +325,7 @@ def bench_jpegs(args) -> dict:
     def cpu():
         with ImageBatchDecoder("cpu", cpu_threads=args.cpu_threads) as d:
             state["cpu"] = d.decode(jpegs)
-            seconds, _ = _best(lambda: d.decode(jpegs), args.repeat)
+            seconds, _ = best_time(lambda: d.decode(jpegs), args.repeat)
         return {"seconds": seconds, "threads": args.cpu_threads}
 
     def nvjpeg():
@@ -346,7 +336,7 @@ def bench_jpegs(args) -> dict:
             diff = max(_diff(a.pixels, b.pixels) for a, b in zip(warm, state["cpu"])) if "cpu" in state else None
             if diff is not None and diff > MAX_SANE_DIFF:
                 raise AssertionError(f"nvJPEG output differs from the CPU's by mean {diff:.2f}; refusing to time")
-            seconds, _ = _best(lambda: (d.decode(jpegs), _sync(args.gpu)), args.repeat)
+            seconds, _ = best_time(lambda: (d.decode(jpegs), _sync(args.gpu)), args.repeat)
         return {"seconds": seconds, "max_mean_abs_diff_vs_cpu": diff}
 
     def nvjpeg_bare():
@@ -357,7 +347,7 @@ def bench_jpegs(args) -> dict:
         encoded = [torch.frombuffer(bytearray(j), dtype=torch.uint8) for j in jpegs]
         call = lambda: (decode_jpeg(encoded, mode=ImageReadMode.RGB, device=f"cuda:{args.gpu}"), _sync(args.gpu))  # noqa: E731
         call()
-        seconds, _ = _best(call, args.repeat)
+        seconds, _ = best_time(call, args.repeat)
         return {"seconds": seconds, "note": "decode only, full size, no resize"}
 
     for name, fn in (("cpu", cpu), ("nvjpeg", nvjpeg), ("nvjpeg_bare", nvjpeg_bare)):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -40,3 +42,56 @@ def use_released_rope():
         return hf_model
 
     return apply
+
+
+def _hf_generate(model, ids, vision, new_tokens: int):
+    """transformers' greedy ``generate`` of exactly ``new_tokens`` for one prompt whose placeholders are
+    expanded; ``vision`` as the engine takes it. Returns ``(token ids, logits [new_tokens, vocab])``."""
+    kwargs = {}
+    images = [v for v in vision if v.kind == "image"]
+    videos = [v for v in vision if v.kind == "video"]
+    if images:
+        kwargs.update(pixel_values=torch.cat([v.patches for v in images]),
+                      image_grid_thw=torch.tensor([v.grid_thw for v in images]))
+    if videos:
+        kwargs.update(pixel_values_videos=torch.cat([v.patches for v in videos]),
+                      video_grid_thw=torch.tensor([v.grid_thw for v in videos]),
+                      second_per_grid_ts=torch.tensor([v.second_per_grid_t for v in videos]))
+    # transformers 5 computes M-RoPE positions only when told each token's modality
+    cfg = model.config
+    kwargs["mm_token_type_ids"] = torch.tensor([[1 if t == cfg.image_token_id else 2 if t == cfg.video_token_id
+                                                 else 0 for t in ids]])
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences[0, len(ids):].tolist(), torch.cat(out.logits)
+
+
+@pytest.fixture(scope="session")
+def hf_generate():
+    """``hf_generate(model, ids, vision, new_tokens)``: the transformers reference run of the parity tests."""
+    return _hf_generate
+
+
+@contextlib.contextmanager
+def _recording_logits(engine):
+    rows: dict[str, list[torch.Tensor]] = {}
+    execute = engine.runner.execute
+
+    def recording(out, requests):
+        result = execute(out, requests)
+        for request_id, row in result.items():
+            rows.setdefault(request_id, []).append(row.clone())
+        return result
+
+    engine.runner.execute = recording
+    try:
+        yield rows
+    finally:
+        del engine.runner.execute  # back to the class's method
+
+
+@pytest.fixture(scope="session")
+def record_logits():
+    """``with record_logits(engine) as rows:`` collects, per request id, the logits each token was sampled from."""
+    return _recording_logits

@@ -155,29 +155,18 @@ def test_sampler_on_cuda_greedy_equals_cpu_and_seeds_reproduce():
     assert gpu == again
 
 
-def test_logprobs_are_the_log_softmax_of_the_model_logits():
+def test_logprobs_are_the_log_softmax_of_the_model_logits(record_logits):
     """Each token's logprob and its top-k equal log_softmax of the raw logits it was sampled from."""
-    from unifiedserve.engine.llm import LLM
-
     engine = LLM()
     ids, vision = engine.build_prompt([{"role": "user", "content": "Hello there"}])
-    rows = []
-    execute = engine.runner.execute
-
-    def recording(out, requests):
-        result = execute(out, requests)
-        rows.extend(v.clone() for v in result.values())
-        return result
-
-    engine.runner.execute = recording
-    sampled, greedy, plain = engine.generate([
-        (ids, vision, SamplingParams(max_tokens=3, logprobs=4, temperature=0.8, seed=1)),
-        (ids, vision, SamplingParams(max_tokens=3, logprobs=0)),
-        (ids, vision, SamplingParams(max_tokens=3)),
-    ])
+    with record_logits(engine) as rows:
+        sampled, greedy, plain = engine.generate([
+            (ids, vision, SamplingParams(max_tokens=3, logprobs=4, temperature=0.8, seed=1)),
+            (ids, vision, SamplingParams(max_tokens=3, logprobs=0)),
+            (ids, vision, SamplingParams(max_tokens=3)),
+        ])
     assert plain.logprobs is None and [lp.top for lp in greedy.logprobs] == [[], [], []]
-    # one engine step samples the three requests together: rows come in request order per step
-    per_step = torch.stack(rows).view(3, 3, -1).transpose(0, 1)  # [request, step, vocab]
+    per_step = torch.stack([torch.stack(rows[o.request_id]) for o in (sampled, greedy)])  # [request, step, vocab]
     for out, logits in zip((sampled, greedy), per_step):
         reference = torch.log_softmax(logits.float(), dim=-1)
         for token, lp, ref in zip(out.token_ids, out.logprobs, reference):

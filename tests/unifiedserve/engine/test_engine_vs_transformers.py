@@ -9,7 +9,6 @@ import synthetic_video
 import torch
 
 import flashcodec
-from unifiedserve.engine import llm as llm_module
 from unifiedserve.engine.inputs import VisionInput
 from unifiedserve.engine.llm import LLM, EngineConfig
 from unifiedserve.engine.params import SamplingParams
@@ -50,52 +49,16 @@ def build(engine, parts, text="What is shown?"):
     return engine.build_prompt([{"role": "user", "content": content}])
 
 
-def hf_generate(model, ids, vision):
-    kwargs = {}
-    images = [v for v in vision if v.kind == "image"]
-    videos = [v for v in vision if v.kind == "video"]
-    if images:
-        kwargs.update(pixel_values=torch.cat([v.patches for v in images]),
-                      image_grid_thw=torch.tensor([v.grid_thw for v in images]))
-    if videos:
-        kwargs.update(pixel_values_videos=torch.cat([v.patches for v in videos]),
-                      video_grid_thw=torch.tensor([v.grid_thw for v in videos]),
-                      second_per_grid_ts=torch.tensor([v.second_per_grid_t for v in videos]))
-    # transformers 5 computes M-RoPE positions only when told each token's modality
-    cfg = model.config
-    types = [1 if t == cfg.image_token_id else 2 if t == cfg.video_token_id else 0 for t in ids]
-    kwargs["mm_token_type_ids"] = torch.tensor([types])
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs)
-    return out.sequences[0, len(ids):].tolist(), torch.cat(out.logits)  # [NEW_TOKENS, vocab]
-
-
-def run_ours(engine, prompts, monkeypatch):
+def run_ours(engine, prompts, record_logits):
     """Generate greedily; return outputs and the logits each request was sampled from, per step."""
-    seen: dict[str, list[torch.Tensor]] = {}
-    real_sample = llm_module.sample
-
-    def recording_sample(logits, params, states):
-        return real_sample(logits, params, states)
-
-    monkeypatch.setattr(llm_module, "sample", recording_sample)
-    original_execute = engine.runner.execute
-
-    def execute(out, requests):
-        result = original_execute(out, requests)
-        for rid, row in result.items():
-            seen.setdefault(rid, []).append(row.clone())
-        return result
-
-    monkeypatch.setattr(engine.runner, "execute", execute)
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    ids = [engine.add_request(p, v, params) for p, v in prompts]
-    final = {}
-    while engine.has_unfinished:
-        for o in engine.step():
-            if o.finished:
-                final[o.request_id] = o
+    with record_logits(engine) as seen:
+        ids = [engine.add_request(p, v, params) for p, v in prompts]
+        final = {}
+        while engine.has_unfinished:
+            for o in engine.step():
+                if o.finished:
+                    final[o.request_id] = o
     return [final[i] for i in ids], [torch.stack(seen[i]) for i in ids]
 
 
@@ -115,17 +78,17 @@ CHUNKINGS = {
 
 @pytest.mark.parametrize("chunking", list(CHUNKINGS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_greedy_tokens_and_logits_match(demo_path, reference, media, monkeypatch, case, chunking):
+def test_greedy_tokens_and_logits_match(demo_path, reference, media, record_logits, hf_generate, case, chunking):
     engine = LLM(demo_path, EngineConfig(scheduler=CHUNKINGS[chunking]))
     ids, vision = build(engine, [(kind, media[key]) for kind, key in CASES[case]])
-    (out,), (logits,) = run_ours(engine, [(ids, vision)], monkeypatch)
-    ref_tokens, ref_logits = hf_generate(reference, ids, vision)
+    (out,), (logits,) = run_ours(engine, [(ids, vision)], record_logits)
+    ref_tokens, ref_logits = hf_generate(reference, ids, vision, NEW_TOKENS)
     assert out.token_ids == ref_tokens
     assert torch.allclose(logits, ref_logits, atol=LOGITS_ATOL, rtol=0), (logits - ref_logits).abs().max()
     assert engine.pool_usage() == {"kv_blocks_used": 0, "patch_pages_used": 0, "visual_pages_used": 0}
 
 
-def test_batch_of_requests_of_different_lengths(demo_path, reference, media, monkeypatch):
+def test_batch_of_requests_of_different_lengths(demo_path, reference, media, record_logits, hf_generate):
     engine = LLM(demo_path, EngineConfig(scheduler=SchedulerConfig(prefill_token_budget=20, encode_token_budget=24)))
     prompts = [
         build(engine, [], "Hi"),
@@ -133,9 +96,9 @@ def test_batch_of_requests_of_different_lengths(demo_path, reference, media, mon
         build(engine, [("image", media["image"])]),
         build(engine, [], "A much longer text-only question about the weather, the sea and the hills."),
     ]
-    outs, logits = run_ours(engine, prompts, monkeypatch)
+    outs, logits = run_ours(engine, prompts, record_logits)
     for (ids, vision), out, ours in zip(prompts, outs, logits):
-        ref_tokens, ref_logits = hf_generate(reference, ids, vision)
+        ref_tokens, ref_logits = hf_generate(reference, ids, vision, NEW_TOKENS)
         assert out.token_ids == ref_tokens
         assert torch.allclose(ours, ref_logits, atol=LOGITS_ATOL, rtol=0)
     assert engine.pool_usage() == {"kv_blocks_used": 0, "patch_pages_used": 0, "visual_pages_used": 0}
@@ -143,11 +106,11 @@ def test_batch_of_requests_of_different_lengths(demo_path, reference, media, mon
 
 
 
-def test_several_images(demo_path, reference, media, image_factory, monkeypatch):
+def test_several_images(demo_path, reference, media, image_factory, record_logits, hf_generate):
     second = VisionInput.from_image(flashcodec.decode_image(image_factory(".jpg", width=150, height=90, seed=3)))
     engine = LLM(demo_path, EngineConfig(scheduler=SchedulerConfig(prefill_token_budget=9)))
     ids, vision = build(engine, [("image", media["image"]), ("image", second)], "Compare the two pictures.")
-    (out,), (logits,) = run_ours(engine, [(ids, vision)], monkeypatch)
-    ref_tokens, ref_logits = hf_generate(reference, ids, vision)
+    (out,), (logits,) = run_ours(engine, [(ids, vision)], record_logits)
+    ref_tokens, ref_logits = hf_generate(reference, ids, vision, NEW_TOKENS)
     assert out.token_ids == ref_tokens
     assert torch.allclose(logits, ref_logits, atol=LOGITS_ATOL, rtol=0)

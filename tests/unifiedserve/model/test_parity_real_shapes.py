@@ -56,46 +56,15 @@ def media(video_factory, image_factory):
     return {"video": VisionInput.from_video(video), "image": VisionInput.from_image(image)}
 
 
-def _ours(engine, parts, scheduler):
+def _ours(engine, parts, scheduler, record_logits):
     """Greedy tokens and the logits each was sampled from ``[NEW_TOKENS, vocab]``, under ``scheduler``'s budgets."""
     engine.scheduler.config = scheduler  # the engine is idle between cases: only the budgets change
     content = [{"type": kind, "vision": v} for kind, v in parts] + [{"type": "text", "text": "What is shown?"}]
     ids, vision = engine.build_prompt([{"role": "user", "content": content}])
-    rows = []
-    execute = engine.runner.execute
-
-    def recording(out, requests):
-        result = execute(out, requests)
-        rows.extend(row.clone() for row in result.values())
-        return result
-
-    engine.runner.execute = recording
-    try:
+    with record_logits(engine) as rows:
         out, = engine.generate([(ids, vision, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))])
-    finally:
-        del engine.runner.execute  # back to the class's method
     assert engine.pool_usage() == {"kv_blocks_used": 0, "patch_pages_used": 0, "visual_pages_used": 0}
-    return ids, vision, out.token_ids, torch.stack(rows)
-
-
-def _reference(hf, ids, vision):
-    kwargs = {}
-    images = [v for v in vision if v.kind == "image"]
-    videos = [v for v in vision if v.kind == "video"]
-    if images:
-        kwargs.update(pixel_values=torch.cat([v.patches for v in images]),
-                      image_grid_thw=torch.tensor([v.grid_thw for v in images]))
-    if videos:
-        kwargs.update(pixel_values_videos=torch.cat([v.patches for v in videos]),
-                      video_grid_thw=torch.tensor([v.grid_thw for v in videos]),
-                      second_per_grid_ts=torch.tensor([v.second_per_grid_t for v in videos]))
-    cfg = hf.config
-    kwargs["mm_token_type_ids"] = torch.tensor([[1 if t == cfg.image_token_id else 2 if t == cfg.video_token_id
-                                                 else 0 for t in ids]])
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                          do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs)
-    return out.sequences[0, len(ids):].tolist(), torch.cat(out.logits)
+    return ids, vision, out.token_ids, torch.stack(rows[out.request_id])
 
 
 @pytest.mark.parametrize("case, parts, scheduler", [
@@ -105,10 +74,11 @@ def _reference(hf, ids, vision):
     ("image + video, chunked", [("image", "image"), ("video", "video")],
      SchedulerConfig(prefill_token_budget=11, encode_token_budget=24)),
 ])
-def test_greedy_tokens_and_logits_match_transformers(models, media, case, parts, scheduler):
+def test_greedy_tokens_and_logits_match_transformers(models, media, case, parts, scheduler, hf_generate,
+                                                     record_logits):
     engine, hf = models
-    ids, vision, tokens, logits = _ours(engine, [(kind, media[key]) for kind, key in parts], scheduler)
-    ref_tokens, ref_logits = _reference(hf, ids, vision)
+    ids, vision, tokens, logits = _ours(engine, [(kind, media[key]) for kind, key in parts], scheduler, record_logits)
+    ref_tokens, ref_logits = hf_generate(hf, ids, vision, NEW_TOKENS)
     diff = (logits - ref_logits).abs().max().item()
     print(f"\n{engine.model_config.text.hidden_size}-wide {case}: {len(ids)} prompt tokens, logits max |diff| {diff:.2e}")
     assert tokens == ref_tokens
