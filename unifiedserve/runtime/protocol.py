@@ -37,6 +37,7 @@ class MediaRef(msgspec.Struct, frozen=True):
     max_pixels: int | None = None
     shown: str | None = None  # how the client named it (its URL, shortened): errors say this, never ``path``
     pixel_ceiling: int | None = None  # the server's --max-pixels: defaults above it are lowered to it
+    key: str = ""  # media identity (server/media_key.py); "" = unknown, never cached
 
 
 class MediaPlan(msgspec.Struct, frozen=True):
@@ -73,6 +74,9 @@ class WritePatches(msgspec.Struct, tag=True):
 
     request_id: str
     pages: list[int]
+    #: media whose tokens core already has (prefix or media cache): do not decode or write them; the
+    #: other media's patches go into ``pages`` one after another, in order, as if these were absent
+    skip_media: list[int] = []
 
 
 class CancelMedia(msgspec.Struct, tag=True):
@@ -88,6 +92,7 @@ class AddRequest(msgspec.Struct, tag=True):
     media: list[MediaPlan]
     params: SamplingParams
     stop_token_ids: list[int]  # params.stop_token_ids plus EOS unless ignore_eos
+    media_keys: list[str] = []  # one per media (MediaRef.key); "" = not cacheable
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -95,9 +100,13 @@ class AbortRequest(msgspec.Struct, tag=True):
 
 
 class MediaReady(msgspec.Struct, tag=True):
+    """Patches of media ``media_index`` are written: all of them, or (streaming ingest) the first
+    ``num_rows`` patch rows, a whole number of the media's encode items."""
+
     request_id: str
     media_index: int
     decode_s: float
+    num_rows: int | None = None  # None: the whole media
 
 
 class ReleaseBlocks(msgspec.Struct, tag=True):

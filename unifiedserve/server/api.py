@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -30,6 +31,7 @@ from unifiedserve.runtime import protocol
 from unifiedserve.server.engine_client import EngineClient, RequestError, RequestStream
 from unifiedserve.server.limits import LimitError, RequestLimits
 from unifiedserve.server.media import MediaError, MediaPolicy, describe, resolve_media
+from unifiedserve.server.media_key import media_key
 from unifiedserve.server.metrics import Metrics
 from unifiedserve.server.openai_protocol import ChatCompletionRequest, ImagePart, TextPart, VideoPart, error_body
 
@@ -163,6 +165,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
     arrival = time.time()
     try:
         messages, media = await run_in_threadpool(_convert_messages, body, state.media_policy, state.limits)
+        media = await run_in_threadpool(_with_keys, media, state.model_name)
         prompt_ids = state.processor.tokenize(state.processor.render_chat(messages))
     except LimitError as e:
         return _error(str(e), e.status_code, e.param)
@@ -202,7 +205,8 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
             stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()), ignore_eos=body.ignore_eos,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         stop_ids = params.stop_ids(state.eos_token_ids)
-        await client.add(stream, protocol.AddRequest(request_id, prompt_ids, plans, params, sorted(stop_ids)))
+        await client.add(stream, protocol.AddRequest(request_id, prompt_ids, plans, params, sorted(stop_ids),
+                                                     [ref.key for ref in media]))
         first = await _wait(stream.queue.get(), request)
         if isinstance(first, RequestError):
             raise first
@@ -220,6 +224,21 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
     finally:
         if not started:
             client.abort(request_id)
+
+
+def _with_keys(media: list[protocol.MediaRef], context: str) -> list[protocol.MediaRef]:
+    """Each media with its identity (``server/media_key.py``): the caches and the router use it.
+
+    Raises:
+        MediaError: a local file vanished since it was resolved.
+    """
+    out = []
+    for ref in media:
+        try:
+            out.append(msgspec.structs.replace(ref, key=media_key(ref, context)))
+        except OSError:
+            raise MediaError(f"media {ref.shown or len(out)} cannot be read") from None
+    return out
 
 
 def _check_visual_tokens(state: ServerState, plans: list[protocol.MediaPlan], num_text_tokens: int) -> None:
