@@ -16,6 +16,11 @@ content key in ``--media-dir`` so repeated runs reuse the files):
 * ``short-video`` EgoSchema-like: 3 minute 480p30 videos.
 * ``image``       VisionArena-like: one image per request, sizes from phone shots to 2K screens.
 * ``mixed``       a seeded mix of the three plus ``--text-share`` text-only requests.
+* ``multi-question`` several questions about each video (``--questions-per-video``, default 4,
+  each a different text): 8-12 s 480x270 clips, short enough for the CPU demo model. ``--num-videos``
+  videos are asked about at once; a video's questions come in order, interleaved at random with
+  the other open videos', and a finished video is replaced by a new one, so the run holds
+  ceil(num_requests / questions_per_video) distinct videos.
 
 Real datasets (``mlvu``, ``egoschema``, ``visionarena`` with ``--dataset-path``) are read from a
 local folder; nothing is downloaded. See :func:`load_mlvu`, :func:`load_egoschema` and
@@ -55,10 +60,10 @@ __all__ = [
     "DATASETS", "SYNTHETIC", "WORKLOADS", "WorkloadConfig", "add_arrival_args", "add_workload_args",
     "arrival_times", "build_workload", "config_from_args", "default_media_dir", "generate_workload",
     "image_spec", "load_egoschema", "load_mlvu", "load_visionarena", "read_workload", "validate_record",
-    "video_spec", "with_arrivals", "write_workload",
+    "video_questions", "video_spec", "with_arrivals", "write_workload",
 ]
 
-SYNTHETIC = ("long-video", "short-video", "image", "mixed")
+SYNTHETIC = ("long-video", "short-video", "image", "mixed", "multi-question")
 DATASETS = ("mlvu", "egoschema", "visionarena")
 WORKLOADS = SYNTHETIC + DATASETS
 ARRIVALS = ("poisson", "gamma")
@@ -67,6 +72,7 @@ ARRIVALS = ("poisson", "gamma")
 _VIDEO_KINDS = {
     "long-video": dict(width=1280, height=720, fps=30.0, min_s=480.0, max_s=600.0),
     "short-video": dict(width=854, height=480, fps=30.0, min_s=180.0, max_s=180.0),
+    "multi-question": dict(width=480, height=270, fps=24.0, min_s=8.0, max_s=12.0),
 }
 _GOP_S = (2.0, 8.0)
 _MIN_SIDE = 64
@@ -77,7 +83,7 @@ _IMAGE_SIZES = (
     (1920, 1080, ".png"), (1080, 1920, ".jpg"), (512, 512, ".jpg"), (2048, 1536, ".jpg"),
     (750, 1334, ".png"),
 )
-_KIND_IDS = {"long-video": 1, "short-video": 2, "image": 3}
+_KIND_IDS = {"long-video": 1, "short-video": 2, "image": 3, "multi-question": 4}
 
 VIDEO_QUESTIONS = (
     "What happens in this video?",
@@ -124,7 +130,8 @@ class WorkloadConfig:
     ignore_eos: bool = True  # generate exactly output_len tokens
     seed: int = 0
     scale: float = 1.0  # in (0, 1]: multiplies video durations and media sizes
-    num_videos: int = 4  # distinct media files per kind (long video, short video, image)
+    num_videos: int = 4  # distinct media files per kind; multi-question: videos asked about at once
+    questions_per_video: int = 4  # multi-question only: questions asked about each video
     video_fps: float | None = 2.0  # sampling fps asked of the server; None: the server's default
     max_frames: int | None = None  # frame cap asked of the server; None: the server's default
     text_share: float = 0.1  # mixed only: share of text-only requests
@@ -152,6 +159,10 @@ class WorkloadConfig:
             raise ValueError(f"scale must be in (0, 1], got {self.scale}")
         if self.num_videos < 1:
             raise ValueError(f"num_videos must be >= 1, got {self.num_videos}")
+        if self.questions_per_video < 1:
+            raise ValueError(f"questions_per_video must be >= 1, got {self.questions_per_video}")
+        if self.workload != "multi-question" and self.questions_per_video != 4:
+            raise ValueError("questions_per_video only applies to --workload multi-question")
         if self.video_fps is not None and not (self.video_fps > 0 and math.isfinite(self.video_fps)):
             raise ValueError(f"video_fps must be a positive number, got {self.video_fps}")
         if self.max_frames is not None and self.max_frames < 1:
@@ -204,7 +215,7 @@ def _scaled_size(width: int, height: int, scale: float) -> tuple[int, int]:
 def video_spec(kind: str, index: int, *, scale: float = 1.0, seed: int = 0) -> dict:
     """``synthetic_video.cached_video`` spec of the ``index``-th video of ``kind``.
 
-    ``kind``: "long-video" or "short-video". Sizes and durations are multiplied by ``scale``;
+    ``kind``: "long-video", "short-video" or "multi-question". Sizes and durations are multiplied by ``scale``;
     the aspect ratio is kept, sides stay even and >= 64, durations >= 1 s. The GOP is a seeded 2-8 s.
     """
     shape = _VIDEO_KINDS[kind]
@@ -261,20 +272,10 @@ def generate_workload(cfg: WorkloadConfig, *, progress: bool = False) -> list[di
     if cfg.workload not in SYNTHETIC:
         raise ValueError(f"{cfg.workload!r} is not synthetic; use build_workload")
     rng = np.random.default_rng([cfg.seed, 0xC0DE])
-    if cfg.workload == "mixed":
-        share = (1.0 - cfg.text_share) / 3.0
-        kinds = rng.choice(["long-video", "short-video", "image", "text"], size=cfg.num_requests,
-                           p=[share, share, share, cfg.text_share]).tolist()
+    if cfg.workload == "multi-question":
+        plan = _multi_question_plan(cfg, rng)
     else:
-        kinds = [cfg.workload] * cfg.num_requests
-    counters = {k: 0 for k in ("long-video", "short-video", "image", "text")}
-    plan = []  # (kind, media index | None, prompt)
-    for kind in kinds:
-        pool = {"image": IMAGE_QUESTIONS, "text": TEXT_PROMPTS}.get(kind, VIDEO_QUESTIONS)
-        prompt = pool[int(rng.integers(len(pool)))]
-        media_index = None if kind == "text" else counters[kind] % cfg.num_videos  # round-robin
-        counters[kind] += 1
-        plan.append((kind, media_index, prompt))
+        plan = _single_question_plan(cfg, rng)
 
     media_dir = pathlib.Path(cfg.media_dir) if cfg.media_dir else default_media_dir()
     needed = sorted({(k, i) for k, i, _ in plan if i is not None})
@@ -295,6 +296,55 @@ def generate_workload(cfg: WorkloadConfig, *, progress: bool = False) -> list[di
         records.append({"request_id": f"{cfg.workload}-{n:05d}", "arrival_s": t, "prompt": prompt,
                         "media": media, "output_len": cfg.output_len, "ignore_eos": cfg.ignore_eos})
     return records
+
+
+def _single_question_plan(cfg: WorkloadConfig, rng: np.random.Generator) -> list[tuple]:
+    """(kind, media index | None, prompt) per request: one random question each, media round-robin."""
+    if cfg.workload == "mixed":
+        share = (1.0 - cfg.text_share) / 3.0
+        kinds = rng.choice(["long-video", "short-video", "image", "text"], size=cfg.num_requests,
+                           p=[share, share, share, cfg.text_share]).tolist()
+    else:
+        kinds = [cfg.workload] * cfg.num_requests
+    counters = {k: 0 for k in ("long-video", "short-video", "image", "text")}
+    plan = []  # (kind, media index | None, prompt)
+    for kind in kinds:
+        pool = {"image": IMAGE_QUESTIONS, "text": TEXT_PROMPTS}.get(kind, VIDEO_QUESTIONS)
+        prompt = pool[int(rng.integers(len(pool)))]
+        media_index = None if kind == "text" else counters[kind] % cfg.num_videos  # round-robin
+        counters[kind] += 1
+        plan.append((kind, media_index, prompt))
+    return plan
+
+
+def video_questions(k: int, rng: np.random.Generator) -> list[str]:
+    """``k`` different questions about one video: VIDEO_QUESTIONS in a seeded order, then
+    questions about successive seconds of the video when ``k`` exceeds them."""
+    order = rng.permutation(len(VIDEO_QUESTIONS))[:k]
+    extra = [f"What is on screen {s} seconds into the video?" for s in range(1, k - len(order) + 1)]
+    return [VIDEO_QUESTIONS[int(i)] for i in order] + extra
+
+
+def _multi_question_plan(cfg: WorkloadConfig, rng: np.random.Generator) -> list[tuple]:
+    """(kind, video index, prompt) per request: ``num_videos`` open videos at a time, each asked
+    its ``questions_per_video`` questions in order; the next request picks an open video at random,
+    and a video whose questions are done gives its place to the next video."""
+    k = cfg.questions_per_video
+    num_total = math.ceil(cfg.num_requests / k)
+    left = [k] * num_total
+    left[-1] = cfg.num_requests - k * (num_total - 1)
+    questions = [video_questions(n, rng) for n in left]
+    open_videos, next_video, plan = [], 0, []
+    for _ in range(cfg.num_requests):
+        while len(open_videos) < cfg.num_videos and next_video < num_total:
+            open_videos.append(next_video)
+            next_video += 1
+        v = open_videos[int(rng.integers(len(open_videos)))]
+        plan.append(("multi-question", v, questions[v][len(questions[v]) - left[v]]))
+        left[v] -= 1
+        if left[v] == 0:
+            open_videos.remove(v)
+    return plan
 
 
 # ---------------------------------------------------------------------------
@@ -543,7 +593,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     """Options that choose what is asked (shared with bench/serve/bench_serve.py)."""
     d = _DEFAULTS
     p.add_argument("--workload", choices=WORKLOADS, default=d.workload,
-                   help="synthetic (long-video, short-video, image, mixed) or a local dataset copy")
+                   help="synthetic (long-video, short-video, image, mixed, multi-question) or a local "
+                        "dataset copy")
     p.add_argument("--dataset-path", default=None, help="folder of mlvu | egoschema | visionarena")
     p.add_argument("--num-requests", type=int, default=d.num_requests)
     p.add_argument("--output-len", type=int, default=d.output_len, help="max_tokens of each request")
@@ -553,7 +604,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", type=float, default=d.scale,
                    help="(0, 1]: multiplies video durations and media sizes (e.g. 0.05 for CPU runs)")
     p.add_argument("--num-videos", type=int, default=d.num_videos,
-                   help="distinct media files per kind; requests reuse them round-robin")
+                   help="distinct media files per kind; requests reuse them round-robin "
+                        "(multi-question: videos asked about at once)")
+    p.add_argument("--questions-per-video", type=int, default=None,
+                   help=f"multi-question: different questions asked about each video (default {d.questions_per_video})")
     p.add_argument("--video-fps", type=_optional(float), default=d.video_fps,
                    help="sampling fps sent with each video; none: the server's default")
     p.add_argument("--max-frames", type=_optional(int), default=d.max_frames,

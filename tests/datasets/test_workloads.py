@@ -261,3 +261,60 @@ def test_cli_help_runs_standalone():
     out = subprocess.run([sys.executable, "datasets/workloads.py", "--help"], capture_output=True, text=True,
                          cwd=wl.__file__.rsplit("/datasets/", 1)[0], check=True).stdout
     assert "--burstiness" in out and "long-video" in out
+
+
+# ---------------------------------------------------------------------------
+# multi-question
+# ---------------------------------------------------------------------------
+
+
+def test_multi_question_asks_k_different_questions_per_video(tmp_path):
+    cfg = wl.WorkloadConfig(workload="multi-question", num_requests=18, questions_per_video=4, num_videos=2,
+                            request_rate=4.0, scale=0.1, media_dir=str(tmp_path))
+    records = wl.generate_workload(cfg)
+    by_video = {}
+    for r in records:
+        wl.validate_record(r)
+        (m,) = r["media"]
+        assert m["type"] == "video" and m["fps"] == 2.0
+        by_video.setdefault(m["path"], []).append(r["prompt"])
+    # ceil(18 / 4) = 5 videos: four asked 4 questions, the last 2; no question repeats on a video
+    assert sorted(len(q) for q in by_video.values()) == [2, 4, 4, 4, 4]
+    assert all(len(set(q)) == len(q) for q in by_video.values())
+    assert len({tuple(q) for q in by_video.values()}) > 1  # videos do not all get the same questions
+    # at most num_videos videos are open at once: a video's questions span no more than 2 videos' worth
+    order = [r["media"][0]["path"] for r in records]
+    for n in range(len(order)):
+        opened = {p for p in order[:n + 1]}
+        done = {p for p in opened if order[:n + 1].count(p) == len(by_video[p])}
+        assert len(opened - done) <= 2
+    assert order[:4] != [order[0]] * 4  # interleaved, not one video's questions back to back
+    t = [r["arrival_s"] for r in records]
+    assert t[0] == 0.0 and t == sorted(t) and t[-1] > 0
+
+
+def test_multi_question_videos_are_demo_size():
+    for i in range(5):
+        spec = wl.video_spec("multi-question", i)
+        assert (spec["width"], spec["height"]) == (480, 270) and 8 <= spec["duration_s"] <= 12
+
+
+def test_video_questions_beyond_the_pool_stay_different():
+    qs = wl.video_questions(len(wl.VIDEO_QUESTIONS) + 3, np.random.default_rng(0))
+    assert len(set(qs)) == len(qs) and set(wl.VIDEO_QUESTIONS) <= set(qs)
+
+
+def test_questions_per_video_is_refused_elsewhere():
+    with pytest.raises(ValueError, match="questions_per_video must be >= 1"):
+        wl.WorkloadConfig(workload="multi-question", questions_per_video=0)
+    with pytest.raises(ValueError, match="only applies to --workload multi-question"):
+        wl.WorkloadConfig(workload="mixed", questions_per_video=2)
+
+
+def test_cli_multi_question(tmp_path, capsys):
+    out = tmp_path / "w.jsonl"
+    rc = wl.main(["--workload", "multi-question", "--num-requests", "6", "--questions-per-video", "3",
+                  "--scale", "0.1", "--request-rate", "2", "--media-dir", str(tmp_path / "m"), "--out", str(out),
+                  "--no-progress"])
+    assert rc == 0 and "(2 media files" in capsys.readouterr().out
+    assert len(wl.read_workload(out)) == 6
