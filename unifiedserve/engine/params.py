@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
 
 #: Most alternatives a request may ask for per token (OpenAI's limit for top_logprobs).
 MAX_LOGPROBS = 20
+#: ``response_format`` kinds: free text, any JSON object, JSON valid against ``json_schema``.
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+#: Largest JSON schema a request may carry (its JSON text, UTF-8); compiling a grammar grows with it.
+MAX_JSON_SCHEMA_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,11 @@ class SamplingParams:
     #: None: no log-probabilities; k >= 0: each output token's log-probability under the model's
     #: distribution (log-softmax of the raw logits) and the k most likely tokens' (OpenAI's top_logprobs)
     logprobs: int | None = None
+    #: "text", or a grammar the output must follow (see ``unifiedserve.engine.structured``)
+    response_format: str = "text"
+    json_schema: str | None = None  # "json_schema": the schema as JSON text
+    #: "json_schema": refuse schema keywords the grammar cannot enforce (else they are not enforced)
+    strict_schema: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -41,6 +51,26 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
+        self._check_response_format()
+
+    def _check_response_format(self) -> None:
+        if self.response_format not in RESPONSE_FORMATS:
+            raise ValueError(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {self.response_format!r}")
+        if (self.json_schema is not None) != (self.response_format == "json_schema"):
+            raise ValueError('json_schema is given exactly when response_format is "json_schema"')
+        if self.strict_schema and self.json_schema is None:
+            raise ValueError('strict_schema applies to response_format "json_schema" only')
+        if self.json_schema is None:
+            return
+        size = len(self.json_schema.encode("utf-8", "surrogatepass"))
+        if size > MAX_JSON_SCHEMA_BYTES:
+            raise ValueError(f"the JSON schema is {size} bytes; at most {MAX_JSON_SCHEMA_BYTES} are accepted")
+        try:
+            schema = json.loads(self.json_schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"a JSON schema is an object (or true/false), got {type(schema).__name__}")
 
     @property
     def is_greedy(self) -> bool:
@@ -51,8 +81,13 @@ class SamplingParams:
         return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
 
 
-def finish_reason(token_id: int, num_output_tokens: int, stop_ids, max_tokens: int) -> str | None:
-    """``"stop"`` / ``"length"`` when the output's latest token ends it (``num_output_tokens`` counts it), else None."""
-    if token_id in stop_ids:
+def finish_reason(token_id: int, num_output_tokens: int, stop_ids, max_tokens: int,
+                  is_complete: bool = False) -> str | None:
+    """``"stop"`` / ``"length"`` when the output's latest token ends it (``num_output_tokens`` counts it), else None.
+
+    ``is_complete``: the request's grammar (``response_format``) admits no further token, which is a
+    ``"stop"`` too; unlike a stop token, that last token is part of the output.
+    """
+    if token_id in stop_ids or is_complete:
         return "stop"
     return "length" if num_output_tokens >= max_tokens else None

@@ -6,6 +6,10 @@ generator (on the logits' device) by the exponential race: ``argmax(probs / q)``
 ``q ~ Exp(1)`` per vocabulary entry, which is exactly how torch's ``multinomial`` draws one sample,
 so a seeded request gives the tokens torch's ``multinomial`` would, and the same ones whatever
 else is in the batch.
+
+A request with a ``response_format`` grammar (its ``SamplerState.grammar``) has the tokens the
+grammar forbids masked before any of that, and :func:`sample` advances the grammar with the chosen
+token (``unifiedserve.engine.structured``).
 """
 
 from __future__ import annotations
@@ -16,40 +20,51 @@ from typing import NamedTuple
 import torch
 
 from unifiedserve.engine.params import SamplingParams
+from unifiedserve.engine.structured import Grammar, apply_grammars
 
 
 @dataclass
 class SamplerState:
     """Per-request random state; seeded requests are reproducible whatever else is in the batch.
 
-    The generator lives on the device the logits are on (``for_params(..., device=)``).
+    The generator lives on the device the logits are on (``for_params(..., device=)``). ``grammar``
+    (``structured.grammar_for``) constrains the request's tokens to its ``response_format``; it is
+    not part of :meth:`to_bytes`: the receiving process rebuilds it from the params.
     """
 
     generator: torch.Generator = field(default_factory=torch.Generator)
+    grammar: Grammar | None = None
 
     @classmethod
-    def for_params(cls, params: SamplingParams, device: str | torch.device = "cpu") -> "SamplerState":
+    def for_params(cls, params: SamplingParams, device: str | torch.device = "cpu",
+                   grammar: Grammar | None = None) -> "SamplerState":
         """A fresh state: seeded from ``params.seed``, else from a non-deterministic seed."""
         g = torch.Generator(device=device)
         if params.seed is not None:
             g.manual_seed(params.seed)
         else:
             g.seed()
-        return cls(g)
+        return cls(g, grammar)
 
     @classmethod
-    def from_bytes(cls, state: bytes, device: str | torch.device = "cpu") -> "SamplerState":
+    def from_bytes(cls, state: bytes, device: str | torch.device = "cpu",
+                   grammar: Grammar | None = None) -> "SamplerState":
         """Rebuild a state serialized with :meth:`to_bytes` (a hand-off between processes)."""
         g = torch.Generator(device=device)
         g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-        return cls(g)
+        return cls(g, grammar)
 
     def to_bytes(self) -> bytes:
         return bytes(self.generator.get_state().numpy())
 
+    @property
+    def is_complete(self) -> bool:
+        """The request's grammar admits no further token (it ends with ``"stop"``)."""
+        return self.grammar is not None and self.grammar.is_complete
+
 
 def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState]) -> torch.Tensor:
-    """Pick one token per row without leaving the device.
+    """Pick one token per row without leaving the device (rows with a grammar among the tokens it allows).
 
     Args:
         logits: ``[B, vocab]`` (any float dtype; computed in fp32).
@@ -64,6 +79,8 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: li
     if len(params) != logits.shape[0] or len(states) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(params)} params and {len(states)} states")
     logits = logits.float()
+    if any(s.grammar is not None for s in states):
+        logits = apply_grammars(logits, [s.grammar for s in states])  # a masked copy
     greedy = logits.argmax(dim=-1)  # [B]
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if not random_rows:
@@ -96,7 +113,8 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: li
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState]) -> list[int]:
-    """Pick one token per row: :func:`sample_tensor`, then the step's one copy of ids to the host.
+    """Pick one token per row: :func:`sample_tensor`, then the step's one copy of ids to the host;
+    each row's grammar advances past its token.
 
     Args:
         logits: ``[B, vocab]``; params, states: one per row.
@@ -104,7 +122,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], states: list[Samp
     Returns:
         ``B`` token ids.
     """
-    return sample_tensor(logits, params, states).tolist()
+    tokens = sample_tensor(logits, params, states).tolist()
+    for state, token in zip(states, tokens):
+        if state.grammar is not None:
+            state.grammar.accept(token)
+    return tokens
 
 
 class TokenLogprobs(NamedTuple):
