@@ -26,6 +26,7 @@ from flashcodec._errors import (
 # that importing that module never replaces the package's `probe` function with the module.)
 _EXPORTS = {
     "available_backends": "decode.backends", "BitstreamAnalysis": "decode.engine", "DecodedVideo": "decode.engine",
+    "DecodedSlice": "decode.engine",
     "DecodeEngine": "decode.engine", "decode_video": "decode.engine", "default_engine": "decode.engine",
     "DeviceError": "devices", "DecodedImage": "image", "ImageDecodeError": "image", "decode_image": "image",
     "decode_images": "image_batch", "SamplingOptions": "plan.sampling", "VideoPlan": "plan.video",
@@ -57,7 +58,7 @@ def get_decoding_output(key_id: int | None = None, timeout: float | None = None)
 __version__ = "0.1.0"
 
 __all__ = [
-    "BitstreamAnalysis", "CorruptVideoError", "DecodeCancelledError", "DecodeEngine", "DecodedImage", "DecodedVideo", "DeviceError", "ImageDecodeError",
+    "BitstreamAnalysis", "CorruptVideoError", "DecodeCancelledError", "DecodeEngine", "DecodedImage", "DecodedSlice", "DecodedVideo", "DeviceError", "ImageDecodeError",
     "FlashCodecError", "Gop",
     "NoFramesError", "NotAVideoError", "SamplingOptions", "SourceNotFoundError", "UnsupportedCodecError",
     "VideoInfo", "VideoPlan", "add_decoding_request", "analyse_bitstream", "available_backends",

@@ -2,13 +2,16 @@
 
 ``analyse_bitstream`` probes and plans (cheap, demux only) and returns a key id;
 ``add_decoding_request`` queues the key's GOP segments on every rank's decoder slots;
-``get_decoding_output`` blocks, without holding the GIL, until a request is done.
+``get_decoding_output`` blocks, without holding the GIL, until a request is done. A request
+queued with ``stream=True`` is read with ``stream_decoding_output`` instead: its output arrives in
+display order, one contiguous part at a time, as soon as the earliest incomplete part is decoded.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Iterator
 import threading
 import time
 from dataclasses import dataclass, field
@@ -76,6 +79,36 @@ class DecodedVideo:
                 f"failed={len(self.failed_frame_indices)}, decode_s={self.decode_s:.3f})")
 
 
+@dataclass(frozen=True, eq=False)
+class DecodedSlice:
+    """The next part of a streamed request's output (``add_decoding_request(..., stream=True)``).
+
+    Rows ``[start, stop)`` of what :class:`DecodedVideo` would hold: frames for ``output="rgb"``,
+    patch rows of whole temporal patches for ``output="patches"``. Parts come in display order and
+    without gaps; the last one has ``stop == num_rows``.
+    """
+
+    key_id: int
+    start: int
+    stop: int
+    num_rows: int  # rows of the whole output (padded frames, or grid_t * grid_h * grid_w patch rows)
+    #: uint8 [stop - start, 3, H, W], as ``DecodedVideo.frames`` (channels-last in memory)
+    frames: torch.Tensor | None
+    patches: torch.Tensor | None  # float32 [stop - start, 3*2*14*14], Qwen2.5-VL layout
+    grid_thw: tuple[int, int, int]  # of the whole video
+    decode_s: float  # since the request was queued
+
+    @property
+    def is_last(self) -> bool:
+        return self.stop == self.num_rows
+
+    def __repr__(self) -> str:
+        out = (f"frames=uint8{list(self.frames.shape)}" if self.frames is not None
+               else f"patches=float32{list(self.patches.shape)}")
+        return (f"DecodedSlice(key_id={self.key_id}, rows [{self.start}, {self.stop}) of {self.num_rows}, {out}, "
+                f"decode_s={self.decode_s:.3f})")
+
+
 class _Request:
     """Collects one request's frames from every rank and assembles the output when all finish.
 
@@ -84,12 +117,18 @@ class _Request:
     queue hold no frame memory (the point of allocating late, paper §3.4), and no frame is copied
     twice: first-touching a fresh buffer at the end would add a serial pass over all output
     memory (1.5 s for 600 frames of 392x728 on the 2-core CI machine).
+
+    A streamed request (``stream=True``) is never assembled: it tracks which output rows are final
+    (a frame written, or its rank finished: repeated and padding frames) and the length of the
+    final prefix, ``num_ready`` frames, waking :meth:`DecodeEngine.stream_decoding_output` as it
+    grows; that reader frees each rank's buffer once it has handed out all of its rows.
     """
 
     def __init__(self, analysis: BitstreamAnalysis, output: str, on_corrupt: str, patch_spec,
                  progress: Callable[[int, int], None] | None, done: Callable[["_Request"], None],
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), stream: bool = False):
         self.analysis = analysis
+        self.stream = stream
         self.device = device  # where the output lives; GPU ranks' frames never leave their GPU
         self.output = output
         self.on_corrupt = on_corrupt
@@ -99,10 +138,23 @@ class _Request:
         self.failed: set[int] = set()
         self.produced: set[int] = set()  # display indices written to their rows
         self.rank_outputs: dict[int, torch.Tensor] = {}
-        self._rows: dict[int, tuple[int, list[int]]] = {}  # display index -> (rank, output rows)
+        # display index -> its (rank, row) places; a repeated frame may sit on both sides of a rank boundary
+        self._rows: dict[int, list[tuple[int, int]]] = {}
+        self.rank_start: list[int] = []  # first output row (frame) of each rank
+        start = 0
         for rank in analysis.plan.ranks:
+            self.rank_start.append(start)
+            start += rank.num_output_frames
             for row, display in enumerate(rank.frame_indices):
-                self._rows.setdefault(display, (rank.rank, []))[1].append(row)
+                self._rows.setdefault(display, []).append((rank.rank, row))
+        self.num_frames = start  # output frames, padding included
+        self.released: set[int] = set()  # ranks whose buffers a streamed reader has freed
+        self.changed = threading.Condition()  # streamed: num_ready grew, or the request ended
+        self._final = bytearray(self.num_frames)  # streamed: 1 where an output row is final
+        self.num_ready = 0  # streamed: rows [0, num_ready) are final
+        self.finished = False
+        self.cancelled = False
+        self.abandoned = False  # streamed: its reader went away before the end
         self.errors: list[BaseException] = []
         self.ranks_left = len(analysis.plan.ranks)
         self.cost_done = 0
@@ -111,12 +163,14 @@ class _Request:
         self.error: BaseException | None = None
         self._lock = threading.Lock()
 
-    def _rank_buffer(self, rank: int) -> torch.Tensor:
+    def _rank_buffer(self, rank: int) -> torch.Tensor | None:
         out = self.rank_outputs.get(rank)
         if out is None:
             with self._lock:
                 out = self.rank_outputs.get(rank)
                 if out is None:
+                    if rank in self.released:  # streamed out already: a late duplicate has nowhere to go
+                        return None
                     plan = self.analysis.plan
                     n = plan.ranks[rank].num_output_frames
                     out = self.rank_outputs[rank] = torch.empty((n, plan.height, plan.width, 3), dtype=torch.uint8,
@@ -126,17 +180,30 @@ class _Request:
     def emit(self, display: int, frame: np.ndarray | torch.Tensor) -> None:
         """Called by decoder threads with a ``[H, W, 3]`` uint8 frame at the output size: a numpy
         array from CPU ranks, a tensor on its GPU from NVDEC ranks (copied device to device)."""
-        rank, rows = self._rows[display]
-        buffer = self._rank_buffer(rank)
-        if isinstance(frame, np.ndarray) and buffer.device.type == "cpu":
-            view = buffer.numpy()
-            for row in rows:
-                view[row] = frame
-        else:
-            src = torch.from_numpy(frame) if isinstance(frame, np.ndarray) else frame
-            for row in rows:
-                buffer[row].copy_(src)
+        places = self._rows[display]
+        for rank, row in places:
+            buffer = self._rank_buffer(rank)
+            if buffer is None:
+                continue
+            if isinstance(frame, np.ndarray) and buffer.device.type == "cpu":
+                buffer.numpy()[row] = frame
+            else:
+                buffer[row].copy_(torch.from_numpy(frame) if isinstance(frame, np.ndarray) else frame)
         self.produced.add(display)
+        if self.stream:
+            self._mark_final([self.rank_start[rank] + row for rank, row in places])
+
+    def _mark_final(self, rows) -> None:
+        """Streamed: these output rows hold their final pixels; grow the prefix and wake the reader."""
+        with self.changed:
+            for row in rows:
+                self._final[row] = 1
+            ready = self.num_ready
+            while ready < self.num_frames and self._final[ready]:
+                ready += 1
+            if ready > self.num_ready:
+                self.num_ready = ready
+                self.changed.notify_all()
 
     def segment_done(self, segment, failed: list[int]) -> None:
         with self._lock:
@@ -152,6 +219,11 @@ class _Request:
                 self._complete_rank(job)
             except BaseException as e:
                 error = e
+        if error is None and self.stream:
+            indices = job.plan.frame_indices
+            if self.on_corrupt == "repeat" or not any(d in self.failed for d in indices):
+                first = self.rank_start[job.plan.rank]  # lost frames are filled, padding is written
+                self._mark_final(range(first, first + job.plan.num_output_frames))
         with self._lock:
             if error is not None:
                 self.errors.append(error)
@@ -191,13 +263,21 @@ class _Request:
                     + ("" if len(failed) == a.plan.num_frames else "; use on_corrupt='repeat' to decode the rest"),
                     failed,
                 )
+            grid = a.plan.grid_thw()
+            if self.stream:  # the reader has the frames; only the outcome is left to report
+                self.result = DecodedVideo(
+                    key_id=a.key_id, frames=None, patches=None, grid_thw=tuple(grid),
+                    frame_indices=list(a.plan.frame_indices), sample_fps=a.plan.sample_fps, info=a.info,
+                    failed_frame_indices=failed, probe_s=a.probe_s, decode_s=time.perf_counter() - self.started)
+                self._done(self)
+                self._end()
+                return
             for r in a.plan.ranks:
                 self._rank_buffer(r.rank)  # a rank with no frames still contributes an empty tensor
             outputs = [self.rank_outputs[r.rank] for r in a.plan.ranks]
             frames = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [T, H, W, 3]
             frames = frames.permute(0, 3, 1, 2)  # [T, 3, H, W], channels-last strides
             patches = None
-            grid = a.plan.grid_thw()
             if self.output == "patches":
                 from flashcodec.patches import frames_to_patches
 
@@ -211,8 +291,30 @@ class _Request:
             )
         except BaseException as e:
             self.error = e
-        self.rank_outputs.clear()
+        if not self.stream:  # a streamed reader may be copying rows out; it drops the buffers itself
+            self.rank_outputs.clear()
         self._done(self)
+        self._end()
+
+    def _end(self) -> None:
+        with self.changed:
+            self.finished = True
+            self.changed.notify_all()
+
+    def take_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Streamed: output frames ``[start, stop)`` (all final) as one ``[n, H, W, 3]`` tensor; frees
+        the buffer of every rank whose last row this hands out."""
+        parts = []
+        for rank, first in enumerate(self.rank_start):
+            last = first + self.analysis.plan.ranks[rank].num_output_frames
+            lo, hi = max(start, first), min(stop, last)
+            if lo < hi:
+                parts.append(self._rank_buffer(rank)[lo - first:hi - first])
+            if first < last <= stop:  # handed out to its end: never read again
+                with self._lock:
+                    self.released.add(rank)
+                    self.rank_outputs.pop(rank, None)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class DecodeEngine:
@@ -276,6 +378,7 @@ class DecodeEngine:
         self._finished: dict[int, _Request] = {}
         self._in_flight: set[int] = set()
         self._cancelled: set[int] = set()  # cancelled keys whose get_decoding_output has not raised yet
+        self._streams: dict[int, _Request] = {}  # queued with stream=True, until their reader ends
 
     @property
     def num_ranks(self) -> int:
@@ -304,7 +407,7 @@ class DecodeEngine:
 
     def add_decoding_request(self, key_id: int, *, output: str = "rgb", on_corrupt: str = "error",
                              patch_spec=None, progress: Callable[[int, int], None] | None = None,
-                             resize: str = DEFAULT_RESIZE_MODE) -> None:
+                             resize: str = DEFAULT_RESIZE_MODE, stream: bool = False) -> None:
         """Queue the decode of an analysed video. Returns at once.
 
         Args:
@@ -317,6 +420,8 @@ class DecodeEngine:
                 resizes it as Qwen2.5-VL's reference pipeline does (antialiased bicubic);
                 ``"fast"`` converts and resizes in one swscale call (cheaper, larger error; see
                 docs/flashcodec.md). Other values raise ``ValueError``.
+            stream: deliver the output in parts through :meth:`stream_decoding_output` (no whole
+                output is assembled; :meth:`get_decoding_output` refuses the key).
         """
         check_resize_mode(resize)
         if output not in OUTPUTS:
@@ -328,7 +433,11 @@ class DecodeEngine:
             if analysis is None:
                 raise KeyError(f"unknown or already queued key id {key_id}")
             self._in_flight.add(key_id)
-        request = _Request(analysis, output, on_corrupt, patch_spec, progress, self._request_done, self.output_device)
+        request = _Request(analysis, output, on_corrupt, patch_spec, progress, self._request_done, self.output_device,
+                           stream=stream)
+        if stream:
+            with self._done:
+                self._streams[key_id] = request
         plan = analysis.plan
         for rank_plan, scheduler in zip(plan.ranks, self._ranks):
             scheduler.submit(RankJob(  # a rank that steals a segment opens the video on its own backend
@@ -352,6 +461,11 @@ class DecodeEngine:
             if key_id not in self._in_flight:
                 return False
             self._cancelled.add(key_id)
+            request = self._streams.get(key_id)
+        if request is not None:  # its reader stops handing out parts at once
+            with request.changed:
+                request.cancelled = True
+                request.changed.notify_all()
         self._group.cancel(key_id, DecodeCancelledError(f"decoding request {key_id} was cancelled"))
         return True
 
@@ -360,7 +474,11 @@ class DecodeEngine:
         with self._done:
             self._in_flight.discard(key_id)
             if key_id not in self._cancelled:  # a cancelled request's frames are dropped here
-                self._finished[key_id] = request
+                if not request.stream:  # a streamed one's reader holds it
+                    self._finished[key_id] = request
+            elif request.stream and request.abandoned:  # no reader will ever raise for it
+                self._cancelled.discard(key_id)
+                self._streams.pop(key_id, None)
             self._done.notify_all()
 
     def get_decoding_output(self, key_id: int | None = None, timeout: float | None = None) -> DecodedVideo:
@@ -371,6 +489,8 @@ class DecodeEngine:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._done:
+            if key_id in self._streams:
+                raise ValueError(f"key id {key_id} was queued with stream=True: read it with stream_decoding_output")
             while True:
                 if key_id is not None and key_id in self._cancelled and key_id not in self._in_flight:
                     self._cancelled.discard(key_id)
@@ -382,7 +502,7 @@ class DecodeEngine:
                 else:
                     if key_id is not None and key_id not in self._in_flight:
                         raise KeyError(f"key id {key_id} was never queued (call add_decoding_request first)")
-                    if key_id is None and not self._in_flight:
+                    if key_id is None and not self._in_flight - self._streams.keys():
                         raise KeyError("no decoding request is in flight")
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
@@ -394,6 +514,93 @@ class DecodeEngine:
         if request.error is not None:
             raise request.error
         return request.result
+
+    def stream_decoding_output(self, key_id: int, timeout: float | None = None) -> Iterator[DecodedSlice]:
+        """Yield a streamed request's output (``add_decoding_request(..., stream=True)``) as it completes.
+
+        Parts come in display order, each starting where the previous one stopped, as soon as the
+        prefix of final rows grows (ranks and decoder slots finish out of order; the prefix grows when
+        its earliest incomplete frame is done): every new frame for ``output="rgb"``, every new whole
+        temporal patch for ``output="patches"``. Patches are made from each part's frames alone, and
+        a rank's frame buffer is freed once all its frames are handed out, so no copy of the whole
+        output exists. Waits release the GIL. Closing the iterator before its end cancels the request.
+
+        Raises:
+            KeyError: ``key_id`` was not queued with ``stream=True`` (or was read already).
+            DecodeCancelledError: the request was cancelled (:meth:`cancel`), possibly after some parts.
+            TimeoutError: the whole stream took longer than ``timeout`` seconds.
+            The request's error (e.g. :class:`CorruptVideoError`) once the parts before it are out.
+        """
+        with self._done:
+            request = self._streams.get(key_id)
+            if request is None and key_id in self._cancelled and key_id not in self._in_flight:
+                self._cancelled.discard(key_id)
+                raise DecodeCancelledError(f"decoding request {key_id} was cancelled")
+        if request is None:
+            raise KeyError(f"key id {key_id} was not queued with stream=True, or its stream was read already")
+        return self._stream(request, timeout)
+
+    def _stream(self, request: _Request, timeout: float | None) -> Iterator[DecodedSlice]:
+        key_id = request.analysis.key_id
+        plan = request.analysis.plan
+        spec = request.patch_spec
+        if request.output == "patches" and spec is None:
+            from flashcodec.patches import PatchSpec
+
+            spec = PatchSpec()
+        grid = plan.grid_thw(spec.patch_size, spec.temporal_patch_size) if spec is not None else plan.grid_thw()
+        unit = 1  # frames per step of a part
+        rows_per_unit = 1  # output rows per step
+        if request.output == "patches":  # whole temporal patches of grid_h * grid_w patch rows each
+            unit, rows_per_unit = spec.temporal_patch_size, grid[1] * grid[2]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delivered = 0  # frames handed out
+        ended = False
+        try:
+            while True:
+                with request.changed:
+                    while not (request.finished or request.cancelled
+                               or request.num_ready - request.num_ready % unit > delivered):
+                        remaining = None if deadline is None else deadline - time.monotonic()
+                        if remaining is not None and remaining <= 0:
+                            raise TimeoutError(f"decoding did not finish within {timeout} s")
+                        request.changed.wait(remaining)
+                    ready = request.num_ready - request.num_ready % unit
+                    stopped = request.cancelled or request.error is not None
+                if stopped or ready == delivered:  # the end: cancelled, failed, or every row handed out
+                    break
+                frames = request.take_rows(delivered, ready).permute(0, 3, 1, 2)  # [n, 3, H, W]
+                patches = None
+                if request.output == "patches":
+                    from flashcodec.patches import frames_to_patches
+
+                    patches, _ = frames_to_patches(frames, spec)
+                    frames = None
+                yield DecodedSlice(key_id, delivered // unit * rows_per_unit, ready // unit * rows_per_unit,
+                                   request.num_frames // unit * rows_per_unit, frames, patches, tuple(grid),
+                                   time.perf_counter() - request.started)
+                delivered = ready
+            with self._done:  # finished, or about to be when cancelled: wait for its end to be recorded
+                while key_id in self._in_flight:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError(f"decoding did not finish within {timeout} s")
+                    self._done.wait(remaining)
+                ended = True
+                self._streams.pop(key_id, None)
+                if key_id in self._cancelled:
+                    self._cancelled.discard(key_id)
+                    raise DecodeCancelledError(f"decoding request {key_id} was cancelled")
+            if request.error is not None:
+                raise request.error
+        finally:
+            request.rank_outputs.clear()
+            if not ended:  # the reader went away (or timed out): stop the work nobody will read
+                request.abandoned = True
+                if not self.cancel(key_id):
+                    with self._done:
+                        self._streams.pop(key_id, None)
+                        self._cancelled.discard(key_id)
 
     def decode_video(self, source: SourceLike, *, output: str = "rgb", on_corrupt: str = "error",
                      frame_indices: list[int] | None = None, patch_spec=None,
