@@ -43,14 +43,39 @@ class Request:
     num_scheduled_items: int = 0  # items handed to the encoder; the runner encodes them before prefill
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    #: media whose patches are written; only their encode items may be scheduled
+    #: media whose patches are all written (or not needed); their encode items may be scheduled
     ready_media: set[int] = field(default_factory=set)
+    #: streaming ingest: patch rows written so far of media still arriving (a prefix of whole items)
+    ready_rows: dict[int, int] = field(default_factory=dict)
+    #: one per media: its identity for the caches ("" = never cached); empty = none cacheable
+    media_keys: list[str] = field(default_factory=list)
+    #: prompt tokens whose KV came from the prefix cache (a whole number of blocks, set at admission)
+    num_cached_tokens: int = 0
+    #: media whose visual tokens all lie in the cached prefix: neither decoded, encoded nor read
+    skipped_media: set[int] = field(default_factory=set)
+    #: media whose visual tokens come from the media cache: not decoded; encoded by a copy
+    cached_media: set[int] = field(default_factory=set)
+    has_kv: bool = False  # KV blocks for prompt + max_tokens are allocated (prefill may run)
 
     def __post_init__(self) -> None:
         visual = sum(item.num_visual_tokens for item in self.encode_items)
         if visual != len(self.visual_positions):
             raise ValueError(f"request {self.request_id}: {len(self.visual_positions)} visual placeholders in the "
                              f"prompt but its media produce {visual} visual tokens")
+        if self.media_keys and len(self.media_keys) != self.num_media:
+            raise ValueError(f"request {self.request_id}: {len(self.media_keys)} media keys for {self.num_media} media")
+        self._block_hashes: list[bytes] | None = None
+        # per item: patch rows of its media up to and including it (streaming readiness)
+        # and per item: the offset of its first visual token within its media's
+        self._item_row_end, self._item_visual_offset, rows, visual, last = [], [], 0, 0, -1
+        for item in self.encode_items:
+            if item.media_index != last:
+                rows = visual = 0
+            rows += item.num_patch_tokens
+            self._item_visual_offset.append(visual)
+            visual += item.num_visual_tokens
+            last = item.media_index
+            self._item_row_end.append(rows)
 
     @property
     def num_media(self) -> int:
@@ -71,6 +96,58 @@ class Request:
     @property
     def is_prefill_done(self) -> bool:
         return self.num_computed_tokens >= self.prompt_len
+
+    def item_ready(self, index: int) -> bool:
+        """Whether encode item ``index``'s patches are in the buffer (or not needed)."""
+        media = self.encode_items[index].media_index
+        return media in self.ready_media or self.ready_rows.get(media, 0) >= self._item_row_end[index]
+
+    def item_visual_range(self, index: int) -> tuple[int, int]:
+        """Encode item ``index``'s visual tokens as ``[start, end)`` within its media's."""
+        start = self._item_visual_offset[index]
+        return start, start + self.encode_items[index].num_visual_tokens
+
+    def is_last_item_of_media(self, index: int) -> bool:
+        items = self.encode_items
+        return index + 1 == len(items) or items[index + 1].media_index != items[index].media_index
+
+    def media_visual_spans(self) -> list[tuple[int, int]]:
+        """Per media: ``(first, count)`` of its visual tokens in ``visual_positions``."""
+        spans = [[0, 0] for _ in range(self.num_media)]
+        first = 0
+        for item in self.encode_items:
+            span = spans[item.media_index]
+            if not span[1]:
+                span[0] = first
+            span[1] += item.num_visual_tokens
+            first += item.num_visual_tokens
+        return [tuple(s) for s in spans]
+
+    def block_hashes(self, block_size: int) -> list[bytes]:
+        """Prefix hashes of the prompt's full KV blocks (computed once; see ``memory/prefix_hash.py``)."""
+        if self._block_hashes is None:
+            from unifiedserve.memory.prefix_hash import block_hashes
+
+            keys = self.media_keys or [""] * self.num_media
+            spans = [(f, n, k) for (f, n), k in zip(self.media_visual_spans(), keys)]
+            self._block_hashes = block_hashes(self.prompt_token_ids, block_size, spans, self.visual_positions)
+        return self._block_hashes
+
+    @property
+    def media_without_patches(self) -> set[int]:
+        """Media the patch buffer never holds for this request (cached prefix or media cache)."""
+        return self.skipped_media | self.cached_media
+
+    @property
+    def num_patch_rows_needed(self) -> int:
+        """Patch rows this request writes into the patch buffer (its media minus the cached ones)."""
+        skip = self.media_without_patches
+        return sum(i.num_patch_tokens for i in self.encode_items if i.media_index not in skip)
+
+    @property
+    def num_visual_rows_needed(self) -> int:
+        """Visual-token rows this request writes into the visual buffer (its media minus the cached prefix's)."""
+        return sum(i.num_visual_tokens for i in self.encode_items if i.media_index not in self.skipped_media)
 
     def visual_tokens_before(self, position: int) -> int:
         """How many visual tokens sit at prompt positions < ``position``."""

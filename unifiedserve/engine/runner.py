@@ -16,6 +16,7 @@ import torch
 
 from unifiedserve.attention import KVCache, TorchPagedAttention, get_attention_backend
 from unifiedserve.engine.inputs import MediaGrid, VisionInput
+from unifiedserve.engine.media_cache import MediaCache
 from unifiedserve.engine.request import Request
 from unifiedserve.engine.scheduler import SchedulerOutput
 from unifiedserve.memory.buffers import PagedBuffer
@@ -121,9 +122,11 @@ class _RequestTensors:
     prompt_ids: torch.Tensor  # int64 [L] (host)
     positions: torch.Tensor  # int64 [3, L] M-RoPE positions of the prompt (host)
     mrope_delta: int  # decode position of output token i is L + delta + i on all three axes
-    patches: torch.Tensor | None  # [P, patch_dim] (host) until written into the patch buffer
+    patches: list[torch.Tensor] | None  # per media [P_m, patch_dim] (host) until written into the patch buffer
     grids: list[tuple[int, int, int]]  # encode items' grids, in encode order
     block_table: list[int] | None = None  # KV blocks, set at admission
+    #: media being encoded for the media cache: media index -> visual tokens of its items so far
+    encoded: dict[int, list[torch.Tensor]] | None = None
 
 
 class ModelRunner:
@@ -137,6 +140,8 @@ class ModelRunner:
         kv_storage, patch_storage: existing tensors to use as the KV cache and the patch buffer
             (shared with other processes); allocated here when ``None``.
         attention: attention backend name (``auto``, ``flashinfer``, ``torch``).
+        media_cache_bytes: bound of the media cache (encoded visual tokens by media key, on
+            ``device``); 0 turns it off.
 
     Raises:
         ValueError: the model's weights are on another device, or a bad backend name.
@@ -145,7 +150,7 @@ class ModelRunner:
     def __init__(self, model, *, num_kv_blocks: int, block_size: int, num_patch_pages: int,
                  num_visual_pages: int, page_size: int, device: str = "cpu",
                  kv_storage: torch.Tensor | None = None, patch_storage: torch.Tensor | None = None,
-                 attention: str = "auto"):
+                 attention: str = "auto", media_cache_bytes: int = 0):
         self.model = model
         cfg = model.config
         text = cfg.text
@@ -168,6 +173,7 @@ class ModelRunner:
                                         storage=patch_storage)
         self.visual_buffer = PagedBuffer(num_visual_pages, page_size, cfg.vision.out_hidden_size, dtype=self.dtype,
                                          device=self.device)
+        self.media_cache = MediaCache(media_cache_bytes) if media_cache_bytes > 0 else None
         self.graphs = None  # DecodeGraphs once captured
         self._tensors: dict[str, _RequestTensors] = {}
         self._encode_s = 0.0
@@ -232,9 +238,8 @@ class ModelRunner:
         positions, delta = get_rope_index(request.prompt_token_ids, images, [v.grid_thw for v in videos],
                                           [v.second_per_grid_t for v in videos], cfg)
         pixels = [v.patches for v in vision if isinstance(v, VisionInput)]
-        patches = torch.cat(pixels).to(self.dtype) if pixels else None
         self._tensors[request.request_id] = _RequestTensors(
-            torch.tensor(request.prompt_token_ids, dtype=torch.int64), positions, delta, patches,
+            torch.tensor(request.prompt_token_ids, dtype=torch.int64), positions, delta, pixels or None,
             [item.grid_thw for item in request.encode_items])
 
     def release(self, request_id: str) -> None:
@@ -244,11 +249,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[str, torch.Tensor]:
         """Run one step; returns the logits ``[vocab]`` (on the device) of each request that samples now."""
-        rows = [self._tensors[r].patches for r in out.admitted if self._tensors[r].patches is not None]
-        if rows:
-            self.patch_buffer.write(to_device(torch.cat(rows), self.device), out.patch_write)  # [P, patch_dim]
+        rows = []  # admitted requests' patches, without the media the caches hold
         for r in out.admitted:
+            media = self._tensors[r].patches or []
+            skip = set(out.skip_media.get(r, ()))
+            rows.extend(p for m, p in enumerate(media) if m not in skip)
             self._tensors[r].patches = None  # now only in the patch buffer
+        if rows:
+            self.patch_buffer.write(to_device(torch.cat(rows).to(self.dtype), self.device), out.patch_write)  # [P, patch_dim]
         for r, table in out.block_tables.items():
             self._tensors[r].block_table = table
         self._encode_s, self._encode_events = 0.0, None
@@ -258,10 +266,7 @@ class ModelRunner:
                 events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 events[0].record()
             start = time.perf_counter()
-            patches = self.patch_buffer.read(out.patch_read)  # [P, patch_dim]
-            grids = [self._tensors[w.request_id].grids[w.item_index] for w in out.encode]
-            visual = self.model.encode_vision(patches, grids)  # [P / merge^2, hidden]
-            self.visual_buffer.write(visual, out.visual_write)
+            self.visual_buffer.write(self._encode(out.encode, out.patch_read, requests), out.visual_write)
             if events is not None:
                 events[1].record()
                 self._encode_events = events
@@ -269,6 +274,35 @@ class ModelRunner:
         if not (out.prefill or out.decode):
             return {}
         return self._forward(out, requests)
+
+    def _encode(self, works, patch_read, requests: dict[str, Request]) -> torch.Tensor:
+        """Visual tokens of the step's encode items, in order: the encoder's for patches, the media
+        cache's for ``from_cache`` items; each media encoded whole is offered to the media cache."""
+        encoded = [w for w in works if not w.from_cache]
+        pieces = []
+        if encoded:
+            patches = self.patch_buffer.read(patch_read)  # [P, patch_dim]
+            grids = [self._tensors[w.request_id].grids[w.item_index] for w in encoded]
+            visual = self.model.encode_vision(patches, grids)  # [P / merge^2, hidden]
+            pieces = list(visual.split([requests[w.request_id].encode_items[w.item_index].num_visual_tokens
+                                        for w in encoded]))
+        out, new = [], iter(pieces)
+        for w in works:
+            req = requests[w.request_id]
+            media = req.encode_items[w.item_index].media_index
+            if w.from_cache:
+                start, end = req.item_visual_range(w.item_index)
+                out.append(self.media_cache.get(req.media_keys[media])[start:end])
+                continue
+            piece = next(new)
+            out.append(piece)
+            if self.media_cache is not None and req.media_keys and req.media_keys[media]:
+                t = self._tensors[w.request_id]
+                t.encoded = t.encoded if t.encoded is not None else {}
+                t.encoded.setdefault(media, []).append(piece)
+                if req.is_last_item_of_media(w.item_index):
+                    self.media_cache.put(req.media_keys[media], torch.cat(t.encoded.pop(media)))
+        return torch.cat(out) if len(out) > 1 else out[0]
 
     def _forward(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[str, torch.Tensor]:
         ids, positions, seqs, sample_rows, sample_ids = [], [], [], [], []

@@ -11,6 +11,14 @@ even when prefill cannot run; prefill chunks fill the token budget tau, older re
 each stopping before the first visual token not yet encoded, and a request takes its KV blocks
 (prompt + max_tokens) when its prefill starts; every request past its prompt decodes one token.
 
+Caches (both optional). At admission a request takes the longest run of its prompt's leading KV
+blocks that the prefix cache holds (content hashes, ``memory/prefix_hash.py``), cut back so that no
+media is partly inside it; media wholly inside are neither decoded, encoded nor read
+(``skipped_media``). Media whose visual tokens the media cache holds (by media key) are not
+decoded either: their encode items are copies from the cache (``EncodeWork.from_cache``), free of
+the encode budget. Computed full prompt blocks are registered in the prefix cache as prefill
+commits them.
+
 KV admission is fair without preemption: a request whose blocks do not fit yet is passed by later
 requests whose blocks do (a 4-token question never waits behind streams that reserved the whole
 cache), but only ``max_kv_overtakes`` times; after that nobody passes it, so freed blocks
@@ -68,6 +76,18 @@ class PrefillChunk:
 class EncodeWork:
     request_id: str
     item_index: int
+    from_cache: bool = False  # copy the item's visual tokens from the media cache instead of encoding
+
+
+class MediaCacheIndex:
+    """What the scheduler needs of a media cache: membership and pins (an entry in use is never evicted)."""
+
+    def pin(self, key: str) -> bool:  # pragma: no cover - interface
+        """Hold ``key``'s entry if present; returns whether it is."""
+        raise NotImplementedError
+
+    def unpin(self, key: str) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
 
 
 @dataclass
@@ -81,6 +101,8 @@ class SchedulerOutput:
     """
 
     admitted: list[str] = field(default_factory=list)  # write all their vision patches this step
+    #: admitted requests' media that have no patches (cached prefix or media cache): not written
+    skip_media: dict[str, list[int]] = field(default_factory=dict)
     #: KV block tables of requests whose prefill starts this step (prompt + max_tokens: never change)
     block_tables: dict[str, list[int]] = field(default_factory=dict)
     patch_write: RaggedIndex | None = None  # rows: admitted requests' patches, in admitted order
@@ -92,6 +114,8 @@ class SchedulerOutput:
     decode: list[str] = field(default_factory=list)  # one new token each
     freed_patch_pages: list[int] = field(default_factory=list)  # consumed by patch_read; freed at commit
     freed_visual_pages: list[int] = field(default_factory=list)  # consumed by visual_read; freed at commit
+    #: media-cache entries whose last item is copied this step: unpinned at commit
+    unpin_media_keys: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -106,8 +130,13 @@ class Scheduler:
     """Owns request state and the allocators' policy (who gets KV blocks and patch/visual pages)."""
 
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, patch_pages: PageAllocator,
-                 visual_pages: PageAllocator):
+                 visual_pages: PageAllocator, media_cache: MediaCacheIndex | None = None):
         self.config = config
+        self.media_cache = media_cache
+        #: cache counters, in prompt tokens: asked of the prefix cache and found; visual tokens asked
+        #: of the media cache and found (media the prefix cache already covered are not asked)
+        self.prefix_queried_tokens = self.prefix_hit_tokens = 0
+        self.media_queried_tokens = self.media_hit_tokens = 0
         self.blocks = blocks
         self.patch_pages = patch_pages
         self.visual_pages = visual_pages
@@ -122,7 +151,7 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         """Requests whose prefill has not started: not admitted yet, or admitted without KV blocks."""
-        return len(self.waiting) + sum(1 for r in self.running if r.request_id not in self.blocks)
+        return len(self.waiting) + sum(1 for r in self.running if not r.has_kv)
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -141,8 +170,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def mark_media_ready(self, request_id: str, media_index: int) -> bool:
+    def mark_media_ready(self, request_id: str, media_index: int, num_rows: int | None = None) -> bool:
         """The patches of media ``media_index`` are in the buffer: its encode items may run.
+
+        ``num_rows`` (streaming ingest): only its first ``num_rows`` patch rows are; the items they
+        cover may run. None: all of them.
 
         Returns False (and does nothing) for a request that is no longer here (finished, aborted).
         """
@@ -151,8 +183,51 @@ class Scheduler:
             return False
         if not 0 <= media_index < req.num_media:
             raise ValueError(f"request {request_id!r} has {req.num_media} media, not {media_index + 1}")
-        req.ready_media.add(media_index)
+        if num_rows is None:
+            req.ready_media.add(media_index)
+            req.ready_rows.pop(media_index, None)
+        else:
+            req.ready_rows[media_index] = max(req.ready_rows.get(media_index, 0), num_rows)
         return True
+
+    def _use_caches(self, req: Request) -> tuple[int, list[int], set[int], set[int]]:
+        """What of ``req`` the caches hold: ``(cached tokens, their blocks, skipped media, media-cache media)``.
+
+        Pure lookup (nothing is taken or pinned). The cached prefix is cut back to a block boundary
+        before any media it would cover only partly, and always leaves the last prompt token to
+        compute (its logits give the first output token).
+        """
+        bs = self.blocks.block_size
+        matched = self.blocks.match(req.block_hashes(bs)) if self.blocks.enable_prefix_caching else []
+        n = min(len(matched) * bs, (req.prompt_len - 1) // bs * bs)
+        spans = [(req.visual_positions[f], req.visual_positions[f + c - 1]) for f, c in req.media_visual_spans() if c]
+        changed = True
+        while changed:
+            changed = False
+            for first, last in spans:
+                if first < n <= last:
+                    n, changed = first // bs * bs, True
+        skipped = {m for m, (_, last) in enumerate(spans) if last < n}
+        from_cache = set()
+        if self.media_cache is not None and req.media_keys:
+            from_cache = {m for m in range(req.num_media)
+                          if m not in skipped and req.media_keys[m] and self.media_cache.pin(req.media_keys[m])}
+        return n, matched[:n // bs], skipped, from_cache
+
+    def _admit_caches(self, req: Request, n: int, blocks: list[int], skipped: set[int], from_cache: set[int]) -> None:
+        """Take what :meth:`_use_caches` found: hold the cached blocks, skip covered media's items."""
+        self.blocks.allocate(req.request_id, n, cached_blocks=blocks)
+        req.num_computed_tokens = req.num_cached_tokens = n
+        req.skipped_media, req.cached_media = skipped, from_cache
+        req.ready_media.update(skipped | from_cache)
+        # skipped media are the first ones (wholly inside the prefix): so are their items
+        req.num_scheduled_items = sum(1 for item in req.encode_items if item.media_index in skipped)
+        self.prefix_queried_tokens += req.prompt_len
+        self.prefix_hit_tokens += n
+        visual = [c for _, c in req.media_visual_spans()]
+        self.media_queried_tokens += sum(c for m, c in enumerate(visual) if m not in skipped and req.media_keys
+                                         and req.media_keys[m])
+        self.media_hit_tokens += sum(visual[m] for m in from_cache)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -161,17 +236,26 @@ class Scheduler:
         admitted_writes = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            stream = PagedStream(req.request_id, self.patch_pages.page_size, req.num_patch_tokens)
-            writes = admitted_writes + ([(stream, req.num_patch_tokens)] if req.num_patch_tokens else [])
+            found = self._use_caches(req)
+            req.skipped_media, req.cached_media = found[2], found[3]  # sizes the patch rows below
+            rows = req.num_patch_rows_needed
+            stream = PagedStream(req.request_id, self.patch_pages.page_size, rows)
+            writes = admitted_writes + ([(stream, rows)] if rows else [])
             if not can_plan_write(writes, self.patch_pages):
+                for m in found[3]:
+                    self.media_cache.unpin(req.media_keys[m])
+                req.skipped_media, req.cached_media = set(), set()
                 break
             self.waiting.popleft()
+            self._admit_caches(req, *found)
             req.status = Status.RUNNING
             self.running.append(req)
             out.admitted.append(req.request_id)
+            if req.media_without_patches:
+                out.skip_media[req.request_id] = sorted(req.media_without_patches)
             self.patch_streams[req.request_id] = stream
             self.visual_streams[req.request_id] = PagedStream(req.request_id, self.visual_pages.page_size,
-                                                              req.num_visual_tokens)
+                                                              req.num_visual_rows_needed)
             if self.config.patches_ready_on_admit:
                 req.ready_media.update(range(req.num_media))
             admitted_writes = writes
@@ -182,23 +266,33 @@ class Scheduler:
         encode_tokens, reads, writes = 0, [], []
         for req in self.running:
             n_patch = n_visual = 0
-            while req.num_scheduled_items < len(req.encode_items) and encode_tokens < self.config.encode_token_budget:
-                item = req.encode_items[req.num_scheduled_items]
-                if item.media_index not in req.ready_media:
+            while req.num_scheduled_items < len(req.encode_items):
+                index = req.num_scheduled_items
+                item = req.encode_items[index]
+                cached = item.media_index in req.cached_media
+                if not cached and encode_tokens >= self.config.encode_token_budget:
+                    break
+                if not req.item_ready(index):
                     break
                 trial = writes + [(self.visual_streams[req.request_id], n_visual + item.num_visual_tokens)]
                 if not can_plan_write(trial, self.visual_pages):
                     break
-                out.encode.append(EncodeWork(req.request_id, req.num_scheduled_items))
+                out.encode.append(EncodeWork(req.request_id, index, from_cache=cached))
                 req.num_scheduled_items += 1
+                n_visual += item.num_visual_tokens
+                if cached:  # a copy: free of the encode budget, reads no patches
+                    if req.is_last_item_of_media(index):
+                        out.unpin_media_keys.append(req.media_keys[item.media_index])
+                    continue
                 encode_tokens += item.num_patch_tokens
                 n_patch += item.num_patch_tokens
-                n_visual += item.num_visual_tokens
             if n_patch:
                 reads.append((self.patch_streams[req.request_id], n_patch))
+            if n_visual:
                 writes.append((self.visual_streams[req.request_id], n_visual))
         if reads:
             out.patch_read, out.freed_patch_pages = plan_read(reads, self.patch_pages.page_size)
+        if writes:
             out.visual_write = plan_write(writes, self.visual_pages)
         # 3. prefill chunks under the token budget, oldest first; a chunk stops before the first
         #    visual token that is not encoded yet (this step's encodes run first)
@@ -209,10 +303,11 @@ class Scheduler:
             size = self._prefill_size(req, budget)
             if size <= 0:
                 continue
-            if req.request_id not in self.blocks:
-                # KV blocks for prompt + max_tokens, in admission order; a request that does not fit
-                # yet may be passed by one that does, unless an earlier one was passed too often
-                if not self.blocks.can_allocate(req.max_total_tokens):
+            if not req.has_kv:
+                # KV blocks for prompt + max_tokens (after its cached prefix's), in admission order; a
+                # request that does not fit yet may be passed by one that does, unless an earlier one
+                # was passed too often
+                if not self.blocks.can_append(req.request_id, req.max_total_tokens):
                     blocked.append(req.request_id)
                     continue
                 if any(self.kv_overtakes.get(r, 0) >= self.config.max_kv_overtakes for r in blocked):
@@ -220,7 +315,9 @@ class Scheduler:
                 for r in blocked:
                     self.kv_overtakes[r] = self.kv_overtakes.get(r, 0) + 1
                 self.kv_overtakes.pop(req.request_id, None)
-                out.block_tables[req.request_id] = self.blocks.allocate(req.request_id, req.max_total_tokens)
+                self.blocks.append(req.request_id, req.max_total_tokens)
+                req.has_kv = True
+                out.block_tables[req.request_id] = self.blocks.block_table(req.request_id)
             start = req.num_computed_tokens
             out.prefill.append(PrefillChunk(req.request_id, start, size, is_last=start + size == req.prompt_len))
             budget -= size
@@ -238,8 +335,9 @@ class Scheduler:
         encoded = sum(i.num_visual_tokens for i in req.encode_items[:req.num_scheduled_items])
         ready = (req.visual_positions[encoded] if encoded < req.num_visual_tokens else req.prompt_len) - start
         if not self.config.enable_chunked_prefill:
-            # the whole prompt in one step, once all of it is ready
-            return req.prompt_len if start == 0 and ready == req.prompt_len else 0
+            # the whole prompt (past its cached prefix) in one step, once all of it is ready
+            rest = req.prompt_len - req.num_cached_tokens
+            return rest if start == req.num_cached_tokens and ready == rest else 0
         return min(ready, budget)
 
     def commit(self, out: SchedulerOutput) -> None:
@@ -248,12 +346,22 @@ class Scheduler:
         Output tokens are appended by the engine. Call exactly once per :meth:`schedule`, after the
         runner has executed the step (its gathers read the pages freed here).
         """
+        bs = self.blocks.block_size
         for chunk in out.prefill:
             req = self.requests.get(chunk.request_id)
             if req is not None:  # not finished in between (abort)
                 req.num_computed_tokens += chunk.num_tokens
+                if self.blocks.enable_prefix_caching:  # its full, computed prompt blocks join the cache
+                    self.blocks.register(req.request_id, req.block_hashes(bs)[:req.num_computed_tokens // bs])
         self.patch_pages.free(out.freed_patch_pages)
         self.visual_pages.free(out.freed_visual_pages)
+        for key in out.unpin_media_keys:
+            self.media_cache.unpin(key)
+
+    @staticmethod
+    def _media_copied(req: Request, media: int) -> bool:
+        """Whether every item of ``media`` has been scheduled (its pin is dropped at that step's commit)."""
+        return all(i < req.num_scheduled_items for i, item in enumerate(req.encode_items) if item.media_index == media)
 
     def hand_off(self, request_id: str) -> Request:
         """A prefilled request leaves for the decode process; it keeps its KV blocks until :meth:`release`."""
@@ -286,6 +394,9 @@ class Scheduler:
             self.running.remove(req)
             if request_id in self.blocks:
                 self.blocks.free(request_id)
+            for m in req.cached_media:  # pins of media-cache entries not copied yet
+                if not self._media_copied(req, m):
+                    self.media_cache.unpin(req.media_keys[m])
             self.patch_pages.free(self.patch_streams.pop(request_id).release())
             self.visual_pages.free(self.visual_streams.pop(request_id).release())
         elif req in self.waiting:

@@ -71,7 +71,7 @@ def test_budgets_readiness_and_no_leaks(workload, tau, alpha, kv_blocks, pages, 
             scheduled_visual = sum(i.num_visual_tokens for i in req.encode_items[:req.num_scheduled_items])
             needed = req.visual_tokens_before(chunk.start + chunk.num_tokens)
             assert needed <= scheduled_visual, "prefill read a visual token that is not encoded"
-            assert chunk.request_id in s.blocks
+            assert req.has_kv
 
     drive(s, fits, check)
     assert all(r.is_prefill_done and r.output_token_ids for r in fits)
@@ -96,7 +96,7 @@ def test_encoding_proceeds_while_prefill_waits_for_kv_blocks():
         assert all(c.request_id != "b" for c in out.prefill)
         encoded_b += [w for w in out.encode if w.request_id == "b"]
         s.requests["a"].output_token_ids.append(0)
-    assert len(encoded_b) == 3 and "b" not in blocks
+    assert len(encoded_b) == 3 and not s.requests["b"].has_kv
 
 
 def test_prefill_never_overtakes_an_older_request_waiting_for_kv():

@@ -32,7 +32,7 @@ def test_a_short_request_passes_one_that_waits_for_kv_blocks():
     s.add(text_request("long-2", 4, 28))  # needs 8 more: must wait for long-1
     s.add(text_request("short", 2, 2))  # needs 1 block: fits now
     out = step(s)
-    assert [c.request_id for c in out.prefill] == ["short"] and "long-2" not in s.blocks
+    assert [c.request_id for c in out.prefill] == ["short"] and not s.requests["long-2"].has_kv
     assert s.num_waiting == 1  # long-2: admitted, but its prefill has not started
     assert s.kv_overtakes == {"long-2": 1}
     s.finish("long-1", "length")

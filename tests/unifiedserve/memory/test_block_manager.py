@@ -31,16 +31,66 @@ def test_allocate_append_free():
     assert bm.allocate("b", 1) == [0]  # freed blocks are reused, low ids first
 
 
-def test_reserve_tokens_make_appends_free_of_new_blocks():
-    bm = BlockManager(num_blocks=8, block_size=4)
-    table = bm.allocate("a", 3, reserve_tokens=6)  # 9 tokens -> 3 blocks
-    assert table == [0, 1, 2] and bm.num_tokens("a") == 3 and bm.headroom_tokens("a") == 9
-    for total in range(4, 13):
-        assert bm.append("a", total) == []
-    assert bm.headroom_tokens("a") == 0
-    assert bm.reserve("a", 5) == [3, 4]
-    assert bm.reserve("a", 5) == []  # already enough
-    assert bm.block_table("a") == [0, 1, 2, 3, 4]
+def _hashes(*names):
+    return [n.encode().ljust(16, b"\0") for n in names]
+
+
+def test_prefix_blocks_are_shared_then_evictable_then_reused_last():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a = bm.allocate("a", 10)  # 3 blocks; the first two are full
+    bm.register("a", _hashes("h0", "h1"))
+    assert bm.num_cached_blocks == 2
+    assert bm.match(_hashes("h0", "h1", "h2")) == a[:2]
+    assert bm.match(_hashes("x", "h1")) == []  # a chain: the first block must match
+    b = bm.allocate("b", 12, cached_blocks=a[:2])
+    assert b[:2] == a[:2] and b[2] not in a and bm.ref_count(a[0]) == 2
+    assert bm.num_used_blocks == 4
+    bm.free("a")
+    assert bm.ref_count(a[0]) == 1 and bm.num_used_blocks == 3  # a's private block is free again
+    bm.free("b")
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == 6 and bm.num_cached_blocks == 2
+    # never-registered blocks go first; the cached ones survive until nothing else is left
+    c = bm.allocate("c", 16)
+    assert not set(c) & set(a[:2]) and bm.match(_hashes("h0", "h1")) == a[:2]
+    d = bm.allocate("d", 4)  # the last free block: evicts the least recently freed cached one (the tail)
+    assert d == [a[1]] and bm.match(_hashes("h0", "h1")) == [a[0]] and bm.num_evictions == 1
+
+
+def test_a_held_cached_block_is_never_evicted():
+    bm = BlockManager(num_blocks=3, block_size=2)
+    a = bm.allocate("a", 2)
+    bm.register("a", _hashes("h0"))
+    assert not bm.can_allocate(6)  # a still holds its block
+    bm.allocate("b", 4)
+    assert bm.num_free_blocks == 0 and bm.match(_hashes("h0")) == a
+
+
+def test_cached_blocks_count_as_free_only_until_taken():
+    bm = BlockManager(num_blocks=2, block_size=2)
+    a = bm.allocate("a", 2)
+    bm.register("a", _hashes("h0"))
+    bm.free("a")
+    assert bm.num_free_blocks == 2
+    assert bm.can_allocate(4, cached_blocks=a)  # the cached block plus one fresh
+    assert not bm.can_allocate(6, cached_blocks=a)
+    bm.allocate("b", 4, cached_blocks=a)
+    assert bm.num_free_blocks == 0
+
+
+def test_register_keeps_the_first_block_of_a_hash_and_is_off_when_disabled():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a, b = bm.allocate("a", 2), bm.allocate("b", 2)
+    bm.register("a", _hashes("h0"))
+    bm.register("b", _hashes("h0"))  # same content computed twice: the first stays the cached one
+    assert bm.match(_hashes("h0")) == a
+    bm.free("b")
+    assert bm.num_free_blocks == 3 and b[0] not in bm.match(_hashes("h0"))
+    off = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    off.allocate("a", 2)
+    off.register("a", _hashes("h0"))
+    assert off.match(_hashes("h0")) == [] and off.num_cached_blocks == 0
+    with pytest.raises(ValueError, match="not a cached block"):
+        bm.allocate("c", 2, cached_blocks=[3])
 
 
 def test_errors():
@@ -58,8 +108,6 @@ def test_errors():
     with pytest.raises(OutOfBlocksError):
         bm.append("a", 13)
     assert bm.block_table("a") == [0] and bm.num_tokens("a") == 4
-    with pytest.raises(OutOfBlocksError):
-        bm.reserve("a", 100)
     bm.free("a")
     with pytest.raises(KeyError, match="freed already"):
         bm.free("a")
@@ -72,7 +120,7 @@ def test_errors():
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Random interleavings of allocate/append/reserve/free against a plain model of token counts."""
+    """Random interleavings of allocate (with cached prefixes)/append/register/free against a plain model."""
 
     @initialize(num_blocks=st.integers(1, 40), block_size=st.sampled_from([1, 2, 3, 16]))
     def setup(self, num_blocks, block_size):
@@ -80,17 +128,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.tokens: dict[int, int] = {}
         self.next_id = 0
 
-    @rule(num_tokens=st.integers(0, 100), reserve=st.integers(0, 40))
-    def allocate(self, num_tokens, reserve):
+    @rule(num_tokens=st.integers(0, 100), prefix=st.lists(st.integers(0, 3), max_size=4))
+    def allocate(self, num_tokens, prefix):
         seq, before = self.next_id, self.bm.num_free_blocks
         self.next_id += 1
-        if self.bm.can_allocate(num_tokens, reserve):
-            table = self.bm.allocate(seq, num_tokens, reserve)
-            assert len(table) == self.bm.num_blocks_for(num_tokens + reserve)
+        cached = self.bm.match(_hashes(*(f"p{'.'.join(map(str, prefix[:i + 1]))}" for i in range(len(prefix)))))
+        cached = cached[:self.bm.num_blocks_for(num_tokens)]
+        if self.bm.can_allocate(num_tokens, cached):
+            table = self.bm.allocate(seq, num_tokens, cached)
+            assert len(table) == self.bm.num_blocks_for(num_tokens) and table[:len(cached)] == cached
             self.tokens[seq] = num_tokens
         else:
             with pytest.raises(OutOfBlocksError):
-                self.bm.allocate(seq, num_tokens, reserve)
+                self.bm.allocate(seq, num_tokens, cached)
             assert self.bm.num_free_blocks == before and seq not in self.bm
 
     @precondition(lambda self: self.tokens)
@@ -99,10 +149,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
         old_table, new_total = self.bm.block_table(seq), self.tokens[seq] + grow
         if self.bm.can_append(seq, new_total):
-            fits = new_total <= self.bm.capacity_tokens(seq)
             added = self.bm.append(seq, new_total)
-            assert (added == []) == fits  # growth within the headroom takes no new block
             assert self.bm.block_table(seq) == old_table + added  # existing blocks never move
+            assert len(old_table + added) == self.bm.num_blocks_for(new_total)
             self.tokens[seq] = new_total
         else:
             with pytest.raises(OutOfBlocksError):
@@ -110,12 +159,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.bm.block_table(seq) == old_table
 
     @precondition(lambda self: self.tokens)
-    @rule(data=st.data(), reserve=st.integers(0, 50))
-    def reserve(self, data, reserve):
+    @rule(data=st.data(), path=st.lists(st.integers(0, 3), max_size=4))
+    def register(self, data, path):
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
-        if self.bm.can_reserve(seq, reserve):
-            self.bm.reserve(seq, reserve)
-            assert self.bm.headroom_tokens(seq) >= reserve
+        n = min(len(path), len(self.bm.block_table(seq)))
+        self.bm.register(seq, _hashes(*(f"p{'.'.join(map(str, path[:i + 1]))}" for i in range(n))))
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -128,17 +176,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.free(seq)
 
     @invariant()
-    def blocks_owned_once_and_counts_add_up(self):
+    def refcounts_and_counts_add_up(self):
         if not hasattr(self, "bm"):
             return
-        owned = [b for seq in self.tokens for b in self.bm.block_table(seq)]
-        assert len(owned) == len(set(owned)), "a block is owned twice"
-        assert all(0 <= b < self.bm.num_blocks for b in owned)
-        assert len(owned) == self.bm.num_used_blocks
+        holders: dict[int, int] = {}
+        for seq in self.tokens:
+            table = self.bm.block_table(seq)
+            assert len(table) == len(set(table)), "a sequence holds a block twice"
+            for b in table:
+                holders[b] = holders.get(b, 0) + 1
+        for b, n in holders.items():
+            assert 0 <= b < self.bm.num_blocks and self.bm.ref_count(b) == n
+            assert n == 1 or b in self.bm._block_hash, "an unregistered block is shared"
+        assert len(holders) == self.bm.num_used_blocks
         assert self.bm.num_used_blocks + self.bm.num_free_blocks == self.bm.num_blocks
         for seq, n in self.tokens.items():
             assert self.bm.num_tokens(seq) == n
-            assert self.bm.capacity_tokens(seq) >= n
 
     def teardown(self):
         if hasattr(self, "bm"):
