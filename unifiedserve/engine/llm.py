@@ -22,6 +22,7 @@ from unifiedserve.engine.request import Request
 from unifiedserve.engine.runner import ModelRunner
 from unifiedserve.engine.params import SamplingParams, finish_reason
 from unifiedserve.engine.sampling import SamplerState, TokenLogprobs, sample, token_logprobs
+from unifiedserve.engine.structured import grammar_for
 from unifiedserve.engine.scheduler import Scheduler, SchedulerConfig
 from unifiedserve.memory.block_manager import BlockManager
 from unifiedserve.memory.pages import PageAllocator
@@ -134,6 +135,7 @@ class LLM:
         self.model, self.model_config = load_model(model, DTYPES[config.dtype], config.device)
         self.model.eval()
         self.processor = load_processor(model)
+        self.model_dir = Path(model)  # response_format grammars read its tokenizer
         self.kv_sizing = None
         if config.num_kv_blocks is None:  # CUDA: from gpu_memory_utilization
             from unifiedserve.engine.profile import profile_kv_sizing
@@ -185,10 +187,12 @@ class LLM:
         """Queue a request whose image/video placeholders are already expanded (see :meth:`build_prompt`)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = make_request(request_id, prompt_token_ids, params, list(vision), self.model_config)
+        stop_ids = params.stop_ids(self.eos_token_ids)
+        grammar = grammar_for(params, self.model_dir, stop_ids)  # a bad schema raises before anything is queued
         self.scheduler.add(request)
         self.runner.add_request(request, list(vision))
-        self._live[request_id] = _Live(request, SamplerState.for_params(params, self.runner.device),
-                                       params.stop_ids(self.eos_token_ids),
+        self._live[request_id] = _Live(request, SamplerState.for_params(params, self.runner.device, grammar),
+                                       stop_ids,
                                        TextOutput(self.processor.incremental_decoder(), params.stop))
         return request_id
 
@@ -228,8 +232,9 @@ class LLM:
         if logprobs is not None:
             live.logprobs.append(logprobs)
         new_text = ""
-        reason = finish_reason(token, len(req.output_token_ids), live.stop_ids, req.params.max_tokens)
-        if reason != "stop":
+        reason = finish_reason(token, len(req.output_token_ids), live.stop_ids, req.params.max_tokens,
+                               live.sampler.is_complete)
+        if reason != "stop" or token not in live.stop_ids:  # a stop token is not text; a grammar's last token is
             new_text = live.output.append(token)
             if live.output.stopped:
                 reason = "stop"

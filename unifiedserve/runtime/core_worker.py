@@ -24,6 +24,7 @@ from unifiedserve.engine.params import finish_reason
 from unifiedserve.engine.llm import DTYPES
 from unifiedserve.engine.runner import ModelRunner
 from unifiedserve.engine.sampling import SamplerState, sample, token_logprobs
+from unifiedserve.engine.structured import grammar_for
 from unifiedserve.engine.scheduler import Scheduler
 from unifiedserve.memory.block_manager import BlockManager
 from unifiedserve.memory.pages import PageAllocator
@@ -121,6 +122,7 @@ class CoreWorker(Worker):
         grids = [MediaGrid(p.kind, tuple(p.grid_thw), p.second_per_grid_t) for p in msg.media]
         try:
             request = make_request(msg.request_id, msg.prompt_token_ids, msg.params, grids, self.model_config)
+            grammar = grammar_for(msg.params, self.config.model, msg.stop_token_ids)  # response_format
             self.scheduler.add(request)
         except ValueError as e:
             self.send("vision", protocol.CancelMedia(msg.request_id))
@@ -128,7 +130,7 @@ class CoreWorker(Worker):
             return
         self.runner.add_request(request, grids)
         self.live[msg.request_id] = _Live(msg.params, frozenset(msg.stop_token_ids),
-                                          SamplerState.for_params(msg.params, self.runner.device), protocol.StageTimes(added=time.time()))
+                                          SamplerState.for_params(msg.params, self.runner.device, grammar), protocol.StageTimes(added=time.time()))
 
     # -- one iteration ----------------------------------------------------------------------------------
     def step(self) -> None:
@@ -174,7 +176,8 @@ class CoreWorker(Worker):
             req = self.scheduler.requests[rid]
             req.output_token_ids.append(token)
             index = len(req.output_token_ids) - 1
-            reason = finish_reason(token, len(req.output_token_ids), live.stop_ids, live.params.max_tokens)
+            reason = finish_reason(token, len(req.output_token_ids), live.stop_ids, live.params.max_tokens,
+                                   live.sampler.is_complete)
             outputs.append(protocol.TokenOutput(rid, index, token, reason, live.stages if index == 0 else None,
                                                 *(lp if lp is not None else (None, None))))
             if reason is not None:

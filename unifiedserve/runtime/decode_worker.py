@@ -20,6 +20,7 @@ from unifiedserve.engine.llm import DTYPES
 from unifiedserve.engine.params import finish_reason
 from unifiedserve.engine.runner import forward_tokens
 from unifiedserve.engine.sampling import SamplerState, sample, token_logprobs
+from unifiedserve.engine.structured import grammar_for
 from unifiedserve.model.loader import load_model
 from unifiedserve.model.rope import decode_positions
 from unifiedserve.runtime import protocol
@@ -83,7 +84,9 @@ class DecodeWorker(Worker):
     def _fill(self) -> None:
         while self.pending and len(self.batch) < self.config.max_decode_batch:
             h = self.pending.popleft()
-            self.batch[h.request_id] = _Seq(h, SamplerState.from_bytes(h.sampler_state, self.config.device),
+            # a response_format grammar is rebuilt here from the params and the first token (core's)
+            grammar = grammar_for(h.params, self.config.model, h.stop_token_ids, [h.first_token])
+            self.batch[h.request_id] = _Seq(h, SamplerState.from_bytes(h.sampler_state, self.config.device, grammar),
                                             frozenset(h.stop_token_ids), [h.first_token])
 
     @torch.inference_mode()
@@ -105,7 +108,8 @@ class DecodeWorker(Worker):
         outputs, finished = [], []
         for seq, token, lp in zip(batch, tokens, logprobs):
             seq.tokens.append(token)
-            reason = finish_reason(token, len(seq.tokens), seq.stop_ids, seq.handoff.params.max_tokens)
+            reason = finish_reason(token, len(seq.tokens), seq.stop_ids, seq.handoff.params.max_tokens,
+                                   seq.sampler.is_complete)
             rid = seq.handoff.request_id
             outputs.append(protocol.TokenOutput(rid, len(seq.tokens) - 1, token, reason, None,
                                                 *(lp if lp is not None else (None, None))))

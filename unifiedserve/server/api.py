@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from unifiedserve.engine.output import TextOutput
 from unifiedserve.engine.params import SamplingParams
+from unifiedserve.engine.structured import check_response_format
 from unifiedserve.runtime import protocol
 from unifiedserve.server.engine_client import EngineClient, RequestError, RequestStream
 from unifiedserve.server.limits import LimitError, RequestLimits
@@ -162,6 +163,11 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         return _error(f"the model {body.model!r} does not exist; this server serves {state.model_name!r}", 404, "model")
     if body.n != 1:
         return _error("only n=1 is supported", 400, "n")
+    response_format = body.response_format.sampling_fields() if body.response_format is not None else {}
+    try:  # compile the grammar before any media work: a bad schema is refused at once
+        await run_in_threadpool(check_response_format, SamplingParams(**response_format))
+    except ValueError as e:
+        return _error(f"invalid response_format: {e}", 400, "response_format")
     arrival = time.time()
     try:
         messages, media = await run_in_threadpool(_convert_messages, body, state.media_policy, state.limits)
@@ -203,7 +209,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0), seed=body.seed,
             stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()), ignore_eos=body.ignore_eos,
-            logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None, **response_format)
         stop_ids = params.stop_ids(state.eos_token_ids)
         await client.add(stream, protocol.AddRequest(request_id, prompt_ids, plans, params, sorted(stop_ids),
                                                      [ref.key for ref in media]))

@@ -3,10 +3,13 @@
 Every field either works or is refused: an OpenAI field this server does not implement gets a 400
 naming it (unless it carries its neutral value, e.g. ``tools: []``), and so does any other
 unknown field. Text must be valid Unicode (a lone surrogate such as ``"\ud800"`` is refused).
+``response_format`` ``json_object`` and ``json_schema`` are enforced by grammar-constrained decoding
+(``unifiedserve.engine.structured``).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -28,7 +31,7 @@ _HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
 _NEUTRAL_VALUES: dict[str, tuple] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, False, True), "response_format": (None, {"type": "text"}),
+    "parallel_tool_calls": (None, False, True),
     "logit_bias": (None, {}), "functions": (None, []), "function_call": (None, "none"),
 }
 
@@ -79,6 +82,42 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
+class TextFormat(_Model):
+    type: Literal["text"]
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The ``SamplingParams`` fields this format sets."""
+        return {}
+
+
+class JSONObjectFormat(_Model):
+    type: Literal["json_object"]  # any JSON object
+
+    def sampling_fields(self) -> dict[str, Any]:
+        return {"response_format": "json_object"}
+
+
+class JSONSchemaSpec(_Model):
+    # no "description": it is a hint for the model's prompt, which this server does not write
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]  # identifies it only
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+    #: true: a schema keyword the grammar cannot enforce is refused (400); false/absent: it is not enforced
+    strict: bool | None = None
+
+
+class JSONSchemaFormat(_Model):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+    def sampling_fields(self) -> dict[str, Any]:
+        # ASCII JSON text: a lone surrogate stays an escape, for the grammar compiler to refuse
+        return {"response_format": "json_schema", "json_schema": json.dumps(self.json_schema.schema_),
+                "strict_schema": bool(self.json_schema.strict)}
+
+
+ResponseFormat = Annotated[Union[TextFormat, JSONObjectFormat, JSONSchemaFormat], Field(discriminator="type")]
+
+
 class ChatCompletionRequest(_Model):
     model_config = ConfigDict(extra="allow")  # checked by _refuse_unsupported, for a message that names the field
 
@@ -97,6 +136,7 @@ class ChatCompletionRequest(_Model):
     ignore_eos: bool = False  # vLLM extension: keep generating past EOS (benchmarks)
     logprobs: bool = False  # each output token's log-probability (log-softmax of the model's raw logits)
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # and the k most likely tokens'
+    response_format: ResponseFormat | None = None  # the output follows a grammar (see engine.structured)
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> "ChatCompletionRequest":

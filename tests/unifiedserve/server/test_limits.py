@@ -117,7 +117,7 @@ def test_fields_that_are_not_implemented_are_named(processor, media_dir):
                          ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
                          ({"tool_choice": "auto"}, "tool_choice"),
-                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
                          ({"presence_penalty": 0.5}, "presence_penalty"), ({"frobnicate": 1}, "frobnicate")]:
         r = http.post("/v1/chat/completions", json=chat(**fields))
         assert r.status_code == 400 and name in r.json()["error"]["message"], (fields, r.text)
@@ -125,7 +125,8 @@ def test_fields_that_are_not_implemented_are_named(processor, media_dir):
     assert r.status_code == 400 and "resolution" in r.json()["error"]["message"]
     assert client.added == []
     # neutral values and harmless fields pass validation (the fake engine then answers 503)
-    r = http.post("/v1/chat/completions", json=chat(logprobs=False, presence_penalty=0, tools=[], user="u"))
+    r = http.post("/v1/chat/completions", json=chat(logprobs=False, presence_penalty=0, tools=[], user="u",
+                                                         response_format={"type": "text"}))
     assert r.status_code == 503 and len(client.added) == 1
 
 
