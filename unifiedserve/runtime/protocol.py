@@ -70,7 +70,12 @@ class ProbeMedia(msgspec.Struct, tag=True):
 
 
 class WritePatches(msgspec.Struct, tag=True):
-    """Core admitted the request: write its patches (all media, in order) into these pages from row 0."""
+    """Core admitted the request: write its patches (all media, in order) into these pages from row 0.
+
+    Vision writes each media as it is decoded (a video slice by slice under streaming ingest;
+    what was decoded before this message is written on its arrival) and announces it with
+    ``MediaReady``. Skipped media are cancelled, never written and never announced.
+    """
 
     request_id: str
     pages: list[int]
@@ -101,12 +106,18 @@ class AbortRequest(msgspec.Struct, tag=True):
 
 class MediaReady(msgspec.Struct, tag=True):
     """Patches of media ``media_index`` are written: all of them, or (streaming ingest) the first
-    ``num_rows`` patch rows, a whole number of the media's encode items."""
+    ``num_rows`` patch rows, a whole number of the media's encode items.
+
+    Per media, vision sends zero or more partial messages, in order and with ``num_rows`` growing
+    (streaming ingest: each new prefix of whole temporal slices, ``grid_h * grid_w`` rows each),
+    then exactly one final message with ``num_rows=None``; whole-video hand-off (and every image)
+    sends only the final one. A media core asked to skip gets none.
+    """
 
     request_id: str
     media_index: int
-    decode_s: float
-    num_rows: int | None = None  # None: the whole media
+    decode_s: float  # seconds decoding this media: so far in a partial message, all of it in the final one
+    num_rows: int | None = None  # rows written from the media's first row; None: the whole media (the last message)
 
 
 class ReleaseBlocks(msgspec.Struct, tag=True):

@@ -7,6 +7,14 @@ FlashCodec's shared decoder threads. When core has admitted the request (``Write
 pages of its patch stream) and a media's patches are ready, this process copies them into those
 pages and tells core (``MediaReady``). Writes happen on the loop thread, in the order of core's
 messages, so a ``CancelMedia`` from core is always seen before its pages are handed to anyone else.
+
+Streaming ingest (``RuntimeConfig.streaming_ingest``, ``--ingest streaming``): a video is decoded
+as a FlashCodec stream, and each new prefix of whole temporal slices is written into the pages as
+soon as it is decoded (or when the pages arrive, for slices decoded before) and announced with a
+``MediaReady`` carrying the rows written so far; no copy of the whole video's patches is ever held.
+With whole-video hand-off a video's patches are written, and announced, once it is all decoded.
+Media core already holds (``WritePatches.skip_media``) are cancelled and never written; the
+other media's patches follow one another in the pages as if those were absent.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashcodec import DecodeEngine, FlashCodecError, SamplingOptions
+from flashcodec import DecodeCancelledError, DecodeEngine, FlashCodecError, SamplingOptions
 from flashcodec.image import decode_image
 from flashcodec.source import Source
 from unifiedserve.memory.buffers import PagedBuffer
@@ -40,11 +48,21 @@ class _Job:
     request_id: str
     media: list[protocol.MediaRef]
     plans: list[protocol.MediaPlan] = field(default_factory=list)
-    patches: dict[int, torch.Tensor] = field(default_factory=dict)  # decoded, not yet written
-    decode_s: dict[int, float] = field(default_factory=dict)
-    written: set[int] = field(default_factory=set)
+    patches: dict[int, torch.Tensor] = field(default_factory=dict)  # whole media decoded, not yet written
+    #: streamed videos: decoded parts not yet written, as (first patch row of the media, patches [rows, dim])
+    parts: dict[int, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
+    decode_s: dict[int, float] = field(default_factory=dict)  # so far, for a video still streaming
+    rows_decoded: dict[int, int] = field(default_factory=dict)  # streamed videos: rows decoded so far
+    rows_written: dict[int, int] = field(default_factory=dict)  # rows in the pages, per media
+    written: set[int] = field(default_factory=set)  # media whose every row is written and announced
     pages: list[int] | None = None  # from core's WritePatches
-    key_ids: list[int] = field(default_factory=list)  # FlashCodec requests decoding its videos
+    skip: frozenset[int] = frozenset()  # media core already has (WritePatches.skip_media)
+    offsets: dict[int, int] = field(default_factory=dict)  # first row of each written media in the pages
+    key_ids: dict[int, int] = field(default_factory=dict)  # media index -> FlashCodec request decoding it
+
+    @property
+    def is_done(self) -> bool:
+        return len(self.written) + len(self.skip) == len(self.plans)
 
 
 class VisionWorker(Worker):
@@ -86,12 +104,33 @@ class VisionWorker(Worker):
         elif isinstance(message, protocol.WritePatches):
             job = self.jobs.get(message.request_id)
             if job is not None:
-                job.pages = message.pages
+                self._admitted(job, message)
                 self._write_ready(job)
         elif isinstance(message, protocol.CancelMedia):
             job = self.jobs.pop(message.request_id, None)
-            for key_id in job.key_ids if job is not None else ():
+            for key_id in job.key_ids.values() if job is not None else ():
                 self.engine.cancel(key_id)  # its decoder slots go to the next request at once
+
+    def _admitted(self, job: _Job, message: protocol.WritePatches) -> None:
+        """Take core's pages; drop the media it already has and lay out the others' rows one after another."""
+        skip = frozenset(message.skip_media)
+        bad = sorted(i for i in skip if not 0 <= i < len(job.plans))
+        assert not bad, f"request {job.request_id}: skip_media {bad} out of range for {len(job.plans)} media"
+        job.pages, job.skip = message.pages, skip
+        offset = 0
+        for index, plan in enumerate(job.plans):
+            if index in skip:
+                key_id = job.key_ids.get(index)
+                if key_id is not None:
+                    self.engine.cancel(key_id)
+                job.patches.pop(index, None)
+                job.parts.pop(index, None)
+                continue
+            job.offsets[index] = offset
+            t, h, w = plan.grid_thw
+            offset += t * h * w
+        assert offset <= len(job.pages) * self.patch_buffer.page_size, \
+            f"request {job.request_id}: {offset} patch rows do not fit {len(job.pages)} pages"
 
     def step(self) -> None:
         while True:
@@ -102,7 +141,8 @@ class VisionWorker(Worker):
             self._event(*event)
 
     def _event(self, kind: str, request_id: str, *payload) -> None:
-        self.in_flight -= 1
+        if kind != "part" or payload[-1]:  # a probe or decode ended (a stream with its last part)
+            self.in_flight -= 1
         job = self.jobs.get(request_id)
         if job is None:  # cancelled meanwhile
             if kind == "probed":  # its videos were analysed but will never be decoded: forget them
@@ -110,22 +150,37 @@ class VisionWorker(Worker):
                     self.engine.cancel(analysis.key_id)
             return
         if kind == "failed":
+            message, index = payload
+            if index in job.skip:  # core does not need this media any more
+                return
             self.jobs.pop(request_id)
-            self.send("api", protocol.MediaFailed(request_id, payload[0]))
+            for key_id in job.key_ids.values():  # the request fails: its other videos stop too
+                self.engine.cancel(key_id)
+            self.send("api", protocol.MediaFailed(request_id, message))
         elif kind == "probed":
             plans, probe_s, analyses = payload
             job.plans = plans
             self.send("api", protocol.MediaProbed(request_id, plans, probe_s))
-            job.key_ids = [analysis.key_id for _, analysis in analyses]
+            job.key_ids = {index: analysis.key_id for index, analysis in analyses}
+            decode = self._decode_streamed if self.config.streaming_ingest else self._decode
             for index, analysis in analyses:
                 self._started()
-                threading.Thread(target=self._decode, args=(job, index, analysis), daemon=True,
+                threading.Thread(target=decode, args=(job, index, analysis), daemon=True,
                                  name=f"decode-{request_id}").start()
         elif kind == "decoded":
             index, patches, decode_s = payload
-            job.patches[index] = patches
-            job.decode_s[index] = decode_s
-            self._write_ready(job)
+            if index not in job.skip:
+                job.patches[index] = patches
+                job.decode_s[index] = decode_s
+                self._write_ready(job)
+        elif kind == "part":
+            index, start, patches, decode_s, _ = payload
+            if index not in job.skip:
+                assert start == job.rows_decoded.get(index, 0), f"media {index}: part at row {start} out of order"
+                job.parts.setdefault(index, []).append((start, patches))
+                job.rows_decoded[index] = start + patches.shape[0]
+                job.decode_s[index] = decode_s
+                self._write_ready(job)
 
     def _started(self) -> None:
         self.in_flight += 1
@@ -164,12 +219,13 @@ class VisionWorker(Worker):
                 analyses.append((index, analysis))
         except (FlashCodecError, ValueError, OSError) as e:
             ref = job.media[len(plans)]
-            self.events.put(("failed", job.request_id, f"media {len(plans)}: {_one_line(e, ref)}"))
+            self.events.put(("failed", job.request_id, f"media {len(plans)}: {_one_line(e, ref)}", None))
             return
         except Exception as e:  # a decoder bug must not take the process down: fail this request only
             log.exception("probing request %s failed", job.request_id)
             ref = job.media[len(plans)]
-            self.events.put(("failed", job.request_id, f"media {len(plans)} could not be read: {_one_line(e, ref)}"))
+            self.events.put(("failed", job.request_id, f"media {len(plans)} could not be read: {_one_line(e, ref)}",
+                             None))
             return
         self.events.put(("probed", job.request_id, plans, time.perf_counter() - start, analyses))
 
@@ -178,32 +234,65 @@ class VisionWorker(Worker):
         try:
             self.engine.add_decoding_request(analysis.key_id, output="patches", patch_spec=self.spec)
             decoded = self.engine.get_decoding_output(analysis.key_id)
+        except DecodeCancelledError:  # the request went away, or core already has this media
+            self.events.put(("cancelled", job.request_id))
+            return
         except Exception as e:  # corrupt data, unsupported stream: the client's media, not our crash
-            self.events.put(("failed", job.request_id, f"media {index}: {_one_line(e, job.media[index])}"))
+            self.events.put(("failed", job.request_id, f"media {index}: {_one_line(e, job.media[index])}", index))
             return
         self.events.put(("decoded", job.request_id, index, decoded.patches, time.perf_counter() - start))
 
+    def _decode_streamed(self, job: _Job, index: int, analysis) -> None:
+        """Decode a video as a FlashCodec stream: each new prefix of whole temporal slices becomes a "part"
+        event (its patch rows), the last one marked so."""
+        try:
+            self.engine.add_decoding_request(analysis.key_id, output="patches", patch_spec=self.spec, stream=True)
+            for part in self.engine.stream_decoding_output(analysis.key_id):
+                self.events.put(("part", job.request_id, index, part.start, part.patches, part.decode_s, part.is_last))
+        except DecodeCancelledError:
+            self.events.put(("cancelled", job.request_id))
+        except Exception as e:
+            self.events.put(("failed", job.request_id, f"media {index}: {_one_line(e, job.media[index])}", index))
+
     # -- writing patches -------------------------------------------------------------------------------
     def _write_ready(self, job: _Job) -> None:
+        """Write what is decoded and not yet written, once core has given the pages, and announce it:
+        one ``MediaReady`` per media and call, ``num_rows`` = rows written so far, None once whole."""
         if job.pages is None:
             return
-        page_size = self.patch_buffer.page_size
-        offset = 0
         for index, plan in enumerate(job.plans):
+            if index in job.skip or index in job.written:
+                continue
             t, h, w = plan.grid_thw
             rows = t * h * w
             if index in job.patches:
                 patches = job.patches.pop(index)
                 if patches.shape[0] != rows:
                     raise AssertionError(f"media {index} decoded {patches.shape[0]} patch rows, planned {rows}")
-                first, last = offset // page_size, -(-(offset + rows) // page_size)
-                index_ = RaggedIndex.build([(rows, offset, job.pages[first:last])], page_size)
-                self.patch_buffer.write(patches.to(self.patch_buffer.tensor.dtype), index_)
+                self._write_rows(job, job.offsets[index], patches)
+                job.rows_written[index] = rows
+            elif index in job.parts:
+                for start, patches in job.parts.pop(index):
+                    assert start == job.rows_written.get(index, 0) and start + patches.shape[0] <= rows, \
+                        f"media {index}: part [{start}, {start + patches.shape[0]}) of {rows} rows out of order"
+                    self._write_rows(job, job.offsets[index] + start, patches)
+                    job.rows_written[index] = start + patches.shape[0]
+            else:
+                continue
+            whole = job.rows_written[index] == rows
+            if whole:
                 job.written.add(index)
-                self.send("core", protocol.MediaReady(job.request_id, index, job.decode_s.get(index, 0.0)))
-            offset += rows
-        if len(job.written) == len(job.plans):
+            self.send("core", protocol.MediaReady(job.request_id, index, job.decode_s.get(index, 0.0),
+                                                  None if whole else job.rows_written[index]))
+        if job.is_done:
             self.jobs.pop(job.request_id, None)
+
+    def _write_rows(self, job: _Job, offset: int, patches: torch.Tensor) -> None:
+        """Copy ``patches`` [rows, patch_dim] into the request's patch stream from its row ``offset``."""
+        page_size, rows = self.patch_buffer.page_size, patches.shape[0]
+        first, last = offset // page_size, -(-(offset + rows) // page_size)
+        index = RaggedIndex.build([(rows, offset, job.pages[first:last])], page_size)
+        self.patch_buffer.write(patches.to(self.patch_buffer.tensor.dtype), index)
 
     def close(self) -> None:
         if hasattr(self, "engine"):

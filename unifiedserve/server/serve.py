@@ -15,6 +15,7 @@ import signal
 from pathlib import Path
 
 from unifiedserve.engine.scheduler import SchedulerConfig
+from unifiedserve.runtime.config import RuntimeConfig
 from unifiedserve.runtime.shm import DEFAULT_SHM_DIR
 from unifiedserve.runtime.worker import setup_logging
 from unifiedserve.server.limits import QWEN_MAX_FRAMES, QWEN_MAX_PIXELS, BodySizeLimit, RequestLimits
@@ -84,6 +85,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="refuse longer videos (default 3600)")
     g.add_argument("--vision-threads", type=int, default=0,
                    help="FlashCodec decoder threads shared by all requests (default: one per core)")
+    g.add_argument("--ingest", choices=("streaming", "whole"),
+                   default="streaming" if RuntimeConfig.streaming_ingest else "whole",
+                   help="streaming: vision writes each video's temporal slices into the patch buffer as they are "
+                        "decoded and core encodes them at once; whole: a video is handed to core once it is all "
+                        "decoded (to measure the difference) (default %(default)s)")
 
     g.add_argument("--decode-threads", type=int, default=0,
                    help="unified on CPU: torch threads of the decode process, which runs at normal priority while "
@@ -199,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         scheduler=sched, policy=args.policy, default_max_tokens=args.default_max_tokens,
         tbt_slo_ms=args.tbt_slo_ms, max_decode_batch=args.max_decode_batch, vision_threads=args.vision_threads,
         decode_threads=args.decode_threads,
-        max_video_seconds=args.max_video_seconds,
+        max_video_seconds=args.max_video_seconds, streaming_ingest=args.ingest == "streaming",
         budget_overrides={k: v for k, v in (("prefill_token_budget", args.prefill_token_budget),
                                             ("encode_token_budget", args.encode_token_budget)) if v})
     runtime = Runtime(config, shm_dir=args.shm_dir)

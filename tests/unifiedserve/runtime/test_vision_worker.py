@@ -1,0 +1,194 @@
+"""The vision process in-process: patches land at their rows of the request's pages, streamed slice by
+slice or whole, and media core already has (``skip_media``) are neither decoded to the end nor written."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from flashcodec import DecodeEngine
+from flashcodec.decode.backends import Backend, SegmentDecoder, get_backend, never
+from flashcodec.image import decode_image
+from unifiedserve.model.demo import write_demo_model
+from unifiedserve.runtime import protocol
+from unifiedserve.runtime.config import RuntimeConfig
+from unifiedserve.runtime.shm import create_cpu_pool
+from unifiedserve.runtime.vision_worker import VisionWorker
+
+PAGE_SIZE = 16  # small pages: slices and media cross page boundaries
+NUM_PAGES = 64
+SENTINEL = -7.0  # what rows nobody wrote hold
+
+
+class SlowDecoder(SegmentDecoder):
+    """PyAV's decoder, waiting ``delay_s`` before each GOP segment, so a video's slices arrive over time."""
+
+    def __init__(self, inner: SegmentDecoder, delay_s: float):
+        self.inner, self.delay_s = inner, delay_s
+
+    def decode_segment(self, segment, emit, should_stop=never):
+        deadline = time.monotonic() + self.delay_s
+        while time.monotonic() < deadline:
+            if should_stop():
+                return list(segment.target_indices)
+            time.sleep(0.005)
+        return self.inner.decode_segment(segment, emit, should_stop)
+
+
+class SlowBackend(Backend):
+    name = "slow-pyav"
+
+    def __init__(self, delay_s: float):
+        self.inner, self.delay_s = get_backend("pyav"), delay_s
+
+    def open(self, source, info, height, width, resize="exact"):
+        return SlowDecoder(self.inner.open(source, info, height, width, resize), self.delay_s)
+
+
+class RecordingVision(VisionWorker):
+    """The vision worker with its outgoing messages recorded instead of sent."""
+
+    def send(self, peer, message):
+        self.sent.append((peer, message))
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory):
+    return str(write_demo_model(tmp_path_factory.mktemp("demo"), seed=1))
+
+
+@pytest.fixture(scope="module")
+def clips(video_factory, image_factory):
+    """Two videos of several GOPs (8 and 4 sampled frames at 2 fps) and an image."""
+    a = video_factory(codec="h264", bframes=2, suffix=".mp4", width=128, height=96, duration_s=4.0, fps=24.0,
+                      gop=12, seed=21)
+    b = video_factory(codec="h264", suffix=".mp4", width=96, height=64, duration_s=2.0, fps=24.0, gop=6, seed=22)
+    image = image_factory(".png", width=90, height=60, seed=23)
+    small = dict(min_pixels=3136, max_pixels=128 * 96)  # frames at about their own size, not upscaled
+    return [protocol.MediaRef("video", path=str(a), **small), protocol.MediaRef("image", path=str(image)),
+            protocol.MediaRef("video", path=str(b), **small)]
+
+
+def make_worker(tmp_path, model, streaming: bool, delay_s: float = 0.06):
+    spec = create_cpu_pool(str(tmp_path), "t", "patch", (NUM_PAGES, PAGE_SIZE, 1176), torch.float32)
+    config = RuntimeConfig(model=model, served_model_name="demo", ipc_dir=str(tmp_path), instance="t",
+                           page_size=PAGE_SIZE, num_patch_pages=NUM_PAGES, pools={"patch": spec},
+                           streaming_ingest=streaming, vision_threads=2)
+    worker = RecordingVision(config)
+    worker.sent = []
+    worker.setup()
+    worker.engine.close()
+    worker.engine = DecodeEngine(SlowBackend(delay_s), 2)
+    worker.patch_buffer.tensor.fill_(SENTINEL)
+    return worker
+
+
+def pump(worker, until, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, "the vision worker did not get there in time"
+        if worker.has_work():
+            worker.step()
+        else:
+            time.sleep(0.002)
+
+
+def reference_patches(worker, media):
+    out = []
+    with DecodeEngine("pyav", 1) as engine:
+        for ref in media:
+            if ref.kind == "image":
+                image = decode_image(ref.path, min_pixels=worker.image_pixels[0], max_pixels=worker.image_pixels[1])
+                out.append(image.to_patches(worker.spec)[0])
+            else:
+                out.append(engine.decode_video(ref.path, output="patches", patch_spec=worker.spec,
+                                               min_pixels=ref.min_pixels, max_pixels=ref.max_pixels).patches)
+    return out
+
+
+def stream_rows(worker, pages):
+    """The request's patch stream: its pages' rows, in page-list order."""
+    return worker.patch_buffer.tensor[pages].reshape(-1, worker.patch_buffer.tensor.shape[-1])
+
+
+def messages(worker, kind):
+    return [m for _, m in worker.sent if isinstance(m, kind)]
+
+
+def run_request(worker, media, *, pages, skip=(), write_after_first_part=True):
+    worker.handle(protocol.ProbeMedia("r1", media))
+    pump(worker, lambda: messages(worker, protocol.MediaProbed))
+    job = worker.jobs["r1"]
+    if write_after_first_part and worker.config.streaming_ingest:  # slices decoded before the pages come
+        pump(worker, lambda: job.rows_decoded)
+    worker.handle(protocol.WritePatches("r1", pages, list(skip)))
+    pump(worker, lambda: "r1" not in worker.jobs and worker.in_flight == 0)
+    assert not messages(worker, protocol.MediaFailed)
+    return messages(worker, protocol.MediaProbed)[0].plans
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "whole"])
+def test_patches_land_at_their_rows_and_ready_counts_grow(tmp_path, demo_model, clips, streaming):
+    worker = make_worker(tmp_path, demo_model, streaming)
+    try:
+        pages = torch.randperm(NUM_PAGES, generator=torch.Generator().manual_seed(0))[:30].tolist()
+        plans = run_request(worker, clips, pages=pages)
+        expected = reference_patches(worker, clips)
+        rows = [p.grid_thw[0] * p.grid_thw[1] * p.grid_thw[2] for p in plans]
+        assert [e.shape[0] for e in expected] == rows and sum(rows) <= len(pages) * PAGE_SIZE
+        written = stream_rows(worker, pages)
+        offset = 0
+        for want, n in zip(expected, rows):
+            assert torch.equal(written[offset:offset + n], want)
+            offset += n
+        assert torch.all(written[offset:] == SENTINEL)  # nothing past the stream's end
+        ready = messages(worker, protocol.MediaReady)
+        assert {m.media_index for m in ready} == {0, 1, 2}
+        for index, plan in enumerate(plans):
+            counts = [m.num_rows for m in ready if m.media_index == index]
+            assert counts[-1] is None and None not in counts[:-1]  # exactly one final message, the last
+            partial = counts[:-1]
+            slice_rows = plan.grid_thw[1] * plan.grid_thw[2]
+            assert partial == sorted(set(partial)) and all(0 < n < rows[index] and n % slice_rows == 0
+                                                           for n in partial)
+            if not streaming or plan.kind == "image":
+                assert partial == []
+        if streaming:  # the long video (4 slices over 8 slow GOP segments) is announced before it is whole
+            assert len([m for m in ready if m.media_index == 0]) >= 2
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "whole"])
+def test_skipped_media_are_cancelled_and_never_written(tmp_path, demo_model, clips, streaming):
+    worker = make_worker(tmp_path, demo_model, streaming, delay_s=0.2)
+    try:
+        pages = torch.randperm(NUM_PAGES, generator=torch.Generator().manual_seed(1))[:30].tolist()
+        plans = run_request(worker, clips, pages=pages, skip=[0], write_after_first_part=False)
+        expected = reference_patches(worker, clips)
+        rows = [p.grid_thw[0] * p.grid_thw[1] * p.grid_thw[2] for p in plans]
+        written = stream_rows(worker, pages)
+        # media 1 and 2 follow one another from row 0, as if media 0 were absent
+        assert torch.equal(written[:rows[1]], expected[1])
+        assert torch.equal(written[rows[1]:rows[1] + rows[2]], expected[2])
+        assert torch.all(written[rows[1] + rows[2]:] == SENTINEL)
+        others = [p for p in range(NUM_PAGES) if p not in pages]
+        assert torch.all(worker.patch_buffer.tensor[others] == SENTINEL)
+        assert {m.media_index for m in messages(worker, protocol.MediaReady)} == {1, 2}
+        assert not worker.engine._in_flight and not worker.engine._streams  # its decode was stopped, not finished
+    finally:
+        worker.close()
+
+
+def test_everything_skipped_ends_the_request_at_once(tmp_path, demo_model, clips):
+    worker = make_worker(tmp_path, demo_model, True, delay_s=0.2)
+    try:
+        started = time.perf_counter()
+        run_request(worker, clips[:1], pages=[0], skip=[0], write_after_first_part=False)
+        assert time.perf_counter() - started < 0.7  # its 8 GOP segments at 0.2 s on 2 slots take >= 0.8 s
+        assert messages(worker, protocol.MediaReady) == []
+        assert torch.all(worker.patch_buffer.tensor == SENTINEL)
+    finally:
+        worker.close()
