@@ -7,7 +7,13 @@ video request (a generated 3-minute 480p H.264 clip, 2 fps) and measures its TTF
 breakdown (probe, decode, queue, encode, prefill) comes from the server's /metrics. The other
 requests' TBT is reported for the quiet window and for the video request's encode+prefill window.
 
-    python bench/serve/ttft_breakdown.py [--max-pixels 112896] [--result-json out.json]
+``--ingest both`` (default) runs it once per ingest mode (``serve --ingest streaming`` and
+``whole``, a fresh server each) and compares them: when the first encode step started after
+decoding started, as a fraction of the decode time (first encode step: the first /metrics poll,
+every 20 ms, that shows visual-token pages in use; decoding starts when the probe ends, taken as
+send time + the probe stage), and the TTFT gained by streaming as a fraction of the decode time.
+
+    python bench/serve/ttft_breakdown.py [--ingest both|streaming|whole] [--num-decoding 0] [--result-json out.json]
 """
 
 from __future__ import annotations
@@ -51,7 +57,9 @@ def stage_sums(metrics: dict[str, float]) -> dict[str, float]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--num-decoding", type=int, default=8, help="requests decoding meanwhile (default 8)")
+    p.add_argument("--num-decoding", type=int, default=8, help="requests decoding meanwhile (default 8; 0: an idle server)")
+    p.add_argument("--ingest", choices=("both", "streaming", "whole"), default="both",
+                   help="the server's --ingest mode, or both one after the other (default both)")
     p.add_argument("--max-pixels", type=int, default=112896,
                    help="video_url max_pixels per frame (default 112896 = 252x448, so the video's ~26k visual "
                         "tokens fit the demo model's 32k context)")
@@ -60,13 +68,45 @@ def main(argv=None) -> int:
     p.add_argument("--server-args", default="", help="extra flags for unifiedserve serve")
     p.add_argument("--result-json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.num_decoding < 0:
+        p.error(f"--num-decoding must be >= 0, got {args.num_decoding}")
+    if "--ingest" in args.server_args.split():
+        p.error("give the ingest mode with --ingest, not in --server-args")
 
     clip = synthetic_video.cached_video(VIDEO)
-    media_dir = clip.parent
-    flags = ["--allowed-local-media-path", str(media_dir), "--kv-cache-gb", "1", "--patch-buffer-gb", "1",
-             *args.server_args.split()]
+    modes = ("streaming", "whole") if args.ingest == "both" else (args.ingest,)
+    results = {mode: run_one(clip, mode, args) for mode in modes}
+    result = results[modes[0]] if len(modes) == 1 else {"runs": results}
+    if len(modes) == 2:
+        s, w = results["streaming"], results["whole"]
+        decode_s = w["stages_s"]["decode"]
+        result["ttft_gain_s"] = w["ttft_s"] - s["ttft_s"]
+        result["ttft_gain_over_decode"] = result["ttft_gain_s"] / decode_s if decode_s else None
+        print(f"\n{'':28}{'streaming':>12}{'whole':>12}")
+        for key, label in (("ttft_s", "TTFT s"), ("first_encode_after_decode_start_s", "first encode - decode start s"),
+                           ("first_encode_over_decode", "  / decode time")):
+            print(f"{label:28}{_fmt(s[key]):>12}{_fmt(w[key]):>12}")
+        for stage in STAGES:
+            print(f"{'stage ' + stage + ' s':28}{_fmt(s['stages_s'][stage]):>12}{_fmt(w['stages_s'][stage]):>12}")
+        print(f"TTFT whole - streaming = {result['ttft_gain_s']:.2f} s = "
+              f"{_fmt(result['ttft_gain_over_decode'])} x the decode time ({decode_s:.2f} s, whole run)")
+    print(json.dumps(result, indent=2))
+    if args.result_json:
+        args.result_json.parent.mkdir(parents=True, exist_ok=True)
+        args.result_json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def run_one(clip: Path, mode: str, args) -> dict:
+    """One server in ``mode`` (--ingest), one video request; its stage breakdown."""
+    flags = ["--allowed-local-media-path", str(clip.parent), "--kv-cache-gb", "1", "--patch-buffer-gb", "1",
+             "--ingest", mode, *args.server_args.split()]
     print(f"video: {clip} (3 min 854x480 H.264)\nstarting the server: unifiedserve serve {' '.join(flags)}", flush=True)
-    with ServerProcess(flags, ROOT / "bench" / "results" / "ttft_breakdown_server.log") as server:
+    with ServerProcess(flags, ROOT / "bench" / "results" / f"ttft_breakdown_server_{mode}.log") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=3600)
         stop = threading.Event()
         token_times: list[list[float]] = [[] for _ in range(args.num_decoding)]
@@ -85,12 +125,24 @@ def main(argv=None) -> int:
         threads = [threading.Thread(target=decode_forever, args=(i,), daemon=True) for i in range(args.num_decoding)]
         for t in threads:
             t.start()
-        while min(len(x) for x in token_times) < 5:
+        while token_times and min(len(x) for x in token_times) < 5:
             time.sleep(0.05)
         quiet_start = time.perf_counter()
         time.sleep(args.quiet_window)
         before = stage_sums(server.metrics())
+        first_encode: list[float] = []
+
+        def watch_encode():  # the first encode step allocates visual-token pages
+            while not stop.is_set() and not first_encode:
+                used = sum(v for k, v in server.metrics().items()
+                           if k.startswith("unifiedserve_pool_used{") and 'pool="visual_pages"' in k)
+                if used > 0:
+                    first_encode.append(time.perf_counter())
+                time.sleep(0.02)
+
         sent = time.perf_counter()
+        watcher = threading.Thread(target=watch_encode, daemon=True)
+        watcher.start()
         stream = client.chat.completions.create(
             model=client.models.list().data[0].id, stream=True, max_tokens=16, temperature=0,
             messages=[{"role": "user", "content": [
@@ -108,27 +160,30 @@ def main(argv=None) -> int:
         done = time.perf_counter()
         stop.set()
         after = stage_sums(server.metrics())
-        for t in threads:
+        for t in [*threads, watcher]:
             t.join(30)
 
     def gaps(lo, hi):
         return [(b - a) * 1000 for times in token_times for a, b in zip(times, times[1:]) if lo <= a and b <= hi]
 
     quiet, busy = gaps(quiet_start, sent), gaps(sent, first)
+    stages = {s: after.get(s, 0) - before.get(s, 0) for s in STAGES}
+    encode_after = first_encode[0] - (sent + stages["probe"]) if first_encode else None
     result = {
+        "ingest": mode,
         "video": "3 min, 854x480, H.264, 30 fps, GOP 250", "fps": args.fps, "max_pixels": args.max_pixels,
         "prompt_tokens": usage.prompt_tokens if usage else None,
         "ttft_s": first - sent, "e2e_s": done - sent,
-        "stages_s": {s: after.get(s, 0) - before.get(s, 0) for s in STAGES},
+        "stages_s": stages,
+        "first_encode_after_decode_start_s": encode_after,
+        "first_encode_over_decode": encode_after / stages["decode"] if encode_after is not None and stages["decode"]
+        else None,
         "num_decoding": args.num_decoding,
         "tbt_quiet_ms": {"p50": percentile(quiet, 50), "p99": percentile(quiet, 99), "n": len(quiet)},
         "tbt_during_video_ttft_ms": {"p50": percentile(busy, 50), "p99": percentile(busy, 99), "n": len(busy)},
     }
-    print(json.dumps(result, indent=2))
-    if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(json.dumps(result, indent=2))
-    return 0
+    print(json.dumps(result, indent=2), flush=True)
+    return result
 
 
 if __name__ == "__main__":
