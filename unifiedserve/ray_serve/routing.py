@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-__all__ = ["HashRing", "Route", "RoutingConfig", "route"]
+__all__ = ["HashRing", "Route", "RoutingConfig", "RoutingHints", "route"]
 
 
 def _hash64(text: str) -> int:
@@ -109,6 +109,15 @@ class HashRing:
             raise LookupError("no replica on the ring")
         i = bisect.bisect_right(self._points, _hash64(key)) % len(self._points)
         return self._owners[i]
+
+
+@dataclass(frozen=True)
+class RoutingHints:
+    """What the ingress tells the router about one call (the ``routing`` keyword of every replica method)."""
+
+    key: str | None = None  # media key of the request's first media; None: no media (or not resolvable)
+    replica_id: str | None = None  # only this replica (metrics scrapes); never counted as routing
+    exclude: tuple[str, ...] = ()  # replicas whose runtime refused the request (dead workers)
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=_positive_int, default=256, help="rows per page of both buffers (default 256)")
     g.add_argument("--shm-dir", default=DEFAULT_SHM_DIR, help=f"tmpfs folder for the CPU pools (default {DEFAULT_SHM_DIR})")
 
+    from unifiedserve.ray_serve.launch import add_ray_arguments  # imports no Ray
+
+    add_ray_arguments(p)
+
 
 def _positive_int(value: str) -> int:
     """argparse type: an integer >= 1 (a zero or negative size is a mistake, never "use the default")."""
@@ -176,6 +180,20 @@ def _resolve_device(device: str) -> str:
 def run(args: argparse.Namespace) -> int:
     setup_logging("api")
     limits = request_limits(args)  # before anything is built or spawned
+    from unifiedserve.ray_serve.launch import ray_requested, run_ray  # imports no Ray
+
+    if ray_requested(args):  # replicas on Ray Serve (unifiedserve[ray]); only run_ray imports Ray
+        return run_ray(args, limits)
+    return asyncio.run(_serve(build_runtime(args), args, limits))
+
+
+def build_runtime(args: argparse.Namespace):
+    """The node runtime the flags describe (config and worker specs; nothing started yet). Also what
+    each Ray Serve replica builds.
+
+    Raises:
+        ValueError: a flag the device or the model folder refuses.
+    """
     from unifiedserve.engine.device import resolve_dtype
 
     device = _resolve_device(args.device)
@@ -208,8 +226,7 @@ def run(args: argparse.Namespace) -> int:
         max_video_seconds=args.max_video_seconds, streaming_ingest=args.ingest == "streaming",
         budget_overrides={k: v for k, v in (("prefill_token_budget", args.prefill_token_budget),
                                             ("encode_token_budget", args.encode_token_budget)) if v})
-    runtime = Runtime(config, shm_dir=args.shm_dir)
-    return asyncio.run(_serve(runtime, args, limits))
+    return Runtime(config, shm_dir=args.shm_dir)
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
@@ -221,15 +238,34 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
                          max_request_bytes=int(args.max_request_mb * 2**20))
 
 
+def media_policy(args: argparse.Namespace):
+    """The media URL policy the flags describe."""
+    from unifiedserve.server.media import MediaPolicy
+
+    return MediaPolicy(Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
+                       tuple(args.allowed_media_domains), int(args.max_media_mb * 2**20))
+
+
+def build_state(runtime, client, args: argparse.Namespace, limits: RequestLimits):
+    """The API's ServerState over a started runtime (its workers ready). Also what each Ray replica builds."""
+    from unifiedserve.model.config import ModelConfig
+    from unifiedserve.model.processor import load_processor
+    from unifiedserve.server.api import ServerState
+    from unifiedserve.server.metrics import Metrics
+
+    config = runtime.config
+    processor = load_processor(config.model)
+    model_config = ModelConfig.from_json(os.path.join(config.model, "config.json"))
+    return ServerState(client, processor, Metrics(config.served_model_name), media_policy(args),
+                       config.served_model_name, config.max_model_len, config.default_max_tokens,
+                       tuple(model_config.eos_token_ids), config.policy, args.api_key, limits)
+
+
 async def _serve(runtime, args, limits: RequestLimits) -> int:
     import uvicorn
 
-    from unifiedserve.model.config import ModelConfig
-    from unifiedserve.model.processor import load_processor
-    from unifiedserve.server.api import ServerState, build_app
+    from unifiedserve.server.api import build_app
     from unifiedserve.server.engine_client import EngineClient
-    from unifiedserve.server.media import MediaPolicy
-    from unifiedserve.server.metrics import Metrics
 
     config = runtime.config
     loop = asyncio.get_running_loop()
@@ -280,14 +316,8 @@ async def _serve(runtime, args, limits: RequestLimits) -> int:
                  "(page = %d rows); max model len %d; policy %s", config.num_kv_blocks, config.block_size,
                  config.num_patch_pages, config.num_visual_pages, config.page_size, config.max_model_len,
                  config.policy)
-        processor = load_processor(config.model)
-        model_config = ModelConfig.from_json(os.path.join(config.model, "config.json"))
-        metrics = Metrics(config.served_model_name)
-        policy = MediaPolicy(Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
-                             tuple(args.allowed_media_domains), int(args.max_media_mb * 2**20))
-        state = ServerState(client, processor, metrics, policy, config.served_model_name, config.max_model_len,
-                            config.default_max_tokens, tuple(model_config.eos_token_ids), config.policy, args.api_key,
-                            limits)
+        state = build_state(runtime, client, args, limits)
+        metrics = state.metrics
         app = BodySizeLimit(build_app(state), limits.max_request_bytes)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                access_log=False, timeout_graceful_shutdown=5))

@@ -1,0 +1,305 @@
+"""The Ray Serve application: ``NodeReplica`` deployments, each owning one unifiedserve runtime
+(vision, core and decode processes, the API's own ``ServerState``), behind one ``Ingress``.
+
+The ingress computes the request's media key with the API's own media resolution and forwards the
+HTTP request through a Serve handle; ``router.MediaAffinityRouter`` picks the replica; the replica
+runs the request through the same FastAPI app ``unifiedserve serve`` serves (``server/api.py``), in
+process, and streams the ASGI response back. So there is one API; the ingress only routes, adds
+the ``x-unifiedserve-replica`` header, turns a replica's death into an OpenAI-style 503, and
+aggregates ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+from ray import serve
+from ray.exceptions import RayError
+from ray.serve.config import RequestRouterConfig
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from unifiedserve.ray_serve.metrics import ROUTE_COUNTS, ROUTERS, merge_replica_metrics
+from unifiedserve.ray_serve.routing import RoutingConfig, RoutingHints
+from unifiedserve.server.openai_protocol import error_body
+
+log = logging.getLogger("unifiedserve")
+
+REPLICA_HEADER = "x-unifiedserve-replica"
+ROUTERS_BY_NAME = {"media-affinity": "unifiedserve.ray_serve.router.MediaAffinityRouter",
+                   "serve-default": None}  # None: Serve's own power-of-two-choices router
+MAX_ATTEMPTS = 3  # replicas tried for one request whose runtime refuses it (dead workers)
+SCRAPE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class HttpCall:
+    """One HTTP request, as the ingress received it (the body already read whole, within the limit)."""
+
+    method: str
+    path: str
+    query_string: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+def _error(message: str, status_code: int) -> JSONResponse:
+    return JSONResponse(error_body(message, status_code), status_code=status_code)
+
+
+class NodeReplica:
+    """One node's runtime, started in the constructor and stopped with the replica."""
+
+    async def __init__(self, args: argparse.Namespace):
+        from unifiedserve.runtime.worker import setup_logging
+        from unifiedserve.server.api import build_app
+        from unifiedserve.server.engine_client import EngineClient
+        from unifiedserve.server.limits import BodySizeLimit
+        from unifiedserve.server.serve import build_runtime, build_state, request_limits
+
+        setup_logging("api")
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        limits = request_limits(args)
+        self.runtime = build_runtime(args)
+        self.client = EngineClient(self.runtime)
+        await self.client.start()
+        try:
+            self.runtime.create_pools()
+            self.runtime.start()
+            await self.client.wait_ready(args.startup_timeout)
+            self.runtime.all_mapped()
+            self.state = build_state(self.runtime, self.client, args, limits)
+        except BaseException:
+            await self._stop()
+            raise
+        self.client.on_fatal = lambda: self.state.metrics.healthy.set(0)
+        self.app = BodySizeLimit(build_app(self.state), limits.max_request_bytes)
+        log.info("replica %s (pid %d) serving %s", self.replica_id, os.getpid(), self.state.model_name)
+
+    async def _stop(self) -> None:
+        self.runtime.stopping = True
+        self.client.fail_all("the replica is shutting down", 503)
+        await self.client.close()
+        self.runtime.stop()
+
+    async def __del__(self):  # Serve awaits this when it stops the replica
+        await self._stop()
+
+    def check_health(self) -> None:
+        """Serve replaces a replica whose workers died (its in-flight requests already got a 503)."""
+        if self.client.fatal:
+            raise RuntimeError(f"replica {self.replica_id}: {self.client.fatal}")
+
+    def pid(self, routing: RoutingHints = RoutingHints()) -> int:
+        return os.getpid()
+
+    async def metrics(self, routing: RoutingHints = RoutingHints()) -> tuple[str, str]:
+        """(replica id, this replica's /metrics text)."""
+        self._check_target(routing)
+        state = self.state
+        state.metrics.update_workers(state.client.all_gauges(),
+                                     sum(1 for s in state.client.streams.values() if not s.added))
+        return self.replica_id, state.metrics.render().decode()
+
+    def _check_target(self, routing: RoutingHints) -> None:
+        assert routing.replica_id in (None, self.replica_id), (routing.replica_id, self.replica_id)
+
+    async def forward(self, call: HttpCall, routing: RoutingHints = RoutingHints()):
+        """Run ``call`` through the API app; yields the response start (a dict), then body chunks (bytes).
+
+        The start is ``{"replica_id", "status", "headers"}``, or ``{"replica_id", "unavailable": why}``
+        when this replica's runtime is dead, so the ingress can try another replica. Cancelling the
+        generator (the client went away) is a disconnect for the app, which then aborts the request.
+        """
+        self._check_target(routing)
+        if self.client.fatal:
+            yield {"replica_id": self.replica_id, "unavailable": self.client.fatal}
+            return
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": call.method, "scheme": "http", "path": call.path, "raw_path": call.path.encode(),
+                 "root_path": "", "query_string": call.query_string, "headers": call.headers,
+                 "client": ("ray-ingress", 0), "server": (self.replica_id, 0)}
+        sent: asyncio.Queue = asyncio.Queue()
+        disconnected = asyncio.Event()
+        body_given = False
+
+        async def receive():
+            nonlocal body_given
+            if not body_given:
+                body_given = True
+                return {"type": "http.request", "body": call.body, "more_body": False}
+            await disconnected.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            await sent.put(message)
+
+        app_task = asyncio.create_task(self.app(scope, receive, send))
+        try:
+            while True:
+                get = asyncio.create_task(sent.get())
+                await asyncio.wait({get, app_task}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    if sent.empty():
+                        app_task.result()  # re-raises what the app raised
+                        return
+                    message = sent.get_nowait()
+                else:
+                    message = get.result()
+                if message["type"] == "http.response.start":
+                    yield {"replica_id": self.replica_id, "status": message["status"],
+                           "headers": list(message.get("headers", ()))}
+                elif message["type"] == "http.response.body":
+                    if message.get("body"):
+                        yield message["body"]
+                    if not message.get("more_body", False):
+                        return
+        finally:
+            disconnected.set()
+            if not app_task.done():
+                try:
+                    await asyncio.wait_for(app_task, timeout=5.0)
+                except (asyncio.TimeoutError, Exception):
+                    app_task.cancel()
+
+
+class Ingress:
+    """The one HTTP entry: media key -> handle call -> the replica's streamed response."""
+
+    def __init__(self, replicas, args: argparse.Namespace):
+        from unifiedserve.server.serve import media_policy, request_limits
+
+        self.replicas = replicas  # DeploymentHandle of NodeReplica
+        self.policy = media_policy(args)
+        self.limits = request_limits(args)
+        self.model_name = args.served_model_name or os.path.basename(str(args.model).rstrip("/"))
+
+    async def __call__(self, request: Request) -> Response:
+        if request.url.path == "/metrics" and request.method == "GET":
+            return Response(await self.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        body = await self._read_body(request)
+        if isinstance(body, Response):
+            return body
+        key = None
+        if request.method == "POST" and request.url.path == "/v1/chat/completions":
+            key = await asyncio.to_thread(self.route_key, body)
+        call = HttpCall(request.method, request.url.path, request.scope.get("query_string", b""),
+                        list(request.scope.get("headers", ())), body)
+        exclude: tuple[str, ...] = ()
+        for _ in range(MAX_ATTEMPTS):
+            gen = self.replicas.options(stream=True).forward.remote(call, routing=RoutingHints(key, None, exclude))
+            try:
+                start = await gen.__anext__()
+            except RayError as e:
+                log.warning("a replica failed before answering: %s", _first_line(e))
+                return _error("the replica serving this request failed; retry the request", 503)
+            except StopAsyncIteration:
+                return _error("the replica ended the request without a response", 502)
+            if "unavailable" in start:
+                exclude += (start["replica_id"],)
+                continue
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start["headers"]
+                       if k.lower() not in (b"content-length", b"transfer-encoding")}
+            headers[REPLICA_HEADER] = start["replica_id"]
+            streamed = headers.get("content-type", "").startswith("text/event-stream")
+            return StreamingResponse(self._relay(gen, start["replica_id"], streamed), status_code=start["status"],
+                                     headers=headers)
+        return _error("no replica can serve now (their workers died; Serve is replacing them)", 503)
+
+    async def _relay(self, gen, replica_id: str, streamed: bool):
+        done = False
+        try:
+            async for chunk in gen:
+                yield chunk
+            done = True
+        except RayError as e:
+            log.warning("replica %s failed mid-request: %s", replica_id, _first_line(e))
+            done = True
+            if streamed:  # the status is sent already: say it in-band, as the API does for a dead worker
+                message = f"the replica serving this request ({replica_id}) failed; retry the request"
+                yield f"data: {json.dumps(error_body(message, 503))}\n\n"
+        finally:
+            if not done:  # the client went away: stop the replica's work too
+                gen.cancel()
+
+    async def _read_body(self, request: Request) -> bytes | Response:
+        limit = self.limits.max_request_bytes
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return _error(f"request body too large: over {limit} bytes (--max-request-mb)", 413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def route_key(self, body: bytes) -> str | None:
+        """The media key of the request's first media (``server/media_key.py``, as the API computes it), or
+        None without media. A request the API will refuse gets None: the replica answers its error."""
+        from unifiedserve.server.api import _convert_messages, _with_keys
+        from unifiedserve.server.openai_protocol import ChatCompletionRequest
+
+        try:
+            parsed = ChatCompletionRequest.model_validate_json(body)
+            _, media = _convert_messages(parsed, self.policy, self.limits)
+            media = _with_keys(media[:1], self.model_name)
+        except Exception:  # noqa: BLE001 - every refusal is the API's to explain
+            return None
+        return media[0].key if media else None
+
+    async def metrics_text(self) -> bytes:
+        """Every replica's metrics with a ``replica`` label, and this ingress's routing counters."""
+        replica_ids = sorted({rid for router in list(ROUTERS) for rid in router.replica_ids()})
+        texts = {}
+        if replica_ids:
+            calls = [self.replicas.metrics.remote(routing=RoutingHints(replica_id=rid)) for rid in replica_ids]
+            results = await asyncio.gather(*(asyncio.wait_for(c, SCRAPE_TIMEOUT_S) for c in calls),
+                                           return_exceptions=True)
+            texts = dict(r for r in results if isinstance(r, tuple))
+        else:  # no router yet (nothing routed so far) or Serve's default router: one replica's view
+            try:
+                rid, text = await asyncio.wait_for(self.replicas.metrics.remote(), SCRAPE_TIMEOUT_S)
+                texts = {rid: text}
+            except (RayError, asyncio.TimeoutError):
+                pass
+        return merge_replica_metrics(texts, ROUTE_COUNTS.families())
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def build_application(args: argparse.Namespace, *, router: str = "media-affinity"):
+    """The Serve application for ``args`` (``unifiedserve serve`` flags plus the Ray ones).
+
+    Args:
+        router: "media-affinity" (ours) or "serve-default" (Serve's power of two choices; for comparisons).
+    """
+    if router not in ROUTERS_BY_NAME:
+        raise ValueError(f"router must be one of {', '.join(ROUTERS_BY_NAME)}, got {router!r}")
+    routing = RoutingConfig(min_load_bound=args.affinity_load_bound)
+    router_config = RequestRouterConfig() if ROUTERS_BY_NAME[router] is None else RequestRouterConfig(
+        request_router_class=ROUTERS_BY_NAME[router],
+        request_router_kwargs={"num_virtual_nodes": routing.num_virtual_nodes, "load_factor": routing.load_factor,
+                               "min_load_bound": routing.min_load_bound})
+    options = dict(ray_actor_options={"num_cpus": args.replica_cpus}, max_ongoing_requests=args.max_num_seqs,
+                   request_router_config=router_config, health_check_period_s=2.0, health_check_timeout_s=30.0,
+                   graceful_shutdown_timeout_s=10.0)
+    if args.min_replicas is not None or args.max_replicas is not None:
+        options["autoscaling_config"] = {
+            "min_replicas": args.min_replicas or 1, "max_replicas": args.max_replicas or args.replicas,
+            "initial_replicas": args.replicas, "target_ongoing_requests": routing.min_load_bound}
+    else:
+        options["num_replicas"] = args.replicas
+    replica = serve.deployment(NodeReplica, name="NodeReplica", **options)
+    ingress = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=max(1000, 4 * args.max_num_seqs))
+    return ingress.bind(replica.bind(args), args)
+
+
+__all__ = ["HttpCall", "Ingress", "NodeReplica", "REPLICA_HEADER", "build_application"]

@@ -1,0 +1,145 @@
+"""``unifiedserve serve --ray``: flags, their checks, and the Ray/Serve start-up. Importing this
+module does not import Ray; :func:`run_ray` does, and says how to install it when it is missing."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import socket
+import threading
+from pathlib import Path
+
+from unifiedserve.ray_serve.routing import RoutingConfig
+
+log = logging.getLogger("unifiedserve")
+
+APP_NAME = "unifiedserve"
+_ADDRESS_RE = re.compile(r"^(?:ray://)?(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
+CONNECT_TIMEOUT_S = 5.0
+
+
+def add_ray_arguments(p: argparse.ArgumentParser) -> None:
+    from unifiedserve.server.serve import _positive_int
+
+    g = p.add_argument_group("replicas on Ray Serve (pip install 'unifiedserve[ray]')")
+    g.add_argument("--ray", action="store_true",
+                   help="serve with --replicas copies of this server (each its own vision, core and decode "
+                        "processes) on Ray Serve behind one endpoint at --host/--port, routing each request to the "
+                        "replica whose caches hold its media; starts a local Ray instance unless --ray-address")
+    g.add_argument("--replicas", type=_positive_int, default=None, metavar="N",
+                   help="--ray: replicas at start (default 1)")
+    g.add_argument("--min-replicas", type=_positive_int, default=None, metavar="N",
+                   help="--ray: autoscale between --min-replicas and --max-replicas on ongoing requests")
+    g.add_argument("--max-replicas", type=_positive_int, default=None, metavar="N", help="--ray: see --min-replicas")
+    g.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS") or None, metavar="HOST:PORT",
+                   help="--ray: join this Ray cluster (HOST:PORT of its head, ray://HOST:PORT, or auto) instead of "
+                        "starting a local instance (default: $RAY_ADDRESS)")
+    g.add_argument("--replica-cpus", type=_positive_int, default=None, metavar="N",
+                   help="--ray: CPUs Ray reserves for each replica (default: this machine's cores / --replicas, "
+                        "at least 1)")
+    g.add_argument("--affinity-load-bound", type=_positive_int, default=RoutingConfig.min_load_bound, metavar="N",
+                   help=f"--ray: a video's replica keeps its requests while it runs fewer than N (or 1.25x the "
+                        f"mean load, whichever is more); above, they go to the least-loaded replica "
+                        f"(default {RoutingConfig.min_load_bound})")
+
+
+_RAY_ONLY = ("replicas", "min_replicas", "max_replicas", "replica_cpus")
+
+
+def ray_requested(args: argparse.Namespace) -> bool:
+    """True with --ray. Raises ValueError for a Ray flag given without --ray (it would do nothing)."""
+    if getattr(args, "ray", False):
+        return True
+    given = [name for name in _RAY_ONLY if getattr(args, name, None) is not None]
+    if given:
+        raise ValueError(f"--{given[0].replace('_', '-')} needs --ray")
+    return False
+
+
+def check_ray_args(args: argparse.Namespace) -> None:
+    """Fill the defaults and check the Ray flags together (ValueError naming the flag); touches nothing."""
+    if args.replicas is None:
+        args.replicas = args.min_replicas or 1
+    lo, hi = args.min_replicas, args.max_replicas
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"--min-replicas {lo} is above --max-replicas {hi}")
+    if lo is not None and args.replicas < lo or hi is not None and args.replicas > hi:
+        raise ValueError(f"--replicas {args.replicas} is outside --min-replicas/--max-replicas "
+                         f"({lo or 1}..{hi or args.replicas})")
+    if args.replica_cpus is None:
+        args.replica_cpus = max(1, (os.cpu_count() or 1) // args.replicas)
+    if args.ray_address is not None:
+        check_address(args.ray_address)
+
+
+def check_address(address: str) -> None:
+    """``auto``, ``HOST:PORT`` or ``ray://HOST:PORT`` whose port answers within a few seconds.
+
+    Raises:
+        ValueError: malformed, or nothing listens there (one line saying which).
+    """
+    if address in ("auto", "local"):
+        return
+    m = _ADDRESS_RE.match(address)
+    if not m or not 1 <= int(m["port"]) <= 65535:
+        raise ValueError(f"--ray-address {address!r}: expected HOST:PORT of the Ray head (e.g. 10.0.0.1:6379), "
+                         f"ray://HOST:PORT, or auto")
+    host = m["host"].strip("[]")
+    try:
+        socket.create_connection((host, int(m["port"])), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise ValueError(f"--ray-address {address}: no Ray head answers there ({e.strerror or e}); start one with "
+                         f"launch/ray-cluster.sh head, or leave --ray-address out for a local instance") from None
+
+
+def run_ray(args: argparse.Namespace, limits) -> int:
+    """Start (or join) Ray, deploy the replicas and the ingress, serve until SIGINT/SIGTERM.
+
+    Raises:
+        ValueError: a bad flag, Ray missing, or a cluster that cannot be joined (nothing started yet).
+    """
+    check_ray_args(args)
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise ValueError("--ray needs Ray Serve, which is not installed: pip install 'unifiedserve[ray]'") from None
+    from unifiedserve.model.demo import DEFAULT_DEMO_PATH, write_demo_model
+    from unifiedserve.ray_serve.app import build_application
+
+    if args.model is None:  # written once here, not by every replica at the same time
+        args.model = str(Path(DEFAULT_DEMO_PATH).expanduser())
+        if not (Path(args.model) / "config.json").exists():
+            log.info("writing the demo model to %s", args.model)
+            write_demo_model(args.model)
+    elif not (Path(args.model) / "config.json").is_file():
+        raise ValueError(f"--model {args.model}: no config.json there; give a Hugging Face checkpoint folder")
+    args.model = str(Path(args.model).resolve())
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    try:
+        ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING,
+                 **({} if args.ray_address else {"num_cpus": os.cpu_count()}))
+    except (ConnectionError, RuntimeError) as e:
+        raise ValueError(f"--ray-address {args.ray_address}: cannot join the Ray cluster there "
+                         f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_application(args), name=APP_NAME, route_prefix="/", blocking=False)
+        scaling = (f"autoscaling {args.min_replicas or 1}..{args.max_replicas or args.replicas}"
+                   if args.min_replicas or args.max_replicas else "fixed")
+        log.info("serving on http://%s:%d with %d replica(s) on Ray Serve (%s, %d CPU each; OpenAI API at /v1)",
+                 args.host, args.port, args.replicas, scaling, args.replica_cpus)
+        stop.wait()
+        return 0
+    finally:
+        log.info("stopping the replicas")
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()

@@ -1,0 +1,74 @@
+"""The Serve request router that places requests on node replicas by media affinity.
+
+Runs inside the ingress process, on the handle's routing loop (Serve builds one per handle from
+the deployment's ``RequestRouterConfig``). The decisions are ``routing.route``; this class only
+maps Serve's replicas and queue lengths to ids and loads, and counts where requests went.
+"""
+
+from __future__ import annotations
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+# Serve pickles this module by value into each handle's process: state shared with the ingress
+# (counters, the live routers) is reached through the metrics module, which is imported by name.
+from unifiedserve.ray_serve import metrics as shared
+from unifiedserve.ray_serve.routing import HashRing, Route, RoutingConfig, RoutingHints, route
+
+
+def hints_of(pending_request: PendingRequest | None) -> RoutingHints:
+    if pending_request is None:
+        return RoutingHints()
+    hints = pending_request.kwargs.get("routing")
+    return hints if isinstance(hints, RoutingHints) else RoutingHints()
+
+
+class MediaAffinityRouter(RequestRouter):
+    """Consistent hashing of the media key with bounded load (see ``routing.py``).
+
+    The ring holds every running replica, so an owner whose Serve queue is full keeps its keys;
+    loads are Serve's cached queue lengths (requests sent and not finished, per replica). No FIFO mixin:
+    a replica chosen for one request is given to that request, never to an older one with another key.
+    """
+
+    def initialize_state(self, num_virtual_nodes: int = RoutingConfig.num_virtual_nodes,
+                         load_factor: float = RoutingConfig.load_factor,
+                         min_load_bound: int = RoutingConfig.min_load_bound):
+        self.config = RoutingConfig(num_virtual_nodes, load_factor, min_load_bound)
+        self.ring = HashRing(num_virtual_nodes=num_virtual_nodes)
+        self._decisions: dict[str, Route] = {}  # internal request id -> decision, until routed
+        shared.ROUTERS.add(self)
+
+    def replica_ids(self) -> list[str]:
+        return sorted(rid.unique_id for rid in self.curr_replicas)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        hints = hints_of(pending_request)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if hints.replica_id is not None:
+            return [[by_id[hints.replica_id]]] if hints.replica_id in by_id else []
+        usable = {rid: r for rid, r in by_id.items() if rid not in hints.exclude} or by_id
+        if not usable:
+            return []
+        self.ring.sync(self.replica_ids())
+        loads = {rid: self.replica_queue_len_cache.get(r.replica_id) or 0 for rid, r in usable.items()}
+        decision = route(hints.key, loads, self.ring, self.config)
+        if pending_request is not None:
+            self._decisions[pending_request.metadata.internal_request_id] = decision
+        rest = sorted((rid for rid in usable if rid != decision.replica_id), key=lambda rid: loads[rid])
+        return [[usable[decision.replica_id]], [usable[rid] for rid in rest]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        decision = self._decisions.pop(pending_request.metadata.internal_request_id, None)
+        if decision is None:
+            return
+        # counted by where it went: a full owner skipped by Serve's queue check is not an affinity hit
+        went = replica_id.unique_id
+        if decision.owner_id is None:
+            shared.ROUTE_COUNTS.inc("least_loaded")
+        elif went == decision.owner_id:
+            shared.ROUTE_COUNTS.inc("affinity")
+        elif decision.reason == "unavailable":
+            shared.ROUTE_COUNTS.inc("unavailable")
+        else:
+            shared.ROUTE_COUNTS.inc("overflow")
