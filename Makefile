@@ -11,7 +11,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml requirements/cpu.txt scripts/ensure_ffmpeg.sh
 	@scripts/ensure_ffmpeg.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements/cpu.txt -e '.[torchcodec,test]'
+	$(PY) -m pip install -q -r requirements/cpu.txt -e '.[torchcodec,test,ray]'
 	@touch $(STAMP)
 
 test: setup
