@@ -566,8 +566,8 @@ class DecodeEngine:
                             raise TimeoutError(f"decoding did not finish within {timeout} s")
                         request.changed.wait(remaining)
                     ready = request.num_ready - request.num_ready % unit
-                    stopped = request.cancelled or request.error is not None
-                if stopped or ready == delivered:  # the end: cancelled, failed, or every row handed out
+                    stopped = request.cancelled
+                if stopped or ready == delivered:  # the end: cancelled, or every final row handed out
                     break
                 frames = request.take_rows(delivered, ready).permute(0, 3, 1, 2)  # [n, 3, H, W]
                 patches = None

@@ -170,3 +170,53 @@ def test_a_waiter_for_any_request_never_takes_a_streamed_one(tiny_h264):
         waiter.join(10)
         assert result and result[0].key_id == b.key_id
         list(engine.stream_decoding_output(a.key_id))
+
+
+class LosingDecoder(SegmentDecoder):
+    """PyAV's decoder that cannot produce the targets in ``lost`` (as a corrupt GOP would)."""
+
+    def __init__(self, inner: SegmentDecoder, lost: set[int]):
+        self.inner, self.lost = inner, lost
+
+    def decode_segment(self, segment, emit, should_stop=never):
+        failed = self.inner.decode_segment(segment, lambda d, f: None if d in self.lost else emit(d, f), should_stop)
+        return sorted(set(failed) | (self.lost & set(segment.target_indices)))
+
+
+class LosingBackend(Backend):
+    name = "losing-pyav"
+
+    def __init__(self, lost: set[int]):
+        self.inner, self.lost = get_backend("pyav"), lost
+
+    def open(self, source, info, height, width, resize="exact"):
+        return LosingDecoder(self.inner.open(source, info, height, width, resize), self.lost)
+
+
+def test_lost_frames_repeated_in_a_stream_as_in_the_whole_output(gop_clip):
+    with DecodeEngine("pyav", 2) as probe_engine:
+        targets = probe_engine.analyse_bitstream(gop_clip, fps=12.0).plan.frame_indices
+    lost = {targets[9], targets[10]}
+    with DecodeEngine(LosingBackend(lost), 2) as engine:
+        whole = engine.decode_video(gop_clip, fps=12.0, on_corrupt="repeat")
+        assert sorted(lost) == whole.failed_frame_indices
+        a = engine.analyse_bitstream(gop_clip, fps=12.0)
+        engine.add_decoding_request(a.key_id, on_corrupt="repeat", stream=True)
+        parts = read_all(engine, a.key_id)
+    assert torch.equal(torch.cat([p.frames for p in parts]), whole.frames)
+
+
+def test_a_corrupt_frame_ends_the_stream_with_the_error_after_the_frames_before_it(gop_clip):
+    from flashcodec import CorruptVideoError
+
+    with DecodeEngine("pyav", 2) as probe_engine:
+        targets = probe_engine.analyse_bitstream(gop_clip, fps=12.0).plan.frame_indices
+    with DecodeEngine(LosingBackend({targets[9]}), 2) as engine:
+        a = engine.analyse_bitstream(gop_clip, fps=12.0)
+        engine.add_decoding_request(a.key_id, stream=True)
+        parts = []
+        with pytest.raises(CorruptVideoError):
+            for part in engine.stream_decoding_output(a.key_id, timeout=60):
+                parts.append(part)
+        assert engine._streams == {} and engine._finished == {}
+    assert parts[-1].stop == 9  # every frame before the lost one (the 10th), and nothing past it
