@@ -245,14 +245,18 @@ class VisionWorker(Worker):
     def _decode_streamed(self, job: _Job, index: int, analysis) -> None:
         """Decode a video as a FlashCodec stream: each new prefix of whole temporal slices becomes a "part"
         event (its patch rows), the last one marked so."""
+        ended = False  # the last part went out: that ended this decode for the loop (a late cancel is moot)
         try:
             self.engine.add_decoding_request(analysis.key_id, output="patches", patch_spec=self.spec, stream=True)
             for part in self.engine.stream_decoding_output(analysis.key_id):
                 self.events.put(("part", job.request_id, index, part.start, part.patches, part.decode_s, part.is_last))
+                ended = part.is_last
         except DecodeCancelledError:
-            self.events.put(("cancelled", job.request_id))
+            if not ended:
+                self.events.put(("cancelled", job.request_id))
         except Exception as e:
-            self.events.put(("failed", job.request_id, f"media {index}: {_one_line(e, job.media[index])}", index))
+            if not ended:
+                self.events.put(("failed", job.request_id, f"media {index}: {_one_line(e, job.media[index])}", index))
 
     # -- writing patches -------------------------------------------------------------------------------
     def _write_ready(self, job: _Job) -> None:
