@@ -5,7 +5,9 @@ A step is schedule -> run the model -> sample and post-process (stop conditions,
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import math
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -62,6 +64,9 @@ class EngineConfig:
     max_cuda_graph_batch: int = 64
     attention: str = "auto"  # attention backend: auto | flashinfer | torch
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    #: reuse the KV of full prompt blocks another request computed (same tokens, same media)
+    enable_prefix_caching: bool = True
+    media_cache_gb: float = 1.0  # encoded visual tokens kept by media content; 0: off
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)
@@ -81,6 +86,8 @@ class EngineConfig:
         for name in ("block_size", "num_patch_pages", "num_visual_pages", "page_size", "max_cuda_graph_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not (self.media_cache_gb >= 0 and math.isfinite(self.media_cache_gb)):
+            raise ValueError(f"media_cache_gb must be >= 0, got {self.media_cache_gb!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
 
@@ -108,6 +115,16 @@ class _Live:
     stop_ids: frozenset[int]
     output: TextOutput
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+def _content_key(vision: VisionInput) -> str:
+    """The media key of decoded media: a digest of its patches, grid and temporal spacing (in-process,
+    the pixels are all there is to know it by)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr((vision.kind, tuple(vision.grid_thw), vision.second_per_grid_t, str(vision.patches.dtype))).encode())
+    h.update(vision.patches.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() if vision.patches.numel()
+             else b"")
+    return h.hexdigest()
 
 
 class LLM:
@@ -145,16 +162,18 @@ class LLM:
         self.config = config
         self.runner = ModelRunner(self.model, num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
                                   num_patch_pages=config.num_patch_pages, num_visual_pages=config.num_visual_pages,
-                                  page_size=config.page_size, device=config.device, attention=config.attention)
+                                  page_size=config.page_size, device=config.device, attention=config.attention,
+                                  media_cache_bytes=int(config.media_cache_gb * 2**30))
         self.runner.warmup()
         if self.runner.device.type == "cuda" and not config.enforce_eager:
             if self.runner.attn.supports_cuda_graph:
                 self.runner.capture_decode_graphs(graph_batch_sizes(config.max_cuda_graph_batch))
             else:
                 log.info("decode runs eagerly: %s cannot capture CUDA graphs", type(self.runner.attn).__name__)
-        self.scheduler = Scheduler(config.scheduler, BlockManager(config.num_kv_blocks, config.block_size),
+        self.scheduler = Scheduler(config.scheduler, BlockManager(config.num_kv_blocks, config.block_size,
+                                                                  config.enable_prefix_caching),
                                    PageAllocator(config.num_patch_pages, config.page_size),
-                                   PageAllocator(config.num_visual_pages, config.page_size))
+                                   PageAllocator(config.num_visual_pages, config.page_size), self.runner.media_cache)
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
@@ -189,6 +208,8 @@ class LLM:
         request = make_request(request_id, prompt_token_ids, params, list(vision), self.model_config)
         stop_ids = params.stop_ids(self.eos_token_ids)
         grammar = grammar_for(params, self.model_dir, stop_ids)  # a bad schema raises before anything is queued
+        if vision and (self.config.enable_prefix_caching or self.runner.media_cache is not None):
+            request.media_keys = [_content_key(v) for v in vision]
         self.scheduler.add(request)
         self.runner.add_request(request, list(vision))
         self._live[request_id] = _Live(request, SamplerState.for_params(params, self.runner.device, grammar),

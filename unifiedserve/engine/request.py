@@ -55,6 +55,10 @@ class Request:
     skipped_media: set[int] = field(default_factory=set)
     #: media whose visual tokens come from the media cache: not decoded; encoded by a copy
     cached_media: set[int] = field(default_factory=set)
+    #: leading encode items whose visual tokens all lie in the cached prefix (never encoded or read)
+    num_covered_items: int = 0
+    #: visual tokens of the first uncovered item that lie in the cached prefix (copied from the media cache without them)
+    num_skipped_visual: int = 0
     has_kv: bool = False  # KV blocks for prompt + max_tokens are allocated (prefill may run)
 
     def __post_init__(self) -> None:
@@ -146,8 +150,16 @@ class Request:
 
     @property
     def num_visual_rows_needed(self) -> int:
-        """Visual-token rows this request writes into the visual buffer (its media minus the cached prefix's)."""
-        return sum(i.num_visual_tokens for i in self.encode_items if i.media_index not in self.skipped_media)
+        """Visual-token rows this request writes into the visual buffer (its items past the cached prefix)."""
+        return sum(i.num_visual_tokens for i in self.encode_items[self.num_covered_items:]) - self.num_skipped_visual
+
+    def item_position_spans(self) -> list[tuple[int, int]]:
+        """Per encode item: the prompt positions of its first and last visual token."""
+        spans, first = [], 0
+        for item in self.encode_items:
+            spans.append((self.visual_positions[first], self.visual_positions[first + item.num_visual_tokens - 1]))
+            first += item.num_visual_tokens
+        return spans
 
     def visual_tokens_before(self, position: int) -> int:
         """How many visual tokens sit at prompt positions < ``position``."""

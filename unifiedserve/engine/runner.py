@@ -292,7 +292,7 @@ class ModelRunner:
             media = req.encode_items[w.item_index].media_index
             if w.from_cache:
                 start, end = req.item_visual_range(w.item_index)
-                out.append(self.media_cache.get(req.media_keys[media])[start:end])
+                out.append(self.media_cache.get(req.media_keys[media])[start + w.skip_visual:end])
                 continue
             piece = next(new)
             out.append(piece)

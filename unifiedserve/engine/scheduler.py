@@ -77,6 +77,7 @@ class EncodeWork:
     request_id: str
     item_index: int
     from_cache: bool = False  # copy the item's visual tokens from the media cache instead of encoding
+    skip_visual: int = 0  # a copy's first tokens that the cached prefix already holds: not written
 
 
 class MediaCacheIndex:
@@ -174,7 +175,7 @@ class Scheduler:
         """The patches of media ``media_index`` are in the buffer: its encode items may run.
 
         ``num_rows`` (streaming ingest): only its first ``num_rows`` patch rows are; the items they
-        cover may run. None: all of them.
+        cover may run. None (or the media's whole row count): all of them.
 
         Returns False (and does nothing) for a request that is no longer here (finished, aborted).
         """
@@ -183,51 +184,64 @@ class Scheduler:
             return False
         if not 0 <= media_index < req.num_media:
             raise ValueError(f"request {request_id!r} has {req.num_media} media, not {media_index + 1}")
-        if num_rows is None:
+        total = sum(i.num_patch_tokens for i in req.encode_items if i.media_index == media_index)
+        if num_rows is None or num_rows >= total:
             req.ready_media.add(media_index)
             req.ready_rows.pop(media_index, None)
         else:
             req.ready_rows[media_index] = max(req.ready_rows.get(media_index, 0), num_rows)
         return True
 
-    def _use_caches(self, req: Request) -> tuple[int, list[int], set[int], set[int]]:
-        """What of ``req`` the caches hold: ``(cached tokens, their blocks, skipped media, media-cache media)``.
+    def _use_caches(self, req: Request) -> tuple[int, list[int], set[int], set[int], int]:
+        """What of ``req`` the caches hold: ``(cached tokens, their blocks, skipped media, media-cache
+        media, covered encode items)``.
 
-        Pure lookup (nothing is taken or pinned). The cached prefix is cut back to a block boundary
-        before any media it would cover only partly, and always leaves the last prompt token to
-        compute (its logits give the first output token).
+        Pins the media-cache entries it returns (undo with :meth:`_unpin` if the request is not
+        admitted). The cached prefix always leaves the last prompt token to compute (its logits give
+        the first output token). A media it covers only partly needs the rest of its visual tokens:
+        from the media cache when it holds the media (the prefix may end anywhere in it, even inside
+        an encode item: that item's copy starts at the prefix's end), else the whole media is decoded
+        and encoded (the prefix is cut back to before it).
         """
         bs = self.blocks.block_size
         matched = self.blocks.match(req.block_hashes(bs)) if self.blocks.enable_prefix_caching else []
         n = min(len(matched) * bs, (req.prompt_len - 1) // bs * bs)
-        spans = [(req.visual_positions[f], req.visual_positions[f + c - 1]) for f, c in req.media_visual_spans() if c]
-        changed = True
-        while changed:
-            changed = False
-            for first, last in spans:
-                if first < n <= last:
-                    n, changed = first // bs * bs, True
-        skipped = {m for m, (_, last) in enumerate(spans) if last < n}
-        from_cache = set()
+        pinned = set()
         if self.media_cache is not None and req.media_keys:
-            from_cache = {m for m in range(req.num_media)
-                          if m not in skipped and req.media_keys[m] and self.media_cache.pin(req.media_keys[m])}
-        return n, matched[:n // bs], skipped, from_cache
+            pinned = {m for m in range(req.num_media) if req.media_keys[m] and self.media_cache.pin(req.media_keys[m])}
+        media_spans = [(req.visual_positions[f], req.visual_positions[f + c - 1]) for f, c in req.media_visual_spans()]
+        changed = True
+        while changed:  # a partly covered media the media cache lacks: cut back to before it
+            changed = False
+            for m, (first, last) in enumerate(media_spans):
+                if first < n <= last and m not in pinned:
+                    n, changed = first // bs * bs, True
+        skipped = {m for m, (_, last) in enumerate(media_spans) if last < n}
+        for m in pinned & skipped:  # wholly inside the prefix: not needed after all
+            self.media_cache.unpin(req.media_keys[m])
+        covered = sum(1 for _, last in req.item_position_spans() if last < n)
+        return n, matched[:n // bs], skipped, pinned - skipped, covered
 
-    def _admit_caches(self, req: Request, n: int, blocks: list[int], skipped: set[int], from_cache: set[int]) -> None:
-        """Take what :meth:`_use_caches` found: hold the cached blocks, skip covered media's items."""
+    def _unpin(self, req: Request, media: set[int]) -> None:
+        for m in media:
+            self.media_cache.unpin(req.media_keys[m])
+
+    def _admit_caches(self, req: Request, n: int, blocks: list[int], skipped: set[int], from_cache: set[int],
+                      covered: int) -> None:
+        """Take what :meth:`_use_caches` found: hold the cached blocks, skip the covered items."""
         self.blocks.allocate(req.request_id, n, cached_blocks=blocks)
         req.num_computed_tokens = req.num_cached_tokens = n
-        req.skipped_media, req.cached_media = skipped, from_cache
+        req.skipped_media, req.cached_media, req.num_covered_items = skipped, from_cache, covered
+        # of the first uncovered item, the visual tokens already in the prefix (only a copy can drop them)
+        req.num_skipped_visual = req.visual_tokens_before(n) - sum(i.num_visual_tokens for i in req.encode_items[:covered])
         req.ready_media.update(skipped | from_cache)
-        # skipped media are the first ones (wholly inside the prefix): so are their items
-        req.num_scheduled_items = sum(1 for item in req.encode_items if item.media_index in skipped)
+        req.num_scheduled_items = covered  # the covered items come first
         self.prefix_queried_tokens += req.prompt_len
         self.prefix_hit_tokens += n
-        visual = [c for _, c in req.media_visual_spans()]
-        self.media_queried_tokens += sum(c for m, c in enumerate(visual) if m not in skipped and req.media_keys
-                                         and req.media_keys[m])
-        self.media_hit_tokens += sum(visual[m] for m in from_cache)
+        uncovered = [(i, item) for i, item in enumerate(req.encode_items) if i >= covered]
+        self.media_queried_tokens += sum(item.num_visual_tokens for _, item in uncovered
+                                         if req.media_keys and req.media_keys[item.media_index])
+        self.media_hit_tokens += sum(item.num_visual_tokens for _, item in uncovered if item.media_index in from_cache)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -237,14 +251,13 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             found = self._use_caches(req)
-            req.skipped_media, req.cached_media = found[2], found[3]  # sizes the patch rows below
-            rows = req.num_patch_rows_needed
+            req.skipped_media, req.cached_media, req.num_covered_items = found[2], found[3], found[4]
+            rows = req.num_patch_rows_needed  # sized by what the caches hold
             stream = PagedStream(req.request_id, self.patch_pages.page_size, rows)
             writes = admitted_writes + ([(stream, rows)] if rows else [])
             if not can_plan_write(writes, self.patch_pages):
-                for m in found[3]:
-                    self.media_cache.unpin(req.media_keys[m])
-                req.skipped_media, req.cached_media = set(), set()
+                self._unpin(req, found[3])
+                req.skipped_media, req.cached_media, req.num_covered_items = set(), set(), 0
                 break
             self.waiting.popleft()
             self._admit_caches(req, *found)
@@ -274,12 +287,14 @@ class Scheduler:
                     break
                 if not req.item_ready(index):
                     break
-                trial = writes + [(self.visual_streams[req.request_id], n_visual + item.num_visual_tokens)]
+                trial = writes + [(self.visual_streams[req.request_id], n_visual + item.num_visual_tokens
+                                   - (req.num_skipped_visual if index == req.num_covered_items else 0))]
                 if not can_plan_write(trial, self.visual_pages):
                     break
-                out.encode.append(EncodeWork(req.request_id, index, from_cache=cached))
+                drop = req.num_skipped_visual if index == req.num_covered_items else 0
+                out.encode.append(EncodeWork(req.request_id, index, from_cache=cached, skip_visual=drop))
                 req.num_scheduled_items += 1
-                n_visual += item.num_visual_tokens
+                n_visual += item.num_visual_tokens - drop
                 if cached:  # a copy: free of the encode budget, reads no patches
                     if req.is_last_item_of_media(index):
                         out.unpin_media_keys.append(req.media_keys[item.media_index])

@@ -48,6 +48,8 @@ class RuntimeConfig:
     process_env: dict[str, dict[str, str]] = field(default_factory=dict)
     gpu: int = 0  # CUDA: the physical GPU the pools live on (workers see it as cuda:0)
     max_video_seconds: float = 3600.0
+    enable_prefix_caching: bool = True  # KV of full prompt blocks shared across requests (core)
+    media_cache_gb: float = 1.0  # encoded visual tokens kept by media key (core); 0: off
     ipc_dir: str = ""
     instance: str = ""
     pool_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # "kv", "patch", "weights": build_config

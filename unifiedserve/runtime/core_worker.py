@@ -57,7 +57,8 @@ class CoreWorker(Worker):
         kv, patch = open_pool(cfg.pools["kv"]), open_pool(cfg.pools["patch"])
         self.runner = ModelRunner(self.model, num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size,
                                   num_patch_pages=cfg.num_patch_pages, num_visual_pages=cfg.num_visual_pages,
-                                  page_size=cfg.page_size, device=cfg.device, kv_storage=kv, patch_storage=patch)
+                                  page_size=cfg.page_size, device=cfg.device, kv_storage=kv, patch_storage=patch,
+                                  media_cache_bytes=int(cfg.media_cache_gb * 2**30))
         sched_cfg = cfg.scheduler
         info = {}
         if cfg.tbt_slo_ms is not None:
@@ -65,9 +66,9 @@ class CoreWorker(Worker):
 
             sched_cfg, how = derive_budgets(self.runner, cfg, sched_cfg)
             info["budget_profile"] = how
-        self.scheduler = Scheduler(sched_cfg, BlockManager(cfg.num_kv_blocks, cfg.block_size),
+        self.scheduler = Scheduler(sched_cfg, BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching),
                                    PageAllocator(cfg.num_patch_pages, cfg.page_size),
-                                   PageAllocator(cfg.num_visual_pages, cfg.page_size))
+                                   PageAllocator(cfg.num_visual_pages, cfg.page_size), self.runner.media_cache)
         self.live: dict[str, _Live] = {}
         self.decode_here = cfg.policy == "monolithic"
         self._stalled = False  # the last schedule() found nothing to run; wait for a message
@@ -81,6 +82,8 @@ class CoreWorker(Worker):
             "encode_token_budget": str(sched_cfg.encode_token_budget),
             "kv_cache": f"{cfg.num_kv_blocks} blocks x {cfg.block_size} tokens",
             "visual_buffer": f"{cfg.num_visual_pages} pages x {cfg.page_size} rows",
+            "prefix_caching": "on" if cfg.enable_prefix_caching else "off",
+            "media_cache": f"{cfg.media_cache_gb:g} GiB" if self.runner.media_cache is not None else "off",
         })
         return info
 
@@ -92,7 +95,10 @@ class CoreWorker(Worker):
         return {"kv_blocks_used": s.blocks.num_used_blocks, "kv_blocks_total": s.blocks.num_blocks,
                 "patch_pages_used": s.patch_pages.num_used_pages, "patch_pages_total": s.patch_pages.num_pages,
                 "visual_pages_used": s.visual_pages.num_used_pages, "visual_pages_total": s.visual_pages.num_pages,
-                "num_waiting": s.num_waiting, "num_prefilling": len(s.running) - (s.num_waiting - len(s.waiting))}
+                "num_waiting": s.num_waiting, "num_prefilling": len(s.running) - (s.num_waiting - len(s.waiting)),
+                "prefix_cache_queried_tokens": s.prefix_queried_tokens, "prefix_cache_hit_tokens": s.prefix_hit_tokens,
+                "media_cache_queried_tokens": s.media_queried_tokens, "media_cache_hit_tokens": s.media_hit_tokens,
+                "media_cache_bytes": self.runner.media_cache.num_bytes if self.runner.media_cache is not None else 0}
 
     # -- messages ------------------------------------------------------------------------------------
     def handle(self, message) -> None:
@@ -101,10 +107,12 @@ class CoreWorker(Worker):
             self._add(message)
         elif isinstance(message, protocol.MediaReady):
             rid = message.request_id
-            if self.scheduler.mark_media_ready(rid, message.media_index):
+            req = self.scheduler.requests.get(rid)
+            was_whole = req is not None and message.media_index in req.ready_media
+            if self.scheduler.mark_media_ready(rid, message.media_index, message.num_rows):
                 stages = self.live[rid].stages
-                stages.decode_s += message.decode_s
-                req = self.scheduler.requests[rid]
+                if not was_whole and message.media_index in req.ready_media:  # now whole: its decode time
+                    stages.decode_s += message.decode_s
                 if len(req.ready_media) == req.num_media:
                     stages.media_ready = time.time()
         elif isinstance(message, protocol.AbortRequest):
@@ -123,6 +131,7 @@ class CoreWorker(Worker):
         try:
             request = make_request(msg.request_id, msg.prompt_token_ids, msg.params, grids, self.model_config)
             grammar = grammar_for(msg.params, self.config.model, msg.stop_token_ids)  # response_format
+            request.media_keys = list(msg.media_keys) if len(msg.media_keys) == len(grids) else []
             self.scheduler.add(request)
         except ValueError as e:
             self.send("vision", protocol.CancelMedia(msg.request_id))
@@ -141,12 +150,18 @@ class CoreWorker(Worker):
         now = time.time()
         for rid in out.admitted:
             self.live[rid].stages.admitted = now
-        if out.patch_write is not None:  # rows are the admitted requests that have media, in order
-            index = out.patch_write
-            with_media = [r for r in out.admitted if self.scheduler.requests[r].num_patch_tokens]
-            for b, rid in enumerate(with_media):
+        # rows of patch_write are the admitted requests with patches to write, in order; a request whose
+        # media the caches hold entirely has none: vision forgets it
+        index, b = out.patch_write, 0
+        for rid in out.admitted:
+            req = self.scheduler.requests[rid]
+            if req.num_patch_rows_needed:
                 pages = index.pv_page_indices[index.pv_page_indptr[b]:index.pv_page_indptr[b + 1]]
-                self.send("vision", protocol.WritePatches(rid, list(pages)))
+                self.send("vision", protocol.WritePatches(rid, list(pages), out.skip_media.get(rid, [])))
+                b += 1
+            elif req.num_media:
+                self.send("vision", protocol.CancelMedia(rid))
+                self.live[rid].stages.media_ready = now
         threads = self._threads_shared if self.scheduler.handed_off else self._threads_all
         if threads != torch.get_num_threads():  # leave decode's cores to it while it has requests
             torch.set_num_threads(threads)

@@ -50,6 +50,19 @@ class Metrics:
                            registry=r)
         self._pool = {p: (pool_used.labels(pool=p, **labels), pool_total.labels(pool=p, **labels), u, t)
                       for p, u, t in _POOLS}
+        # caches (core's running totals): prompt tokens asked of / found in the prefix cache, visual
+        # tokens asked of / found in the media cache (media the prefix cache covered are not asked)
+        self._caches = {}
+        for cache, what in (("prefix_cache", "prompt tokens"), ("media_cache", "visual tokens")):
+            queried = Gauge(f"unifiedserve_{cache}_queries_tokens", f"{what.capitalize()} looked up in the "
+                            f"{cache.replace('_', ' ')} since start.", ["model_name"], registry=r).labels(**labels)
+            hits = Gauge(f"unifiedserve_{cache}_hits_tokens", f"{what.capitalize()} found in the "
+                         f"{cache.replace('_', ' ')} since start.", ["model_name"], registry=r).labels(**labels)
+            rate = Gauge(f"unifiedserve_{cache}_hit_rate", f"Hits / queries of the {cache.replace('_', ' ')} "
+                         f"since start, in {what}.", ["model_name"], registry=r).labels(**labels)
+            self._caches[cache] = (queried, hits, rate)
+        self.media_cache_bytes = Gauge("unifiedserve_media_cache_bytes", "Bytes of encoded visual tokens the media "
+                                       "cache holds.", ["model_name"], registry=r).labels(**labels)
         self.healthy = Gauge("unifiedserve_healthy", "1 while every worker process is alive.", ["model_name"],
                              registry=r).labels(**labels)
         self.healthy.set(1)
@@ -65,6 +78,14 @@ class Metrics:
             if used_key in gauges:
                 used.set(gauges[used_key])
                 total.set(gauges[total_key])
+        for cache, (queried, hits, rate) in self._caches.items():
+            if f"{cache}_queried_tokens" in gauges:
+                q, h = gauges[f"{cache}_queried_tokens"], gauges[f"{cache}_hit_tokens"]
+                queried.set(q)
+                hits.set(h)
+                rate.set(h / q if q else 0.0)
+        if "media_cache_bytes" in gauges:
+            self.media_cache_bytes.set(gauges["media_cache_bytes"])
         self.waiting.set(gauges.get("num_waiting", 0) + num_in_api)
         self.running.set(gauges.get("num_prefilling", 0) + gauges.get("num_decoding", 0))
 

@@ -122,6 +122,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_ray_arguments(p)
 
+    g = p.add_argument_group("caching (a video's follow-up questions skip its decode, encode and prefill)")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not reuse the KV cache of full prompt blocks across requests (on by default: blocks are "
+                        "keyed by their tokens and, for visual tokens, the media's identity and options)")
+    g.add_argument("--media-cache-gb", type=_non_negative_float, default=1.0, metavar="GB",
+                   help="keep encoded visual tokens of this much media, by media identity, least recently used out, "
+                        "so media seen before is neither decoded nor encoded again (default 1; 0 turns it off)")
+
 
 def _positive_int(value: str) -> int:
     """argparse type: an integer >= 1 (a zero or negative size is a mistake, never "use the default")."""
@@ -141,6 +149,16 @@ def _positive_float(value: str) -> float:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
     if not x > 0 or x == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive finite number, got {value}")
+    return x
+
+
+def _non_negative_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not x >= 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
     return x
 
 
@@ -224,6 +242,7 @@ def build_runtime(args: argparse.Namespace):
         tbt_slo_ms=args.tbt_slo_ms, max_decode_batch=args.max_decode_batch, vision_threads=args.vision_threads,
         decode_threads=args.decode_threads,
         max_video_seconds=args.max_video_seconds, streaming_ingest=args.ingest == "streaming",
+        enable_prefix_caching=args.prefix_caching, media_cache_gb=args.media_cache_gb,
         budget_overrides={k: v for k, v in (("prefill_token_budget", args.prefill_token_budget),
                                             ("encode_token_budget", args.encode_token_budget)) if v})
     return Runtime(config, shm_dir=args.shm_dir)

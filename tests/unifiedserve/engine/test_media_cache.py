@@ -87,10 +87,15 @@ def test_caches_keep_reads_exact_and_leak_nothing(workload, tau, kv_blocks, cach
         for rid in out.admitted:
             req = s.requests[rid]
             assert req.num_cached_tokens % 2 == 0 and req.num_cached_tokens < req.prompt_len
-            # no media is partly inside the cached prefix
+            # no encode item is partly inside the cached prefix, and a media only when the media cache has it
+            n = req.num_cached_tokens
             first, last = req.visual_positions[0], req.visual_positions[-1]
-            assert not first < req.num_cached_tokens <= last
-            assert (0 in req.skipped_media) == (last < req.num_cached_tokens)
+            assert not first < n <= last or 0 in req.cached_media
+            straddling = [i for i, (f, l) in enumerate(req.item_position_spans()) if f < n <= l]
+            assert not straddling or 0 in req.cached_media  # only a copy can start inside an item
+            assert req.num_skipped_visual == (req.visual_tokens_before(n) - 2 * req.num_covered_items)
+            assert (0 in req.skipped_media) == (last < n)
+            assert req.num_covered_items == sum(1 for _, l in req.item_position_spans() if l < n)
             if not ready_on_admit:  # vision writes what is not skipped, whole
                 for m in range(req.num_media):
                     if m not in req.media_without_patches:
@@ -98,6 +103,7 @@ def test_caches_keep_reads_exact_and_leak_nothing(workload, tau, kv_blocks, cach
         for w in out.encode:
             req = s.requests[w.request_id]
             assert req.encode_items[w.item_index].media_index not in req.skipped_media
+            assert w.item_index >= req.num_covered_items
             assert w.from_cache == (0 in req.cached_media)
         for c in out.prefill:
             req = s.requests[c.request_id]
