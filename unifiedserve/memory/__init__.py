@@ -19,10 +19,10 @@ __all__ = [
     "BlockManager", "OutOfBlocksError", "OutOfPagesError", "PageAllocator", "PagedStream", "RaggedIndex",
     "can_plan_write", "plan_read", "plan_write",
     # from .buffers (lazy: they need torch)
-    "PagedBuffer", "SharedTensorHandle", "shared_cpu_tensor",
+    "PagedBuffer",
 ]
 
-_LAZY = {"PagedBuffer", "SharedTensorHandle", "shared_cpu_tensor"}
+_LAZY = {"PagedBuffer"}
 
 
 def __getattr__(name: str):

@@ -1,4 +1,4 @@
-"""Paged embedding buffers (patch buffer, visual-token buffer) and shared-memory CPU tensors.
+"""Paged embedding buffers (patch buffer, visual-token buffer).
 
 Bookkeeping (which pages a request holds) lives in :mod:`unifiedserve.memory.pages`; this module owns
 the storage and moves rows in and out of it with the ops of :mod:`unifiedserve.ops`.
@@ -6,12 +6,7 @@ the storage and moves rows in and out of it with the ops of :mod:`unifiedserve.o
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from multiprocessing.reduction import ForkingPickler
-
 import torch
-import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions with ForkingPickler)
 
 from unifiedserve import ops
 from unifiedserve.memory.pages import RaggedIndex
@@ -113,33 +108,3 @@ def _as_device(device: str | torch.device) -> torch.device:
 def _same_device(asked: torch.device, actual: torch.device) -> bool:
     """``cuda`` (no index) matches any CUDA device; ``cuda:1`` only that one."""
     return asked.type == actual.type and (asked.index is None or actual.index is None or asked.index == actual.index)
-
-
-def shared_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A zero-filled CPU tensor in shared memory, for buffers that several processes map."""
-    if any(s < 0 for s in shape) or math.prod(shape) == 0:
-        raise ValueError(f"shape must be non-empty with positive sizes, got {shape}")
-    return torch.zeros(shape, dtype=dtype).share_memory_()
-
-
-@dataclass(frozen=True)
-class SharedTensorHandle:
-    """Bytes that reopen a shared-memory CPU tensor in another process (torch.multiprocessing reductions).
-
-    A handle is for one receiver: export one per process that opens it. It opens only in processes
-    started through :mod:`multiprocessing` from the exporting process's tree (they share its authkey),
-    and only while the exporting process is alive.
-    """
-
-    #: ForkingPickler bytes of the tensor's reduction: the storage's shared-memory handle, no tensor data.
-    payload: bytes
-
-    @classmethod
-    def export(cls, tensor: torch.Tensor) -> "SharedTensorHandle":
-        if tensor.device.type != "cpu" or not tensor.is_shared():
-            raise ValueError("export a CPU tensor in shared memory (see shared_cpu_tensor)")
-        return cls(bytes(ForkingPickler.dumps(tensor)))
-
-    def open(self) -> torch.Tensor:
-        """The tensor, mapping the same memory as the exporter's."""
-        return ForkingPickler.loads(self.payload)

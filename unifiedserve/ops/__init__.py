@@ -10,7 +10,7 @@ build fails, one warning is logged and every op runs its torch reference
 ``UNIFIEDSERVE_CACHE_DIR`` moves the build cache.
 
 Ops: :func:`paged_scatter`, :func:`paged_gather` (paged embedding buffers, index semantics in
-:class:`unifiedserve.memory.RaggedIndex`) and :func:`kv_slot_scatter`.
+:class:`unifiedserve.memory.RaggedIndex`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import torch
 
 from unifiedserve.memory.pages import RaggedIndex
 from unifiedserve.ops import reference
-from unifiedserve.ops.reference import RaggedIndexTensors, kv_slot_scatter
+from unifiedserve.ops.reference import RaggedIndexTensors
 
-__all__ = ["RaggedIndexTensors", "build_info", "cache_dir", "kv_slot_scatter", "native_available", "paged_gather",
+__all__ = ["RaggedIndexTensors", "build_info", "cache_dir", "native_available", "paged_gather",
            "paged_scatter"]
 
 logger = logging.getLogger(__name__)

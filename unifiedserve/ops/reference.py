@@ -78,11 +78,6 @@ def paged_gather(buffer: torch.Tensor, index: RaggedIndexTensors) -> torch.Tenso
     return buffer.view(-1, *buffer.shape[2:]).index_select(0, slots)
 
 
-def kv_slot_scatter(cache_flat: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write K or V rows ``src`` [N, kv_heads, head_dim] to ``cache_flat`` [slots, kv_heads, head_dim]."""
-    cache_flat.index_copy_(0, slot_mapping, src.to(cache_flat.dtype))
-
-
 def _check_buffer(buffer: torch.Tensor) -> None:
     if buffer.dim() < 2 or not buffer.is_contiguous():
         raise RuntimeError(f"buffer must be a contiguous [num_pages, page_size, ...] tensor, got {tuple(buffer.shape)}")

@@ -1,14 +1,11 @@
-"""PagedBuffer over the planners, and shared-memory tensors seen from a spawned process."""
+"""PagedBuffer over the planners."""
 
 from __future__ import annotations
-
-import multiprocessing
 
 import pytest
 import torch
 
-from unifiedserve.memory import (PageAllocator, PagedBuffer, PagedStream, SharedTensorHandle, plan_read, plan_write,
-                                 shared_cpu_tensor)
+from unifiedserve.memory import PageAllocator, PagedBuffer, PagedStream, plan_read, plan_write
 
 
 def test_write_then_read_in_chunks():
@@ -28,7 +25,7 @@ def test_write_then_read_in_chunks():
 
 
 def test_storage_is_wrapped_not_copied_and_checked():
-    storage = shared_cpu_tensor((3, 2, 5))
+    storage = torch.zeros(3, 2, 5).share_memory_()  # as the runtime's pools are: shared, wrapped
     buffer = PagedBuffer(3, 2, 5, storage=storage)
     assert buffer.tensor.data_ptr() == storage.data_ptr() and buffer.num_bytes == 3 * 2 * 5 * 4
     with pytest.raises(ValueError, match="storage"):
@@ -43,7 +40,7 @@ def test_device_and_dtype_follow_the_arguments_or_the_storage():
     assert meta.device.type == "meta" and meta.dtype == torch.bfloat16
     default = PagedBuffer(4, 2, 3)
     assert default.device == torch.device("cpu") and default.dtype == torch.float32
-    storage = shared_cpu_tensor((4, 2, 3), torch.float16)
+    storage = torch.zeros(4, 2, 3, dtype=torch.float16).share_memory_()
     wrapped = PagedBuffer(4, 2, 3, storage=storage)  # dtype and device from the storage
     assert wrapped.dtype == torch.float16 and wrapped.device.type == "cpu" and wrapped.tensor.is_shared()
     assert PagedBuffer(4, 2, 3, dtype=torch.float16, device="cpu", storage=storage).tensor is storage
@@ -85,25 +82,3 @@ def test_buffer_on_cuda_round_trips(dtype):
     assert got.is_cuda and torch.equal(got, rows)
 
 
-def _child(handle: SharedTensorHandle, queue) -> None:
-    tensor = handle.open()
-    queue.put(float(tensor[1, 0, 0]))  # the parent's write, seen here
-    tensor[2].fill_(7.0)  # a write the parent must see
-    queue.put("done")
-
-
-def test_spawned_child_sees_and_makes_writes():
-    tensor = shared_cpu_tensor((4, 2, 3), torch.float32)
-    assert tensor.is_shared() and not tensor.any()
-    tensor[1].fill_(3.0)
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_child, args=(SharedTensorHandle.export(tensor), queue))
-    child.start()
-    try:
-        assert queue.get(timeout=60) == 3.0
-        assert queue.get(timeout=60) == "done"
-    finally:
-        child.join(timeout=60)
-    assert child.exitcode == 0
-    assert torch.all(tensor[2] == 7.0) and not tensor[3].any()

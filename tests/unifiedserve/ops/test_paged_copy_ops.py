@@ -188,13 +188,6 @@ def test_bad_input_raises_and_writes_nothing_native(native):
         f"exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
 
 
-def test_kv_slot_scatter():
-    cache = torch.zeros(10, 2, 4)
-    src = torch.randn(3, 2, 4)
-    ops.kv_slot_scatter(cache, src, torch.tensor([7, 0, 3]))
-    assert torch.equal(cache[[7, 0, 3]], src) and cache[[1, 2, 4, 5, 6, 8, 9]].abs().sum() == 0
-
-
 def test_no_native_env_forces_reference():
     code = ("import os, torch; from unifiedserve import ops; from unifiedserve.memory.pages import RaggedIndex\n"
             "ix = RaggedIndex.build([(3, 2, [1, 2])], 4); b = torch.zeros(4, 4, 2); s = torch.randn(3, 2)\n"
