@@ -17,7 +17,7 @@ PROCESSES = ("vision", "core", "decode")
 POLICIES = ("unified", "monolithic", "split")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RuntimeConfig:
     model: str
     served_model_name: str
@@ -54,6 +54,35 @@ class RuntimeConfig:
     instance: str = ""
     pool_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # "kv", "patch", "weights": build_config
     pools: dict[str, PoolSpec] = field(default_factory=dict)  # the shared tensors, once created
+
+    def __post_init__(self) -> None:
+        """Refuse impossible values at construction, before any process or pool exists (ValueError)."""
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        dev = self.device
+        if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {dev!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("max_model_len", "default_max_tokens", "block_size", "num_kv_blocks", "page_size",
+                     "num_patch_pages", "num_visual_pages", "max_decode_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("vision_threads", "core_threads_while_decoding", "gpu"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.max_video_seconds > 0:
+            raise ValueError(f"max_video_seconds must be positive, got {self.max_video_seconds!r}")
+        if self.tbt_slo_ms is not None and not self.tbt_slo_ms > 0:
+            raise ValueError(f"tbt_slo_ms must be positive, got {self.tbt_slo_ms!r}")
+        if not (self.media_cache_gb >= 0 and self.media_cache_gb != float("inf")):
+            raise ValueError(f"media_cache_gb must be a finite number >= 0, got {self.media_cache_gb!r}")
+        unknown = set(self.torch_threads) | set(self.cpu_affinity) | set(self.nice) | set(self.process_env)
+        unknown -= set(PROCESSES)
+        if unknown:
+            raise ValueError(f"per-process settings name unknown processes {sorted(unknown)}; "
+                             f"the processes are {', '.join(PROCESSES)}")
 
     @property
     def processes(self) -> tuple[str, ...]:
