@@ -37,8 +37,8 @@ class RuntimeConfig:
     max_decode_batch: int = 256
     vision_threads: int = 0  # decoder threads; 0: one per core
     #: vision writes and announces each video's temporal slices as they are decoded (MediaReady.num_rows);
-    #: False: whole-video hand-off, a video's patches announced once all are decoded
-    streaming_ingest: bool = False
+    #: False (serve --ingest whole): whole-video hand-off, a video's patches announced once all are decoded
+    streaming_ingest: bool = True
     torch_threads: dict[str, int] = field(default_factory=dict)  # per process; missing: torch's default
     cpu_affinity: dict[str, list[int]] = field(default_factory=dict)  # per process; missing: every core
     nice: dict[str, int] = field(default_factory=dict)  # per process niceness increment (lower CPU priority)
