@@ -95,16 +95,23 @@ class NodeReplica:
         if self.client.fatal:
             raise RuntimeError(f"replica {self.replica_id}: {self.client.fatal}")
 
-    def pid(self, routing: RoutingHints = RoutingHints()) -> int:
-        return os.getpid()
+    # health and metrics yield their one answer: every call goes through the ingress's one streaming
+    # handle, so one router (the one that knows which replicas exist) places them all
 
-    async def metrics(self, routing: RoutingHints = RoutingHints()) -> tuple[str, str]:
+    async def health(self, routing: RoutingHints = RoutingHints()):
+        """This replica's process, its workers and whether they are all alive."""
+        self._check_target(routing)
+        workers = {name: info.pid for name, info in self.client.worker_info.items()}
+        yield {"replica_id": self.replica_id, "pid": os.getpid(), "healthy": self.client.healthy,
+               "workers": workers, **({"error": self.client.fatal} if self.client.fatal else {})}
+
+    async def metrics(self, routing: RoutingHints = RoutingHints()):
         """(replica id, this replica's /metrics text)."""
         self._check_target(routing)
         state = self.state
         state.metrics.update_workers(state.client.all_gauges(),
                                      sum(1 for s in state.client.streams.values() if not s.added))
-        return self.replica_id, state.metrics.render().decode()
+        yield self.replica_id, state.metrics.render().decode()
 
     def _check_target(self, routing: RoutingHints) -> None:
         assert routing.replica_id in (None, self.replica_id), (routing.replica_id, self.replica_id)
@@ -175,7 +182,7 @@ class Ingress:
     def __init__(self, replicas, args: argparse.Namespace):
         from unifiedserve.server.serve import media_policy, request_limits
 
-        self.replicas = replicas  # DeploymentHandle of NodeReplica
+        self.replicas = replicas.options(stream=True)  # DeploymentHandle of NodeReplica; every method streams
         self.policy = media_policy(args)
         self.limits = request_limits(args)
         self.model_name = args.served_model_name or os.path.basename(str(args.model).rstrip("/"))
@@ -183,6 +190,8 @@ class Ingress:
     async def __call__(self, request: Request) -> Response:
         if request.url.path == "/metrics" and request.method == "GET":
             return Response(await self.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        if request.url.path == "/health" and request.method == "GET":
+            return await self.health()
         body = await self._read_body(request)
         if isinstance(body, Response):
             return body
@@ -193,7 +202,7 @@ class Ingress:
                         list(request.scope.get("headers", ())), body)
         exclude: tuple[str, ...] = ()
         for _ in range(MAX_ATTEMPTS):
-            gen = self.replicas.options(stream=True).forward.remote(call, routing=RoutingHints(key, None, exclude))
+            gen = self.replicas.forward.remote(call, routing=RoutingHints(key, None, exclude))
             try:
                 start = await gen.__anext__()
             except RayError as e:
@@ -252,22 +261,34 @@ class Ingress:
             return None
         return media[0].key if media else None
 
+    async def _each_replica(self, method: str) -> list:
+        """``method``'s result from every replica this ingress routes to (those that answer in time).
+
+        Before the first routed request, or with Serve's default router, there is no replica list:
+        then one replica answers."""
+        replica_ids = sorted({rid for router in list(ROUTERS) for rid in router.replica_ids()})
+        # one at a time: calls made while serving one HTTP request share Serve's internal request id,
+        # and the router matches a chosen replica to its request by that id
+        results = []
+        for hints in [RoutingHints(replica_id=rid) for rid in replica_ids] or [RoutingHints()]:
+            try:
+                call = getattr(self.replicas, method).remote(routing=hints)
+                results.append(await asyncio.wait_for(call.__anext__(), SCRAPE_TIMEOUT_S))
+            except (RayError, asyncio.TimeoutError, StopAsyncIteration) as e:
+                log.warning("replica %s did not answer %s: %s", hints.replica_id or "(any)", method,
+                            _first_line(e) if str(e) else type(e).__name__)
+        return results
+
     async def metrics_text(self) -> bytes:
         """Every replica's metrics with a ``replica`` label, and this ingress's routing counters."""
-        replica_ids = sorted({rid for router in list(ROUTERS) for rid in router.replica_ids()})
-        texts = {}
-        if replica_ids:
-            calls = [self.replicas.metrics.remote(routing=RoutingHints(replica_id=rid)) for rid in replica_ids]
-            results = await asyncio.gather(*(asyncio.wait_for(c, SCRAPE_TIMEOUT_S) for c in calls),
-                                           return_exceptions=True)
-            texts = dict(r for r in results if isinstance(r, tuple))
-        else:  # no router yet (nothing routed so far) or Serve's default router: one replica's view
-            try:
-                rid, text = await asyncio.wait_for(self.replicas.metrics.remote(), SCRAPE_TIMEOUT_S)
-                texts = {rid: text}
-            except (RayError, asyncio.TimeoutError):
-                pass
+        texts = dict(await self._each_replica("metrics"))
         return merge_replica_metrics(texts, ROUTE_COUNTS.families())
+
+    async def health(self) -> JSONResponse:
+        """200 while at least one replica has all its workers; each replica's pid and workers."""
+        replicas = {h["replica_id"]: h for h in await self._each_replica("health")}
+        ok = any(h["healthy"] for h in replicas.values())
+        return JSONResponse({"status": "ok" if ok else "unhealthy", "replicas": replicas}, status_code=200 if ok else 503)
 
 
 def _first_line(e: BaseException) -> str:

@@ -119,15 +119,16 @@ def run_ray(args: argparse.Namespace, limits) -> int:
         raise ValueError(f"--model {args.model}: no config.json there; give a Hugging Face checkpoint folder")
     args.model = str(Path(args.model).resolve())
 
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: stop.set())
     try:
         ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING,
                  **({} if args.ray_address else {"num_cpus": os.cpu_count()}))
     except (ConnectionError, RuntimeError) as e:
         raise ValueError(f"--ray-address {args.ray_address}: cannot join the Ray cluster there "
                          f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+    # after ray.init, whose own SIGTERM handler would abort the process instead of a clean stop
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_application(args), name=APP_NAME, route_prefix="/", blocking=False)

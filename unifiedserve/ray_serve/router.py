@@ -30,12 +30,22 @@ class MediaAffinityRouter(RequestRouter):
     a replica chosen for one request is given to that request, never to an older one with another key.
     """
 
+    # Serve asks a replica for its queue length when its cached one is older than 10 s, and skips a
+    # replica that has not answered within the deadline. A replica's actor shares its node with its
+    # own vision/core/decode processes, which keep the cores busy; at Serve's 0.1 s a busy owner
+    # looked absent and its video's questions went to a cold replica.
+    queue_len_response_deadline_s = 1.0
+    max_queue_len_response_deadline_s = 5.0
+    #: rounds (each after a backoff) in which only the chosen replica is offered, before the others
+    NUM_OWNER_ONLY_ROUNDS = 3
+
     def initialize_state(self, num_virtual_nodes: int = RoutingConfig.num_virtual_nodes,
                          load_factor: float = RoutingConfig.load_factor,
                          min_load_bound: int = RoutingConfig.min_load_bound):
         self.config = RoutingConfig(num_virtual_nodes, load_factor, min_load_bound)
         self.ring = HashRing(num_virtual_nodes=num_virtual_nodes)
         self._decisions: dict[str, Route] = {}  # internal request id -> decision, until routed
+        self._rounds: dict[str, int] = {}  # internal request id -> routing rounds so far, until routed
         shared.ROUTERS.add(self)
 
     def replica_ids(self) -> list[str]:
@@ -44,6 +54,11 @@ class MediaAffinityRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         hints = hints_of(pending_request)
+        if pending_request is not None:
+            # every replica is considered at once, so a round that found none must back off before
+            # the next: without this Serve retries at once, and a replica whose queue length is not
+            # known yet spins the routing loop and starves the probe that would answer it
+            pending_request.routing_context.should_backoff = True
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if hints.replica_id is not None:
             return [[by_id[hints.replica_id]]] if hints.replica_id in by_id else []
@@ -53,12 +68,22 @@ class MediaAffinityRouter(RequestRouter):
         self.ring.sync(self.replica_ids())
         loads = {rid: self.replica_queue_len_cache.get(r.replica_id) or 0 for rid, r in usable.items()}
         decision = route(hints.key, loads, self.ring, self.config)
+        rounds = 0
         if pending_request is not None:
-            self._decisions[pending_request.metadata.internal_request_id] = decision
+            request_id = pending_request.metadata.internal_request_id
+            if len(self._rounds) > 10_000:  # requests cancelled before routing never reach on_request_routed
+                self._rounds.clear()
+                self._decisions.clear()
+            self._decisions[request_id] = decision
+            rounds = self._rounds[request_id] = self._rounds.get(request_id, 0) + 1
+        chosen = [usable[decision.replica_id]]
+        if rounds <= self.NUM_OWNER_ONLY_ROUNDS and decision.reason != "least_loaded":
+            return [chosen]  # a slow queue-length answer is no reason to give up the cached media yet
         rest = sorted((rid for rid in usable if rid != decision.replica_id), key=lambda rid: loads[rid])
-        return [[usable[decision.replica_id]], [usable[rid] for rid in rest]]
+        return [chosen, [usable[rid] for rid in rest]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        self._rounds.pop(pending_request.metadata.internal_request_id, None)
         decision = self._decisions.pop(pending_request.metadata.internal_request_id, None)
         if decision is None:
             return

@@ -1,0 +1,167 @@
+"""``unifiedserve serve --ray --replicas 2`` on a local Ray instance with the demo model: the
+``openai`` client streams through the ingress, questions about one video stay on one replica,
+killing a replica's process fails only its in-flight requests (503) and service continues."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+from serve_helpers import SMALL_POOLS, free_port, http  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
+HEADER = "x-unifiedserve-replica"
+
+pytestmark = pytest.mark.slow
+
+
+class RayServer:
+    def __init__(self, media_dir: Path, *args: str, startup_timeout: float = 120.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = media_dir / f"ray-server-{self.port}.log"
+        self._log = open(self.log_path, "w")
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "unifiedserve.cli", "serve", "--ray", "--port", str(self.port),
+             "--allowed-local-media-path", str(media_dir), *SMALL_POOLS, *args],
+            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if http("GET", self.url + "/v1/models", timeout=2)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"not ready in {startup_timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+        finally:
+            self._log.close()
+
+
+def make_clip(folder: Path, seed: int) -> Path:
+    import synthetic_video
+
+    return synthetic_video.make_video(folder / f"clip{seed}.mp4", codec="h264", width=160, height=112,
+                                      duration_s=2.0, fps=8.0, gop=8, seed=seed)
+
+
+def video_messages(path: Path, question: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": f"file://{path}", "fps": 2.0}},
+                                         {"type": "text", "text": question}]}]
+
+
+def ask(client, path: Path, question: str, max_tokens: int = 2) -> str:
+    """Stream one question; returns the replica that served it."""
+    with client.chat.completions.with_streaming_response.create(
+            model="demo-model", messages=video_messages(path, question), max_tokens=max_tokens, stream=True,
+            extra_body={"ignore_eos": True}) as response:
+        replica = response.headers[HEADER]
+        chunks = [c for c in response.parse() if c.choices and c.choices[0].delta.content is not None]
+    assert len(chunks) >= max_tokens
+    return replica
+
+
+def test_two_replicas_affinity_streaming_and_a_dead_replica(tmp_path):
+    server = RayServer(tmp_path, "--replicas", "2")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        # first questions until both replicas own some video
+        owner: dict[Path, str] = {}
+        for seed in range(16):
+            clip = make_clip(tmp_path, seed)
+            owner[clip] = ask(client, clip, "What happens?")
+            if len(set(owner.values())) == 2 and len(owner) >= 4:
+                break
+        assert len(set(owner.values())) == 2, owner
+        # follow-up questions (another text each) go to the video's replica
+        for clip, replica in owner.items():
+            for question in ("Describe it.", "Who is there?"):
+                assert ask(client, clip, question) == replica
+
+        status, health = http("GET", server.url + "/health")
+        assert status == 200 and set(health["replicas"]) == set(owner.values()), (health, server.log()[-4000:])
+        status, metrics = http("GET", server.url + "/metrics")
+        assert 'replica="' in metrics and "unifiedserve_route_affinity_hits_total" in metrics
+
+        # two long streams on replica A, one on replica B; kill A's process mid-stream
+        a, b = sorted(set(owner.values()))
+        clip_a = next(c for c, r in owner.items() if r == a)
+        clip_b = next(c for c, r in owner.items() if r == b)
+        started = threading.Barrier(4)
+        results: dict[str, object] = {}
+
+        def stream(name: str, clip: Path, max_tokens: int):
+            tokens, finish = 0, None
+            try:
+                with client.chat.completions.with_streaming_response.create(
+                        model="demo-model", messages=video_messages(clip, f"Long answer {name}"), stream=True,
+                        max_tokens=max_tokens, extra_body={"ignore_eos": True}) as response:
+                    results[name + ".replica"] = response.headers[HEADER]
+                    for chunk in response.parse():
+                        if chunk.choices:
+                            tokens += bool(chunk.choices[0].delta.content)
+                            finish = chunk.choices[0].finish_reason or finish
+                        if tokens == 2:
+                            started.wait(60)
+                results[name] = (tokens, finish)
+            except openai.APIError as e:
+                results[name] = e
+                if tokens < 2:
+                    started.wait(60)
+
+        threads = [threading.Thread(target=stream, args=("a1", clip_a, 4000)),
+                   threading.Thread(target=stream, args=("a2", clip_a, 4000)),
+                   threading.Thread(target=stream, args=("b", clip_b, 60))]
+        for t in threads:
+            t.start()
+        started.wait(60)
+        os.kill(health["replicas"][a]["pid"], signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        assert results["a1.replica"] == results["a2.replica"] == a and results["b.replica"] == b
+        for name in ("a1", "a2"):
+            assert isinstance(results[name], openai.APIError) and "503" in str(results[name].body), results[name]
+        assert results["b"][1] == "length"  # the other replica's request is untouched
+
+        # service continues: new questions about A's video are answered (by B, or A's replacement)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                ask(client, clip_a, "Still there?")
+                break
+            except openai.APIError:
+                assert time.monotonic() < deadline, server.log()[-3000:]
+                time.sleep(1)
+        assert ask(client, clip_b, "And this one?") in {b}
+    finally:
+        code = server.stop()
+    assert code == 0, (code, server.log()[-3000:])
