@@ -120,7 +120,8 @@ def run_ray(args: argparse.Namespace, limits) -> int:
     args.model = str(Path(args.model).resolve())
 
     try:
-        ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING,
+        # "local": a new instance of our own, even when this machine already runs a cluster
+        ray.init(address=args.ray_address or "local", include_dashboard=False, logging_level=logging.WARNING,
                  **({} if args.ray_address else {"num_cpus": os.cpu_count()}))
     except (ConnectionError, RuntimeError) as e:
         raise ValueError(f"--ray-address {args.ray_address}: cannot join the Ray cluster there "

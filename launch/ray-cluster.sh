@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Bring up (or down) one node of a Ray cluster for `unifiedserve serve --ray`. On a node with an
+# NVIDIA GPU, the MPS daemon (launch/mps.sh) starts first, in the environment Ray's workers inherit,
+# so a replica's vision, core and decode processes share the GPU under MPS.
+#
+#   launch/ray-cluster.sh head [--port P] [RAY START ARGS...]     start the head (default port 6379)
+#   launch/ray-cluster.sh worker HOST:PORT [RAY START ARGS...]    join the head at HOST:PORT
+#   launch/ray-cluster.sh stop                                    stop Ray on this node, then MPS
+#
+# Then, on the head: unifiedserve serve --ray --replicas N --ray-address HOST:PORT --model ... (the
+# model folder and media must be at the same path on every node). `stop` runs `ray stop`, which
+# ends every Ray process of this user on this node.
+set -euo pipefail
+prog=ray-cluster.sh
+here=$(cd "$(dirname "$0")" && pwd)
+die() { echo "$prog: error: $*" >&2; exit 1; }
+ray_bin=${RAY_BIN:-ray}
+need_ray() { command -v "$ray_bin" >/dev/null 2>&1 || die "'$ray_bin' not found: pip install 'unifiedserve[ray]' (or set RAY_BIN)"; }
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; }
+start_mps() {
+  if has_gpu; then
+    "$here/mps.sh" start
+    eval "$("$here/mps.sh" env)"
+  fi
+}
+
+case ${1:-} in
+  head)
+    shift
+    port=6379
+    if [ "${1:-}" = "--port" ]; then
+      [ $# -ge 2 ] || die "--port needs a value"
+      port=$2; shift 2
+    fi
+    [[ $port =~ ^[0-9]+$ ]] && [ "$port" -ge 1 ] && [ "$port" -le 65535 ] || die "--port must be 1..65535, got '$port'"
+    need_ray
+    start_mps
+    "$ray_bin" start --head --port "$port" --disable-usage-stats "$@"
+    echo "head up: join workers with '$0 worker $(hostname -I 2>/dev/null | awk '{print $1}'):$port', then" \
+         "unifiedserve serve --ray --ray-address 127.0.0.1:$port --replicas N"
+    ;;
+  worker)
+    shift
+    address=${1:-}
+    [[ $address =~ ^[A-Za-z0-9_.:-]+:[0-9]+$ ]] || die "worker needs the head's HOST:PORT (e.g. 10.0.0.1:6379)"
+    shift
+    need_ray
+    start_mps
+    "$ray_bin" start --address "$address" --disable-usage-stats "$@"
+    ;;
+  stop)
+    need_ray
+    "$ray_bin" stop
+    if has_gpu; then "$here/mps.sh" stop; fi
+    ;;
+  *)
+    echo "usage: launch/ray-cluster.sh head [--port P] [ARGS...] | worker HOST:PORT [ARGS...] | stop" >&2; exit 2 ;;
+esac
