@@ -40,13 +40,16 @@ def add_ray_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replica-cpus", type=_positive_int, default=None, metavar="N",
                    help="--ray: CPUs Ray reserves for each replica (default: this machine's cores / --replicas, "
                         "at least 1)")
+    g.add_argument("--ray-router", choices=("media-affinity", "serve-default"), default=None,
+                   help="--ray: media-affinity (default; see --affinity-load-bound) or serve-default, Serve's own "
+                        "power-of-two-choices router, to compare against")
     g.add_argument("--affinity-load-bound", type=_positive_int, default=RoutingConfig.min_load_bound, metavar="N",
                    help=f"--ray: a video's replica keeps its requests while it runs fewer than N (or 1.25x the "
                         f"mean load, whichever is more); above, they go to the least-loaded replica "
                         f"(default {RoutingConfig.min_load_bound})")
 
 
-_RAY_ONLY = ("replicas", "min_replicas", "max_replicas", "replica_cpus")
+_RAY_ONLY = ("replicas", "min_replicas", "max_replicas", "replica_cpus", "ray_router")
 
 
 def ray_requested(args: argparse.Namespace) -> bool:
@@ -69,6 +72,8 @@ def check_ray_args(args: argparse.Namespace) -> None:
     if lo is not None and args.replicas < lo or hi is not None and args.replicas > hi:
         raise ValueError(f"--replicas {args.replicas} is outside --min-replicas/--max-replicas "
                          f"({lo or 1}..{hi or args.replicas})")
+    if args.ray_router is None:
+        args.ray_router = "media-affinity"
     if args.replica_cpus is None:
         args.replica_cpus = max(1, (os.cpu_count() or 1) // args.replicas)
     if args.ray_address is not None:
@@ -132,11 +137,11 @@ def run_ray(args: argparse.Namespace, limits) -> int:
         signal.signal(sig, lambda signum, frame: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_application(args), name=APP_NAME, route_prefix="/", blocking=False)
+        serve.run(build_application(args, router=args.ray_router), name=APP_NAME, route_prefix="/", blocking=False)
         scaling = (f"autoscaling {args.min_replicas or 1}..{args.max_replicas or args.replicas}"
                    if args.min_replicas or args.max_replicas else "fixed")
-        log.info("serving on http://%s:%d with %d replica(s) on Ray Serve (%s, %d CPU each; OpenAI API at /v1)",
-                 args.host, args.port, args.replicas, scaling, args.replica_cpus)
+        log.info("serving on http://%s:%d with %d replica(s) on Ray Serve (%s, %d CPU each, %s router; OpenAI API "
+                 "at /v1)", args.host, args.port, args.replicas, scaling, args.replica_cpus, args.ray_router)
         stop.wait()
         return 0
     finally:
