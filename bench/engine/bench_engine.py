@@ -9,13 +9,17 @@ every device timing synchronized:
     ``generate``, (N new tokens - 1 new token) / (N - 1)), against the floor: the bytes a step
     must read / the device-to-device copy bandwidth measured in this run;
   - prefill tokens/s, TFLOP/s and MFU of one --prefill-tokens chunk, against transformers' forward;
-  - vision-tower patches/s, TFLOP/s and MFU on video slices, against transformers' visual forward.
+  - vision-tower patches/s, TFLOP/s and MFU on video slices, against transformers' visual forward;
+  - with --json-schema: the cost of response_format (grammar-constrained decoding): the median decode
+    step at each --batches size with every request under the schema vs the same requests without it
+    (steps where the whole batch is still running; every constrained output must follow the grammar,
+    and those that closed their JSON must parse and validate).
 Correctness is checked before anything is timed: in float32 the greedy tokens must equal
 transformers'; in bf16/fp16 the prefill's last-token logits must have cosine >= 0.99 with
 transformers' (and the greedy agreement is reported); the vision outputs likewise.
 
     python bench/engine/bench_engine.py [--model PATH] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16]
-        [--short] [--out DIR_OR_FILE.json]
+        [--short] [--json-schema [SCHEMA.json]] [--out DIR_OR_FILE.json]
 """
 
 from __future__ import annotations
@@ -34,6 +38,22 @@ import engine_metrics as em  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MIN_COSINE = 0.99
+#: --json-schema without a file: strings, numbers, an enum and arrays, long enough to keep a batch decoding
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 48},
+        "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+        "rating": {"type": "number"},
+        "genre": {"enum": ["drama", "comedy", "documentary", "thriller"]},
+        "cast": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 6},
+        "scenes": {"type": "array", "items": {"type": "object", "properties": {
+            "start_s": {"type": "number"}, "caption": {"type": "string", "maxLength": 64}},
+            "required": ["start_s", "caption"], "additionalProperties": False}, "maxItems": 8},
+    },
+    "required": ["title", "year", "rating", "genre", "cast", "scenes"],
+    "additionalProperties": False,
+}
 
 
 def parse_args(argv=None):
@@ -53,6 +73,9 @@ def parse_args(argv=None):
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for our decode")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU (default: data sheet by GPU name)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--json-schema", nargs="?", const="builtin", default=None, metavar="SCHEMA.json",
+                   help="also time decode steps under response_format json_schema (this schema file, or a "
+                        "built-in one) against unconstrained steps, and print the ratio")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results",
                    help="a folder (a timestamped JSON goes there) or a .json file")
     args = p.parse_args(argv)
@@ -60,6 +83,14 @@ def parse_args(argv=None):
         value = getattr(args, name)
         if value is not None and value < (2 if name == "new_tokens" else 1):
             p.error(f"--{name.replace('_', '-')} must be at least {2 if name == 'new_tokens' else 1}, got {value}")
+    if args.json_schema is not None:
+        if args.json_schema == "builtin":
+            args.json_schema = BENCH_SCHEMA
+        else:
+            try:
+                args.json_schema = json.loads(Path(args.json_schema).read_text())
+            except (OSError, ValueError) as e:
+                p.error(f"--json-schema: cannot read a JSON schema from {args.json_schema}: {e}")
     return args
 
 
@@ -191,6 +222,13 @@ def main(argv=None) -> int:
                          "transformers_step_ms": hf_s * 1e3, "transformers_tokens_per_s": batch / hf_s,
                          "speedup": hf_s / ours_s, "floor_step_ms": floor_s * 1e3, "vs_floor": ours_s / floor_s}
     results["decode"] = decode
+    if args.json_schema is not None:
+        try:
+            results["json_schema"] = _json_schema_overhead(engine, args.json_schema, batches, prompt,
+                                                           args.prompt_tokens, new_tokens)
+        except ValueError as e:
+            print(f"bench_engine: error: {e}", file=sys.stderr)
+            return 1
 
     # -- prefill -------------------------------------------------------------------------------
     long_prompt = prompt(prefill_tokens)
@@ -211,13 +249,71 @@ def main(argv=None) -> int:
     _print(results, device_name, dtype_name)
     config = {"model": str(model_path), "device": device_name, "dtype": dtype_name, "batches": batches,
               "prompt_tokens": args.prompt_tokens, "prefill_tokens": prefill_tokens, "new_tokens": new_tokens,
-              "slices": slices, "repeats": repeats, "short": args.short, "enforce_eager": args.enforce_eager}
+              "slices": slices, "repeats": repeats, "short": args.short, "enforce_eager": args.enforce_eager,
+              "json_schema": args.json_schema}
     path = args.out if args.out.suffix == ".json" else args.out / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": em.machine_info(device), "config": config, "results": results},
                                indent=2))
     print(f"wrote {path}")
     return 0
+
+
+def _json_schema_overhead(engine, schema: dict, batches: list[int], prompt, prompt_tokens: int,
+                          new_tokens: int) -> dict:
+    """Median decode step with every request under ``schema`` vs the same requests unconstrained.
+
+    Both runs are greedy with the same prompts. Only steps in which every request of the batch gets
+    a token count (a constrained request may close its JSON early, which would shrink the batch).
+
+    Raises:
+        ValueError: the schema does not compile, or a constrained output does not parse and validate.
+    """
+    import jsonschema
+
+    from unifiedserve.engine import SamplingParams
+    from unifiedserve.engine.structured import Grammar, check_response_format
+
+    plain = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=new_tokens, ignore_eos=True, response_format="json_schema",
+                                 json_schema=json.dumps(schema))
+    check_response_format(constrained)
+
+    def steps(prompts, params) -> tuple[list[float], list]:
+        for ids in prompts:
+            engine.add_request(ids, [], params)
+        while any(not r.output_token_ids for r in engine.scheduler.requests.values()):
+            engine.step()  # prefill: not timed
+        times, finished = [], []
+        while engine.has_unfinished:
+            start = time.perf_counter()
+            outs = engine.step()  # ends with the sampled ids on the host: synchronized
+            elapsed = time.perf_counter() - start
+            if len(outs) == len(prompts) and not any(o.finished for o in outs):
+                times.append(elapsed)
+            finished += [o for o in outs if o.finished]
+        return times, finished
+
+    out = {}
+    for batch in batches:
+        prompts = [prompt(prompt_tokens) for _ in range(batch)]
+        steps(prompts[:1], constrained)  # warm-up: tokenizer info, grammar compile
+        plain_s, _ = steps(prompts, plain)
+        json_s, finished = steps(prompts, constrained)
+        for o in finished:  # every output follows the grammar (replaying it raises otherwise) ...
+            Grammar(constrained, engine.model_dir, engine.eos_token_ids, o.token_ids)
+            if o.finish_reason == "stop":  # ... and a closed one is valid JSON under the schema
+                try:
+                    jsonschema.validate(json.loads(o.text), schema)
+                except (ValueError, jsonschema.ValidationError) as e:
+                    raise ValueError(f"constrained output {o.text!r} does not validate: {e}") from None
+        if not json_s:
+            raise ValueError(f"batch {batch}: no step with the whole batch under the schema; raise --new-tokens")
+        plain_ms, json_ms = sorted(plain_s)[len(plain_s) // 2] * 1e3, sorted(json_s)[len(json_s) // 2] * 1e3
+        out[batch] = {"plain_step_ms": plain_ms, "json_step_ms": json_ms, "ratio": json_ms / plain_ms,
+                      "overhead_per_token_ms": (json_ms - plain_ms) / batch, "steps_timed": len(json_s),
+                      "num_closed": sum(o.finish_reason == "stop" for o in finished)}
+    return out
 
 
 def _throughput(units: int, unit: str, ours_s: float, hf_s: float, flops: float, peak: float | None) -> dict:
@@ -243,6 +339,11 @@ def _print(results: dict, device: str, dtype: str) -> None:
         print(f"{f'batch {batch}':<10} {r['ours_step_ms']:>9.2f} {r['ours_tokens_per_s']:>9.0f} "
               f"{r['transformers_step_ms']:>9.2f} {r['transformers_tokens_per_s']:>9.0f} {r['speedup']:>7.2f}x "
               f"{r['floor_step_ms']:>9.3f} {r['vs_floor']:>7.2f}x")
+    if "json_schema" in results:
+        print(f"{'json':<10} {'plain ms':>9} {'json ms':>9} {'ratio':>7} {'+ms/tok':>8} {'steps':>6} {'closed':>7}")
+        for batch, r in results["json_schema"].items():
+            print(f"{f'batch {batch}':<10} {r['plain_step_ms']:>9.2f} {r['json_step_ms']:>9.2f} {r['ratio']:>6.3f}x "
+                  f"{r['overhead_per_token_ms']:>8.3f} {r['steps_timed']:>6} {r['num_closed']:>7}")
     for name, unit in (("prefill", "tokens"), ("vision", "patches")):
         r = results[name]
         mfu = (f", MFU ours {r['ours_mfu']:.1%} / transformers {r['transformers_mfu']:.1%}" if "ours_mfu" in r
