@@ -129,15 +129,22 @@ def run_ray(args: argparse.Namespace, limits) -> int:
         ray.init(address=args.ray_address or "local", include_dashboard=False, logging_level=logging.WARNING,
                  **({} if args.ray_address else {"num_cpus": os.cpu_count()}))
     except (ConnectionError, RuntimeError) as e:
-        raise ValueError(f"--ray-address {args.ray_address}: cannot join the Ray cluster there "
-                         f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if args.ray_address:
+            raise ValueError(f"--ray-address {args.ray_address}: cannot join the Ray cluster there ({why})") from None
+        raise ValueError(f"--ray: could not start a local Ray instance ({why})") from None
     # after ray.init, whose own SIGTERM handler would abort the process instead of a clean stop
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_application(args, router=args.ray_router), name=APP_NAME, route_prefix="/", blocking=False)
+        try:
+            serve.start(http_options={"host": args.host, "port": args.port})
+            serve.run(build_application(args, router=args.ray_router), name=APP_NAME, route_prefix="/",
+                      blocking=False)
+        except RuntimeError as e:  # a replica that cannot start (Serve retried it), a port in use
+            log.error("start-up failed: %s", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+            return 1
         scaling = (f"autoscaling {args.min_replicas or 1}..{args.max_replicas or args.replicas}"
                    if args.min_replicas or args.max_replicas else "fixed")
         log.info("serving on http://%s:%d with %d replica(s) on Ray Serve (%s, %d CPU each, %s router; OpenAI API "
