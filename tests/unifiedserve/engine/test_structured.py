@@ -178,3 +178,15 @@ def test_strict_refuses_what_it_cannot_enforce():
     check_response_format(schema_params(schema))  # not strict: the keyword is not enforced
     with pytest.raises(ValueError, match="unevaluatedProperties"):
         check_response_format(schema_params(schema, strict_schema=True))
+
+
+@pytest.mark.cuda
+def test_masks_on_cuda_equal_the_cpu_ones(engine):
+    vocab = engine.model_config.text.vocab_size
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(4), dtype=torch.float32)
+    params = schema_params(temperature=1.0, seed=9)
+    grammars = [Grammar(params, engine.model_dir, engine.eos_token_ids), None]
+    assert torch.equal(apply_grammars(logits.cuda(), grammars).cpu(), apply_grammars(logits, grammars))
+    state = SamplerState.for_params(params, "cuda", Grammar(params, engine.model_dir, engine.eos_token_ids))
+    tokens = [sample(logits[:1].cuda(), [params], [state])[0] for _ in range(5)]
+    Grammar(params, engine.model_dir, engine.eos_token_ids, tokens)  # raises if a token broke the grammar
