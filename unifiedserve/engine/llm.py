@@ -22,8 +22,9 @@ from unifiedserve.engine.inputs import VisionInput, make_request
 from unifiedserve.engine.output import TextOutput
 from unifiedserve.engine.request import Request
 from unifiedserve.engine.runner import ModelRunner
-from unifiedserve.engine.params import SamplingParams, finish_reason
-from unifiedserve.engine.sampling import SamplerState, TokenLogprobs, sample, token_logprobs
+from unifiedserve.engine.params import SamplingParams
+from unifiedserve.engine.postprocess import SampledToken, SequenceState, process_logits
+from unifiedserve.engine.sampling import SamplerState, TokenLogprobs
 from unifiedserve.engine.structured import grammar_for
 from unifiedserve.engine.scheduler import Scheduler, SchedulerConfig
 from unifiedserve.memory.block_manager import BlockManager
@@ -111,8 +112,7 @@ class RequestOutput:
 @dataclass
 class _Live:
     request: Request
-    sampler: SamplerState
-    stop_ids: frozenset[int]
+    seq: SequenceState  # its output list is the request's
     output: TextOutput
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
@@ -212,9 +212,9 @@ class LLM:
             request.media_keys = [_content_key(v) for v in vision]
         self.scheduler.add(request)
         self.runner.add_request(request, list(vision))
-        self._live[request_id] = _Live(request, SamplerState.for_params(params, self.runner.device, grammar),
-                                       stop_ids,
-                                       TextOutput(self.processor.incremental_decoder(), params.stop))
+        seq = SequenceState(params, SamplerState.for_params(params, self.runner.device, grammar), stop_ids,
+                            request.output_token_ids)
+        self._live[request_id] = _Live(request, seq, TextOutput(self.processor.incremental_decoder(), params.stop))
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -238,24 +238,19 @@ class LLM:
         results = []
         if logits:
             ids = list(logits)
-            live = [self._live[r] for r in ids]
             rows = torch.stack([logits[r] for r in ids])  # [B, vocab]
-            params = [x.request.params for x in live]
-            tokens = sample(rows, params, [x.sampler for x in live])
-            for rid, token, lp in zip(ids, tokens, token_logprobs(rows, tokens, params)):
-                results.append(self._append(rid, token, lp))
+            for rid, result in zip(ids, process_logits(rows, [self._live[r].seq for r in ids])):
+                results.append(self._output(rid, result))
         return results
 
-    def _append(self, request_id: str, token: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
+    def _output(self, request_id: str, result: SampledToken) -> RequestOutput:
+        """Text, stop strings and the caller's view of one sampled token; frees a finished request."""
         live = self._live[request_id]
-        req = live.request
-        req.output_token_ids.append(token)
-        if logprobs is not None:
-            live.logprobs.append(logprobs)
+        req, token, reason = live.request, result.token_id, result.finish_reason
+        if result.logprobs is not None:
+            live.logprobs.append(result.logprobs)
         new_text = ""
-        reason = finish_reason(token, len(req.output_token_ids), live.stop_ids, req.params.max_tokens,
-                               live.sampler.is_complete)
-        if reason != "stop" or token not in live.stop_ids:  # a stop token is not text; a grammar's last token is
+        if result.is_text:  # a stop token is not text; a grammar's closing token is
             new_text = live.output.append(token)
             if live.output.stopped:
                 reason = "stop"

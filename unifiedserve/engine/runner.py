@@ -117,6 +117,16 @@ def forward_tokens(model, attn, input_ids: torch.Tensor, positions: torch.Tensor
     return model.compute_logits(hidden.index_select(0, picked))  # [S, vocab]
 
 
+def decode_row(num_cached: int, last_token: int, mrope_delta: int, block_table: list[int]):
+    """The model inputs of one sequence's next decode token: ``(ids [1], positions [3, 1], seq)``.
+
+    ``num_cached`` tokens are in the KV cache (prompt + outputs but the last, which is fed now); a
+    generated token's M-RoPE position is the same on all three axes (``num_cached + mrope_delta``).
+    """
+    return (torch.tensor([last_token], dtype=torch.int64), decode_positions(num_cached, mrope_delta),
+            (num_cached, 1, block_table))
+
+
 @dataclass
 class _RequestTensors:
     prompt_ids: torch.Tensor  # int64 [L] (host)
@@ -319,10 +329,10 @@ class ModelRunner:
                 sample_ids.append(chunk.request_id)
         for rid in out.decode:
             req, t = requests[rid], self._tensors[rid]
-            num_done = req.prompt_len + len(req.output_token_ids) - 1  # tokens already in the cache
-            ids.append(torch.tensor(req.output_token_ids[-1:], dtype=torch.int64))
-            positions.append(decode_positions(num_done, t.mrope_delta))  # [3, 1]
-            seqs.append((num_done, 1, self._blocks(req)))
+            row = decode_row(req.prompt_len + len(req.output_token_ids) - 1, req.output_token_ids[-1],
+                             t.mrope_delta, t.block_table)
+            for dest, value in zip((ids, positions, seqs), row):
+                dest.append(value)
             num_rows += 1
             sample_rows.append(num_rows - 1)
             sample_ids.append(rid)
@@ -341,6 +351,10 @@ class ModelRunner:
 
     def _blocks(self, req: Request) -> list[int]:
         return self._tensors[req.request_id].block_table
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's KV block table (prompt + max_tokens), set when its prefill started."""
+        return list(self._tensors[request_id].block_table)
 
     def mrope_delta(self, request_id: str) -> int:
         return self._tensors[request_id].mrope_delta

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from unifiedserve.engine.inputs import MediaGrid, make_request
-from unifiedserve.engine.params import finish_reason
 from unifiedserve.engine.llm import DTYPES
 from unifiedserve.engine.runner import ModelRunner
-from unifiedserve.engine.sampling import SamplerState, sample, token_logprobs
+from unifiedserve.engine.postprocess import SequenceState, process_logits
+from unifiedserve.engine.sampling import SamplerState
 from unifiedserve.engine.structured import grammar_for
 from unifiedserve.engine.scheduler import Scheduler
 from unifiedserve.memory.block_manager import BlockManager
@@ -38,9 +38,7 @@ log = logging.getLogger("unifiedserve")
 
 @dataclass
 class _Live:
-    params: object
-    stop_ids: frozenset[int]
-    sampler: SamplerState
+    seq: SequenceState  # its output list is the scheduler request's
     stages: protocol.StageTimes
 
 
@@ -138,8 +136,9 @@ class CoreWorker(Worker):
             self.send("api", protocol.RequestFailed(msg.request_id, str(e), 400))
             return
         self.runner.add_request(request, grids)
-        self.live[msg.request_id] = _Live(msg.params, frozenset(msg.stop_token_ids),
-                                          SamplerState.for_params(msg.params, self.runner.device, grammar), protocol.StageTimes(added=time.time()))
+        seq = SequenceState(msg.params, SamplerState.for_params(msg.params, self.runner.device, grammar),
+                            frozenset(msg.stop_token_ids), request.output_token_ids)
+        self.live[msg.request_id] = _Live(seq, protocol.StageTimes(added=time.time()))
 
     # -- one iteration ----------------------------------------------------------------------------------
     def step(self) -> None:
@@ -182,27 +181,22 @@ class CoreWorker(Worker):
 
     def _sample(self, logits: dict[str, torch.Tensor]) -> None:
         ids = list(logits)
-        lives = [self.live[r] for r in ids]
         rows = torch.stack([logits[r] for r in ids])  # [B, vocab]
-        tokens = sample(rows, [x.params for x in lives], [x.sampler for x in lives])
-        logprobs = token_logprobs(rows, tokens, [x.params for x in lives])
         outputs, handoffs = [], []
-        for rid, live, token, lp in zip(ids, lives, tokens, logprobs):
-            req = self.scheduler.requests[rid]
-            req.output_token_ids.append(token)
-            index = len(req.output_token_ids) - 1
-            reason = finish_reason(token, len(req.output_token_ids), live.stop_ids, live.params.max_tokens,
-                                   live.sampler.is_complete)
-            outputs.append(protocol.TokenOutput(rid, index, token, reason, live.stages if index == 0 else None,
-                                                *(lp if lp is not None else (None, None))))
-            if reason is not None:
-                self._finish(rid, reason)
+        for rid, r in zip(ids, process_logits(rows, [self.live[r].seq for r in ids])):
+            live, req = self.live[rid], self.scheduler.requests[rid]
+            outputs.append(protocol.TokenOutput(rid, r.index, r.token_id, r.finish_reason,
+                                                live.stages if r.index == 0 else None,
+                                                *(r.logprobs if r.logprobs is not None else (None, None))))
+            if r.finish_reason is not None:
+                self._finish(rid, r.finish_reason)
                 continue
             if self.decode_here:
                 continue
+            seq = live.seq
             handoffs.append(protocol.Handoff(
-                rid, self.runner._tensors[rid].block_table, req.prompt_len, self.runner.mrope_delta(rid), token,
-                live.params, sorted(live.stop_ids), live.sampler.to_bytes()))
+                rid, self.runner.block_table(rid), req.prompt_len, self.runner.mrope_delta(rid), r.token_id,
+                seq.params, sorted(seq.stop_ids), seq.sampler.to_bytes()))
             self.scheduler.hand_off(rid)
             self.runner.release(rid)
             self.live.pop(rid)

@@ -17,12 +17,11 @@ import torch
 
 from unifiedserve.attention import KVCache, get_attention_backend
 from unifiedserve.engine.llm import DTYPES
-from unifiedserve.engine.params import finish_reason
-from unifiedserve.engine.runner import forward_tokens
-from unifiedserve.engine.sampling import SamplerState, sample, token_logprobs
+from unifiedserve.engine.postprocess import SequenceState, process_logits
+from unifiedserve.engine.runner import decode_row, forward_tokens
+from unifiedserve.engine.sampling import SamplerState
 from unifiedserve.engine.structured import grammar_for
 from unifiedserve.model.loader import load_model
-from unifiedserve.model.rope import decode_positions
 from unifiedserve.runtime import protocol
 from unifiedserve.runtime.shm import open_pool
 from unifiedserve.runtime.worker import Worker
@@ -33,9 +32,7 @@ log = logging.getLogger("unifiedserve")
 @dataclass
 class _Seq:
     handoff: protocol.Handoff
-    sampler: SamplerState
-    stop_ids: frozenset[int]
-    tokens: list[int]  # output tokens so far (the first came from core)
+    seq: SequenceState  # output tokens so far: the first came from core
 
 
 class DecodeWorker(Worker):
@@ -86,34 +83,25 @@ class DecodeWorker(Worker):
             h = self.pending.popleft()
             # a response_format grammar is rebuilt here from the params and the first token (core's)
             grammar = grammar_for(h.params, self.config.model, h.stop_token_ids, [h.first_token])
-            self.batch[h.request_id] = _Seq(h, SamplerState.from_bytes(h.sampler_state, self.config.device, grammar),
-                                            frozenset(h.stop_token_ids), [h.first_token])
+            sampler = SamplerState.from_bytes(h.sampler_state, self.config.device, grammar)
+            self.batch[h.request_id] = _Seq(h, SequenceState(h.params, sampler, frozenset(h.stop_token_ids),
+                                                             [h.first_token]))
 
     @torch.inference_mode()
     def step(self) -> None:
-        ids, positions, seqs = [], [], []
-        for seq in self.batch.values():
-            h = seq.handoff
-            num_done = h.prompt_len + len(seq.tokens) - 1  # tokens already in the cache
-            ids.append(seq.tokens[-1])
-            positions.append(decode_positions(num_done, h.mrope_delta))
-            seqs.append((num_done, 1, h.block_table))
-        logits = forward_tokens(self.model, self.attn, torch.tensor(ids, dtype=torch.int64),
-                                torch.cat(positions, dim=1), seqs, None, list(range(len(ids))),
-                                visual_mask=torch.zeros(len(ids), dtype=torch.bool))  # generated tokens are text
         batch = list(self.batch.values())
-        params = [s.handoff.params for s in batch]
-        tokens = sample(logits, params, [s.sampler for s in batch])
-        logprobs = token_logprobs(logits, tokens, params)
+        rows = [decode_row(b.handoff.prompt_len + len(b.seq.output_token_ids) - 1, b.seq.output_token_ids[-1],
+                           b.handoff.mrope_delta, b.handoff.block_table) for b in batch]
+        ids, positions, seqs = (list(column) for column in zip(*rows))
+        logits = forward_tokens(self.model, self.attn, torch.cat(ids), torch.cat(positions, dim=1), seqs, None,
+                                list(range(len(batch))),
+                                visual_mask=torch.zeros(len(batch), dtype=torch.bool))  # generated tokens are text
         outputs, finished = [], []
-        for seq, token, lp in zip(batch, tokens, logprobs):
-            seq.tokens.append(token)
-            reason = finish_reason(token, len(seq.tokens), seq.stop_ids, seq.handoff.params.max_tokens,
-                                   seq.sampler.is_complete)
-            rid = seq.handoff.request_id
-            outputs.append(protocol.TokenOutput(rid, len(seq.tokens) - 1, token, reason, None,
-                                                *(lp if lp is not None else (None, None))))
-            if reason is not None:
+        for b, r in zip(batch, process_logits(logits, [b.seq for b in batch])):
+            rid = b.handoff.request_id
+            outputs.append(protocol.TokenOutput(rid, r.index, r.token_id, r.finish_reason, None,
+                                                *(r.logprobs if r.logprobs is not None else (None, None))))
+            if r.finish_reason is not None:
                 finished.append(rid)
         self.send("api", protocol.TokenOutputs(outputs))
         if finished:
