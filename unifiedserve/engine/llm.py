@@ -1,6 +1,7 @@
 """The in-process engine: ``LLM(model).generate(requests)`` or ``add_request`` + ``step()``.
 
-A step is schedule -> run the model -> sample and post-process (stop conditions, detokenize).
+A step is the engine core's (``engine/core.py``: schedule -> run the model -> sample, stop checks),
+then detokenization and stop strings here.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from unifiedserve.engine.output import TextOutput
 from unifiedserve.engine.request import Request
 from unifiedserve.engine.runner import ModelRunner
 from unifiedserve.engine.params import SamplingParams
-from unifiedserve.engine.postprocess import SampledToken, SequenceState, process_logits
+from unifiedserve.engine.core import EngineCore, SampledToken, SequenceState
 from unifiedserve.engine.sampling import SamplerState, TokenLogprobs
 from unifiedserve.engine.structured import grammar_for
 from unifiedserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -174,6 +175,7 @@ class LLM:
                                                                   config.enable_prefix_caching),
                                    PageAllocator(config.num_patch_pages, config.page_size),
                                    PageAllocator(config.num_visual_pages, config.page_size), self.runner.media_cache)
+        self.core = EngineCore(self.scheduler, self.runner)
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
@@ -210,10 +212,9 @@ class LLM:
         grammar = grammar_for(params, self.model_dir, stop_ids)  # a bad schema raises before anything is queued
         if vision and (self.config.enable_prefix_caching or self.runner.media_cache is not None):
             request.media_keys = [_content_key(v) for v in vision]
-        self.scheduler.add(request)
-        self.runner.add_request(request, list(vision))
         seq = SequenceState(params, SamplerState.for_params(params, self.runner.device, grammar), stop_ids,
                             request.output_token_ids)
+        self.core.add(request, list(vision), seq)
         self._live[request_id] = _Live(request, seq, TextOutput(self.processor.incremental_decoder(), params.stop))
         return request_id
 
@@ -228,20 +229,10 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run, sample. Returns outputs of requests that got tokens or finished."""
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("no request can be admitted: the KV cache or patch buffer is too small")
-            return []
-        logits = self.runner.execute(out, self.scheduler.requests)
-        self.scheduler.commit(out)
-        results = []
-        if logits:
-            ids = list(logits)
-            rows = torch.stack([logits[r] for r in ids])  # [B, vocab]
-            for rid, result in zip(ids, process_logits(rows, [self._live[r].seq for r in ids])):
-                results.append(self._output(rid, result))
-        return results
+        out, sampled = self.core.step()
+        if out.is_empty and self.scheduler.waiting and not self.scheduler.running:
+            raise RuntimeError("no request can be admitted: the KV cache or patch buffer is too small")
+        return [self._output(rid, result) for rid, result in sampled]
 
     def _output(self, request_id: str, result: SampledToken) -> RequestOutput:
         """Text, stop strings and the caller's view of one sampled token; frees a finished request."""
@@ -262,8 +253,7 @@ class LLM:
         return out
 
     def _finish(self, request_id: str, reason: str) -> None:
-        self.scheduler.finish(request_id, reason)
-        self.runner.release(request_id)
+        self.core.finish(request_id, reason)
         self._live.pop(request_id)
 
     def generate(self, prompts: Sequence[tuple[list[int], Sequence[VisionInput], SamplingParams]]) -> list[RequestOutput]:

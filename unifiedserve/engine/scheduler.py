@@ -155,6 +155,14 @@ class Scheduler:
         return len(self.waiting) + sum(1 for r in self.running if not r.has_kv)
 
     def add(self, request: Request) -> None:
+        """Queue ``request`` (ValueError, and nothing queued, if it can never run: see :meth:`check`)."""
+        self.check(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check(self, request: Request) -> None:
+        """Raise ValueError if ``request`` can never run here: a duplicate id, or more KV or patch rows
+        than the whole pools hold."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         capacity = self.blocks.num_blocks * self.blocks.block_size
@@ -164,8 +172,6 @@ class Scheduler:
         if self.patch_pages.num_pages * self.patch_pages.page_size < request.num_patch_tokens:
             raise ValueError(f"request {request.request_id!r} has {request.num_patch_tokens} patch tokens, more than "
                              f"the patch buffer holds")
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     @property
     def has_work(self) -> bool:

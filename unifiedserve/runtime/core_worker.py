@@ -22,7 +22,7 @@ import torch
 from unifiedserve.engine.inputs import MediaGrid, make_request
 from unifiedserve.engine.llm import DTYPES
 from unifiedserve.engine.runner import ModelRunner
-from unifiedserve.engine.postprocess import SequenceState, process_logits
+from unifiedserve.engine.core import EngineCore, SequenceState
 from unifiedserve.engine.sampling import SamplerState
 from unifiedserve.engine.structured import grammar_for
 from unifiedserve.engine.scheduler import Scheduler
@@ -67,6 +67,7 @@ class CoreWorker(Worker):
         self.scheduler = Scheduler(sched_cfg, BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching),
                                    PageAllocator(cfg.num_patch_pages, cfg.page_size),
                                    PageAllocator(cfg.num_visual_pages, cfg.page_size), self.runner.media_cache)
+        self.core = EngineCore(self.scheduler, self.runner)
         self.live: dict[str, _Live] = {}
         self.decode_here = cfg.policy == "monolithic"
         self._stalled = False  # the last schedule() found nothing to run; wait for a message
@@ -130,22 +131,38 @@ class CoreWorker(Worker):
             request = make_request(msg.request_id, msg.prompt_token_ids, msg.params, grids, self.model_config)
             grammar = grammar_for(msg.params, self.config.model, msg.stop_token_ids)  # response_format
             request.media_keys = list(msg.media_keys) if len(msg.media_keys) == len(grids) else []
-            self.scheduler.add(request)
+            self.scheduler.check(request)
         except ValueError as e:
             self.send("vision", protocol.CancelMedia(msg.request_id))
             self.send("api", protocol.RequestFailed(msg.request_id, str(e), 400))
             return
-        self.runner.add_request(request, grids)
         seq = SequenceState(msg.params, SamplerState.for_params(msg.params, self.runner.device, grammar),
                             frozenset(msg.stop_token_ids), request.output_token_ids)
+        self.core.add(request, grids, seq)
         self.live[msg.request_id] = _Live(seq, protocol.StageTimes(added=time.time()))
 
     # -- one iteration ----------------------------------------------------------------------------------
     def step(self) -> None:
-        out = self.scheduler.schedule()
+        now = time.time()
+        out, sampled = self.core.step(before_execute=self._hand_out_pages)
         if out.is_empty:
             self._stalled = True  # waiting on media or on KV blocks: nothing changes until a message
             return
+        end = time.time()
+        encode_end = now + self.runner.last_encode_s
+        for work in out.encode:
+            st = self.live[work.request_id].stages
+            st.encode_start = st.encode_start or now
+            st.encode_end = encode_end
+        for chunk in out.prefill:
+            st = self.live[chunk.request_id].stages
+            st.prefill_start = st.prefill_start or encode_end
+            st.prefill_end = end
+        if sampled:
+            self._outputs(sampled)
+
+    def _hand_out_pages(self, out) -> None:
+        """Before the step runs: admitted requests' patch pages to vision, and the thread count."""
         now = time.time()
         for rid in out.admitted:
             self.live[rid].stages.admitted = now
@@ -164,27 +181,11 @@ class CoreWorker(Worker):
         threads = self._threads_shared if self.scheduler.handed_off else self._threads_all
         if threads != torch.get_num_threads():  # leave decode's cores to it while it has requests
             torch.set_num_threads(threads)
-        logits = self.runner.execute(out, self.scheduler.requests)
-        self.scheduler.commit(out)
-        end = time.time()
-        encode_end = now + self.runner.last_encode_s
-        for work in out.encode:
-            st = self.live[work.request_id].stages
-            st.encode_start = st.encode_start or now
-            st.encode_end = encode_end
-        for chunk in out.prefill:
-            st = self.live[chunk.request_id].stages
-            st.prefill_start = st.prefill_start or encode_end
-            st.prefill_end = end
-        if logits:
-            self._sample(logits)
 
-    def _sample(self, logits: dict[str, torch.Tensor]) -> None:
-        ids = list(logits)
-        rows = torch.stack([logits[r] for r in ids])  # [B, vocab]
+    def _outputs(self, sampled) -> None:
         outputs, handoffs = [], []
-        for rid, r in zip(ids, process_logits(rows, [self.live[r].seq for r in ids])):
-            live, req = self.live[rid], self.scheduler.requests[rid]
+        for rid, r in sampled:
+            live = self.live[rid]
             outputs.append(protocol.TokenOutput(rid, r.index, r.token_id, r.finish_reason,
                                                 live.stages if r.index == 0 else None,
                                                 *(r.logprobs if r.logprobs is not None else (None, None))))
@@ -193,18 +194,14 @@ class CoreWorker(Worker):
                 continue
             if self.decode_here:
                 continue
-            seq = live.seq
-            handoffs.append(protocol.Handoff(
-                rid, self.runner.block_table(rid), req.prompt_len, self.runner.mrope_delta(rid), r.token_id,
-                seq.params, sorted(seq.stop_ids), seq.sampler.to_bytes()))
-            self.scheduler.hand_off(rid)
-            self.runner.release(rid)
+            req, seq, table, delta = self.core.hand_off(rid)
+            handoffs.append(protocol.Handoff(rid, table, req.prompt_len, delta, r.token_id, seq.params,
+                                             sorted(seq.stop_ids), seq.sampler.to_bytes()))
             self.live.pop(rid)
         self.send("api", protocol.TokenOutputs(outputs))  # before the hand-off: token 0 reaches api first
         for h in handoffs:
             self.send("decode", h)
 
     def _finish(self, rid: str, reason: str) -> None:
-        self.scheduler.finish(rid, reason)
-        self.runner.release(rid)
+        self.core.finish(rid, reason)
         self.live.pop(rid, None)

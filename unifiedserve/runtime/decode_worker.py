@@ -17,7 +17,7 @@ import torch
 
 from unifiedserve.attention import KVCache, get_attention_backend
 from unifiedserve.engine.llm import DTYPES
-from unifiedserve.engine.postprocess import SequenceState, process_logits
+from unifiedserve.engine.core import SequenceState, process_logits
 from unifiedserve.engine.runner import decode_row, forward_tokens
 from unifiedserve.engine.sampling import SamplerState
 from unifiedserve.engine.structured import grammar_for

@@ -1,0 +1,117 @@
+"""The engine core: one step's schedule, run and output processing, written once.
+
+The in-process :class:`~unifiedserve.engine.LLM`, the core process (first tokens, and every token under
+``--policy monolithic``) and the decode process all end a model step the same way: one
+:func:`process_logits` call over the rows that sample. What they do next differs only in transport
+(return a ``RequestOutput``, send ``TokenOutputs``, hand off, release blocks); detokenization and stop
+strings live with whoever shows text (``engine/output.py``: the ``LLM`` here, the api process in the
+server).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from unifiedserve.engine.params import SamplingParams, finish_reason
+from unifiedserve.engine.sampling import SamplerState, TokenLogprobs, sample, token_logprobs
+
+
+@dataclass
+class SequenceState:
+    """What sampling needs of one request, wherever it runs."""
+
+    params: SamplingParams
+    sampler: SamplerState
+    stop_ids: frozenset[int]
+    #: the request's output so far; a step appends to this very list (it may be a ``Request``'s)
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class SampledToken(NamedTuple):
+    """One row's result: the token, its index in the output, why the request ends (None: it goes on),
+    and its log-probabilities when the request asked for them."""
+
+    token_id: int
+    index: int
+    finish_reason: str | None
+    logprobs: TokenLogprobs | None
+    is_stop_token: bool = False  # one of the request's stop ids (not part of the text)
+
+    @property
+    def is_text(self) -> bool:
+        """Whether the token is shown: a stop token is not; a grammar's closing token is."""
+        return not self.is_stop_token
+
+
+def process_logits(logits: torch.Tensor, seqs: list[SequenceState]) -> list[SampledToken]:
+    """Sample one token per row of ``logits`` ``[B, vocab]`` for ``seqs`` (one per row), append it to each
+    sequence's output and say whether the sequence ends (stop id, ``max_tokens``, closed grammar)."""
+    params = [s.params for s in seqs]
+    tokens = sample(logits, params, [s.sampler for s in seqs])
+    results = []
+    for seq, token, lp in zip(seqs, tokens, token_logprobs(logits, tokens, params)):
+        seq.output_token_ids.append(token)
+        reason = finish_reason(token, len(seq.output_token_ids), seq.stop_ids, seq.params.max_tokens,
+                               seq.sampler.is_complete)
+        results.append(SampledToken(token, len(seq.output_token_ids) - 1, reason, lp, token in seq.stop_ids))
+    return results
+
+
+class EngineCore:
+    """The scheduler, the model runner and output processing behind one :meth:`step`.
+
+    ``schedule → execute → commit → process_logits``, the same for the in-process
+    :class:`~unifiedserve.engine.LLM` and the core process; they differ only in what they do around a
+    step (the core process sends patch pages to vision before the step runs, hands prefilled requests
+    to the decode process after it) and in where inputs come from (pixels given here, or written by
+    the vision process). The runner alone owns device tensors.
+    """
+
+    def __init__(self, scheduler, runner):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.seqs: dict[str, SequenceState] = {}
+
+    def add(self, request, vision, seq: SequenceState) -> None:
+        """Queue ``request`` (its media as ``VisionInput`` with pixels, or ``MediaGrid`` written elsewhere)."""
+        self.scheduler.add(request)
+        self.runner.add_request(request, vision)
+        self.seqs[request.request_id] = seq
+
+    def step(self, before_execute=None):
+        """One iteration. Returns ``(the scheduler's output, [(request id, SampledToken)])``.
+
+        ``before_execute(out)`` runs after scheduling, before the model (e.g. to hand pages out).
+        An empty output ran nothing.
+        """
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return out, []
+        if before_execute is not None:
+            before_execute(out)
+        logits = self.runner.execute(out, self.scheduler.requests)
+        self.scheduler.commit(out)
+        if not logits:
+            return out, []
+        ids = list(logits)
+        rows = torch.stack([logits[r] for r in ids])  # [B, vocab]
+        return out, list(zip(ids, process_logits(rows, [self.seqs[r] for r in ids])))
+
+    def finish(self, request_id: str, reason: str) -> None:
+        """End a request here (finished or aborted): free its blocks, pages and tensors."""
+        self.scheduler.finish(request_id, reason)
+        self.runner.release(request_id)
+        self.seqs.pop(request_id, None)
+
+    def hand_off(self, request_id: str):
+        """A prefilled request leaves to decode elsewhere; its KV blocks stay held until ``release``.
+
+        Returns ``(request, its SequenceState, block table, M-RoPE delta)``.
+        """
+        table, delta = self.runner.block_table(request_id), self.runner.mrope_delta(request_id)
+        request = self.scheduler.hand_off(request_id)
+        self.runner.release(request_id)
+        return request, self.seqs.pop(request_id), table, delta
