@@ -4,7 +4,7 @@
 Starts a server (demo model unless --model), starts ``--num-decoding`` text requests that keep
 decoding (ignore_eos), measures their inter-token gaps for a quiet window, then sends one
 video request (a generated 3-minute 480p H.264 clip, 2 fps) and measures its TTFT. The stage
-breakdown (probe, decode, queue, encode, prefill) comes from the server's /metrics. The other
+breakdown (probe, video_decode, queue, encode, prefill) comes from the server's /metrics. The other
 requests' TBT is reported for the quiet window and for the video request's encode+prefill window.
 
 ``--ingest both`` (default) runs it once per ingest mode (``serve --ingest streaming`` and
@@ -39,7 +39,7 @@ from server_process import ServerProcess  # noqa: E402
 
 VIDEO = dict(codec="h264", width=854, height=480, duration_s=180.0, fps=30.0, gop=250, bframes=3, suffix=".mp4",
              preset="veryfast", seed=0)
-STAGES = ("probe", "decode", "queue", "encode", "prefill")
+STAGES = ("probe", "video_decode", "queue", "encode", "prefill")
 
 
 def percentile(values, q):
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     result = results[modes[0]] if len(modes) == 1 else {"runs": results}
     if len(modes) == 2:
         s, w = results["streaming"], results["whole"]
-        decode_s = w["stages_s"]["decode"]
+        decode_s = w["stages_s"]["video_decode"]
         result["ttft_gain_s"] = w["ttft_s"] - s["ttft_s"]
         result["ttft_gain_over_decode"] = result["ttft_gain_s"] / decode_s if decode_s else None
         print(f"\n{'':28}{'streaming':>12}{'whole':>12}")
@@ -176,7 +176,7 @@ def run_one(clip: Path, mode: str, args) -> dict:
         "ttft_s": first - sent, "e2e_s": done - sent,
         "stages_s": stages,
         "first_encode_after_decode_start_s": encode_after,
-        "first_encode_over_decode": encode_after / stages["decode"] if encode_after is not None and stages["decode"]
+        "first_encode_over_decode": encode_after / stages["video_decode"] if encode_after is not None and stages["video_decode"]
         else None,
         "num_decoding": args.num_decoding,
         "tbt_quiet_ms": {"p50": percentile(quiet, 50), "p99": percentile(quiet, 99), "n": len(quiet)},

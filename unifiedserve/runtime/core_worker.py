@@ -111,7 +111,7 @@ class CoreWorker(Worker):
             if self.scheduler.mark_media_ready(rid, message.media_index, message.num_rows):
                 stages = self.live[rid].stages
                 if not was_whole and message.media_index in req.ready_media:  # now whole: its decode time
-                    stages.decode_s += message.decode_s
+                    stages.video_decode_s += message.video_decode_s
                 if len(req.ready_media) == req.num_media:
                     stages.media_ready = time.time()
         elif isinstance(message, protocol.AbortRequest):

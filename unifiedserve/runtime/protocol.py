@@ -56,7 +56,7 @@ class StageTimes(msgspec.Struct):
     added: float = 0.0  # core received it
     admitted: float = 0.0  # its patch pages were allocated
     media_ready: float = 0.0  # the last media's patches were written
-    decode_s: float = 0.0  # video/image decode time, summed over its media (vision)
+    video_decode_s: float = 0.0  # video/image decoding time (vision, FlashCodec), summed over its media
     encode_start: float = 0.0
     encode_end: float = 0.0
     prefill_start: float = 0.0
@@ -116,7 +116,7 @@ class MediaReady(msgspec.Struct, tag=True):
 
     request_id: str
     media_index: int
-    decode_s: float  # seconds decoding this media: so far in a partial message, all of it in the final one
+    video_decode_s: float  # seconds decoding this media: so far in a partial message, all of it in the final one
     num_rows: int | None = None  # rows written from the media's first row; None: the whole media (the last message)
 
 

@@ -360,7 +360,7 @@ class _Generation:
         stage["probe"].observe(self.probe_s)
         if st is None:
             return
-        stage["decode"].observe(st.decode_s)
+        stage["video_decode"].observe(st.video_decode_s)
         if st.admitted:
             stage["queue"].observe(max(0.0, st.admitted - st.added))
         if st.encode_start:

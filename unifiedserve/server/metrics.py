@@ -9,7 +9,7 @@ from flashcodec.telemetry import register_prometheus
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                     7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
-STAGES = ("probe", "decode", "queue", "encode", "prefill")
+STAGES = ("probe", "video_decode", "queue", "encode", "prefill")
 
 #: worker gauges exported as pool usage: (pool, used key, total key)
 _POOLS = (("kv_blocks", "kv_blocks_used", "kv_blocks_total"), ("patch_pages", "patch_pages_used", "patch_pages_total"),
@@ -29,7 +29,7 @@ class Metrics:
                              ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
         stage = Histogram("unifiedserve_request_stage_seconds",
                           "Time a request spent in each stage before its first token: probe (api sends the media "
-                          "to vision .. grids known), decode (frames decoded and patches written), queue (waiting "
+                          "to vision .. grids known), video_decode (frames decoded and patches written), queue (waiting "
                           "for patch pages), encode (first .. last vision-encoder step), prefill (first .. last "
                           "prefill chunk). Stages may overlap.",
                           ["model_name", "stage"], buckets=_LATENCY_BUCKETS, registry=r)

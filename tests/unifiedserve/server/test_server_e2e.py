@@ -200,9 +200,9 @@ def test_parity_and_concurrency_then_no_leaks(server, client, media):
     assert m['unifiedserve_pool_capacity{pool="kv_blocks"}'] > 0
     assert m["unifiedserve_time_to_first_token_seconds_count"] >= 16
     counts = {s: m[f'unifiedserve_request_stage_seconds_count{{stage="{s}"}}'] for s in
-              ("probe", "decode", "queue", "encode", "prefill")}
+              ("probe", "video_decode", "queue", "encode", "prefill")}
     # a request whose media the prefix or media cache already holds runs no encode step
-    assert all(counts[s] >= 16 for s in ("probe", "decode", "queue", "prefill")) and counts["encode"] >= 3, counts
+    assert all(counts[s] >= 16 for s in ("probe", "video_decode", "queue", "prefill")) and counts["encode"] >= 3, counts
 
 
 def _error(status_body, status):
