@@ -30,7 +30,7 @@ from unifiedserve.engine.params import SamplingParams
 from unifiedserve.engine.structured import check_response_format
 from unifiedserve.runtime import protocol
 from unifiedserve.server.engine_client import EngineClient, RequestError, RequestStream
-from unifiedserve.server.limits import LimitError, RequestLimits
+from unifiedserve.server.limits import LimitError, RequestLimits, check_text_chars
 from unifiedserve.server.media import MediaError, MediaPolicy, describe, resolve_media
 from unifiedserve.server.media_key import media_key
 from unifiedserve.server.metrics import Metrics
@@ -170,6 +170,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         return _error(f"invalid response_format: {e}", 400, "response_format")
     arrival = time.time()
     try:
+        check_text_chars(_num_text_chars(body), state.max_model_len)
         messages, media = await run_in_threadpool(_convert_messages, body, state.media_policy, state.limits)
         media = await run_in_threadpool(_with_keys, media, state.model_name)
         prompt_ids = state.processor.tokenize(state.processor.render_chat(messages))
@@ -230,6 +231,17 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
     finally:
         if not started:
             client.abort(request_id)
+
+
+def _num_text_chars(body: ChatCompletionRequest) -> int:
+    """Characters of text in the messages (string contents and text parts)."""
+    total = 0
+    for m in body.messages:
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif isinstance(m.content, list):
+            total += sum(len(part.text) for part in m.content if isinstance(part, TextPart))
+    return total
 
 
 def _with_keys(media: list[protocol.MediaRef], context: str) -> list[protocol.MediaRef]:

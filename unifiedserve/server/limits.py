@@ -11,6 +11,9 @@ Everything a client can size has a server-wide cap (each a ``unifiedserve serve`
   would exceed ``--max-model-len`` is refused before its placeholders are even expanded.
 - **request body** (``--max-request-mb``): a streamed limit, answered with 413 before the body
   is read whole (see :class:`BodySizeLimit`).
+- **text**: at most :data:`MAX_CHARS_PER_TOKEN` characters per token of ``--max-model-len``, counted
+  before the chat template is rendered or tokenized (tokenizing megabytes of text costs the api
+  process about a hundred times their size in memory, for a prompt that could never fit).
 """
 
 from __future__ import annotations
@@ -21,6 +24,21 @@ from dataclasses import dataclass
 #: qwen-vl-utils' MAX_PIXELS (16384 * 28 * 28) and FPS_MAX_FRAMES.
 QWEN_MAX_PIXELS = 16384 * 28 * 28
 QWEN_MAX_FRAMES = 768
+
+
+#: Characters of message text allowed per token of --max-model-len. BPE tokens average about four
+#: characters; 32 leaves room for long runs (whitespace, repeated symbols) while refusing text that
+#: could not fit the context however it tokenized.
+MAX_CHARS_PER_TOKEN = 32
+
+
+def check_text_chars(num_chars: int, max_model_len: int) -> None:
+    """Refuse message text that cannot fit ``max_model_len`` tokens, before it is tokenized."""
+    limit = MAX_CHARS_PER_TOKEN * max_model_len
+    if num_chars > limit:
+        raise LimitError(f"the messages hold {num_chars} characters of text; this server accepts at most {limit} "
+                         f"({MAX_CHARS_PER_TOKEN} per token of its {max_model_len}-token context, --max-model-len)",
+                         "messages")
 
 
 class LimitError(ValueError):

@@ -111,6 +111,18 @@ def test_visual_tokens_over_the_context_are_refused_before_expansion(processor, 
     assert sent.max_frames == RequestLimits().max_frames and sent.shown.startswith("file://")
 
 
+def test_text_that_cannot_fit_is_refused_before_tokenizing(processor, media_dir, monkeypatch):
+    http, client = make_api(processor, media_dir, max_model_len=100)  # 3200 characters at most
+    tokenized = []
+    monkeypatch.setattr(processor, "tokenize", lambda text: tokenized.append(text) or [1])
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 3201}]})
+    assert r.status_code == 400 and "3201 characters" in r.json()["error"]["message"] and "--max-model-len" in r.text
+    r = http.post("/v1/chat/completions", json=chat({"type": "text", "text": "y" * 3200}))  # parts count too
+    assert r.status_code == 400 and tokenized == []
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 3000}]})
+    assert tokenized and r.status_code == 503  # within the cap: on to the (fake) engine
+
+
 def test_fields_that_are_not_implemented_are_named(processor, media_dir):
     http, client = make_api(processor, media_dir)
     for fields, name in [({"top_logprobs": 3}, "top_logprobs needs logprobs"),
