@@ -15,10 +15,11 @@ import signal
 from pathlib import Path
 
 from unifiedserve.engine.scheduler import SchedulerConfig
-from unifiedserve.runtime.config import RuntimeConfig
+from unifiedserve.runtime.config import POLICIES, RuntimeConfig
 from unifiedserve.runtime.shm import DEFAULT_SHM_DIR
 from unifiedserve.runtime.worker import setup_logging
 from unifiedserve.server.limits import QWEN_MAX_FRAMES, QWEN_MAX_PIXELS, BodySizeLimit, RequestLimits
+from unifiedserve.server.media import MediaPolicy
 
 log = logging.getLogger("unifiedserve")
 
@@ -48,15 +49,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="longest prompt + completion in tokens, visual tokens included (default: the model's, "
                         "capped by the KV cache)")
-    g.add_argument("--default-max-tokens", type=_positive_int, default=512,
-                   help="completion length when a request gives no max_tokens (default 512)")
+    g.add_argument("--default-max-tokens", type=_positive_int, default=RuntimeConfig.default_max_tokens,
+                   help="completion length when a request gives no max_tokens (default %(default)s)")
 
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     g.add_argument("--api-key", default=os.environ.get("UNIFIEDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $UNIFIEDSERVE_API_KEY, or none)")
-    g.add_argument("--policy", choices=("unified", "monolithic", "split"), default="unified",
+    g.add_argument("--policy", choices=POLICIES, default=RuntimeConfig.policy,
                    help="unified (default): encode+prefill (core) and decode in separate processes sharing every "
                         "core/device and the KV cache, decode at priority (see --decode-threads). monolithic: one process batches decode tokens into the "
                         "encode/prefill iterations (vLLM/SGLang chunked prefill; the encoder blocks decode). "
@@ -69,20 +70,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="allow file:// media URLs under DIR (default: file:// refused)")
     g.add_argument("--allowed-media-domains", nargs="*", default=(), metavar="HOST",
                    help="allow http(s) media URLs from these hosts (default: none)")
-    g.add_argument("--max-media-mb", type=_positive_float, default=512.0,
-                   help="largest data: URL payload or download, in MiB (default 512)")
+    g.add_argument("--max-media-mb", type=_positive_float, default=MediaPolicy.max_media_bytes / 2**20,
+                   help="largest data: URL payload or download, in MiB (default %(default)g)")
     g.add_argument("--max-pixels", type=_positive_int, default=QWEN_MAX_PIXELS, metavar="N",
                    help=f"most pixels per image or video frame a request may ask for (min_pixels/max_pixels; "
                         f"default {QWEN_MAX_PIXELS}, Qwen2.5-VL's largest image budget)")
     g.add_argument("--max-frames", type=_positive_int, default=QWEN_MAX_FRAMES, metavar="N",
                    help=f"most frames sampled from one video (default {QWEN_MAX_FRAMES})")
-    g.add_argument("--max-media-per-request", type=_positive_int, default=16, metavar="N",
-                   help="most image and video parts in one request (default 16)")
-    g.add_argument("--max-request-mb", type=_positive_float, default=64.0, metavar="MB",
-                   help="largest request body in MiB, checked while it streams in: 413 above it (default 64; "
+    g.add_argument("--max-media-per-request", type=_positive_int, default=RequestLimits.max_media_per_request,
+                   metavar="N", help="most image and video parts in one request (default %(default)s)")
+    g.add_argument("--max-request-mb", type=_positive_float, default=RequestLimits.max_request_bytes / 2**20,
+                   metavar="MB", help="largest request body in MiB, checked while it streams in: 413 above it "
+                                      "(default %(default)g; "
                         "data: URLs count here, file:// and http(s) media do not)")
-    g.add_argument("--max-video-seconds", type=_positive_float, default=3600.0,
-                   help="refuse longer videos (default 3600)")
+    g.add_argument("--max-video-seconds", type=_positive_float, default=RuntimeConfig.max_video_seconds,
+                   help="refuse longer videos (default %(default)g)")
     g.add_argument("--vision-threads", type=int, default=0,
                    help="FlashCodec decoder threads shared by all requests (default: one per core)")
     g.add_argument("--ingest", choices=("streaming", "whole"),
@@ -104,18 +106,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tbt-slo-ms", type=_positive_float, default=None,
                    help="derive both budgets from this time-between-tokens SLO by a short profile at start "
                         "(cached per model, device and dtype); explicit budget flags win")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=64, help="requests admitted to encode/prefill at once")
-    g.add_argument("--max-decode-batch", type=_positive_int, default=256, help="requests decoded together at most")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=SchedulerConfig.max_num_seqs,
+                   help="requests admitted to encode/prefill at once (default %(default)s)")
+    g.add_argument("--max-decode-batch", type=_positive_int, default=RuntimeConfig.max_decode_batch,
+                   help="requests decoded together at most (default %(default)s)")
 
     g = p.add_argument_group("memory pools")
     g.add_argument("--kv-cache-gb", type=_positive_float, default=1.0, help="KV cache size in GiB (default 1)")
     g.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="KV cache size in blocks (overrides --kv-cache-gb)")
-    g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--block-size", type=_positive_int, default=RuntimeConfig.block_size,
+                   help="tokens per KV block (default %(default)s)")
     g.add_argument("--patch-buffer-gb", type=_positive_float, default=2.0,
                    help="patch buffer (vision -> encode) in GiB; one request's patches must fit (default 2)")
     g.add_argument("--visual-buffer-gb", type=_positive_float, default=0.25,
                    help="visual-token buffer (encode -> prefill) in GiB (default 0.25)")
-    g.add_argument("--page-size", type=_positive_int, default=256, help="rows per page of both buffers (default 256)")
+    g.add_argument("--page-size", type=_positive_int, default=RuntimeConfig.page_size,
+                   help="rows per page of both buffers (default %(default)s)")
     g.add_argument("--shm-dir", default=DEFAULT_SHM_DIR, help=f"tmpfs folder for the CPU pools (default {DEFAULT_SHM_DIR})")
 
     from unifiedserve.ray_serve.launch import add_ray_arguments  # imports no Ray
@@ -126,7 +132,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not reuse the KV cache of full prompt blocks across requests (on by default: blocks are "
                         "keyed by their tokens and, for visual tokens, the media's identity and options)")
-    g.add_argument("--media-cache-gb", type=_non_negative_float, default=1.0, metavar="GB",
+    g.add_argument("--media-cache-gb", type=_non_negative_float, default=RuntimeConfig.media_cache_gb, metavar="GB",
                    help="keep encoded visual tokens of this much media, by media identity, least recently used out, "
                         "so media seen before is neither decoded nor encoded again (default 1; 0 turns it off)")
 
