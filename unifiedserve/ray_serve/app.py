@@ -250,13 +250,13 @@ class Ingress:
     def route_key(self, body: bytes) -> str | None:
         """The media key of the request's first media (``server/media_key.py``, as the API computes it), or
         None without media. A request the API will refuse gets None: the replica answers its error."""
-        from unifiedserve.server.api import _convert_messages, _with_keys
+        from unifiedserve.server.api import convert_messages, with_media_keys
         from unifiedserve.server.openai_protocol import ChatCompletionRequest
 
         try:
             parsed = ChatCompletionRequest.model_validate_json(body)
-            _, media = _convert_messages(parsed, self.policy, self.limits)
-            media = _with_keys(media[:1], self.model_name)
+            _, media = convert_messages(parsed, self.policy, self.limits)
+            media = with_media_keys(media[:1], self.model_name)
         except Exception:  # noqa: BLE001 - every refusal is the API's to explain
             return None
         return media[0].key if media else None

@@ -171,8 +171,8 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
     arrival = time.time()
     try:
         check_text_chars(_num_text_chars(body), state.max_model_len)
-        messages, media = await run_in_threadpool(_convert_messages, body, state.media_policy, state.limits)
-        media = await run_in_threadpool(_with_keys, media, state.model_name)
+        messages, media = await run_in_threadpool(convert_messages, body, state.media_policy, state.limits)
+        media = await run_in_threadpool(with_media_keys, media, state.model_name)
         prompt_ids = state.processor.tokenize(state.processor.render_chat(messages))
     except LimitError as e:
         return _error(str(e), e.status_code, e.param)
@@ -244,7 +244,7 @@ def _num_text_chars(body: ChatCompletionRequest) -> int:
     return total
 
 
-def _with_keys(media: list[protocol.MediaRef], context: str) -> list[protocol.MediaRef]:
+def with_media_keys(media: list[protocol.MediaRef], context: str) -> list[protocol.MediaRef]:
     """Each media with its identity (``server/media_key.py``): the caches and the router use it.
 
     Raises:
@@ -271,7 +271,7 @@ def _check_visual_tokens(state: ServerState, plans: list[protocol.MediaPlan], nu
             f"video_url/image_url", 400)
 
 
-def _convert_messages(body: ChatCompletionRequest, policy: MediaPolicy, limits: RequestLimits = RequestLimits()):
+def convert_messages(body: ChatCompletionRequest, policy: MediaPolicy, limits: RequestLimits = RequestLimits()):
     """OpenAI messages -> template messages (``{"type": "image"|"video"}`` parts) and media references.
 
     Raises:
