@@ -82,7 +82,10 @@ def profile_kv_sizing(model, config) -> KVSizing:
     activations = torch.cuda.max_memory_allocated(device) - base
     del probe
     torch.cuda.empty_cache()
-    sizing = size_kv_pool(total, config.gpu_memory_utilization, weights, activations, non_torch + buffers, per_block)
+    # the media cache (encoded visual tokens, on this device) fills up to its bound as media arrive
+    media_cache = int(config.media_cache_gb * 2**30)
+    sizing = size_kv_pool(total, config.gpu_memory_utilization, weights, activations,
+                          non_torch + buffers + media_cache, per_block)
     log.info("%s; profiled a step of %d prefill tokens and a %dx%d-patch encode", sizing.describe(), budget,
              grid[1], grid[2])
     return sizing
