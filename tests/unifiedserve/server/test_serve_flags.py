@@ -22,6 +22,9 @@ from unifiedserve.cli import main
     (["--max-request-mb", "0"], "argument --max-request-mb"),
     (["--policy", "bogus"], "argument --policy: invalid choice"),
     (["--device", "gpu"], "argument --device: invalid choice"),
+    (["--media-cache-gb", "-1"], "argument --media-cache-gb: must be a finite number >= 0"),
+    (["--media-cache-gb", "inf"], "argument --media-cache-gb: must be a finite number >= 0"),
+    (["--ingest", "foo"], "argument --ingest: invalid choice"),
 ])
 def test_bad_values_are_one_line_before_anything_starts(args, needle, capsys):
     with pytest.raises(SystemExit) as exit_:
