@@ -20,7 +20,6 @@ import socket
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,22 +215,11 @@ def disconnects(client: Client, clip: Path, n: int) -> None:
             conn.close()
 
 
-def metrics(port: int) -> dict[str, float]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
-    with urllib.request.urlopen(req, timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
-
-
-def idle(port: int, timeout: float = 60.0) -> dict:
+def idle(server: ServerProcess, timeout: float = 60.0) -> dict:
+    """Wait until no request runs or waits and every pool is free; returns what is still busy (empty: idle)."""
     deadline = time.monotonic() + timeout
     while True:
-        m = metrics(port)
+        m = server.metrics()
         busy = {k: v for k, v in m.items() if (k.startswith("unifiedserve_pool_used")
                                               or k.startswith("unifiedserve_num_requests")) and v}
         if not busy or time.monotonic() > deadline:
@@ -314,7 +302,7 @@ def main(argv=None) -> int:
         print(f"{'ok  ' if flood_ok else 'FAIL'} 64 concurrent text requests: {sorted(set(statuses))} in "
               f"{time.perf_counter() - t0:.1f} s")
         disconnects(client, media["clip"], 20)
-        busy = idle(server.port)
+        busy = idle(server)
         failures += bool(busy)
         results.append({"case": "40 disconnects free everything", "ok": not busy, "busy": busy})
         print(f"{'ok  ' if not busy else 'FAIL'} 40 disconnects, then idle: {busy or 'every pool free'}")

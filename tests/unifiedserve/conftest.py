@@ -8,6 +8,16 @@ import pytest
 import torch
 
 
+@pytest.fixture(scope="session")
+def demo_path(tmp_path_factory):
+    """A demo checkpoint (default seed), written once per session; tests only read it."""
+    from unifiedserve.model.demo import write_demo_model
+
+    path = tmp_path_factory.mktemp("demo-model")
+    write_demo_model(path)
+    return path
+
+
 def _released_get_rope_index(model_config):
     """A drop-in for transformers' ``Qwen2_5_VLModel.get_rope_index`` that returns the released rule's
     positions (``unifiedserve.model.rope``), for one sequence at a time."""

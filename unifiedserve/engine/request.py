@@ -101,6 +101,11 @@ class Request:
     def is_prefill_done(self) -> bool:
         return self.num_computed_tokens >= self.prompt_len
 
+    def media_patch_rows(self, media: int) -> int:
+        """Patch rows of media ``media`` (the row count at its last item)."""
+        return max((end for item, end in zip(self.encode_items, self._item_row_end) if item.media_index == media),
+                   default=0)
+
     def item_ready(self, index: int) -> bool:
         """Whether encode item ``index``'s patches are in the buffer (or not needed)."""
         media = self.encode_items[index].media_index

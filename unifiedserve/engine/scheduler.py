@@ -190,8 +190,7 @@ class Scheduler:
             return False
         if not 0 <= media_index < req.num_media:
             raise ValueError(f"request {request_id!r} has {req.num_media} media, not {media_index + 1}")
-        total = sum(i.num_patch_tokens for i in req.encode_items if i.media_index == media_index)
-        if num_rows is None or num_rows >= total:
+        if num_rows is None or num_rows >= req.media_patch_rows(media_index):
             req.ready_media.add(media_index)
             req.ready_rows.pop(media_index, None)
         else:

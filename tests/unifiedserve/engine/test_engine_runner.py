@@ -12,15 +12,6 @@ from unifiedserve.model.loader import load_model
 
 
 @pytest.fixture(scope="module")
-def demo_path(tmp_path_factory):
-    from unifiedserve.model.demo import write_demo_model
-
-    path = tmp_path_factory.mktemp("demo")
-    write_demo_model(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def model(demo_path):
     return load_model(demo_path, torch.float32, "cpu")[0].eval()
 

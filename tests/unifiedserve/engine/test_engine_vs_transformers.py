@@ -19,15 +19,6 @@ NEW_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def demo_path(tmp_path_factory):
-    from unifiedserve.model.demo import write_demo_model
-
-    path = tmp_path_factory.mktemp("demo-model")
-    write_demo_model(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def reference(demo_path, use_released_rope):
     from transformers import Qwen2_5_VLForConditionalGeneration
 

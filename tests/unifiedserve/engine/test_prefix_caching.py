@@ -16,15 +16,6 @@ NEW_TOKENS = 5
 
 
 @pytest.fixture(scope="module")
-def demo_path(tmp_path_factory):
-    from unifiedserve.model.demo import write_demo_model
-
-    path = tmp_path_factory.mktemp("demo-model")
-    write_demo_model(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def video(video_factory):
     clip = video_factory(codec="h264", suffix=".mp4", width=128, height=96, duration_s=2.0, fps=24.0, gop=12)
     return VisionInput.from_video(flashcodec.decode_video(clip, num_frames=6, height=56, width=84, output="patches"))

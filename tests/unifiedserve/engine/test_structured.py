@@ -12,19 +12,7 @@ from unifiedserve.engine.llm import LLM
 from unifiedserve.engine.params import MAX_JSON_SCHEMA_BYTES, SamplingParams
 from unifiedserve.engine.sampling import SamplerState, sample
 from unifiedserve.engine.structured import Grammar, apply_grammars, check_response_format, tokenizer_info
-
-#: bounded output: every string and number has a length limit, so greedy random weights must close it
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 8},
-        "age": {"type": "integer", "minimum": 0, "maximum": 130},
-        "mood": {"enum": ["happy", "sad", "calm"]},
-        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
-    },
-    "required": ["name", "age", "mood", "tags"],
-    "additionalProperties": False,
-}
+from json_schemas import PERSON
 
 
 def schema_params(schema=PERSON, **kw) -> SamplingParams:

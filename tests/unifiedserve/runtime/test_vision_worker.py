@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from flashcodec import DecodeEngine
-from flashcodec.decode.backends import Backend, SegmentDecoder, get_backend, never
 from flashcodec.image import decode_image
+from slow_decoding import SlowBackend
 from unifiedserve.model.demo import write_demo_model
 from unifiedserve.runtime import protocol
 from unifiedserve.runtime.config import RuntimeConfig
@@ -20,31 +20,6 @@ from unifiedserve.runtime.vision_worker import VisionWorker
 PAGE_SIZE = 16  # small pages: slices and media cross page boundaries
 NUM_PAGES = 64
 SENTINEL = -7.0  # what rows nobody wrote hold
-
-
-class SlowDecoder(SegmentDecoder):
-    """PyAV's decoder, waiting ``delay_s`` before each GOP segment, so a video's slices arrive over time."""
-
-    def __init__(self, inner: SegmentDecoder, delay_s: float):
-        self.inner, self.delay_s = inner, delay_s
-
-    def decode_segment(self, segment, emit, should_stop=never):
-        deadline = time.monotonic() + self.delay_s
-        while time.monotonic() < deadline:
-            if should_stop():
-                return list(segment.target_indices)
-            time.sleep(0.005)
-        return self.inner.decode_segment(segment, emit, should_stop)
-
-
-class SlowBackend(Backend):
-    name = "slow-pyav"
-
-    def __init__(self, delay_s: float):
-        self.inner, self.delay_s = get_backend("pyav"), delay_s
-
-    def open(self, source, info, height, width, resize="exact"):
-        return SlowDecoder(self.inner.open(source, info, height, width, resize), self.delay_s)
 
 
 class RecordingVision(VisionWorker):

@@ -11,21 +11,11 @@ import jsonschema
 import openai
 import pytest
 
+from json_schemas import PERSON
 from serve_helpers import Server, http
 
 pytestmark = pytest.mark.slow
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 8},
-        "age": {"type": "integer", "minimum": 0, "maximum": 130},
-        "mood": {"enum": ["happy", "sad", "calm"]},
-        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
-    },
-    "required": ["name", "age", "mood", "tags"],
-    "additionalProperties": False,
-}
 PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 SAMPLED = dict(temperature=1.0, top_p=0.95, seed=1234)
