@@ -1,8 +1,9 @@
 """The Ray Serve application: ``NodeReplica`` deployments, each owning one unifiedserve runtime
 (vision, core and decode processes, the API's own ``ServerState``), behind one ``Ingress``.
 
-The ingress computes the request's media key with the API's own media resolution and forwards the
-HTTP request through a Serve handle; ``router.MediaAffinityRouter`` picks the replica; the replica
+The ingress computes the routing key of the request's first media (``route_key.py``: the API's own
+media key for local and ``data:`` media, the URL's for downloads) and forwards the HTTP request
+through a Serve handle; ``router.MediaAffinityRouter`` picks the replica; the replica
 runs the request through the same FastAPI app ``unifiedserve serve`` serves (``server/api.py``), in
 process, and streams the ASGI response back. So there is one API; the ingress only routes, adds
 the ``x-unifiedserve-replica`` header, turns a replica's death into an OpenAI-style 503, and
@@ -25,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from unifiedserve.ray_serve.metrics import ROUTE_COUNTS, ROUTERS, merge_replica_metrics
+from unifiedserve.ray_serve.route_key import route_key
 from unifiedserve.ray_serve.routing import RoutingConfig, RoutingHints
 from unifiedserve.server.openai_protocol import error_body
 
@@ -248,18 +250,8 @@ class Ingress:
         return b"".join(chunks)
 
     def route_key(self, body: bytes) -> str | None:
-        """The media key of the request's first media (``server/media_key.py``, as the API computes it), or
-        None without media. A request the API will refuse gets None: the replica answers its error."""
-        from unifiedserve.server.api import convert_messages, with_media_keys
-        from unifiedserve.server.openai_protocol import ChatCompletionRequest
-
-        try:
-            parsed = ChatCompletionRequest.model_validate_json(body)
-            _, media = convert_messages(parsed, self.policy, self.limits)
-            media = with_media_keys(media[:1], self.model_name)
-        except Exception:  # noqa: BLE001 - every refusal is the API's to explain
-            return None
-        return media[0].key if media else None
+        """The routing key of a chat completion: its first media's key (``route_key.py``), or None."""
+        return route_key(body, self.policy, self.limits, self.model_name)
 
     async def _each_replica(self, method: str) -> list:
         """``method``'s result from every replica this ingress routes to (those that answer in time).
