@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from unifiedserve.ray_serve.metrics import ROUTE_COUNTS, ROUTERS, merge_replica_metrics
 from unifiedserve.ray_serve.route_key import route_key
 from unifiedserve.ray_serve.routing import RoutingConfig, RoutingHints
+from unifiedserve.server.limits import BodyRefused, read_body
 from unifiedserve.server.openai_protocol import error_body
 
 log = logging.getLogger("unifiedserve")
@@ -240,14 +241,13 @@ class Ingress:
                 gen.cancel()
 
     async def _read_body(self, request: Request) -> bytes | Response:
-        limit = self.limits.max_request_bytes
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                return _error(f"request body too large: over {limit} bytes (--max-request-mb)", 413)
-            chunks.append(chunk)
-        return b"".join(chunks)
+        """The body within ``--max-request-mb``, or the plain server's own refusal (``limits.read_body``)."""
+        try:
+            body = await read_body(request.scope, request.receive, self.limits.max_request_bytes)
+        except BodyRefused as e:
+            return Response(e.json_bytes(), status_code=e.status_code, media_type="application/json",
+                            headers={"connection": "close"})
+        return Response(status_code=499) if body is None else body  # None: the client went away
 
     def route_key(self, body: bytes) -> str | None:
         """The routing key of a chat completion: its first media's key (``route_key.py``), or None."""

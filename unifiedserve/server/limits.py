@@ -90,14 +90,62 @@ class RequestLimits:
                              f"{self.max_media_per_request} (--max-media-per-request)", "messages")
 
 
-class BodySizeLimit:
-    """ASGI middleware: a request body over ``limit`` bytes gets 413 before it is read whole.
+class BodyRefused(Exception):
+    """A request body :func:`read_body` refuses: over the limit (413) or a malformed ``Content-Length`` (400)."""
+
+    def __init__(self, message: str, status_code: int):
+        super().__init__(message)
+        self.status_code = status_code
+
+    def json_bytes(self) -> bytes:
+        """The OpenAI-style error body both servers answer with (the plain one and the Ray ingress)."""
+        from unifiedserve.server.openai_protocol import error_body
+
+        return json.dumps(error_body(str(self), self.status_code)).encode()
+
+
+async def read_body(scope, receive, limit: int) -> bytes | None:
+    """The whole request body of an ASGI ``http`` request, at most ``limit`` bytes; None if the client left.
 
     A declared ``Content-Length`` over the limit is refused before one byte is read; a chunked body
-    is counted as it arrives and refused the moment it passes the limit. Bodies within the limit are
-    buffered here (at most ``limit`` bytes) and replayed to the app, whose later ``receive`` calls go
-    straight to the server, so disconnect detection is unchanged. Pure ASGI (not BaseHTTPMiddleware,
-    which hides client disconnects).
+    is counted as it arrives and refused the moment it passes the limit.
+
+    Raises:
+        BodyRefused: over ``limit`` (413, naming ``--max-request-mb``), or a malformed ``Content-Length`` (400).
+    """
+    declared = dict(scope.get("headers") or ()).get(b"content-length")
+    if declared is not None:
+        try:
+            num_declared = int(declared)
+        except ValueError:
+            raise BodyRefused("malformed Content-Length header", 400) from None
+        if num_declared > limit:
+            raise _too_large(limit, f"{num_declared} bytes")
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit, "more")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _too_large(limit: int, size: str) -> BodyRefused:
+    return BodyRefused(f"the request body is {size}, over this server's limit of {limit} bytes "
+                       f"(--max-request-mb); send large media as file:// or http(s) URLs", 413)
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body over ``limit`` bytes gets 413 before it is read whole (:func:`read_body`).
+
+    Bodies within the limit are buffered here (at most ``limit`` bytes) and replayed to the app,
+    whose later ``receive`` calls go straight to the server, so disconnect detection is unchanged.
+    Pure ASGI (not BaseHTTPMiddleware, which hides client disconnects).
     """
 
     def __init__(self, app, limit: int):
@@ -106,47 +154,26 @@ class BodySizeLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or ()).get(b"content-length")
-        if declared is not None:
-            try:
-                too_big = int(declared) > self.limit
-            except ValueError:
-                return await self._reply(send, 400, "malformed Content-Length header")
-            if too_big:
-                return await self._too_large(send, int(declared))
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                return await self._too_large(send, None)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        try:
+            body = await read_body(scope, receive, self.limit)
+        except BodyRefused as e:
+            return await self._reply(send, e)
+        if body is None:
+            return
         replayed = False
 
         async def replay():
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
         return await self.app(scope, replay, send)
 
-    async def _too_large(self, send, declared: int | None) -> None:
-        size = f"{declared} bytes" if declared is not None else "more"
-        await self._reply(send, 413, f"the request body is {size}, over this server's limit of {self.limit} bytes "
-                                     f"(--max-request-mb); send large media as file:// or http(s) URLs")
-
-    async def _reply(self, send, status: int, message: str) -> None:
-        from unifiedserve.server.openai_protocol import error_body
-
-        body = json.dumps(error_body(message, status)).encode()
-        await send({"type": "http.response.start", "status": status,
+    async def _reply(self, send, refused: BodyRefused) -> None:
+        body = refused.json_bytes()
+        await send({"type": "http.response.start", "status": refused.status_code,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,81 @@
+"""The Ray ingress refuses a request body exactly as the plain server does (``limits.read_body``):
+same status, same OpenAI-style body, nothing read past a declared length (Ray imported, not started)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from starlette.requests import Request  # noqa: E402
+
+from unifiedserve.ray_serve.app import Ingress  # noqa: E402
+from unifiedserve.server.limits import BodySizeLimit, RequestLimits  # noqa: E402
+
+LIMIT = 4096
+
+
+def feeder(chunks: list[bytes]):
+    """An ASGI ``receive`` giving ``chunks`` (the last one ends the body); counts the calls."""
+    calls = []
+
+    async def receive():
+        calls.append(1)
+        i = len(calls) - 1
+        if i >= len(chunks):
+            return {"type": "http.disconnect"}
+        return {"type": "http.request", "body": chunks[i], "more_body": i + 1 < len(chunks)}
+
+    return receive, calls
+
+
+def scope(headers: list[tuple[bytes, bytes]]) -> dict:
+    return {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers,
+            "query_string": b""}
+
+
+def plain_server(headers, chunks) -> tuple[int, bytes, int]:
+    """(status, body, receive calls) of the plain server's middleware; the app must not be reached."""
+    sent = []
+
+    async def app(scope, receive, send):  # pragma: no cover - reached only by a body within the limit
+        raise AssertionError("a refused body reached the app")
+
+    async def send(message):
+        sent.append(message)
+
+    receive, calls = feeder(chunks)
+    asyncio.run(BodySizeLimit(app, LIMIT)(scope(headers), receive, send))
+    return sent[0]["status"], sent[1]["body"], len(calls)
+
+
+def ray_ingress(headers, chunks):
+    """What the ingress's body reading returns: the body (bytes) or its response, and the receive calls."""
+    ingress = Ingress.__new__(Ingress)  # no Serve: only the limits are needed to read a body
+    ingress.limits = RequestLimits(max_request_bytes=LIMIT)
+    receive, calls = feeder(chunks)
+    return asyncio.run(ingress._read_body(Request(scope(headers), receive))), len(calls)
+
+
+@pytest.mark.parametrize("headers, chunks", [
+    ([(b"content-length", str(300 * 2**20).encode())], [b"x" * 1024] * 8),  # declared: refused unread
+    ([], [b"x" * 1024] * 8),                                               # chunked: refused past the limit
+    ([(b"content-length", b"12abc")], [b"{}"]),                            # malformed length: 400
+])
+def test_the_ingress_refuses_a_body_as_the_plain_server_does(headers, chunks):
+    status, body, plain_calls = plain_server(headers, chunks)
+    response, ray_calls = ray_ingress(headers, chunks)
+    assert (response.status_code, response.body) == (status, body)
+    assert response.headers["content-type"] == "application/json" and status in (400, 413)
+    assert ray_calls == plain_calls  # read as far as the plain server reads, no further
+    if status == 413:
+        assert b"--max-request-mb" in body
+
+
+def test_a_body_within_the_limit_is_read_whole():
+    response, _ = ray_ingress([(b"content-length", b"12")], [b'{"messages"', b":[]}"])
+    assert response == b'{"messages":[]}'
+    response, _ = ray_ingress([], [b"x" * 100])
+    assert response == b"x" * 100
