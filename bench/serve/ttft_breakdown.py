@@ -9,9 +9,10 @@ requests' TBT is reported for the quiet window and for the video request's encod
 
 ``--ingest both`` (default) runs it once per ingest mode (``serve --ingest streaming`` and
 ``whole``, a fresh server each) and compares them: when the first encode step started after
-decoding started, as a fraction of the decode time (first encode step: the first /metrics poll,
-every 20 ms, that shows visual-token pages in use; decoding starts when the probe ends, taken as
-send time + the probe stage), and the TTFT gained by streaming as a fraction of the decode time.
+decoding started, as a fraction of the decode time (the server's
+``unifiedserve_request_first_encode_lag_seconds``: vision's decode start to the start of core's
+first encode step for the request, both stamped in the server), and the TTFT gained by streaming
+as a fraction of the decode time.
 
     python bench/serve/ttft_breakdown.py [--ingest both|streaming|whole] [--num-decoding 0] [--result-json out.json]
 """
@@ -52,6 +53,8 @@ def stage_sums(metrics: dict[str, float]) -> dict[str, float]:
         m = re.match(r'unifiedserve_request_stage_seconds_sum\{.*stage="(\w+)"', key)
         if m:
             out[m.group(1)] = value
+        elif key.startswith("unifiedserve_request_first_encode_lag_seconds_sum"):
+            out["first_encode_lag"] = value
     return out
 
 
@@ -130,19 +133,7 @@ def run_one(clip: Path, mode: str, args) -> dict:
         quiet_start = time.perf_counter()
         time.sleep(args.quiet_window)
         before = stage_sums(server.metrics())
-        first_encode: list[float] = []
-
-        def watch_encode():  # the first encode step allocates visual-token pages
-            while not stop.is_set() and not first_encode:
-                used = sum(v for k, v in server.metrics().items()
-                           if k.startswith("unifiedserve_pool_used{") and 'pool="visual_pages"' in k)
-                if used > 0:
-                    first_encode.append(time.perf_counter())
-                time.sleep(0.02)
-
         sent = time.perf_counter()
-        watcher = threading.Thread(target=watch_encode, daemon=True)
-        watcher.start()
         stream = client.chat.completions.create(
             model=client.models.list().data[0].id, stream=True, max_tokens=16, temperature=0,
             messages=[{"role": "user", "content": [
@@ -160,7 +151,7 @@ def run_one(clip: Path, mode: str, args) -> dict:
         done = time.perf_counter()
         stop.set()
         after = stage_sums(server.metrics())
-        for t in [*threads, watcher]:
+        for t in threads:
             t.join(30)
 
     def gaps(lo, hi):
@@ -168,7 +159,8 @@ def run_one(clip: Path, mode: str, args) -> dict:
 
     quiet, busy = gaps(quiet_start, sent), gaps(sent, first)
     stages = {s: after.get(s, 0) - before.get(s, 0) for s in STAGES}
-    encode_after = first_encode[0] - (sent + stages["probe"]) if first_encode else None
+    lag = after.get("first_encode_lag", 0) - before.get("first_encode_lag", 0)
+    encode_after = lag if lag > 0 else None
     result = {
         "ingest": mode,
         "video": "3 min, 854x480, H.264, 30 fps, GOP 250", "fps": args.fps, "max_pixels": args.max_pixels,

@@ -57,6 +57,7 @@ class StageTimes(msgspec.Struct):
     admitted: float = 0.0  # its patch pages were allocated
     media_ready: float = 0.0  # the last media's patches were written
     video_decode_s: float = 0.0  # video/image decoding time (vision, FlashCodec), summed over its media
+    video_decode_start: float = 0.0  # vision started decoding its first media (0: no media decoded)
     encode_start: float = 0.0
     encode_end: float = 0.0
     prefill_start: float = 0.0
@@ -118,6 +119,7 @@ class MediaReady(msgspec.Struct, tag=True):
     media_index: int
     video_decode_s: float  # seconds decoding this media: so far in a partial message, all of it in the final one
     num_rows: int | None = None  # rows written from the media's first row; None: the whole media (the last message)
+    decode_start: float = 0.0  # when vision started decoding this media (time.time())
 
 
 class ReleaseBlocks(msgspec.Struct, tag=True):

@@ -52,6 +52,7 @@ class _Job:
     #: streamed videos: decoded parts not yet written, as (first patch row of the media, patches [rows, dim])
     parts: dict[int, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
     decode_s: dict[int, float] = field(default_factory=dict)  # so far, for a video still streaming
+    decode_start: dict[int, float] = field(default_factory=dict)  # time.time() its decode began, per media
     rows_decoded: dict[int, int] = field(default_factory=dict)  # streamed videos: rows decoded so far
     rows_written: dict[int, int] = field(default_factory=dict)  # rows in the pages, per media
     written: set[int] = field(default_factory=set)  # media whose every row is written and announced
@@ -165,6 +166,7 @@ class VisionWorker(Worker):
             decode = self._decode_streamed if self.config.streaming_ingest else self._decode
             for index, analysis in analyses:
                 self._started()
+                job.decode_start[index] = time.time()
                 threading.Thread(target=decode, args=(job, index, analysis), daemon=True,
                                  name=f"decode-{request_id}").start()
         elif kind == "decoded":
@@ -203,6 +205,7 @@ class VisionWorker(Worker):
                     patches, grid = image.to_patches(self.spec)
                     job.patches[index] = patches
                     job.decode_s[index] = time.perf_counter() - t0
+                    job.decode_start[index] = time.time() - job.decode_s[index]
                     plans.append(protocol.MediaPlan("image", tuple(grid)))
                     continue
                 options = SamplingOptions(fps=ref.fps, max_frames=ref.max_frames, min_pixels=ref.min_pixels,
@@ -287,7 +290,8 @@ class VisionWorker(Worker):
             if whole:
                 job.written.add(index)
             self.send("core", protocol.MediaReady(job.request_id, index, job.decode_s.get(index, 0.0),
-                                                  None if whole else job.rows_written[index]))
+                                                  None if whole else job.rows_written[index],
+                                                  job.decode_start.get(index, 0.0)))
         if job.is_done:
             self.jobs.pop(job.request_id, None)
 

@@ -377,6 +377,8 @@ class _Generation:
             stage["queue"].observe(max(0.0, st.admitted - st.added))
         if st.encode_start:
             stage["encode"].observe(st.encode_end - st.encode_start)
+            if st.video_decode_start:
+                self.state.metrics.first_encode_lag.observe(max(0.0, st.encode_start - st.video_decode_start))
         if st.prefill_start:
             stage["prefill"].observe(st.prefill_end - st.prefill_start)
 

@@ -34,6 +34,12 @@ class Metrics:
                           "prefill chunk). Stages may overlap.",
                           ["model_name", "stage"], buckets=_LATENCY_BUCKETS, registry=r)
         self.stage = {s: stage.labels(stage=s, **labels) for s in STAGES}
+        self.first_encode_lag = Histogram(
+            "unifiedserve_request_first_encode_lag_seconds",
+            "From the start of a request's media decoding (vision) to the start of its first vision-encoder step "
+            "(core): how long encoding waits on decoding. Streaming ingest keeps it near one temporal slice's "
+            "decode; whole-video hand-off makes it at least the whole decode.",
+            ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
         self.requests = Counter("unifiedserve_requests", "Finished requests by finish reason.",
                                 ["model_name", "finish_reason"], registry=r)
         self.prompt_tokens = Counter("unifiedserve_prompt_tokens", "Prompt tokens (visual tokens included).",

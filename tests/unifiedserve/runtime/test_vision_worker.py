@@ -130,6 +130,8 @@ def test_patches_land_at_their_rows_and_ready_counts_grow(tmp_path, demo_model, 
                                                            for n in partial)
             if not streaming or plan.kind == "image":
                 assert partial == []
+            starts = {m.decode_start for m in ready if m.media_index == index}  # one decode start per media
+            assert len(starts) == 1 and 0 < starts.pop() <= time.time()
         if streaming:  # the long video (4 slices over 8 slow GOP segments) is announced before it is whole
             assert len([m for m in ready if m.media_index == 0]) >= 2
     finally:

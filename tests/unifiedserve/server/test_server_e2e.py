@@ -203,6 +203,10 @@ def test_parity_and_concurrency_then_no_leaks(server, client, media):
               ("probe", "video_decode", "queue", "encode", "prefill")}
     # a request whose media the prefix or media cache already holds runs no encode step
     assert all(counts[s] >= 16 for s in ("probe", "video_decode", "queue", "prefill")) and counts["encode"] >= 3, counts
+    # decode start -> first encode step, for each request that encoded media vision decoded for it
+    lag_count = m["unifiedserve_request_first_encode_lag_seconds_count"]
+    assert 3 <= lag_count <= counts["encode"], (lag_count, counts)
+    assert 0 < m["unifiedserve_request_first_encode_lag_seconds_sum"] < m["unifiedserve_time_to_first_token_seconds_sum"]
 
 
 def _error(status_body, status):
