@@ -110,6 +110,8 @@ class CoreWorker(Worker):
             was_whole = req is not None and message.media_index in req.ready_media
             if self.scheduler.mark_media_ready(rid, message.media_index, message.num_rows):
                 stages = self.live[rid].stages
+                if message.decode_start and not (0 < stages.video_decode_start <= message.decode_start):
+                    stages.video_decode_start = message.decode_start
                 if not was_whole and message.media_index in req.ready_media:  # now whole: its decode time
                     stages.video_decode_s += message.video_decode_s
                 if len(req.ready_media) == req.num_media:
