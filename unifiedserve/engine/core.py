@@ -1,11 +1,11 @@
 """The engine core: one step's schedule, run and output processing, written once.
 
 The in-process :class:`~unifiedserve.engine.LLM`, the core process (first tokens, and every token under
-``--policy monolithic``) and the decode process all end a model step the same way: one
-:func:`process_logits` call over the rows that sample. What they do next differs only in transport
-(return a ``RequestOutput``, send ``TokenOutputs``, hand off, release blocks); detokenization and stop
-strings live with whoever shows text (``engine/output.py``: the ``LLM`` here, the api process in the
-server).
+``--policy monolithic``) and the decode process all drive one :meth:`EngineCore.step`; they differ in
+which phases their scheduler schedules (everything; encode and prefill with hand-off; decode rows of
+adopted requests only) and in transport (return a ``RequestOutput``, send ``TokenOutputs``, hand off,
+release blocks). Detokenization and stop strings live with whoever shows text (``engine/output.py``:
+the ``LLM`` here, the api process in the server).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from unifiedserve.engine.params import SamplingParams, finish_reason
+from unifiedserve.engine.request import Request
 from unifiedserve.engine.sampling import SamplerState, TokenLogprobs, sample, token_logprobs
 
 
@@ -64,10 +65,11 @@ class EngineCore:
     """The scheduler, the model runner and output processing behind one :meth:`step`.
 
     ``schedule → execute → commit → process_logits``, the same for the in-process
-    :class:`~unifiedserve.engine.LLM` and the core process; they differ only in what they do around a
-    step (the core process sends patch pages to vision before the step runs, hands prefilled requests
-    to the decode process after it) and in where inputs come from (pixels given here, or written by
-    the vision process). The runner alone owns device tensors.
+    :class:`~unifiedserve.engine.LLM`, the core process and the decode process; they differ only in
+    what they do around a step (the core process sends patch pages to vision before the step runs,
+    hands prefilled requests to the decode process after it) and in where inputs come from (pixels
+    given here, written by the vision process, or a hand-off: :meth:`adopt`). The runner alone owns
+    device tensors.
     """
 
     def __init__(self, scheduler, runner):
@@ -80,6 +82,18 @@ class EngineCore:
         self.scheduler.add(request)
         self.runner.add_request(request, vision)
         self.seqs[request.request_id] = seq
+
+    def adopt(self, request_id: str, seq: SequenceState, num_prompt_tokens: int, mrope_delta: int,
+              block_table: list[int]) -> None:
+        """Decode a request another engine core prefilled and handed off (its :meth:`hand_off`).
+
+        ``seq.output_token_ids`` holds its first token. Its KV is in ``block_table`` of the shared KV
+        cache; the blocks stay the lender's (:meth:`finish` here frees none of them).
+        """
+        request = Request(request_id, [], seq.params, output_token_ids=seq.output_token_ids)  # the prompt stays with core
+        self.scheduler.adopt(request)
+        self.runner.adopt(request_id, num_prompt_tokens, mrope_delta, block_table)
+        self.seqs[request_id] = seq
 
     def step(self, before_execute=None):
         """One iteration. Returns ``(the scheduler's output, [(request id, SampledToken)])``.

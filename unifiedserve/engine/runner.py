@@ -129,8 +129,9 @@ def decode_row(num_cached: int, last_token: int, mrope_delta: int, block_table: 
 
 @dataclass
 class _RequestTensors:
-    prompt_ids: torch.Tensor  # int64 [L] (host)
-    positions: torch.Tensor  # int64 [3, L] M-RoPE positions of the prompt (host)
+    num_prompt_tokens: int  # L
+    prompt_ids: torch.Tensor  # int64 [L] (host); empty for a request prefilled elsewhere (adopt)
+    positions: torch.Tensor  # int64 [3, L] M-RoPE positions of the prompt (host); empty when adopted
     mrope_delta: int  # decode position of output token i is L + delta + i on all three axes
     patches: list[torch.Tensor] | None  # per media [P_m, patch_dim] (host) until written into the patch buffer
     grids: list[tuple[int, int, int]]  # encode items' grids, in encode order
@@ -145,7 +146,8 @@ class ModelRunner:
     Args:
         model: a loaded :class:`unifiedserve.model.Qwen2_5_VL` (its weights set the device and dtype).
         num_kv_blocks, block_size: KV cache size.
-        num_patch_pages, num_visual_pages, page_size: embedding buffer sizes.
+        num_patch_pages, num_visual_pages, page_size: embedding buffer sizes; 0 pages: no such
+            buffer (a decode-only runner, as in the decode process, has neither).
         device: where the caches live; must be the model's device.
         kv_storage, patch_storage: existing tensors to use as the KV cache and the patch buffer
             (shared with other processes); allocated here when ``None``.
@@ -180,9 +182,9 @@ class ModelRunner:
         self.rope = RopeTables(text, self.device)
         patch_dim = 3 * cfg.vision.temporal_patch_size * cfg.vision.patch_size ** 2
         self.patch_buffer = PagedBuffer(num_patch_pages, page_size, patch_dim, dtype=self.dtype, device=self.device,
-                                        storage=patch_storage)
+                                        storage=patch_storage) if num_patch_pages else None
         self.visual_buffer = PagedBuffer(num_visual_pages, page_size, cfg.vision.out_hidden_size, dtype=self.dtype,
-                                         device=self.device)
+                                         device=self.device) if num_visual_pages else None
         self.media_cache = MediaCache(media_cache_bytes) if media_cache_bytes > 0 else None
         self.graphs = None  # DecodeGraphs once captured
         self._tensors: dict[str, _RequestTensors] = {}
@@ -249,8 +251,15 @@ class ModelRunner:
                                           [v.second_per_grid_t for v in videos], cfg)
         pixels = [v.patches for v in vision if isinstance(v, VisionInput)]
         self._tensors[request.request_id] = _RequestTensors(
-            torch.tensor(request.prompt_token_ids, dtype=torch.int64), positions, delta, pixels or None,
-            [item.grid_thw for item in request.encode_items])
+            request.prompt_len, torch.tensor(request.prompt_token_ids, dtype=torch.int64), positions, delta,
+            pixels or None, [item.grid_thw for item in request.encode_items])
+
+    def adopt(self, request_id: str, num_prompt_tokens: int, mrope_delta: int, block_table: list[int]) -> None:
+        """Decode a request whose prompt was prefilled elsewhere into ``block_table`` of this KV cache
+        (shared with the runner that prefilled it); only its decode rows run here."""
+        self._tensors[request_id] = _RequestTensors(
+            num_prompt_tokens, torch.empty(0, dtype=torch.int64), torch.empty(3, 0, dtype=torch.int64), mrope_delta,
+            None, [], list(block_table))
 
     def release(self, request_id: str) -> None:
         self._tensors.pop(request_id, None)
@@ -329,7 +338,7 @@ class ModelRunner:
                 sample_ids.append(chunk.request_id)
         for rid in out.decode:
             req, t = requests[rid], self._tensors[rid]
-            row = decode_row(req.prompt_len + len(req.output_token_ids) - 1, req.output_token_ids[-1],
+            row = decode_row(t.num_prompt_tokens + len(req.output_token_ids) - 1, req.output_token_ids[-1],
                              t.mrope_delta, t.block_table)
             for dest, value in zip((ids, positions, seqs), row):
                 dest.append(value)

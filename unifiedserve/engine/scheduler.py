@@ -29,7 +29,9 @@ admitted request's patches in the same step and decode runs here too. In the mul
 runtime the vision process writes patches into the pages named at admission and reports each
 media ready (:meth:`Scheduler.mark_media_ready`), and a request whose prefill is done is handed
 off to the decode process (:meth:`Scheduler.hand_off`), keeping its KV blocks until
-:meth:`Scheduler.release` .
+:meth:`Scheduler.release` . The decode process runs a decode-only scheduler
+(:meth:`Scheduler.decode_only`): it adopts those requests (:meth:`Scheduler.adopt`) with the blocks
+core lent them, schedules nothing but their decode rows, and never allocates or frees a block.
 """
 
 from __future__ import annotations
@@ -55,11 +57,13 @@ class SchedulerConfig:
     patches_ready_on_admit: bool = True
     #: How many later requests may take KV blocks before a request that is waiting for them.
     max_kv_overtakes: int = 64
+    #: requests decoded together at most; later ones wait, in order, until one of these finishes
+    max_decode_batch: int = 256
 
     def __post_init__(self) -> None:
         if self.max_kv_overtakes < 0:
             raise ValueError(f"max_kv_overtakes must be >= 0, got {self.max_kv_overtakes}")
-        for name in ("prefill_token_budget", "encode_token_budget", "max_num_seqs"):
+        for name in ("prefill_token_budget", "encode_token_budget", "max_num_seqs", "max_decode_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
@@ -128,11 +132,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Owns request state and the allocators' policy (who gets KV blocks and patch/visual pages)."""
+    """Owns request state and the allocators' policy (who gets KV blocks and patch/visual pages).
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, patch_pages: PageAllocator,
-                 visual_pages: PageAllocator, media_cache: MediaCacheIndex | None = None):
+    Built without allocators (:meth:`decode_only`) it only decodes requests prefilled elsewhere.
+    """
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager | None, patch_pages: PageAllocator | None,
+                 visual_pages: PageAllocator | None, media_cache: MediaCacheIndex | None = None):
         self.config = config
+        #: the decode process's mode: only adopted requests, only decode rows, no allocator
+        self.is_decode_only = blocks is None
         self.media_cache = media_cache
         #: cache counters, in prompt tokens: asked of the prefix cache and found; visual tokens asked
         #: of the media cache and found (media the prefix cache already covered are not asked)
@@ -148,6 +157,12 @@ class Scheduler:
         self.visual_streams: dict[str, PagedStream] = {}
         self.handed_off: set[str] = set()  # prefilled, decoding elsewhere; their KV blocks are still held
         self.kv_overtakes: dict[str, int] = {}  # request waiting for KV blocks -> later requests that took theirs
+        self.adopted: set[str] = set()  # prefilled elsewhere, decoding here on blocks lent by their owner
+
+    @classmethod
+    def decode_only(cls, config: SchedulerConfig) -> Scheduler:
+        """A scheduler for the decode process: it adopts prefilled requests and schedules their decode rows."""
+        return cls(config, None, None, None)
 
     @property
     def num_waiting(self) -> int:
@@ -156,6 +171,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue ``request`` (ValueError, and nothing queued, if it can never run: see :meth:`check`)."""
+        if self.is_decode_only:
+            raise ValueError("a decode-only scheduler takes prefilled requests (adopt), not new ones")
         self.check(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -173,9 +190,34 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} has {request.num_patch_tokens} patch tokens, more than "
                              f"the patch buffer holds")
 
+    def adopt(self, request: Request) -> None:
+        """Decode ``request`` here: its prompt was prefilled elsewhere (its first output token is there).
+
+        Its KV blocks are borrowed: the runner has the block table, and :meth:`finish` gives nothing
+        back (the lender frees them, e.g. core on ``ReleaseBlocks``). Decode rows go to the running
+        requests in adoption order, ``max_decode_batch`` at most per step.
+
+        Raises:
+            ValueError: a duplicate id, or no first token.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if not request.output_token_ids:
+            raise ValueError(f"request {request.request_id!r} is adopted without its first token")
+        request.num_computed_tokens = request.prompt_len
+        request.status, request.has_kv = Status.RUNNING, True
+        self.requests[request.request_id] = request
+        self.running.append(request)
+        self.adopted.add(request.request_id)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def _decode_rows(self) -> list[str]:
+        """The requests past their prompt that decode this step: the oldest ``max_decode_batch``."""
+        rows = [r.request_id for r in self.running if r.is_prefill_done and r.output_token_ids]
+        return rows[:self.config.max_decode_batch]
 
     def mark_media_ready(self, request_id: str, media_index: int, num_rows: int | None = None) -> bool:
         """The patches of media ``media_index`` are in the buffer: its encode items may run.
@@ -250,6 +292,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.is_decode_only:
+            out.decode = self._decode_rows()
+            return out
         # 1. admit new requests (FIFO) while their patch pages fit: their vision work can start
         #    now; KV blocks are only needed when their prefill starts (step 3)
         admitted_writes = []
@@ -346,8 +391,8 @@ class Scheduler:
                 visual_reads.append((self.visual_streams[req.request_id], n_visual))
         if visual_reads:
             out.visual_read, out.freed_visual_pages = plan_read(visual_reads, self.visual_pages.page_size)
-        # 4. every request past its prompt decodes one token
-        out.decode = [r.request_id for r in self.running if r.is_prefill_done and r.output_token_ids]
+        # 4. every request past its prompt decodes one token (up to max_decode_batch of them)
+        out.decode = self._decode_rows()
         return out
 
     def _prefill_size(self, req: Request, budget: int) -> int:
@@ -366,6 +411,8 @@ class Scheduler:
         Output tokens are appended by the engine. Call exactly once per :meth:`schedule`, after the
         runner has executed the step (its gathers read the pages freed here).
         """
+        if self.is_decode_only:
+            return  # decode rows only: no prompt progress, no pages
         bs = self.blocks.block_size
         for chunk in out.prefill:
             req = self.requests.get(chunk.request_id)
@@ -410,7 +457,10 @@ class Scheduler:
         req = self.requests.pop(request_id)
         self.kv_overtakes.pop(request_id, None)
         req.status, req.finish_reason = Status.FINISHED, reason
-        if req in self.running:
+        if request_id in self.adopted:  # its blocks are borrowed: the lender frees them
+            self.adopted.remove(request_id)
+            self.running.remove(req)
+        elif req in self.running:
             self.running.remove(req)
             if request_id in self.blocks:
                 self.blocks.free(request_id)

@@ -2,24 +2,26 @@
 
 A ``Handoff`` brings a prefilled request: its KV block table (already sized for prompt +
 max_tokens, so a decode step never waits on another process for blocks), its first token, its
-M-RoPE delta and its sampler state. Every step decodes one token for each request in the batch,
-streams the tokens to api, and tells core which requests finished (``ReleaseBlocks``).
+M-RoPE delta and its sampler state. The process drives the same :class:`EngineCore` step as core
+and the in-process ``LLM``, over a decode-only scheduler (``Scheduler.decode_only``: adopted
+requests, decode rows only, ``max_decode_batch`` at a time, the rest waiting in order) and a
+runner without embedding buffers. Every step streams the tokens to api and tells core which
+requests finished (``ReleaseBlocks``): the blocks are core's, decode never frees them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
-from unifiedserve.attention import KVCache, get_attention_backend
 from unifiedserve.engine.llm import DTYPES
-from unifiedserve.engine.core import SequenceState, process_logits
-from unifiedserve.engine.runner import decode_row, forward_tokens
+from unifiedserve.engine.core import EngineCore, SequenceState
+from unifiedserve.engine.runner import ModelRunner
 from unifiedserve.engine.sampling import SamplerState
+from unifiedserve.engine.scheduler import Scheduler
 from unifiedserve.engine.structured import grammar_for
 from unifiedserve.model.loader import load_model
 from unifiedserve.runtime import protocol
@@ -27,12 +29,6 @@ from unifiedserve.runtime.shm import open_pool
 from unifiedserve.runtime.worker import Worker
 
 log = logging.getLogger("unifiedserve")
-
-
-@dataclass
-class _Seq:
-    handoff: protocol.Handoff
-    seq: SequenceState  # output tokens so far: the first came from core
 
 
 class DecodeWorker(Worker):
@@ -43,69 +39,46 @@ class DecodeWorker(Worker):
         cfg = self.config
         # core fills the shared weights pool; decode only maps it (it runs nothing before core's first hand-off)
         weights = open_pool(cfg.pools["weights"]) if "weights" in cfg.pools else None
-        self.model, model_config = load_model(cfg.model, DTYPES[cfg.dtype], cfg.device, llm_storage=weights,
-                                              fill_llm=weights is None)
+        self.model, _ = load_model(cfg.model, DTYPES[cfg.dtype], cfg.device, llm_storage=weights,
+                                   fill_llm=weights is None)
         self.model.eval()
-        text = model_config.text
-        kv = open_pool(cfg.pools["kv"])
-        cache = KVCache(text.num_hidden_layers, cfg.num_kv_blocks, cfg.block_size, text.num_key_value_heads,
-                        text.head_dim, storage=kv)
-        self.attn = get_attention_backend(cfg.device)(cache, text.num_attention_heads, text.num_key_value_heads,
-                                                      text.head_dim)
-        self.batch: dict[str, _Seq] = {}
-        self.pending: deque[protocol.Handoff] = deque()  # beyond max_decode_batch
+        runner = ModelRunner(self.model, num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size,
+                             num_patch_pages=0, num_visual_pages=0, page_size=cfg.page_size, device=cfg.device,
+                             kv_storage=open_pool(cfg.pools["kv"]))
+        self.scheduler = Scheduler.decode_only(replace(cfg.scheduler, max_decode_batch=cfg.max_decode_batch))
+        self.core = EngineCore(self.scheduler, runner)
         return {"device": cfg.device, "torch_threads": str(torch.get_num_threads()), "nice": str(os.nice(0)),
-                "max_decode_batch": str(cfg.max_decode_batch)}
+                "max_decode_batch": str(self.scheduler.config.max_decode_batch)}
 
     def has_work(self) -> bool:
-        return bool(self.batch)
+        return self.scheduler.has_work
 
     def stats(self) -> dict[str, float]:
-        return {"num_decoding": len(self.batch) + len(self.pending)}
+        return {"num_decoding": len(self.scheduler.running)}  # in the batch, and waiting for a place in it
 
     def handle(self, message) -> None:
         if isinstance(message, protocol.Handoff):
-            self.pending.append(message)
-            self._fill()
-        elif isinstance(message, protocol.AbortRequest):
-            rid = message.request_id
-            if self.batch.pop(rid, None) is not None:
-                self._fill()
-            else:
-                before = len(self.pending)
-                self.pending = deque(h for h in self.pending if h.request_id != rid)
-                if len(self.pending) == before:
-                    return  # already finished: its blocks were released then
-            self.send("core", protocol.ReleaseBlocks([rid]))
-
-    def _fill(self) -> None:
-        while self.pending and len(self.batch) < self.config.max_decode_batch:
-            h = self.pending.popleft()
+            h = message
             # a response_format grammar is rebuilt here from the params and the first token (core's)
             grammar = grammar_for(h.params, self.config.model, h.stop_token_ids, [h.first_token])
             sampler = SamplerState.from_bytes(h.sampler_state, self.config.device, grammar)
-            self.batch[h.request_id] = _Seq(h, SequenceState(h.params, sampler, frozenset(h.stop_token_ids),
-                                                             [h.first_token]))
+            seq = SequenceState(h.params, sampler, frozenset(h.stop_token_ids), [h.first_token])
+            self.core.adopt(h.request_id, seq, h.prompt_len, h.mrope_delta, h.block_table)
+        elif isinstance(message, protocol.AbortRequest):
+            if message.request_id not in self.scheduler.requests:
+                return  # already finished: its blocks were released then
+            self.core.finish(message.request_id, "abort")
+            self.send("core", protocol.ReleaseBlocks([message.request_id]))
 
-    @torch.inference_mode()
     def step(self) -> None:
-        batch = list(self.batch.values())
-        rows = [decode_row(b.handoff.prompt_len + len(b.seq.output_token_ids) - 1, b.seq.output_token_ids[-1],
-                           b.handoff.mrope_delta, b.handoff.block_table) for b in batch]
-        ids, positions, seqs = (list(column) for column in zip(*rows))
-        logits = forward_tokens(self.model, self.attn, torch.cat(ids), torch.cat(positions, dim=1), seqs, None,
-                                list(range(len(batch))),
-                                visual_mask=torch.zeros(len(batch), dtype=torch.bool))  # generated tokens are text
+        _, sampled = self.core.step()
         outputs, finished = [], []
-        for b, r in zip(batch, process_logits(logits, [b.seq for b in batch])):
-            rid = b.handoff.request_id
+        for rid, r in sampled:
             outputs.append(protocol.TokenOutput(rid, r.index, r.token_id, r.finish_reason, None,
                                                 *(r.logprobs if r.logprobs is not None else (None, None))))
             if r.finish_reason is not None:
+                self.core.finish(rid, r.finish_reason)
                 finished.append(rid)
         self.send("api", protocol.TokenOutputs(outputs))
         if finished:
-            for rid in finished:
-                del self.batch[rid]
             self.send("core", protocol.ReleaseBlocks(finished))
-            self._fill()

@@ -1,0 +1,105 @@
+"""The decode side of the engine core: a request handed off by one EngineCore and adopted by a
+decode-only one (the decode process's) decodes exactly the tokens the in-process LLM gives."""
+
+import flashcodec
+import pytest
+
+from unifiedserve.engine.core import EngineCore, SequenceState
+from unifiedserve.engine.inputs import VisionInput
+from unifiedserve.engine.llm import LLM, EngineConfig
+from unifiedserve.engine.params import SamplingParams
+from unifiedserve.engine.request import Request
+from unifiedserve.engine.runner import ModelRunner
+from unifiedserve.engine.sampling import SamplerState
+from unifiedserve.engine.scheduler import Scheduler, SchedulerConfig
+
+
+@pytest.fixture(scope="module")
+def llm(demo_path):
+    return LLM(demo_path, EngineConfig(num_kv_blocks=128))
+
+
+@pytest.fixture(scope="module")
+def prompts(llm, image_factory):
+    image = VisionInput.from_image(flashcodec.decode_image(image_factory(".png", width=97, height=61, seed=5)))
+    with_image = llm.build_prompt([{"role": "user", "content": [{"type": "image", "vision": image},
+                                                                {"type": "text", "text": "What is it?"}]}])
+    text = llm.build_prompt([{"role": "user", "content": "Say something."}])
+    # the image moves the M-RoPE positions of generated tokens (delta != 0); different lengths end apart
+    return [(*with_image, SamplingParams(max_tokens=9, ignore_eos=True)),
+            (*text, SamplingParams(max_tokens=5, ignore_eos=True)),
+            (*text, SamplingParams(max_tokens=7, ignore_eos=True, logprobs=2))]
+
+
+def decode_side(llm, max_decode_batch):
+    """The decode process's engine core: a runner without embedding buffers over the same KV cache."""
+    cfg = llm.config
+    runner = ModelRunner(llm.model, num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size, num_patch_pages=0,
+                         num_visual_pages=0, page_size=cfg.page_size, kv_storage=llm.runner.kv_cache.tensor)
+    assert runner.patch_buffer is None and runner.visual_buffer is None
+    return EngineCore(Scheduler.decode_only(SchedulerConfig(max_decode_batch=max_decode_batch)), runner)
+
+
+def test_handed_off_requests_decode_the_llms_tokens(llm, prompts):
+    expected = [o.token_ids for o in llm.generate(prompts)]
+    assert llm.pool_usage()["kv_blocks_used"] == 0
+    # prefill on the LLM's core, then hand each request off as core does, sampler state through bytes
+    ids = [llm.add_request(p, v, s) for p, v, s in prompts]
+    handed = {}
+    while len(handed) < len(ids):
+        _, sampled = llm.core.step()
+        for rid, r in sampled:
+            assert r.index == 0 and r.finish_reason is None
+            request, seq, table, delta = llm.core.hand_off(rid)
+            del llm._live[rid]
+            handed[rid] = (request.prompt_len, delta, table, seq)
+    assert llm.scheduler.handed_off == set(ids) and not llm.scheduler.has_work
+    used = llm.pool_usage()["kv_blocks_used"]
+    assert handed[ids[0]][1] != 0
+
+    decode = decode_side(llm, max_decode_batch=2)
+    for rid in ids:
+        prompt_len, delta, table, seq = handed[rid]
+        sampler = SamplerState.from_bytes(seq.sampler.to_bytes())
+        decode.adopt(rid, SequenceState(seq.params, sampler, seq.stop_ids, list(seq.output_token_ids)),
+                     prompt_len, delta, table)
+    tokens = {rid: list(handed[rid][3].output_token_ids) for rid in ids}
+    logprobs = []
+    batches = []
+    while decode.scheduler.has_work:
+        out, sampled = decode.step()
+        assert not (out.admitted or out.encode or out.prefill)  # decode rows only
+        batches.append(list(out.decode))
+        for rid, r in sampled:
+            tokens[rid].append(r.token_id)
+            if rid == ids[2]:
+                logprobs.append(r.logprobs)
+            if r.finish_reason is not None:
+                assert r.finish_reason == "length"
+                decode.finish(rid, r.finish_reason)
+    assert [tokens[rid] for rid in ids] == expected
+    # at most two at once, oldest first: the third joins when the 5-token request finishes
+    assert max(len(b) for b in batches) == 2 and batches[0] == ids[:2] and ids[2] in batches[4]
+    assert ids[2] not in batches[3]
+    assert len(logprobs) == 6 and all(lp is not None for lp in logprobs)
+    # the blocks were lent: decode frees none, core frees them on release
+    assert llm.pool_usage()["kv_blocks_used"] == used
+    for rid in ids:
+        assert llm.scheduler.release(rid)
+    assert llm.pool_usage()["kv_blocks_used"] == 0
+
+
+def test_decode_only_scheduler_refuses_new_requests_and_aborts_free_nothing(llm, prompts):
+    decode = decode_side(llm, max_decode_batch=4)
+    with pytest.raises(ValueError, match="decode-only"):
+        decode.scheduler.add(Request("n", [1, 2, 3], SamplingParams()))
+    params = SamplingParams(max_tokens=3)
+    seq = SequenceState(params, SamplerState.for_params(params), frozenset(), [])
+    with pytest.raises(ValueError, match="first token"):
+        decode.adopt("a", seq, 4, 0, [0])
+    seq.output_token_ids.append(7)
+    decode.adopt("a", seq, 4, 0, [0])
+    with pytest.raises(ValueError, match="duplicate"):
+        decode.adopt("a", seq, 4, 0, [0])
+    decode.finish("a", "abort")
+    assert not decode.scheduler.has_work and not decode.seqs and decode.scheduler.adopted == set()
