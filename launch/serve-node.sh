@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# One serving node: the MPS daemon (launch/mps.sh) when the node has an NVIDIA GPU, then
+# `unifiedserve serve` in the background; `stop` takes both down and leaves nothing behind.
+#
+#   launch/serve-node.sh start [--no-mps] [SERVE FLAGS...]   start MPS (GPU nodes), then the server;
+#                                                           returns once /health answers 200
+#   launch/serve-node.sh stop                                drain and stop the server, then MPS
+#   launch/serve-node.sh status                              the server's pid and /health, and MPS
+#
+# SERVE FLAGS go to `unifiedserve serve` unchanged (see `unifiedserve serve --help`); the server
+# places its processes on the GPU and gives each its MPS SM share itself (runtime/gpu_placement.py).
+# Without a GPU, or with --no-mps, no daemon starts: on a GPU the processes then time-slice it, which
+# is said once at start.
+#
+# State folder: $UNIFIEDSERVE_NODE_DIR (default /tmp/unifiedserve-node-$UID) holds server.pid,
+# server.log, the health URL, and mps/ (the daemon's private pipe and log folders). The CPU pools live
+# in a folder of /dev/shm named after the state folder (unless SERVE FLAGS give --shm-dir), removed by
+# `stop`.
+# Environment: UNIFIEDSERVE_BIN (default: this checkout's .venv/bin/unifiedserve, else `unifiedserve`
+# on PATH), UNIFIEDSERVE_START_TIMEOUT (seconds to wait for /health, default 900: a GPU's first start
+# compiles kernels), UNIFIEDSERVE_STOP_TIMEOUT (seconds to drain before SIGKILL, default 60).
+set -euo pipefail
+prog=serve-node.sh
+here=$(cd "$(dirname "$0")" && pwd)
+die() { echo "$prog: error: $*" >&2; exit 1; }
+dir=${UNIFIEDSERVE_NODE_DIR:-/tmp/unifiedserve-node-$(id -u)}
+export UNIFIEDSERVE_MPS_DIR=$dir/mps
+shm_default=/dev/shm/unifiedserve-node-$(id -u)-$(printf %s "$dir" | cksum | cut -d" " -f1)  # one per state folder
+start_timeout=${UNIFIEDSERVE_START_TIMEOUT:-900}
+stop_timeout=${UNIFIEDSERVE_STOP_TIMEOUT:-60}
+[[ $start_timeout =~ ^[0-9]+$ ]] && [ "$start_timeout" -ge 1 ] || die "UNIFIEDSERVE_START_TIMEOUT must be a positive number of seconds, got '$start_timeout'"
+[[ $stop_timeout =~ ^[0-9]+$ ]] && [ "$stop_timeout" -ge 1 ] || die "UNIFIEDSERVE_STOP_TIMEOUT must be a positive number of seconds, got '$stop_timeout'"
+if [ -n "${UNIFIEDSERVE_BIN:-}" ]; then bin=$UNIFIEDSERVE_BIN
+elif [ -x "$here/../.venv/bin/unifiedserve" ]; then bin=$here/../.venv/bin/unifiedserve
+else bin=unifiedserve; fi
+
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; }
+server_pid() { [ -f "$dir/server.pid" ] && cat "$dir/server.pid"; }
+alive() { local pid; pid=$(server_pid) && [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; }
+# 0 when $1 answers 200 within 3 s (python: curl is not everywhere)
+healthy() {
+  python3 - "$1" <<'EOF' >/dev/null 2>&1
+import sys, urllib.request
+with urllib.request.urlopen(sys.argv[1], timeout=3) as r:
+    sys.exit(0 if r.status == 200 else 1)
+EOF
+}
+stop_mps() { if [ -f "$dir/mps.started" ]; then "$here/mps.sh" stop; rm -f "$dir/mps.started"; fi; }
+# every process of the server's session (it was started with setsid: api, vision, core, decode)
+session_pids() { local pid; pid=$(server_pid) || return 0; ps -e -o pid=,sid= | awk -v s="$pid" '$2 == s {print $1}'; }
+
+start() {
+  local use_mps=1 port=8000 host=127.0.0.1 shm_given=0 prev=
+  local args=()
+  for a in "$@"; do
+    case $a in
+      --no-mps) use_mps=0; continue ;;
+      --shm-dir|--shm-dir=*) shm_given=1 ;;
+    esac
+    case $prev in --port) port=$a ;; --host) host=$a ;; esac
+    case $a in --port=*) port=${a#--port=} ;; --host=*) host=${a#--host=} ;; esac
+    args+=("$a"); prev=$a
+  done
+  [[ $port =~ ^[0-9]+$ ]] || die "--port must be a number, got '$port'"
+  case $host in 0.0.0.0|::|'') host=127.0.0.1 ;; esac
+  alive && die "a server already runs from $dir (pid $(server_pid)); stop it first: $0 stop"
+  command -v "$bin" >/dev/null 2>&1 || die "'$bin' not found: run 'make setup' (or pip install unifiedserve) or set UNIFIEDSERVE_BIN"
+  mkdir -p "$dir"
+  rm -f "$dir/server.pid" "$dir/mps.started"
+  if [ "$shm_given" = 0 ]; then
+    mkdir -p "$shm_default"
+    args=(--shm-dir "$shm_default" "${args[@]}")
+  fi
+  if has_gpu; then
+    if [ "$use_mps" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+      "$here/mps.sh" status >/dev/null 2>&1 || { "$here/mps.sh" start; touch "$dir/mps.started"; }
+      eval "$("$here/mps.sh" env)"
+    else
+      local why="--no-mps"
+      [ "$use_mps" = 1 ] && why="nvidia-cuda-mps-control not found"
+      echo "$prog: no MPS ($why): the server's processes time-slice the GPU"
+    fi
+  else
+    echo "$prog: no NVIDIA GPU on this node: the server runs on the CPU"
+  fi
+  local url="http://$host:$port/health"
+  [[ $host == *:* ]] && url="http://[$host]:$port/health"
+  echo "$url" > "$dir/health_url"
+  setsid "$bin" serve "${args[@]}" >"$dir/server.log" 2>&1 < /dev/null &
+  echo $! > "$dir/server.pid"
+  echo "starting: $bin serve ${args[*]} (pid $!, log $dir/server.log)"
+  local waited=0
+  while ! healthy "$url"; do
+    if ! alive; then
+      echo "$prog: error: the server exited before it was ready; the end of $dir/server.log:" >&2
+      tail -n 20 "$dir/server.log" >&2
+      rm -f "$dir/server.pid"
+      stop_mps >/dev/null
+      [ "$shm_given" = 1 ] || rm -rf "$shm_default"
+      exit 1
+    fi
+    [ "$waited" -ge "$start_timeout" ] && { stop >/dev/null; die "the server was not ready in $start_timeout s (UNIFIEDSERVE_START_TIMEOUT); stopped it; see $dir/server.log"; }
+    sleep 1; waited=$((waited + 1))
+  done
+  echo "ready: $url (pid $(server_pid))"
+}
+
+stop() {
+  if alive; then
+    local pid; pid=$(server_pid)
+    kill -TERM "$pid" 2>/dev/null || true  # the server drains: in-flight requests end with a 503
+    local waited=0
+    while alive && [ "$waited" -lt "$((stop_timeout * 10))" ]; do sleep 0.1; waited=$((waited + 1)); done
+    if alive; then
+      echo "$prog: the server did not stop in $stop_timeout s: killing its processes"
+      # shellcheck disable=SC2046
+      kill -KILL $(session_pids) 2>/dev/null || true
+    fi
+    # its workers follow it (they die with their parent); wait for the last of them
+    for _ in $(seq 100); do [ -z "$(session_pids)" ] && break; sleep 0.1; done
+    echo "server stopped (pid $pid)"
+  else
+    echo "server not running"
+  fi
+  rm -f "$dir/server.pid" "$dir/health_url"
+  rm -rf "$shm_default"
+  stop_mps
+  rmdir "$dir/mps" 2>/dev/null || true
+}
+
+status() {
+  local rc=0
+  if alive; then
+    local url; url=$(cat "$dir/health_url" 2>/dev/null || echo)
+    if [ -n "$url" ] && healthy "$url"; then echo "server running (pid $(server_pid)), healthy: $url"
+    else echo "server running (pid $(server_pid)), not healthy yet: ${url:-no health URL}"; rc=4; fi
+  else
+    echo "server not running"; rc=3
+  fi
+  if has_gpu && command -v nvidia-cuda-mps-control >/dev/null 2>&1; then "$here/mps.sh" status || true; fi
+  return $rc
+}
+
+case ${1:-} in
+  start) shift; start "$@" ;;
+  stop) stop ;;
+  status) status ;;
+  *) echo "usage: launch/serve-node.sh start [--no-mps] [SERVE FLAGS...] | stop | status" >&2; exit 2 ;;
+esac

@@ -1,0 +1,87 @@
+"""launch/serve-node.sh: usage, one-line errors, and a real start/status/stop cycle on the CPU demo model
+that leaves no process, pid file or shared memory behind."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "launch" / "serve-node.sh"
+sys.path.insert(0, str(ROOT / "tests" / "unifiedserve" / "server"))
+
+from serve_helpers import SMALL_POOLS, free_port, http  # noqa: E402
+
+
+def node(*args: str, folder: pathlib.Path, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], env={**os.environ, "UNIFIEDSERVE_NODE_DIR": str(folder), **env},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def session_processes(pid: int) -> list[str]:
+    """Processes still in the server's session (it is started with setsid: its pid is the session id)."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,sid="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.split()[1] == str(pid)]
+
+
+def shm_folder(folder: pathlib.Path) -> pathlib.Path:
+    cksum = subprocess.run(["cksum"], input=str(folder), capture_output=True, text=True).stdout.split()[0]
+    return pathlib.Path(f"/dev/shm/unifiedserve-node-{os.getuid()}-{cksum}")
+
+
+def test_usage_status_and_stop_when_not_running(tmp_path):
+    bad = node("restart", folder=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.startswith("usage: launch/serve-node.sh start")
+    status = node("status", folder=tmp_path)
+    assert status.returncode == 3 and "server not running" in status.stdout
+    stop = node("stop", folder=tmp_path)
+    assert stop.returncode == 0 and "server not running" in stop.stdout
+
+
+@pytest.mark.parametrize("env, args, needle", [
+    ({"UNIFIEDSERVE_BIN": "/nonexistent/unifiedserve"}, [], "'/nonexistent/unifiedserve' not found"),
+    ({"UNIFIEDSERVE_START_TIMEOUT": "soon"}, [], "UNIFIEDSERVE_START_TIMEOUT must be a positive number"),
+    ({}, ["--port", "http"], "--port must be a number"),
+])
+def test_bad_settings_are_one_line(tmp_path, env, args, needle):
+    run = node("start", *args, folder=tmp_path, **env)
+    assert run.returncode == 1 and run.stderr.startswith(f"serve-node.sh: error: {needle}"), run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "server.pid").exists()
+
+
+def test_a_server_that_fails_to_start_is_reported_and_cleaned_up(tmp_path):
+    run = node("start", "--model", str(tmp_path / "no-such-model"), "--port", str(free_port()), folder=tmp_path)
+    assert run.returncode == 1 and "the server exited before it was ready" in run.stderr
+    assert "error:" in run.stderr.splitlines()[-1]  # the server's own one-line reason follows
+    assert not (tmp_path / "server.pid").exists() and not shm_folder(tmp_path).exists()
+
+
+def test_start_status_stop_leaves_nothing_behind(tmp_path):
+    from unifiedserve.model.demo import write_demo_model
+
+    demo_path = write_demo_model(tmp_path / "demo-model")
+    port = free_port()
+    folder = tmp_path / "node"
+    start = node("start", "--model", str(demo_path), "--port", str(port), *SMALL_POOLS, folder=folder, timeout=300)
+    try:
+        assert start.returncode == 0, start.stderr + (folder / "server.log").read_text()
+        assert "no NVIDIA GPU on this node: the server runs on the CPU" in start.stdout or "MPS" in start.stdout
+        pid = int((folder / "server.pid").read_text())
+        assert f"ready: http://127.0.0.1:{port}/health" in start.stdout
+        assert http("GET", f"http://127.0.0.1:{port}/health")[0] == 200
+        assert len(session_processes(pid)) >= 4  # api, vision, core, decode
+        status = node("status", folder=folder)
+        assert status.returncode == 0 and f"server running (pid {pid}), healthy" in status.stdout
+        again = node("start", "--port", str(free_port()), folder=folder)
+        assert again.returncode == 1 and f"a server already runs from {folder} (pid {pid})" in again.stderr
+    finally:
+        stop = node("stop", folder=folder)
+    assert stop.returncode == 0 and f"server stopped (pid {pid})" in stop.stdout
+    assert session_processes(pid) == []
+    assert not (folder / "server.pid").exists() and not shm_folder(folder).exists()
+    assert node("status", folder=folder).returncode == 3
