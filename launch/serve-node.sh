@@ -2,7 +2,8 @@
 # One serving node: the MPS daemon (launch/mps.sh) when the node has an NVIDIA GPU, then
 # `unifiedserve serve` in the background; `stop` takes both down and leaves nothing behind.
 #
-#   launch/serve-node.sh start [--no-mps] [SERVE FLAGS...]   start MPS (GPU nodes), then the server;
+#   launch/serve-node.sh start [--no-mps] [--restart N] [SERVE FLAGS...]
+#                                                           start MPS (GPU nodes), then the server;
 #                                                           returns once /health answers 200
 #   launch/serve-node.sh stop                                drain and stop the server, then MPS
 #   launch/serve-node.sh status                              the server's pid and /health, and MPS
@@ -10,7 +11,10 @@
 # SERVE FLAGS go to `unifiedserve serve` unchanged (see `unifiedserve serve --help`); the server
 # places its processes on the GPU and gives each its MPS SM share itself (runtime/gpu_placement.py).
 # Without a GPU, or with --no-mps, no daemon starts: on a GPU the processes then time-slice it, which
-# is said once at start.
+# is said once at start. --restart N: when the server exits with an error after running at least
+# 10 s (a worker died; on a GPU a fatal CUDA fault in one MPS client can end every client), restart
+# MPS (if this script started it) and the server, at most N times; the server itself fails the
+# in-flight requests and turns /health 503 before it exits.
 #
 # State folder: $UNIFIEDSERVE_NODE_DIR (default /tmp/unifiedserve-node-$UID) holds server.pid,
 # server.log, the health URL, and mps/ (the daemon's private pipe and log folders). The CPU pools live
@@ -50,11 +54,22 @@ stop_mps() { if [ -f "$dir/mps.started" ]; then "$here/mps.sh" stop; rm -f "$dir
 session_pids() { local pid; pid=$(server_pid) || return 0; ps -e -o pid=,sid= | awk -v s="$pid" '$2 == s {print $1}'; }
 
 start() {
-  local use_mps=1 port=8000 host=127.0.0.1 shm_given=0 prev=
+  local use_mps=1 port=8000 host=127.0.0.1 shm_given=0 prev= restarts=0
   local args=()
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --no-mps) use_mps=0; shift; continue ;;
+      --restart)
+        [ $# -ge 2 ] || die "--restart needs a number"
+        restarts=$2; shift 2; continue ;;
+    esac
+    args+=("$1"); shift
+  done
+  [[ $restarts =~ ^[0-9]+$ ]] || die "--restart must be a number of restarts (0 or more), got '$restarts'"
+  set -- "${args[@]}"
+  args=()
   for a in "$@"; do
     case $a in
-      --no-mps) use_mps=0; continue ;;
       --shm-dir|--shm-dir=*) shm_given=1 ;;
     esac
     case $prev in --port) port=$a ;; --host) host=$a ;; esac
@@ -66,7 +81,7 @@ start() {
   alive && die "a server already runs from $dir (pid $(server_pid)); stop it first: $0 stop"
   command -v "$bin" >/dev/null 2>&1 || die "'$bin' not found: run 'make setup' (or pip install unifiedserve) or set UNIFIEDSERVE_BIN"
   mkdir -p "$dir"
-  rm -f "$dir/server.pid" "$dir/mps.started"
+  rm -f "$dir/server.pid" "$dir/mps.started" "$dir/restarts"
   if [ "$shm_given" = 0 ]; then
     mkdir -p "$shm_default"
     args=(--shm-dir "$shm_default" "${args[@]}")
@@ -86,9 +101,11 @@ start() {
   local url="http://$host:$port/health"
   [[ $host == *:* ]] && url="http://[$host]:$port/health"
   echo "$url" > "$dir/health_url"
-  setsid "$bin" serve "${args[@]}" >"$dir/server.log" 2>&1 < /dev/null &
+  printf '%s\0' "${args[@]}" > "$dir/args"
+  export UNIFIEDSERVE_BIN=$bin
+  setsid bash "$here/serve-node.sh" _run "$restarts" >"$dir/server.log" 2>&1 < /dev/null &
   echo $! > "$dir/server.pid"
-  echo "starting: $bin serve ${args[*]} (pid $!, log $dir/server.log)"
+  echo "starting: $bin serve ${args[*]} (session $!, log $dir/server.log)"
   local waited=0
   while ! healthy "$url"; do
     if ! alive; then
@@ -122,18 +139,48 @@ stop() {
   else
     echo "server not running"
   fi
-  rm -f "$dir/server.pid" "$dir/health_url"
+  rm -f "$dir/server.pid" "$dir/health_url" "$dir/args" "$dir/api.pid" "$dir/restarts"
   rm -rf "$shm_default"
   stop_mps
   rmdir "$dir/mps" 2>/dev/null || true
+}
+
+# The session leader: runs the server, forwards SIGTERM/SIGINT to it, and restarts it (and MPS) after
+# a failure when asked to.
+run_server() {
+  local restarts=$1 n=0 rc began child= stopping=0
+  local args=()
+  mapfile -d '' args < "$dir/args"
+  trap 'stopping=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null' TERM INT
+  while :; do
+    began=$SECONDS
+    "$bin" serve "${args[@]}" &
+    child=$!
+    echo "$child" > "$dir/api.pid"
+    rc=0
+    wait "$child" || rc=$?
+    while kill -0 "$child" 2>/dev/null; do rc=0; wait "$child" || rc=$?; done  # a trapped signal ends `wait` early
+    rm -f "$dir/api.pid"
+    [ "$stopping" = 1 ] || [ "$rc" = 0 ] && exit "$rc"
+    if [ "$n" -ge "$restarts" ] || [ $((SECONDS - began)) -lt 10 ]; then
+      [ "$restarts" = 0 ] || echo "$prog: the server exited with status $rc; not restarting ($n of $restarts restarts used)"
+      exit "$rc"
+    fi
+    n=$((n + 1))
+    echo "$n" > "$dir/restarts"
+    echo "$prog: the server exited with status $rc after $((SECONDS - began)) s; restart $n of $restarts"
+    if [ -f "$dir/mps.started" ]; then "$here/mps.sh" stop || true; "$here/mps.sh" start; fi
+    sleep 1
+  done
 }
 
 status() {
   local rc=0
   if alive; then
     local url; url=$(cat "$dir/health_url" 2>/dev/null || echo)
-    if [ -n "$url" ] && healthy "$url"; then echo "server running (pid $(server_pid)), healthy: $url"
-    else echo "server running (pid $(server_pid)), not healthy yet: ${url:-no health URL}"; rc=4; fi
+    local restarted=; [ -f "$dir/restarts" ] && restarted=", restarted $(cat "$dir/restarts") times"
+    if [ -n "$url" ] && healthy "$url"; then echo "server running (pid $(server_pid)$restarted), healthy: $url"
+    else echo "server running (pid $(server_pid)$restarted), not healthy yet: ${url:-no health URL}"; rc=4; fi
   else
     echo "server not running"; rc=3
   fi
@@ -145,5 +192,6 @@ case ${1:-} in
   start) shift; start "$@" ;;
   stop) stop ;;
   status) status ;;
+  _run) run_server "$2" ;;
   *) echo "usage: launch/serve-node.sh start [--no-mps] [SERVE FLAGS...] | stop | status" >&2; exit 2 ;;
 esac

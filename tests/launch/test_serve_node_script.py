@@ -33,6 +33,13 @@ def shm_folder(folder: pathlib.Path) -> pathlib.Path:
     return pathlib.Path(f"/dev/shm/unifiedserve-node-{os.getuid()}-{cksum}")
 
 
+def up(url: str) -> bool:
+    try:
+        return http("GET", url, timeout=3)[0] == 200
+    except OSError:  # not listening (yet, or any more)
+        return False
+
+
 def test_usage_status_and_stop_when_not_running(tmp_path):
     bad = node("restart", folder=tmp_path)
     assert bad.returncode == 2 and bad.stderr.startswith("usage: launch/serve-node.sh start")
@@ -85,3 +92,46 @@ def test_start_status_stop_leaves_nothing_behind(tmp_path):
     assert session_processes(pid) == []
     assert not (folder / "server.pid").exists() and not shm_folder(folder).exists()
     assert node("status", folder=folder).returncode == 3
+
+
+@pytest.mark.slow
+def test_restart_after_a_worker_dies(tmp_path):
+    """--restart 1: a killed worker ends the server with an error; the node starts a new one, once."""
+    import signal
+    import time
+
+    from unifiedserve.model.demo import write_demo_model
+
+    demo_path = write_demo_model(tmp_path / "demo-model")
+    port, folder = free_port(), tmp_path / "node"
+    health = f"http://127.0.0.1:{port}/health"
+    start = node("start", "--restart", "1", "--model", str(demo_path), "--port", str(port), *SMALL_POOLS,
+                 folder=folder, timeout=300)
+    session = None
+    try:
+        assert start.returncode == 0, start.stderr + (folder / "server.log").read_text()
+        session = int((folder / "server.pid").read_text())
+        first_api = int((folder / "api.pid").read_text())
+        time.sleep(max(0.0, 11 - (time.time() - os.stat(folder / "api.pid").st_mtime)))  # restarts follow >= 10 s runs
+        status, body = http("GET", health)
+        assert status == 200
+        os.kill(body["workers"]["decode"], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        new_api = first_api
+        while time.monotonic() < deadline:
+            api = folder / "api.pid"
+            new_api = int(api.read_text()) if api.exists() else first_api
+            if new_api != first_api and up(health):
+                break
+            time.sleep(0.5)
+        log = (folder / "server.log").read_text()
+        assert new_api != first_api, log
+        assert "decode worker process exited unexpectedly" in log and "restart 1 of 1" in log
+        status = node("status", folder=folder)
+        assert status.returncode == 0 and "restarted 1 times" in status.stdout
+    finally:
+        stop = node("stop", folder=folder)
+    assert stop.returncode == 0 and "server stopped" in stop.stdout
+    if session is not None:
+        assert session_processes(session) == []
+    assert not shm_folder(folder).exists()
