@@ -57,6 +57,11 @@ fi
 nvrtc=$(find / -xdev -name 'libnvrtc.so.13*' 2>/dev/null | head -1)
 [ -n "$nvrtc" ] && export LD_LIBRARY_PATH=$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}
 export UNIFIEDSERVE_CACHE_DIR=/tmp/unifiedserve-cache
+# the wheels go in with --target (no console scripts): launch/serve-node.sh runs the CLI through this
+mkdir -p "$site/bin"
+printf '#!/bin/sh\nexec python3 -m unifiedserve.cli "$@"\n' > "$site/bin/unifiedserve"
+chmod +x "$site/bin/unifiedserve"
+export UNIFIEDSERVE_BIN=$site/bin/unifiedserve
 
 step "probe"
 run 60 probe python3 scripts/gpu_probe.py --out "$out/probe.json"
@@ -73,7 +78,7 @@ else
   run 240 flashinfer-warmup python3 -m unifiedserve.attention.warmup --model /tmp/qwen2.5-vl-7b
   step "cuda tests (unifiedserve) and the MPS launcher"
   run 150 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/unifiedserve
-  run 60 pytest-mps python3 -m pytest -q -p no:cacheprovider tests/launch
+  run 90 pytest-launch python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/launch  # MPS cycle, serve-node under MPS
   step "bench/kernels (paged copy on CUDA)"
   run 40 bench-kernels python3 bench/kernels/bench_paged_copy.py --device cuda --quick --out "$out/bench_kernels.json"
   step "bench/engine on the 7B preset"
