@@ -90,7 +90,8 @@ class EngineCore:
         ``seq.output_token_ids`` holds its first token. Its KV is in ``block_table`` of the shared KV
         cache; the blocks stay the lender's (:meth:`finish` here frees none of them).
         """
-        request = Request(request_id, [], seq.params, output_token_ids=seq.output_token_ids)  # the prompt stays with core
+        # the prompt (ids, positions) stays with the lender: the runner here knows only its length
+        request = Request(request_id, [], seq.params, output_token_ids=seq.output_token_ids)
         self.scheduler.adopt(request)
         self.runner.adopt(request_id, num_prompt_tokens, mrope_delta, block_table)
         self.seqs[request_id] = seq

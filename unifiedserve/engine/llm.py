@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import math
-import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from unifiedserve.attention import BACKEND_NAMES
-from unifiedserve.engine.device import (DEFAULT_GPU_MEMORY_UTILIZATION, DTYPES, check_utilization,
-                                        graph_batch_sizes, resolve_device, resolve_dtype)
+from unifiedserve.engine.config import EngineConfig
+from unifiedserve.engine.device import DTYPES
 from unifiedserve.engine.inputs import VisionInput, make_request
 from unifiedserve.engine.output import TextOutput
 from unifiedserve.engine.request import Request
@@ -27,72 +24,11 @@ from unifiedserve.engine.params import SamplingParams
 from unifiedserve.engine.core import EngineCore, SampledToken, SequenceState
 from unifiedserve.engine.sampling import SamplerState, TokenLogprobs
 from unifiedserve.engine.structured import grammar_for
-from unifiedserve.engine.scheduler import Scheduler, SchedulerConfig
+from unifiedserve.engine.scheduler import Scheduler
 from unifiedserve.memory.block_manager import BlockManager
 from unifiedserve.memory.pages import PageAllocator
 
 __all__ = ["DTYPES", "EngineConfig", "LLM", "RequestOutput"]
-
-log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Memory pools, budgets, device and dtype of one engine. Defaults suit the CPU demo model.
-
-    ``device`` and ``dtype`` are resolved at construction: ``device="auto"`` is CUDA when torch
-    sees a GPU, else the CPU; ``dtype="auto"`` is bfloat16 on CUDA and float32 on the CPU. The
-    default device stays the CPU, so code written for the CPU engine behaves the same on a GPU
-    machine; ask for ``auto`` or ``cuda`` (the CLI's ``--device`` defaults to ``auto``).
-    ``num_kv_blocks=None`` means 1024 on the CPU and, on CUDA, as many blocks as
-    ``gpu_memory_utilization`` (default 0.9) of the GPU leaves after the weights and the profiled
-    peak of a maximum-size step; an explicit ``num_kv_blocks`` wins. On CUDA, decode steps of up to
-    ``max_cuda_graph_batch`` sequences replay CUDA graphs captured at start-up unless
-    ``enforce_eager``; the CPU always runs eagerly.
-
-    Raises:
-        ValueError: an unknown device or dtype (the message names the choices), CUDA without a GPU,
-            ``gpu_memory_utilization`` on the CPU or outside (0, 1], a non-positive size.
-    """
-
-    num_kv_blocks: int | None = None
-    block_size: int = 16
-    num_patch_pages: int = 512
-    num_visual_pages: int = 256
-    page_size: int = 256  # rows per page of the patch and visual-token buffers
-    dtype: str = "auto"
-    device: str = "cpu"
-    enforce_eager: bool = False
-    gpu_memory_utilization: float | None = None
-    max_cuda_graph_batch: int = 64
-    attention: str = "auto"  # attention backend: auto | flashinfer | torch
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    #: reuse the KV of full prompt blocks another request computed (same tokens, same media)
-    enable_prefix_caching: bool = True
-    media_cache_gb: float = 1.0  # encoded visual tokens kept by media content; 0: off
-
-    def __post_init__(self) -> None:
-        device = resolve_device(self.device)
-        object.__setattr__(self, "device", device)
-        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
-        if self.attention not in BACKEND_NAMES:
-            raise ValueError(f"attention must be one of {', '.join(BACKEND_NAMES)}, got {self.attention!r}")
-        if device == "cpu":
-            if self.gpu_memory_utilization is not None:
-                raise ValueError("gpu_memory_utilization applies to CUDA only; on the CPU give num_kv_blocks")
-            if self.num_kv_blocks is None:
-                object.__setattr__(self, "num_kv_blocks", 1024)
-        else:
-            if self.gpu_memory_utilization is None:
-                object.__setattr__(self, "gpu_memory_utilization", DEFAULT_GPU_MEMORY_UTILIZATION)
-            check_utilization(self.gpu_memory_utilization)
-        for name in ("block_size", "num_patch_pages", "num_visual_pages", "page_size", "max_cuda_graph_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not (self.media_cache_gb >= 0 and math.isfinite(self.media_cache_gb)):
-            raise ValueError(f"media_cache_gb must be >= 0, got {self.media_cache_gb!r}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
-
 
 @dataclass
 class RequestOutput:
@@ -164,13 +100,8 @@ class LLM:
         self.runner = ModelRunner(self.model, num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
                                   num_patch_pages=config.num_patch_pages, num_visual_pages=config.num_visual_pages,
                                   page_size=config.page_size, device=config.device, attention=config.attention,
-                                  media_cache_bytes=int(config.media_cache_gb * 2**30))
-        self.runner.warmup()
-        if self.runner.device.type == "cuda" and not config.enforce_eager:
-            if self.runner.attn.supports_cuda_graph:
-                self.runner.capture_decode_graphs(graph_batch_sizes(config.max_cuda_graph_batch))
-            else:
-                log.info("decode runs eagerly: %s cannot capture CUDA graphs", type(self.runner.attn).__name__)
+                                  media_cache_bytes=config.media_cache_bytes)
+        self.runner.warmup(None if config.enforce_eager else config.max_cuda_graph_batch)
         self.scheduler = Scheduler(config.scheduler, BlockManager(config.num_kv_blocks, config.block_size,
                                                                   config.enable_prefix_caching),
                                    PageAllocator(config.num_patch_pages, config.page_size),

@@ -204,9 +204,18 @@ class ModelRunner:
         return self._encode_s
 
     # -- start-up ------------------------------------------------------------------------------
-    def warmup(self) -> None:
-        """Compile/load the attention kernels (flashinfer JITs on first use) before any request."""
+    def warmup(self, max_cuda_graph_batch: int | None = None) -> None:
+        """Compile/load the attention kernels (flashinfer JITs on first use) before any request and, on
+        CUDA, capture decode graphs for batches up to ``max_cuda_graph_batch`` (None: decode runs eagerly)."""
         self.attn.warmup()
+        if self.device.type != "cuda" or max_cuda_graph_batch is None:
+            return
+        if self.attn.supports_cuda_graph:
+            from unifiedserve.engine.device import graph_batch_sizes
+
+            self.capture_decode_graphs(graph_batch_sizes(max_cuda_graph_batch))
+        else:
+            log.info("decode runs eagerly: %s cannot capture CUDA graphs", type(self.attn).__name__)
 
     def capture_decode_graphs(self, batch_sizes, max_seq_len: int | None = None) -> None:
         """Capture decode steps as CUDA graphs at these batch sizes (start-up only: no request may be running).

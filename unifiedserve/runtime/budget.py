@@ -91,7 +91,7 @@ def encode_seconds(runner, num_patches: int) -> float:
 def _cache_key(cfg) -> str:
     model = Path(cfg.model).resolve()
     stamp = [f"{p.name}:{p.stat().st_mtime_ns}" for p in sorted(model.glob("*.safetensors"))]
-    raw = json.dumps([str(model), stamp, cfg.device, cfg.dtype, torch.get_num_threads(), cfg.tbt_slo_ms])
+    raw = json.dumps([str(model), stamp, cfg.engine.device, cfg.engine.dtype, torch.get_num_threads(), cfg.tbt_slo_ms])
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

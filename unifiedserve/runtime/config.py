@@ -1,16 +1,20 @@
-"""One server instance's configuration: model, device, pools, budgets, and its ZMQ addresses.
+"""One server instance's configuration: the engine's (pools, device, budgets), placement, server, addresses.
 
-It is built once by the launcher and sent (pickled) to every worker process at start, so all
-processes agree on pool shapes and addresses. Addresses live in a private temporary folder, so
-two servers on one machine never collide.
+:class:`RuntimeConfig` composes the engine core's :class:`~unifiedserve.engine.config.EngineConfig`
+(``engine``: written and validated there, once) with what only the multi-process server has: the
+policy and per-process placement, request defaults, the ingest mode, and the pools' shapes and
+ZMQ addresses. It is built once by the launcher and sent (pickled) to every worker process at
+start, so all processes agree on pool shapes and addresses. Addresses live in a private temporary
+folder, so two servers on one machine never collide. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
-from unifiedserve.engine.scheduler import SchedulerConfig
+from unifiedserve.engine.config import EngineConfig
 from unifiedserve.runtime.shm import PoolSpec
 
 PROCESSES = ("vision", "core", "decode")
@@ -18,23 +22,42 @@ POLICIES = ("unified", "monolithic", "split")
 
 
 @dataclass(frozen=True)
+class PoolBudgets:
+    """Memory budgets (GiB) the launcher sizes the server engine's pools from (``build_config``)."""
+
+    kv_cache_gb: float = 1.0  # KV cache
+    num_kv_blocks: int | None = None  # KV cache in blocks instead of kv_cache_gb
+    patch_buffer_gb: float = 2.0  # patch buffer, vision -> encode: one request's patches must fit
+    visual_buffer_gb: float = 0.25  # visual-token buffer, encode -> prefill
+
+    def __post_init__(self) -> None:
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+        for name in ("kv_cache_gb", "patch_buffer_gb", "visual_buffer_gb"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
+    """The server's configuration tree: ``engine`` (an :class:`EngineConfig`) and the fields below.
+
+    Raises:
+        ValueError: at construction, before any process or pool exists: an impossible value (the
+            engine's own are refused by :class:`EngineConfig`), or an engine without a fixed KV size
+            (the shared KV pool is created before any worker starts).
+    """
+
     model: str
     served_model_name: str
-    device: str = "cpu"
-    dtype: str = "float32"
+    #: pools, device, dtype, scheduler budgets (max_decode_batch too), caches: shared by every engine core
+    engine: EngineConfig = field(default_factory=EngineConfig)
     policy: str = "unified"
     max_model_len: int = 32768
     default_max_tokens: int = 512
-    block_size: int = 16
-    num_kv_blocks: int = 1024
-    page_size: int = 256
-    num_patch_pages: int = 512
-    num_visual_pages: int = 256
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     tbt_slo_ms: float | None = None  # derive the budgets from this (core profiles at start)
     budget_overrides: dict[str, int] = field(default_factory=dict)  # explicit flags win over the derived values
-    max_decode_batch: int = 256
     vision_threads: int = 0  # decoder threads; 0: one per core
     #: vision writes and announces each video's temporal slices as they are decoded (MediaReady.num_rows);
     #: False (serve --ingest whole): whole-video hand-off, a video's patches announced once all are decoded
@@ -48,8 +71,6 @@ class RuntimeConfig:
     process_env: dict[str, dict[str, str]] = field(default_factory=dict)
     gpu: int = 0  # CUDA: the physical GPU the pools live on (workers see it as cuda:0)
     max_video_seconds: float = 3600.0
-    enable_prefix_caching: bool = True  # KV of full prompt blocks shared across requests (core)
-    media_cache_gb: float = 1.0  # encoded visual tokens kept by media key (core); 0: off
     ipc_dir: str = ""
     instance: str = ""
     pool_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # "kv", "patch", "weights": build_config
@@ -57,15 +78,14 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         """Refuse impossible values at construction, before any process or pool exists (ValueError)."""
+        if not isinstance(self.engine, EngineConfig):
+            raise ValueError(f"engine must be an EngineConfig, got {type(self.engine).__name__}")
+        if self.engine.num_kv_blocks is None:
+            raise ValueError("engine.num_kv_blocks must be given: the shared KV pool is sized before any worker "
+                             "starts (build_config derives it from --kv-cache-gb)")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        dev = self.device
-        if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
-            raise ValueError(f"device must be cpu, cuda or cuda:N, got {dev!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("max_model_len", "default_max_tokens", "block_size", "num_kv_blocks", "page_size",
-                     "num_patch_pages", "num_visual_pages", "max_decode_batch"):
+        for name in ("max_model_len", "default_max_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -76,8 +96,6 @@ class RuntimeConfig:
             raise ValueError(f"max_video_seconds must be positive, got {self.max_video_seconds!r}")
         if self.tbt_slo_ms is not None and not self.tbt_slo_ms > 0:
             raise ValueError(f"tbt_slo_ms must be positive, got {self.tbt_slo_ms!r}")
-        if not (self.media_cache_gb >= 0 and self.media_cache_gb != float("inf")):
-            raise ValueError(f"media_cache_gb must be a finite number >= 0, got {self.media_cache_gb!r}")
         unknown = set(self.torch_threads) | set(self.cpu_affinity) | set(self.nice) | set(self.process_env)
         unknown -= set(PROCESSES)
         if unknown:

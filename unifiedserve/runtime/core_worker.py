@@ -47,26 +47,27 @@ class CoreWorker(Worker):
     inbox_type = protocol.ToCore
 
     def setup(self) -> dict[str, str]:
-        cfg = self.config
+        cfg, eng = self.config, self.config.engine
         # the LLM's weights go into the shared pool, where decode reads them too (one copy)
         weights = open_pool(cfg.pools["weights"]) if "weights" in cfg.pools else None
-        self.model, self.model_config = load_model(cfg.model, DTYPES[cfg.dtype], cfg.device, llm_storage=weights)
+        self.model, self.model_config = load_model(cfg.model, DTYPES[eng.dtype], eng.device, llm_storage=weights)
         self.model.eval()
         kv, patch = open_pool(cfg.pools["kv"]), open_pool(cfg.pools["patch"])
-        self.runner = ModelRunner(self.model, num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size,
-                                  num_patch_pages=cfg.num_patch_pages, num_visual_pages=cfg.num_visual_pages,
-                                  page_size=cfg.page_size, device=cfg.device, kv_storage=kv, patch_storage=patch,
-                                  media_cache_bytes=int(cfg.media_cache_gb * 2**30))
-        sched_cfg = cfg.scheduler
+        self.runner = ModelRunner(self.model, num_kv_blocks=eng.num_kv_blocks, block_size=eng.block_size,
+                                  num_patch_pages=eng.num_patch_pages, num_visual_pages=eng.num_visual_pages,
+                                  page_size=eng.page_size, device=eng.device, kv_storage=kv, patch_storage=patch,
+                                  attention=eng.attention, media_cache_bytes=eng.media_cache_bytes)
+        sched_cfg = eng.scheduler
         info = {}
         if cfg.tbt_slo_ms is not None:
             from unifiedserve.runtime.budget import derive_budgets
 
             sched_cfg, how = derive_budgets(self.runner, cfg, sched_cfg)
             info["budget_profile"] = how
-        self.scheduler = Scheduler(sched_cfg, BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching),
-                                   PageAllocator(cfg.num_patch_pages, cfg.page_size),
-                                   PageAllocator(cfg.num_visual_pages, cfg.page_size), self.runner.media_cache)
+        blocks = BlockManager(eng.num_kv_blocks, eng.block_size, eng.enable_prefix_caching)
+        self.scheduler = Scheduler(sched_cfg, blocks,
+                                   PageAllocator(eng.num_patch_pages, eng.page_size),
+                                   PageAllocator(eng.num_visual_pages, eng.page_size), self.runner.media_cache)
         self.core = EngineCore(self.scheduler, self.runner)
         self.live: dict[str, _Live] = {}
         self.decode_here = cfg.policy == "monolithic"
@@ -74,15 +75,15 @@ class CoreWorker(Worker):
         self._threads_all = torch.get_num_threads()  # unified on CPU: fewer while decode is busy
         self._threads_shared = cfg.core_threads_while_decoding or self._threads_all
         info.update({
-            "device": cfg.device, "dtype": cfg.dtype, "nice": str(os.nice(0)),
+            "device": eng.device, "dtype": eng.dtype, "nice": str(os.nice(0)),
             "torch_threads": (f"{self._threads_all} ({self._threads_shared} while decoding)"
                               if self._threads_shared != self._threads_all else str(self._threads_all)),
             "prefill_token_budget": str(sched_cfg.prefill_token_budget),
             "encode_token_budget": str(sched_cfg.encode_token_budget),
-            "kv_cache": f"{cfg.num_kv_blocks} blocks x {cfg.block_size} tokens",
-            "visual_buffer": f"{cfg.num_visual_pages} pages x {cfg.page_size} rows",
-            "prefix_caching": "on" if cfg.enable_prefix_caching else "off",
-            "media_cache": f"{cfg.media_cache_gb:g} GiB" if self.runner.media_cache is not None else "off",
+            "kv_cache": f"{eng.num_kv_blocks} blocks x {eng.block_size} tokens",
+            "visual_buffer": f"{eng.num_visual_pages} pages x {eng.page_size} rows",
+            "prefix_caching": "on" if eng.enable_prefix_caching else "off",
+            "media_cache": f"{eng.media_cache_gb:g} GiB" if self.runner.media_cache is not None else "off",
         })
         return info
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
 
 import torch
 
@@ -36,18 +35,19 @@ class DecodeWorker(Worker):
     inbox_type = protocol.ToDecode
 
     def setup(self) -> dict[str, str]:
-        cfg = self.config
+        cfg, eng = self.config, self.config.engine
         # core fills the shared weights pool; decode only maps it (it runs nothing before core's first hand-off)
         weights = open_pool(cfg.pools["weights"]) if "weights" in cfg.pools else None
-        self.model, _ = load_model(cfg.model, DTYPES[cfg.dtype], cfg.device, llm_storage=weights,
+        self.model, _ = load_model(cfg.model, DTYPES[eng.dtype], eng.device, llm_storage=weights,
                                    fill_llm=weights is None)
         self.model.eval()
-        runner = ModelRunner(self.model, num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size,
-                             num_patch_pages=0, num_visual_pages=0, page_size=cfg.page_size, device=cfg.device,
-                             kv_storage=open_pool(cfg.pools["kv"]))
-        self.scheduler = Scheduler.decode_only(replace(cfg.scheduler, max_decode_batch=cfg.max_decode_batch))
+        runner = ModelRunner(self.model, num_kv_blocks=eng.num_kv_blocks, block_size=eng.block_size,
+                             num_patch_pages=0, num_visual_pages=0, page_size=eng.page_size, device=eng.device,
+                             kv_storage=open_pool(cfg.pools["kv"]), attention=eng.attention)
+        runner.warmup(None if eng.enforce_eager else eng.max_cuda_graph_batch)  # CUDA graphs: decode's own
+        self.scheduler = Scheduler.decode_only(eng.scheduler)
         self.core = EngineCore(self.scheduler, runner)
-        return {"device": cfg.device, "torch_threads": str(torch.get_num_threads()), "nice": str(os.nice(0)),
+        return {"device": eng.device, "torch_threads": str(torch.get_num_threads()), "nice": str(os.nice(0)),
                 "max_decode_batch": str(self.scheduler.config.max_decode_batch)}
 
     def has_work(self) -> bool:
@@ -61,7 +61,7 @@ class DecodeWorker(Worker):
             h = message
             # a response_format grammar is rebuilt here from the params and the first token (core's)
             grammar = grammar_for(h.params, self.config.model, h.stop_token_ids, [h.first_token])
-            sampler = SamplerState.from_bytes(h.sampler_state, self.config.device, grammar)
+            sampler = SamplerState.from_bytes(h.sampler_state, self.config.engine.device, grammar)
             seq = SequenceState(h.params, sampler, frozenset(h.stop_token_ids), [h.first_token])
             self.core.adopt(h.request_id, seq, h.prompt_len, h.mrope_delta, h.block_table)
         elif isinstance(message, protocol.AbortRequest):

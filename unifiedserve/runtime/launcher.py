@@ -20,10 +20,10 @@ from dataclasses import replace
 import torch
 import zmq
 
-from unifiedserve.engine.scheduler import SchedulerConfig
+from unifiedserve.engine.config import EngineConfig
 from unifiedserve.model.config import ModelConfig
 from unifiedserve.runtime import protocol
-from unifiedserve.runtime.config import RuntimeConfig
+from unifiedserve.runtime.config import PoolBudgets, RuntimeConfig
 from unifiedserve.runtime.shm import DEFAULT_SHM_DIR, check_shm_space, create_cpu_pool, unlink_pool
 
 log = logging.getLogger("unifiedserve")
@@ -31,24 +31,34 @@ log = logging.getLogger("unifiedserve")
 GiB = 2**30
 
 
-def build_config(model: str, *, served_model_name: str | None = None, device: str = "cpu", dtype: str = "float32",
-                 max_model_len: int | None = None, kv_cache_gb: float = 1.0, num_kv_blocks: int | None = None,
-                 patch_buffer_gb: float = 2.0, visual_buffer_gb: float = 0.25, block_size: int = 16,
-                 page_size: int = 256, scheduler: SchedulerConfig = SchedulerConfig(), decode_threads: int = 0,
+def build_config(model: str, engine: EngineConfig, budgets: PoolBudgets = PoolBudgets(), *,
+                 served_model_name: str | None = None, max_model_len: int | None = None, decode_threads: int = 0,
                  **kwargs) -> RuntimeConfig:
-    """A :class:`RuntimeConfig` with pool sizes derived from memory budgets (GiB) and the model's shapes."""
+    """A :class:`RuntimeConfig` over ``engine`` with its pools sized from ``budgets`` and the model's shapes.
+
+    Args:
+        engine: device, dtype, block and page size, budgets, caches of the server's engine cores; its
+            pool sizes (``num_kv_blocks``, ``num_patch_pages``, ``num_visual_pages``) are replaced by
+            the ones ``budgets`` give.
+        kwargs: the other :class:`RuntimeConfig` fields (placement fields are filled here on the CPU).
+
+    Raises:
+        ValueError: a budget that holds no page, or ``max_model_len`` beyond the KV cache (naming the flags).
+    """
     from unifiedserve.engine.llm import DTYPES
     from unifiedserve.model.weight_pool import llm_weight_bytes
 
     cfg = ModelConfig.from_json(os.path.join(model, "config.json"))
-    itemsize = DTYPES[dtype].itemsize
+    itemsize = DTYPES[engine.dtype].itemsize
     text, vision = cfg.text, cfg.vision
+    block_size, page_size = engine.block_size, engine.page_size
     kv_token_bytes = text.num_hidden_layers * 2 * text.num_key_value_heads * text.head_dim * itemsize
+    num_kv_blocks = budgets.num_kv_blocks
     if num_kv_blocks is None:
-        num_kv_blocks = int(kv_cache_gb * GiB) // (kv_token_bytes * block_size)
+        num_kv_blocks = int(budgets.kv_cache_gb * GiB) // (kv_token_bytes * block_size)
     patch_dim = 3 * vision.temporal_patch_size * vision.patch_size ** 2
-    num_patch_pages = int(patch_buffer_gb * GiB) // (page_size * patch_dim * itemsize)
-    num_visual_pages = int(visual_buffer_gb * GiB) // (page_size * vision.out_hidden_size * itemsize)
+    num_patch_pages = int(budgets.patch_buffer_gb * GiB) // (page_size * patch_dim * itemsize)
+    num_visual_pages = int(budgets.visual_buffer_gb * GiB) // (page_size * vision.out_hidden_size * itemsize)
     for name, value, flag in (("KV cache", num_kv_blocks, "--kv-cache-gb / --num-kv-blocks"),
                               ("patch buffer", num_patch_pages, "--patch-buffer-gb"),
                               ("visual-token buffer", num_visual_pages, "--visual-buffer-gb")):
@@ -60,20 +70,19 @@ def build_config(model: str, *, served_model_name: str | None = None, device: st
     elif max_model_len > kv_tokens:
         raise ValueError(f"--max-model-len {max_model_len} needs more KV cache than there is ({kv_tokens} tokens); "
                          f"raise --kv-cache-gb or lower --max-model-len")
-    if device == "cpu":
-        kwargs.update(cpu_placement(kwargs.get("policy", "unified"), sorted(os.sched_getaffinity(0)),
+    if engine.device == "cpu":
+        kwargs.update(cpu_placement(kwargs.get("policy", RuntimeConfig.policy), sorted(os.sched_getaffinity(0)),
                                     decode_threads=decode_threads, vision_threads=kwargs.get("vision_threads", 0)))
     pool_shapes = {
         "kv": (text.num_hidden_layers, 2, num_kv_blocks, block_size, text.num_key_value_heads, text.head_dim),
         "patch": (num_patch_pages, page_size, patch_dim),
         # one copy of the LLM's weights for core and decode (bytes: the parameters keep their dtypes)
-        "weights": (llm_weight_bytes(cfg, DTYPES[dtype]),),
+        "weights": (llm_weight_bytes(cfg, DTYPES[engine.dtype]),),
     }
+    engine = replace(engine, num_kv_blocks=num_kv_blocks, num_patch_pages=num_patch_pages,
+                     num_visual_pages=num_visual_pages)
     return RuntimeConfig(model=model, served_model_name=served_model_name or os.path.basename(model.rstrip("/")),
-                         device=device, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
-                         pool_shapes=pool_shapes,
-                         num_kv_blocks=num_kv_blocks, page_size=page_size, num_patch_pages=num_patch_pages,
-                         num_visual_pages=num_visual_pages, scheduler=scheduler, **kwargs)
+                         engine=engine, max_model_len=max_model_len, pool_shapes=pool_shapes, **kwargs)
 
 
 #: Pools of raw bytes (views of several dtypes live in them), not of the model's dtype.
@@ -143,9 +152,9 @@ class Runtime:
         shapes = cfg.pool_shapes
 
         def dtype_of(name: str) -> torch.dtype:
-            return torch.uint8 if name in BYTE_POOLS else DTYPES[cfg.dtype]
+            return torch.uint8 if name in BYTE_POOLS else DTYPES[cfg.engine.dtype]
 
-        if cfg.device != "cpu":
+        if cfg.engine.device != "cpu":
             from unifiedserve.runtime.cuda_pools import CudaPoolOwner
 
             self.cuda_pools = CudaPoolOwner()

@@ -14,8 +14,9 @@ import re
 import signal
 from pathlib import Path
 
+from unifiedserve.engine.config import EngineConfig
 from unifiedserve.engine.scheduler import SchedulerConfig
-from unifiedserve.runtime.config import POLICIES, RuntimeConfig
+from unifiedserve.runtime.config import POLICIES, PoolBudgets, RuntimeConfig
 from unifiedserve.runtime.shm import DEFAULT_SHM_DIR
 from unifiedserve.runtime.worker import setup_logging
 from unifiedserve.server.limits import QWEN_MAX_FRAMES, QWEN_MAX_PIXELS, BodySizeLimit, RequestLimits
@@ -85,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "data: URLs count here, file:// and http(s) media do not)")
     g.add_argument("--max-video-seconds", type=_positive_float, default=RuntimeConfig.max_video_seconds,
                    help="refuse longer videos (default %(default)g)")
-    g.add_argument("--vision-threads", type=int, default=0,
+    g.add_argument("--vision-threads", type=int, default=RuntimeConfig.vision_threads,
                    help="FlashCodec decoder threads shared by all requests (default: one per core)")
     g.add_argument("--ingest", choices=("streaming", "whole"),
                    default="streaming" if RuntimeConfig.streaming_ingest else "whole",
@@ -100,27 +101,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("scheduling (Algorithm 3)")
     g.add_argument("--prefill-token-budget", type=_positive_int, default=None, metavar="TAU",
-                   help="prompt tokens prefilled per core iteration (default 512, or derived from --tbt-slo-ms)")
+                   help=f"prompt tokens prefilled per core iteration (default {SchedulerConfig.prefill_token_budget}, "
+                        f"or derived from --tbt-slo-ms)")
     g.add_argument("--encode-token-budget", type=_positive_int, default=None, metavar="ALPHA",
-                   help="patch tokens encoded per core iteration (default 4096, or derived from --tbt-slo-ms)")
+                   help=f"patch tokens encoded per core iteration (default {SchedulerConfig.encode_token_budget}, "
+                        f"or derived from --tbt-slo-ms)")
     g.add_argument("--tbt-slo-ms", type=_positive_float, default=None,
                    help="derive both budgets from this time-between-tokens SLO by a short profile at start "
                         "(cached per model, device and dtype); explicit budget flags win")
     g.add_argument("--max-num-seqs", type=_positive_int, default=SchedulerConfig.max_num_seqs,
                    help="requests admitted to encode/prefill at once (default %(default)s)")
-    g.add_argument("--max-decode-batch", type=_positive_int, default=RuntimeConfig.max_decode_batch,
+    g.add_argument("--max-decode-batch", type=_positive_int, default=SchedulerConfig.max_decode_batch,
                    help="requests decoded together at most (default %(default)s)")
 
     g = p.add_argument_group("memory pools")
-    g.add_argument("--kv-cache-gb", type=_positive_float, default=1.0, help="KV cache size in GiB (default 1)")
+    g.add_argument("--kv-cache-gb", type=_positive_float, default=PoolBudgets.kv_cache_gb,
+                   help="KV cache size in GiB (default %(default)g)")
     g.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="KV cache size in blocks (overrides --kv-cache-gb)")
-    g.add_argument("--block-size", type=_positive_int, default=RuntimeConfig.block_size,
+    g.add_argument("--block-size", type=_positive_int, default=EngineConfig.block_size,
                    help="tokens per KV block (default %(default)s)")
-    g.add_argument("--patch-buffer-gb", type=_positive_float, default=2.0,
-                   help="patch buffer (vision -> encode) in GiB; one request's patches must fit (default 2)")
-    g.add_argument("--visual-buffer-gb", type=_positive_float, default=0.25,
-                   help="visual-token buffer (encode -> prefill) in GiB (default 0.25)")
-    g.add_argument("--page-size", type=_positive_int, default=RuntimeConfig.page_size,
+    g.add_argument("--patch-buffer-gb", type=_positive_float, default=PoolBudgets.patch_buffer_gb,
+                   help="patch buffer (vision -> encode) in GiB; one request's patches must fit (default %(default)g)")
+    g.add_argument("--visual-buffer-gb", type=_positive_float, default=PoolBudgets.visual_buffer_gb,
+                   help="visual-token buffer (encode -> prefill) in GiB (default %(default)g)")
+    g.add_argument("--page-size", type=_positive_int, default=EngineConfig.page_size,
                    help="rows per page of both buffers (default %(default)s)")
     g.add_argument("--shm-dir", default=DEFAULT_SHM_DIR, help=f"tmpfs folder for the CPU pools (default {DEFAULT_SHM_DIR})")
 
@@ -132,9 +136,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not reuse the KV cache of full prompt blocks across requests (on by default: blocks are "
                         "keyed by their tokens and, for visual tokens, the media's identity and options)")
-    g.add_argument("--media-cache-gb", type=_non_negative_float, default=RuntimeConfig.media_cache_gb, metavar="GB",
+    g.add_argument("--media-cache-gb", type=_non_negative_float, default=EngineConfig.media_cache_gb, metavar="GB",
                    help="keep encoded visual tokens of this much media, by media identity, least recently used out, "
-                        "so media seen before is neither decoded nor encoded again (default 1; 0 turns it off)")
+                        "so media seen before is neither decoded nor encoded again (default %(default)g; 0 turns it "
+                        "off)")
 
 
 def _positive_int(value: str) -> int:
@@ -236,22 +241,34 @@ def build_runtime(args: argparse.Namespace):
             write_demo_model(model)
     elif not (Path(model) / "config.json").is_file():
         raise ValueError(f"--model {model}: no config.json there; give a Hugging Face checkpoint folder")
-    sched = SchedulerConfig(
-        prefill_token_budget=args.prefill_token_budget or SchedulerConfig.prefill_token_budget,
-        encode_token_budget=args.encode_token_budget or SchedulerConfig.encode_token_budget,
-        max_num_seqs=args.max_num_seqs, patches_ready_on_admit=False)
-    config = build_config(
-        model, served_model_name=args.served_model_name, device=device, dtype=dtype, max_model_len=args.max_model_len,
-        kv_cache_gb=args.kv_cache_gb, num_kv_blocks=args.num_kv_blocks, patch_buffer_gb=args.patch_buffer_gb,
-        visual_buffer_gb=args.visual_buffer_gb, block_size=args.block_size, page_size=args.page_size,
-        scheduler=sched, policy=args.policy, default_max_tokens=args.default_max_tokens,
-        tbt_slo_ms=args.tbt_slo_ms, max_decode_batch=args.max_decode_batch, vision_threads=args.vision_threads,
-        decode_threads=args.decode_threads,
-        max_video_seconds=args.max_video_seconds, streaming_ingest=args.ingest == "streaming",
-        enable_prefix_caching=args.prefix_caching, media_cache_gb=args.media_cache_gb,
-        budget_overrides={k: v for k, v in (("prefill_token_budget", args.prefill_token_budget),
-                                            ("encode_token_budget", args.encode_token_budget)) if v})
+    budgets = {k: v for k, v in (("prefill_token_budget", args.prefill_token_budget),
+                                 ("encode_token_budget", args.encode_token_budget)) if v is not None}
+    try:  # the config tree checks every value once; a refusal names the flag it came from
+        sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_decode_batch=args.max_decode_batch,
+                                patches_ready_on_admit=False, **budgets)
+        engine = EngineConfig(device=device, dtype=dtype, block_size=args.block_size, page_size=args.page_size,
+                              enforce_eager=args.enforce_eager, scheduler=sched,
+                              enable_prefix_caching=args.prefix_caching, media_cache_gb=args.media_cache_gb)
+        pools = PoolBudgets(kv_cache_gb=args.kv_cache_gb, num_kv_blocks=args.num_kv_blocks,
+                            patch_buffer_gb=args.patch_buffer_gb, visual_buffer_gb=args.visual_buffer_gb)
+        config = build_config(
+            model, engine, pools, served_model_name=args.served_model_name, max_model_len=args.max_model_len,
+            policy=args.policy, default_max_tokens=args.default_max_tokens, tbt_slo_ms=args.tbt_slo_ms,
+            vision_threads=args.vision_threads, decode_threads=args.decode_threads,
+            max_video_seconds=args.max_video_seconds, streaming_ingest=args.ingest == "streaming",
+            budget_overrides=budgets)
+    except ValueError as e:
+        raise ValueError(_name_flag(str(e), args)) from None
     return Runtime(config, shm_dir=args.shm_dir)
+
+
+def _name_flag(message: str, args: argparse.Namespace) -> str:
+    """A config refusal (``"block_size must be ..."``) as the flag's (``"--block-size: block_size must be ..."``);
+    a message that already names a flag, or a field no flag sets, stays as it is."""
+    field = message.split(" ", 1)[0]
+    if field.isidentifier() and hasattr(args, field):
+        return f"--{field.replace('_', '-')}: {message}"
+    return message
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
@@ -338,8 +355,9 @@ async def _serve(runtime, args, limits: RequestLimits) -> int:
             info = infos[name]
             log.info("%s (pid %d): %s", name, info.pid, ", ".join(f"{k}={v}" for k, v in info.info.items()))
         log.info("pools: KV cache %d blocks x %d tokens, patch buffer %d pages, visual-token buffer %d pages "
-                 "(page = %d rows); max model len %d; policy %s", config.num_kv_blocks, config.block_size,
-                 config.num_patch_pages, config.num_visual_pages, config.page_size, config.max_model_len,
+                 "(page = %d rows); max model len %d; policy %s", config.engine.num_kv_blocks, config.engine.block_size,
+                 config.engine.num_patch_pages, config.engine.num_visual_pages, config.engine.page_size,
+                 config.max_model_len,
                  config.policy)
         state = build_state(runtime, client, args, limits)
         metrics = state.metrics

@@ -134,11 +134,14 @@ def test_runtime_owns_cuda_pools_and_frees_them_after_its_workers(monkeypatch, c
     from unifiedserve.runtime.config import RuntimeConfig
     from unifiedserve.runtime.launcher import Runtime
 
+    from unifiedserve.engine.config import EngineConfig
+
     driver = FakeDriver()
     monkeypatch.setattr(cuda_pools, "DriverApi", lambda: driver)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA engine config on a machine without one
     shapes = {"kv": (2, 2, 8, 16, 2, 64), "patch": (4, 256, 1176)}
-    runtime = Runtime(RuntimeConfig(model="m", served_model_name="m", device="cuda", dtype="bfloat16", gpu=3,
-                                    pool_shapes=shapes))
+    engine = EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=8)
+    runtime = Runtime(RuntimeConfig(model="m", served_model_name="m", engine=engine, gpu=3, pool_shapes=shapes))
     runtime.create_pools()
     pools = runtime.config.pools
     assert set(pools) == {"kv", "patch"}

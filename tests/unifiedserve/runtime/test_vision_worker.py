@@ -13,6 +13,7 @@ from flashcodec.image import decode_image
 from slow_decoding import SlowBackend
 from unifiedserve.model.demo import write_demo_model
 from unifiedserve.runtime import protocol
+from unifiedserve.engine.config import EngineConfig
 from unifiedserve.runtime.config import RuntimeConfig
 from unifiedserve.runtime.shm import create_cpu_pool
 from unifiedserve.runtime.vision_worker import VisionWorker
@@ -49,7 +50,7 @@ def clips(video_factory, image_factory):
 def make_worker(tmp_path, model, streaming: bool, delay_s: float = 0.06):
     spec = create_cpu_pool(str(tmp_path), "t", "patch", (NUM_PAGES, PAGE_SIZE, 1176), torch.float32)
     config = RuntimeConfig(model=model, served_model_name="demo", ipc_dir=str(tmp_path), instance="t",
-                           page_size=PAGE_SIZE, num_patch_pages=NUM_PAGES, pools={"patch": spec},
+                           engine=EngineConfig(page_size=PAGE_SIZE, num_patch_pages=NUM_PAGES), pools={"patch": spec},
                            streaming_ingest=streaming, vision_threads=2)
     worker = RecordingVision(config)
     worker.sent = []

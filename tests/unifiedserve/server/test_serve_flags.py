@@ -25,6 +25,10 @@ from unifiedserve.cli import main
     (["--media-cache-gb", "-1"], "argument --media-cache-gb: must be a finite number >= 0"),
     (["--media-cache-gb", "inf"], "argument --media-cache-gb: must be a finite number >= 0"),
     (["--ingest", "foo"], "argument --ingest: invalid choice"),
+    (["--max-decode-batch", "0"], "argument --max-decode-batch: must be at least 1"),
+    (["--page-size", "-1"], "argument --page-size: must be at least 1"),
+    (["--num-kv-blocks", "0"], "argument --num-kv-blocks: must be at least 1"),
+    (["--patch-buffer-gb", "0"], "argument --patch-buffer-gb: must be a positive finite number"),
 ])
 def test_bad_values_are_one_line_before_anything_starts(args, needle, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -38,6 +42,10 @@ def test_bad_values_are_one_line_before_anything_starts(args, needle, capsys):
     (["--max-frames", "1"], "--max-frames must be at least 2"),
     (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization applies to CUDA only"),
     (["--model", "/nonexistent/folder"], "no config.json there"),
+    (["--vision-threads", "-1"], "--vision-threads must be >= 0"),
+    (["--decode-threads", "-2"], "--decode-threads and --vision-threads must be >= 0"),
+    (["--num-kv-blocks", "4", "--max-model-len", "4096"], "--max-model-len 4096 needs more KV cache"),
+    (["--visual-buffer-gb", "1e-9"], "the visual-token buffer budget holds no page at all; raise --visual-buffer-gb"),
 ])
 def test_contradictions_exit_1_fast_without_spawning(args, needle):
     started = time.perf_counter()
@@ -46,3 +54,15 @@ def test_contradictions_exit_1_fast_without_spawning(args, needle):
     assert run.returncode == 1 and needle in run.stderr and "Traceback" not in run.stderr
     assert "starting workers" not in run.stderr + run.stdout
     assert time.perf_counter() - started < 5.0
+
+
+def test_a_config_refusal_names_its_flag():
+    from argparse import Namespace
+
+    from unifiedserve.server.serve import _name_flag
+
+    args = Namespace(block_size=0, policy="unified")
+    assert _name_flag("block_size must be a positive integer, got 0", args) == \
+        "--block-size: block_size must be a positive integer, got 0"
+    assert _name_flag("--max-model-len 9 needs more KV cache", args) == "--max-model-len 9 needs more KV cache"
+    assert _name_flag("engine.num_kv_blocks must be given", args) == "engine.num_kv_blocks must be given"
