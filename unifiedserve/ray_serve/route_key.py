@@ -27,8 +27,12 @@ import json
 
 from pydantic import ValidationError
 
+# imported with this module, when the ingress starts: imported at the first request instead, the API
+# (torch included) cost that request about a second
+from unifiedserve.server.api import convert_messages, with_media_keys
 from unifiedserve.server.limits import RequestLimits
 from unifiedserve.server.media import MediaError, MediaPolicy
+from unifiedserve.server.openai_protocol import ChatCompletionRequest
 
 __all__ = ["route_key", "url_key"]
 
@@ -46,9 +50,6 @@ def route_key(body: bytes, policy: MediaPolicy, limits: RequestLimits, context: 
     part = _first_media_part(body)
     if part is None:
         return None
-    from unifiedserve.server.api import convert_messages, with_media_keys
-    from unifiedserve.server.openai_protocol import ChatCompletionRequest
-
     try:
         # one user message holding only that part: the API's conversion resolves just it
         one = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [part]}]})

@@ -109,6 +109,11 @@ def test_two_replicas_affinity_streaming_and_a_dead_replica(tmp_path):
 
         status, health = http("GET", server.url + "/health")
         assert status == 200 and set(health["replicas"]) == set(owner.values()), (health, server.log()[-4000:])
+        # the replicas and their decode processes run at this process's priority, as the plain server's
+        # would, not at Ray's worker nice 15 (which starved them next to any other busy process)
+        for info in health["replicas"].values():
+            for pid in (info["pid"], info["workers"]["decode"]):
+                assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0), info
         status, metrics = http("GET", server.url + "/metrics")
         assert 'replica="' in metrics and "unifiedserve_route_affinity_hits_total" in metrics
 
