@@ -10,14 +10,17 @@
 #   decode     flashcodec on NVDEC / nvJPEG / NVML: the decode tests and bench/decode/bench_gpu.py
 #   attention  the engine on flashinfer: a random-weight Qwen2.5-VL-7B preset, the kernels' JIT warm-up,
 #              the unifiedserve cuda tests, the MPS launcher test, bench/kernels and bench/engine
+#   serve      (attention's wheels) the multi-process server on the GPU, behind the unverified-CUDA gate
+#              (UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER=1), under a private MPS daemon: one long video's
+#              TTFT breakdown with 4 requests decoding, on the demo model and on the 7B preset
 # The steps' limits add up to more than the device's 10 minutes only where a step usually ends early;
 # what ran is in OUTDIR/status.txt either way.
 # Each step has its own time limit so that a hang in one still leaves the others' results in OUTDIR.
 # FULL_SUITE=1 also runs the whole CPU suite on the device's stack (torch 2.11, Python 3.12).
 set -uo pipefail
-out=${1:?usage: scripts/gpu_check.sh OUTDIR decode|attention}
+out=${1:?usage: scripts/gpu_check.sh OUTDIR decode|attention|serve}
 group=${2:-decode}
-case $group in decode|attention) ;; *) echo "gpu_check.sh: error: group must be decode or attention" >&2; exit 2 ;; esac
+case $group in decode|attention|serve) ;; *) echo "gpu_check.sh: error: group must be decode, attention or serve" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 exec > >(tee -a "$out/gpu_check.log") 2>&1
@@ -71,6 +74,21 @@ if [ "$group" = decode ]; then
   run 150 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/flashcodec tests/bench
   step "bench/decode/bench_gpu.py --short"
   run 270 bench-decode python3 bench/decode/bench_gpu.py --short --out "$out/bench_decode"
+elif [ "$group" = serve ]; then
+  export UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER=1 UNIFIEDSERVE_MPS_DIR=/tmp/unifiedserve-mps-check
+  step "MPS daemon (private folders; stopped at the end)"
+  run 30 mps-start launch/mps.sh start
+  eval "$(launch/mps.sh env)"
+  step "serve --device cuda on the demo model: one 3-minute video, 4 requests decoding"
+  run 200 serve-demo python3 bench/serve/ttft_breakdown.py --ingest both --num-decoding 4 \
+    --server-args "--device cuda" --result-json "$out/ttft_cuda_demo.json"
+  cp bench/results/ttft_breakdown_server_*.log "$out/" 2>/dev/null
+  step "serve --device cuda on a random-weight 7B preset"
+  run 120 demo-model python3 -m unifiedserve.cli demo-model /tmp/qwen2.5-vl-7b --preset qwen2.5-vl-7b --dtype bfloat16
+  run 240 serve-7b python3 bench/serve/ttft_breakdown.py --ingest streaming --num-decoding 4 \
+    --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16" --result-json "$out/ttft_cuda_7b.json"
+  cp bench/results/ttft_breakdown_server_streaming.log "$out/serve-7b-server.log" 2>/dev/null
+  run 30 mps-stop launch/mps.sh stop
 else
   step "a random-weight Qwen2.5-VL-7B (bf16, drawn on the GPU; real architecture, no download)"
   run 150 demo-model python3 -m unifiedserve.cli demo-model /tmp/qwen2.5-vl-7b --preset qwen2.5-vl-7b --dtype bfloat16

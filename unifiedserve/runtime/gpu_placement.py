@@ -17,6 +17,8 @@ Without MPS the processes time-slice the GPU: caps cannot be enforced, which ``u
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 
 POLICIES = ("unified", "monolithic", "split")
@@ -103,3 +105,17 @@ def plan_gpu_placement(policy: str, num_visible_gpus: int, gpus: list[int] | Non
             notes.append("no MPS daemon: vision, core and decode time-slice the GPU, so decode's SM share "
                          "is not guaranteed (start one with launch/mps.sh start)")
     return GpuPlacement(policy, use_mps, procs, tuple(notes))
+
+
+DEFAULT_MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # where a daemon started without CUDA_MPS_PIPE_DIRECTORY listens
+
+
+def mps_running(pipe_directory: str | None = None) -> bool:
+    """Whether an MPS control daemon listens for this process's clients: its ``control`` socket exists in
+    ``pipe_directory`` (default ``$CUDA_MPS_PIPE_DIRECTORY``, else the driver's default). A client
+    started while one listens becomes an MPS client; the daemon's health is its own (``launch/mps.sh status``)."""
+    folder = pipe_directory or os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_MPS_PIPE_DIRECTORY
+    try:
+        return stat.S_ISSOCK(os.stat(os.path.join(folder, "control")).st_mode)
+    except OSError:
+        return False

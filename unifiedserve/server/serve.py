@@ -128,6 +128,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rows per page of both buffers (default %(default)s)")
     g.add_argument("--shm-dir", default=DEFAULT_SHM_DIR, help=f"tmpfs folder for the CPU pools (default {DEFAULT_SHM_DIR})")
 
+    g = p.add_argument_group("GPU placement (CUDA; see docs/architecture.md and launch/serve-node.sh)")
+    g.add_argument("--gpus", type=_gpu_list, default=None, metavar="N[,M]",
+                   help="physical GPU ordinals the server uses: one (vision, core and decode share it), or two for "
+                        "--policy split (default: GPU 0, or the N of --device cuda:N)")
+    g.add_argument("--decode-sm-percent", type=_sm_percent, default=None, metavar="PCT",
+                   help="decode's share of the SMs in percent, 1..99: guaranteed under --policy unified (vision and "
+                        "core are capped at the rest), its whole share under split on one GPU (default 30)")
+    g.add_argument("--mps", choices=("auto", "on", "off"), default="auto",
+                   help="share the GPU through an MPS daemon (launch/mps.sh start): auto uses one when its control "
+                        "pipe is there, on refuses to start without one, off time-slices (default auto)")
+
     from unifiedserve.ray_serve.launch import add_ray_arguments  # imports no Ray
 
     add_ray_arguments(p)
@@ -180,6 +191,66 @@ def _port(value: str) -> int:
     return n
 
 
+def _gpu_list(value: str) -> list[int]:
+    parts = value.split(",")
+    if not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"must be GPU ordinals separated by commas (e.g. 0 or 0,1), got {value!r}")
+    return [int(p) for p in parts]
+
+
+def _sm_percent(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if not 1 <= n <= 99:
+        raise argparse.ArgumentTypeError(f"must be a percentage in 1..99, got {n}")
+    return n
+
+
+DEFAULT_DECODE_SM_PERCENT = 30
+#: Set to 1 to let ``serve`` run on CUDA before its CUDA paths have run on a device (issue 14; docs/gpu.md).
+UNVERIFIED_CUDA_ENV = "UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER"
+
+
+def gpu_placement_fields(args: argparse.Namespace, device: str, num_visible_gpus: int,
+                         mps_running: bool) -> dict:
+    """The RuntimeConfig fields that place the workers on GPUs (``gpu``, ``process_env``), or ``{}`` on the CPU.
+
+    Raises:
+        ValueError: a GPU flag on the CPU, ``--gpus`` against ``--device cuda:N``, ``--mps on`` without a
+            daemon, two GPUs (their KV would have to move between devices, which is not built), or what
+            :func:`~unifiedserve.runtime.gpu_placement.plan_gpu_placement` refuses.
+    """
+    from unifiedserve.runtime.gpu_placement import plan_gpu_placement
+
+    if device == "cpu":
+        given = [flag for flag, value in (("--gpus", args.gpus), ("--decode-sm-percent", args.decode_sm_percent),
+                                          ("--mps", None if args.mps == "auto" else args.mps)) if value is not None]
+        if given:
+            raise ValueError(f"{given[0]} applies to CUDA only and the server runs on the CPU")
+        return {}
+    gpus = args.gpus
+    if device.startswith("cuda:"):
+        if gpus is not None and gpus[:1] != [int(device[5:])]:
+            raise ValueError(f"--device {device} and --gpus {','.join(map(str, gpus))} disagree; give one of them")
+        gpus = gpus or [int(device[5:])]
+    if args.mps == "on" and not mps_running:
+        raise ValueError("--mps on: no MPS daemon answers at CUDA_MPS_PIPE_DIRECTORY; start one with "
+                         "launch/mps.sh start (or launch/serve-node.sh), or use --mps off")
+    placement = plan_gpu_placement(args.policy, num_visible_gpus, gpus,
+                                   args.decode_sm_percent or DEFAULT_DECODE_SM_PERCENT,
+                                   use_mps=mps_running and args.mps != "off")
+    physical = sorted({p.gpu for p in placement.processes.values()})
+    if len(physical) > 1:
+        raise ValueError(f"--gpus {','.join(map(str, physical))}: decode on its own GPU needs the KV cache moved "
+                         f"between GPUs, which this server does not do yet; use one GPU (--policy split shares it "
+                         f"through MPS)")
+    for note in placement.notes:
+        log.warning("%s", note)
+    return {"gpu": physical[0], "process_env": {name: placement.env(name) for name in placement.processes}}
+
+
 def _device_arg(value: str) -> str:
     if not _DEVICE_RE.match(value):
         raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from auto, cpu, cuda, cuda:N)")
@@ -196,11 +267,18 @@ def _resolve_device(device: str) -> str:
 
     if device == "cpu":
         return device
+    unverified = os.environ.get(UNVERIFIED_CUDA_ENV) == "1"
     if device == "auto":
-        if resolve_device("auto") != "cpu":
-            log.warning("CUDA is available, but the server runs on CPU: the multi-process runtime on CUDA needs "
-                        "its CUDA IPC pools (issue 14), not yet verified on a GPU (--device cpu silences this)")
+        if resolve_device("auto") == "cpu":
+            return "cpu"
+        if unverified:
+            return "cuda"
+        log.warning("CUDA is available, but the server runs on CPU: the multi-process runtime on CUDA needs "
+                    "its CUDA IPC pools (issue 14), not yet verified on a GPU (--device cpu silences this)")
         return "cpu"
+    if unverified:
+        resolve_device(device)  # a clear error without a GPU
+        return device
     raise ValueError(f"--device {device}: the multi-process server does not run on CUDA yet (its shared KV and "
                      f"patch pools need CUDA IPC, issue 14); use --device cpu, or the in-process engine "
                      f"unifiedserve.engine.LLM, which runs on CUDA")
@@ -227,8 +305,18 @@ def build_runtime(args: argparse.Namespace):
 
     device = _resolve_device(args.device)
     if args.gpu_memory_utilization is not None:
-        raise ValueError(f"--gpu-memory-utilization applies to CUDA only and the server runs on {device}; size the "
-                         f"KV cache with --kv-cache-gb or --num-kv-blocks")
+        raise ValueError(f"--gpu-memory-utilization: the server sizes its pools from --kv-cache-gb / --num-kv-blocks "
+                         f"on every device (it runs on {device}); give those instead")
+    placement = {}
+    if device != "cpu":
+        import torch
+
+        from unifiedserve.runtime.gpu_placement import mps_running
+
+        placement = gpu_placement_fields(args, device, torch.cuda.device_count(), mps_running())
+        device = "cuda"  # each worker sees only its GPU (CUDA_VISIBLE_DEVICES), as cuda:0
+    else:
+        gpu_placement_fields(args, device, 0, False)  # GPU flags on the CPU are refused
     dtype = resolve_dtype(args.dtype, device)
     from unifiedserve.model.demo import DEFAULT_DEMO_PATH, write_demo_model
     from unifiedserve.runtime.launcher import Runtime, build_config
@@ -256,7 +344,7 @@ def build_runtime(args: argparse.Namespace):
             policy=args.policy, default_max_tokens=args.default_max_tokens, tbt_slo_ms=args.tbt_slo_ms,
             vision_threads=args.vision_threads, decode_threads=args.decode_threads,
             max_video_seconds=args.max_video_seconds, streaming_ingest=args.ingest == "streaming",
-            budget_overrides=budgets)
+            budget_overrides=budgets, **placement)
     except ValueError as e:
         raise ValueError(_name_flag(str(e), args)) from None
     return Runtime(config, shm_dir=args.shm_dir)

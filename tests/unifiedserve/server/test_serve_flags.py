@@ -29,6 +29,9 @@ from unifiedserve.cli import main
     (["--page-size", "-1"], "argument --page-size: must be at least 1"),
     (["--num-kv-blocks", "0"], "argument --num-kv-blocks: must be at least 1"),
     (["--patch-buffer-gb", "0"], "argument --patch-buffer-gb: must be a positive finite number"),
+    (["--gpus", "0,x"], "argument --gpus: must be GPU ordinals"),
+    (["--decode-sm-percent", "100"], "argument --decode-sm-percent: must be a percentage in 1..99"),
+    (["--mps", "maybe"], "argument --mps: invalid choice"),
 ])
 def test_bad_values_are_one_line_before_anything_starts(args, needle, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -40,7 +43,8 @@ def test_bad_values_are_one_line_before_anything_starts(args, needle, capsys):
 
 @pytest.mark.parametrize("args, needle", [
     (["--max-frames", "1"], "--max-frames must be at least 2"),
-    (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization applies to CUDA only"),
+    (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization: the server sizes its pools from --kv-cache-gb"),
+    (["--gpus", "0"], "--gpus applies to CUDA only"),
     (["--model", "/nonexistent/folder"], "no config.json there"),
     (["--vision-threads", "-1"], "--vision-threads must be >= 0"),
     (["--decode-threads", "-2"], "--decode-threads and --vision-threads must be >= 0"),

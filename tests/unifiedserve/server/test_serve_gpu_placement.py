@@ -1,0 +1,99 @@
+"""`unifiedserve serve` GPU flags: refused on the CPU, and mapped onto per-process GPU and MPS settings
+(runtime/gpu_placement.py) on CUDA, which is computed here without a GPU."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+import pytest
+
+from unifiedserve.runtime.gpu_placement import mps_running
+from unifiedserve.server.serve import add_arguments, gpu_placement_fields
+
+
+def flags(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--gpus", "0"], "--gpus applies to CUDA only"),
+    (["--decode-sm-percent", "40"], "--decode-sm-percent applies to CUDA only"),
+    (["--mps", "on"], "--mps applies to CUDA only"),
+])
+def test_gpu_flags_on_the_cpu_are_refused(argv, needle):
+    with pytest.raises(ValueError, match=needle):
+        gpu_placement_fields(flags(*argv), "cpu", 0, False)
+    assert gpu_placement_fields(flags(), "cpu", 0, False) == {}  # the defaults say nothing on the CPU
+
+
+def test_unified_on_one_gpu_under_mps_caps_vision_and_core_and_leaves_decode_free():
+    fields = gpu_placement_fields(flags("--decode-sm-percent", "25"), "cuda", 2, True)
+    assert fields["gpu"] == 0
+    assert fields["process_env"] == {
+        "vision": {"CUDA_VISIBLE_DEVICES": "0", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "75"},
+        "core": {"CUDA_VISIBLE_DEVICES": "0", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "75"},
+        "decode": {"CUDA_VISIBLE_DEVICES": "0"},
+    }
+
+
+def test_split_on_one_gpu_gets_disjoint_shares_and_device_picks_the_gpu():
+    fields = gpu_placement_fields(flags("--policy", "split"), "cuda:1", 2, True)
+    assert fields["gpu"] == 1
+    env = fields["process_env"]
+    assert {p: e["CUDA_VISIBLE_DEVICES"] for p, e in env.items()} == {"vision": "1", "core": "1", "decode": "1"}
+    assert env["core"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "70"
+    assert env["decode"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+
+
+def test_without_mps_nothing_is_capped_and_monolithic_has_no_decode_process(caplog):
+    for argv, running in ((["--mps", "off"], True), ([], False)):
+        env = gpu_placement_fields(flags(*argv), "cuda", 1, running)["process_env"]
+        assert all("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in e for e in env.values())
+    assert "decode's SM share is not guaranteed" in caplog.text  # said once per start
+    assert set(gpu_placement_fields(flags("--policy", "monolithic"), "cuda", 1, True)["process_env"]) == {"vision",
+                                                                                                          "core"}
+
+
+@pytest.mark.parametrize("argv, device, visible, running, needle", [
+    (["--gpus", "0"], "cuda:1", 2, True, "--device cuda:1 and --gpus 0 disagree"),
+    (["--mps", "on"], "cuda", 1, False, "--mps on: no MPS daemon answers"),
+    (["--policy", "split", "--gpus", "0,1"], "cuda", 2, True, "needs the KV cache moved between GPUs"),
+    (["--policy", "split"], "cuda", 1, False, "--policy split on one GPU needs MPS"),
+    (["--gpus", "3"], "cuda", 2, True, "GPU 3 is not visible"),
+    (["--gpus", "0,1"], "cuda", 2, True, "--policy unified uses one GPU per server"),
+])
+def test_contradictions_name_the_flag(argv, device, visible, running, needle):
+    with pytest.raises(ValueError, match=needle):
+        gpu_placement_fields(flags(*argv), device, visible, running)
+
+
+def test_mps_running_looks_for_the_control_socket(tmp_path, monkeypatch):
+    assert not mps_running(str(tmp_path))
+    (tmp_path / "control").write_text("")  # a plain file is not a daemon
+    assert not mps_running(str(tmp_path))
+    (tmp_path / "control").unlink()
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(tmp_path / "control"))
+        assert mps_running(str(tmp_path))
+        monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+        assert mps_running()
+
+
+def test_cuda_is_refused_unless_the_unverified_gate_is_set(monkeypatch):
+    import torch
+
+    from unifiedserve.server.serve import UNVERIFIED_CUDA_ENV, _resolve_device
+
+    monkeypatch.delenv(UNVERIFIED_CUDA_ENV, raising=False)
+    with pytest.raises(ValueError, match="does not run on CUDA yet"):
+        _resolve_device("cuda")
+    monkeypatch.setenv(UNVERIFIED_CUDA_ENV, "1")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no CUDA GPU"):
+            _resolve_device("cuda:0")
+        assert _resolve_device("auto") == "cpu"
+    else:
+        assert _resolve_device("auto") == "cuda" and _resolve_device("cuda:0") == "cuda:0"
