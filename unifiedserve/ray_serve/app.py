@@ -42,7 +42,8 @@ SCRAPE_TIMEOUT_S = 5.0
 # and a replica's vision, core and decode processes inherit it (vision and core then add their own +5:
 # nice 19). Next to any other busy process they got a small fraction of a core: a text prompt's prefill
 # took 92 ms instead of the plain server's 8. The ingress and the replicas serve at normal priority,
-# as the plain server does (a local instance runs Ray's own actors, the proxy included, so too: launch.py).
+# as the plain server does. Ray's own actors (controller, proxy) keep Ray's priority: their background
+# work (the controller's loop alone ~30 ms of CPU a second) then waits while the replica computes.
 AT_NORMAL_PRIORITY = {"env_vars": {"RAY_worker_niceness": "0"}}
 
 
@@ -172,9 +173,17 @@ class NodeReplica:
                     yield {"replica_id": self.replica_id, "status": message["status"],
                            "headers": list(message.get("headers", ()))}
                 elif message["type"] == "http.response.body":
-                    if message.get("body"):
-                        yield message["body"]
-                    if not message.get("more_body", False):
+                    # what the app has sent already goes out as one item: each item of a handle stream
+                    # costs the ingress, Ray and the proxy CPU, and the app can write faster than that
+                    chunks, more = [message.get("body", b"")], message.get("more_body", False)
+                    while more and not sent.empty():
+                        message = sent.get_nowait()  # after the start, the app sends only body messages
+                        chunks.append(message.get("body", b""))
+                        more = message.get("more_body", False)
+                    body = b"".join(chunks)
+                    if body:
+                        yield body
+                    if not more:
                         return
         finally:
             disconnected.set()

@@ -124,10 +124,6 @@ def run_ray(args: argparse.Namespace, limits) -> int:
         raise ValueError(f"--model {args.model}: no config.json there; give a Hugging Face checkpoint folder")
     args.model = str(Path(args.model).resolve())
 
-    if not args.ray_address:
-        # our own instance: its workers (Serve's proxy, which every request crosses, included) at normal
-        # priority instead of Ray's nice 15 (app.AT_NORMAL_PRIORITY says why); read by the raylet it starts
-        os.environ.setdefault("RAY_worker_niceness", "0")
     try:
         # "local": a new instance of our own, even when this machine already runs a cluster
         ray.init(address=args.ray_address or "local", include_dashboard=False, logging_level=logging.WARNING,
