@@ -90,6 +90,12 @@ def ask(client, path: Path, question: str, max_tokens: int = 2) -> str:
     return replica
 
 
+def route_counts(server: RayServer) -> list[str]:
+    """The ingress's routing counters (why requests went where they went), for failure messages."""
+    return [line for line in http("GET", server.url + "/metrics")[1].splitlines()
+            if line.startswith("unifiedserve_route_requests_total")]
+
+
 def test_two_replicas_affinity_streaming_and_a_dead_replica(tmp_path):
     server = RayServer(tmp_path, "--replicas", "2")
     try:
@@ -105,7 +111,8 @@ def test_two_replicas_affinity_streaming_and_a_dead_replica(tmp_path):
         # follow-up questions (another text each) go to the video's replica
         for clip, replica in owner.items():
             for question in ("Describe it.", "Who is there?"):
-                assert ask(client, clip, question) == replica
+                served = ask(client, clip, question)
+                assert served == replica, (route_counts(server), clip.name, served, replica)
 
         status, health = http("GET", server.url + "/health")
         assert status == 200 and set(health["replicas"]) == set(owner.values()), (health, server.log()[-4000:])
