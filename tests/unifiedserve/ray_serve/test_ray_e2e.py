@@ -100,6 +100,17 @@ def test_two_replicas_affinity_streaming_and_a_dead_replica(tmp_path):
     server = RayServer(tmp_path, "--replicas", "2")
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        # the ingress's router learns the replicas from Serve asynchronously: a video asked about while it
+        # knows one replica is owned by it, and moves (consistent hashing) when the second appears. Text
+        # requests until /health (which asks every replica the router knows) lists both.
+        deadline = time.monotonic() + 60
+        while True:
+            client.chat.completions.create(model="demo-model", messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=1)
+            if len(http("GET", server.url + "/health")[1].get("replicas", {})) == 2:
+                break
+            assert time.monotonic() < deadline, server.log()[-3000:]
+            time.sleep(0.5)
         # first questions until both replicas own some video
         owner: dict[Path, str] = {}
         for seed in range(16):
