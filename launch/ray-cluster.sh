@@ -35,6 +35,9 @@ case ${1:-} in
     [[ $port =~ ^[0-9]+$ ]] && [ "$port" -ge 1 ] && [ "$port" -le 65535 ] || die "--port must be 1..65535, got '$port'"
     need_ray
     start_mps
+    # Serve's controller loop every 0.5 s (Serve's default 0.1), as `serve --ray` sets on a local instance:
+    # its idle CPU shares a node with the replicas' encode; the controller runs on the head
+    export RAY_SERVE_CONTROL_LOOP_INTERVAL_S=${RAY_SERVE_CONTROL_LOOP_INTERVAL_S:-0.5}
     "$ray_bin" start --head --port "$port" --disable-usage-stats "$@"
     echo "head up: join workers with '$0 worker $(hostname -I 2>/dev/null | awk '{print $1}'):$port', then" \
          "unifiedserve serve --ray --ray-address 127.0.0.1:$port --replicas N"
