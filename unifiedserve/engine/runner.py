@@ -166,7 +166,7 @@ class ModelRunner:
         self.model = model
         cfg = model.config
         text = cfg.text
-        weight = next(model.parameters())
+        weight = next(model.language_model.parameters())  # the vision tower may be left unloaded (decode)
         self.dtype = weight.dtype
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:

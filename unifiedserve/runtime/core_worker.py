@@ -31,7 +31,7 @@ from unifiedserve.memory.pages import PageAllocator
 from unifiedserve.model.loader import load_model
 from unifiedserve.runtime import protocol
 from unifiedserve.runtime.shm import open_pool
-from unifiedserve.runtime.worker import Worker
+from unifiedserve.runtime.worker import Worker, memory_info
 
 log = logging.getLogger("unifiedserve")
 
@@ -84,6 +84,7 @@ class CoreWorker(Worker):
             "visual_buffer": f"{eng.num_visual_pages} pages x {eng.page_size} rows",
             "prefix_caching": "on" if eng.enable_prefix_caching else "off",
             "media_cache": f"{eng.media_cache_gb:g} GiB" if self.runner.media_cache is not None else "off",
+            **memory_info(self.model, weights),
         })
         return info
 

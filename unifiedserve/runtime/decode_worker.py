@@ -25,7 +25,7 @@ from unifiedserve.engine.structured import grammar_for
 from unifiedserve.model.loader import load_model
 from unifiedserve.runtime import protocol
 from unifiedserve.runtime.shm import open_pool
-from unifiedserve.runtime.worker import Worker
+from unifiedserve.runtime.worker import Worker, memory_info
 
 log = logging.getLogger("unifiedserve")
 
@@ -38,8 +38,9 @@ class DecodeWorker(Worker):
         cfg, eng = self.config, self.config.engine
         # core fills the shared weights pool; decode only maps it (it runs nothing before core's first hand-off)
         weights = open_pool(cfg.pools["weights"]) if "weights" in cfg.pools else None
+        # decode never encodes: the vision tower is left unallocated
         self.model, _ = load_model(cfg.model, DTYPES[eng.dtype], eng.device, llm_storage=weights,
-                                   fill_llm=weights is None)
+                                   fill_llm=weights is None, load_vision=False)
         self.model.eval()
         runner = ModelRunner(self.model, num_kv_blocks=eng.num_kv_blocks, block_size=eng.block_size,
                              num_patch_pages=0, num_visual_pages=0, page_size=eng.page_size, device=eng.device,
@@ -48,7 +49,7 @@ class DecodeWorker(Worker):
         self.scheduler = Scheduler.decode_only(eng.scheduler)
         self.core = EngineCore(self.scheduler, runner)
         return {"device": eng.device, "torch_threads": str(torch.get_num_threads()), "nice": str(os.nice(0)),
-                "max_decode_batch": str(self.scheduler.config.max_decode_batch)}
+                "max_decode_batch": str(self.scheduler.config.max_decode_batch), **memory_info(self.model, weights)}
 
     def has_work(self) -> bool:
         return self.scheduler.has_work

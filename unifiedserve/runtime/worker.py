@@ -124,6 +124,23 @@ class Worker:
         self.ctx.term()
 
 
+def memory_info(model, weights_pool=None) -> dict[str, str]:
+    """Start-up memory of a process that holds ``model``: its own parameter bytes and those it maps from the
+    shared weights pool (counted once for the server), and on CUDA what torch's allocator holds."""
+    from unifiedserve.model.loader import weight_bytes
+
+    own, shared = weight_bytes(model, weights_pool)
+    info = {"weights": f"{own / 2**20:.1f} MiB own + {shared / 2**20:.1f} MiB mapped from the shared pool"}
+    device = next(model.language_model.parameters()).device
+    if device.type == "cuda":
+        import torch
+
+        info["cuda_allocated"] = (f"{torch.cuda.memory_allocated(device) / 2**20:.0f} MiB "
+                                  f"(peak {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB; the "
+                                  f"IPC-mapped pools are not in it)")
+    return info
+
+
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)

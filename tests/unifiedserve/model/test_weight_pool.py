@@ -50,6 +50,26 @@ def test_bound_models_share_the_bytes_and_compute_the_same(demo):
     assert torch.equal(_logits(reference), _logits(reader))
 
 
+def test_a_decode_side_model_maps_the_llm_and_leaves_the_vision_tower_unallocated(demo):
+    """What the decode process loads: LLM from the pool, no vision tower; counted by weight_bytes."""
+    from unifiedserve.model.loader import weight_bytes
+
+    reference, config = load_model(demo)
+    storage = torch.zeros(llm_weight_bytes(config, torch.float32), dtype=torch.uint8)
+    core, _ = load_model(demo, llm_storage=storage)
+    decode, _ = load_model(demo, llm_storage=storage, fill_llm=False, load_vision=False)
+    assert all(p.is_meta for p in decode.visual.parameters())
+    assert not any(p.is_meta for p in decode.language_model.parameters())
+    assert torch.equal(_logits(reference), _logits(decode))
+    llm = sum(p.numel() * 4 for p in reference.language_model.parameters())
+    vision = sum(p.numel() * 4 for p in reference.visual.parameters())
+    assert weight_bytes(core, storage) == (vision, llm)  # the core process: its vision tower, the pool's LLM
+    assert weight_bytes(decode, storage) == (0, llm)  # decode: nothing of its own
+    assert weight_bytes(reference) == (vision + llm, 0)
+    private, _ = load_model(demo, load_vision=False)  # without a pool, too
+    assert weight_bytes(private) == (llm, 0) and torch.equal(_logits(reference), _logits(private))
+
+
 def test_bad_storage_is_refused(demo):
     model, config = load_model(demo)
     with pytest.raises(ValueError, match="flat contiguous uint8"):
