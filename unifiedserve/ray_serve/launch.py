@@ -20,47 +20,6 @@ APP_NAME = "unifiedserve"
 _ADDRESS_RE = re.compile(r"^(?:ray://)?(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
 CONNECT_TIMEOUT_S = 5.0
 CONTROL_LOOP_INTERVAL_S = 0.5  # Serve's controller loop on a local instance (Serve's default: 0.1)
-#: A local instance's control-plane daemons run at the niceness Ray gives its own actors (Serve's
-#: controller and proxy): below the replicas' vision/core/decode processes, which serve at 0.
-RAY_DAEMON_NICE = 15
-#: ``/proc/<pid>/cmdline`` pieces of those daemons (the raylet is not one: the workers it forks inherit its priority)
-_RAY_DAEMONS = ("/ray/gcs/gcs_server", "/ray/dashboard/dashboard.py", "/ray/_private/log_monitor.py",
-                "/ray/autoscaler/_private/monitor.py", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
-
-
-def lower_ray_daemons(root: int) -> list[int]:
-    """Put the Ray daemons among ``root``'s descendants (a local instance: GCS, dashboard, log monitor,
-    autoscaler monitor, dashboard and runtime-env agents) at ``RAY_DAEMON_NICE``; returns their pids.
-
-    Their background work (~20-40 ms of CPU per new-video request on a 2-core box, docs/benchmarks.md)
-    otherwise competes at the replicas' priority with the encode a request waits for. Linux only
-    (``/proc``); elsewhere, or for a process that went away meanwhile, nothing changes.
-    """
-    parents: dict[int, list[int]] = {}
-    try:
-        entries = [int(e) for e in os.listdir("/proc") if e.isdigit()]
-    except OSError:
-        return []
-    for pid in entries:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])  # the command name may hold spaces
-        except (OSError, ValueError, IndexError):
-            continue
-        parents.setdefault(ppid, []).append(pid)
-    lowered, todo = [], list(parents.get(root, []))
-    while todo:
-        pid = todo.pop()
-        todo.extend(parents.get(pid, []))
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-            if any(d in cmdline for d in _RAY_DAEMONS):
-                os.setpriority(os.PRIO_PROCESS, pid, max(RAY_DAEMON_NICE, os.getpriority(os.PRIO_PROCESS, pid)))
-                lowered.append(pid)
-        except OSError:
-            continue
-    return sorted(lowered)
 
 
 def add_ray_arguments(p: argparse.ArgumentParser) -> None:
@@ -181,9 +140,6 @@ def run_ray(args: argparse.Namespace, limits) -> int:
         if args.ray_address:
             raise ValueError(f"--ray-address {args.ray_address}: cannot join the Ray cluster there ({why})") from None
         raise ValueError(f"--ray: could not start a local Ray instance ({why})") from None
-    if not args.ray_address:
-        lowered = lower_ray_daemons(os.getpid())
-        log.debug("Ray daemons at nice %d: %s", RAY_DAEMON_NICE, lowered)
     # after ray.init, whose own SIGTERM handler would abort the process instead of a clean stop
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -90,16 +90,6 @@ def ask(client, path: Path, question: str, max_tokens: int = 2) -> str:
     return replica
 
 
-def _is_gcs_of(pid: int, parent: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return ppid == parent and b"gcs_server" in f.read()
-    except (OSError, ValueError):
-        return False
-
-
 def route_counts(server: RayServer) -> list[str]:
     """The ingress's routing counters (why requests went where they went), for failure messages."""
     return [line for line in http("GET", server.url + "/metrics")[1].splitlines()
@@ -142,11 +132,6 @@ def test_two_replicas_affinity_streaming_and_a_dead_replica(tmp_path):
         for info in health["replicas"].values():
             for pid in (info["pid"], info["workers"]["decode"]):
                 assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0), info
-        # and the local instance's control-plane daemons below them (launch.lower_ray_daemons)
-        from unifiedserve.ray_serve.launch import RAY_DAEMON_NICE
-
-        gcs = [int(e) for e in os.listdir("/proc") if e.isdigit() and _is_gcs_of(int(e), server.proc.pid)]
-        assert gcs and all(os.getpriority(os.PRIO_PROCESS, pid) == RAY_DAEMON_NICE for pid in gcs), gcs
         status, metrics = http("GET", server.url + "/metrics")
         assert 'replica="' in metrics and "unifiedserve_route_affinity_hits_total" in metrics
 
