@@ -57,6 +57,14 @@ class CoreWorker(Worker):
                                   num_patch_pages=eng.num_patch_pages, num_visual_pages=eng.num_visual_pages,
                                   page_size=eng.page_size, device=eng.device, kv_storage=kv, patch_storage=patch,
                                   attention=eng.attention, media_cache_bytes=eng.media_cache_bytes)
+        # kernels that compile on first use (flashinfer on CUDA: tens of seconds each) compile now, before
+        # any request and before the budget profile; CUDA graphs only where core decodes (monolithic)
+        graphs = eng.max_cuda_graph_batch if cfg.policy == "monolithic" and not eng.enforce_eager else None
+        self.runner.warmup(graphs)
+        if self.runner.device.type == "cuda":
+            from unifiedserve.attention.warmup import warm_vision
+
+            warm_vision(self.model_config.vision, self.runner.device, self.runner.dtype)
         sched_cfg = eng.scheduler
         info = {}
         if cfg.tbt_slo_ms is not None:
