@@ -54,7 +54,7 @@ stop_mps() { if [ -f "$dir/mps.started" ]; then "$here/mps.sh" stop; rm -f "$dir
 session_pids() { local pid; pid=$(server_pid) || return 0; ps -e -o pid=,sid= | awk -v s="$pid" '$2 == s {print $1}'; }
 
 start() {
-  local use_mps=1 port=8000 host=127.0.0.1 shm_given=0 prev= restarts=0
+  local use_mps=1 port=8000 host=127.0.0.1 shm_given=0 restarts=0
   local args=()
   while [ $# -gt 0 ]; do
     case $1 in
@@ -62,20 +62,14 @@ start() {
       --restart)
         [ $# -ge 2 ] || die "--restart needs a number"
         restarts=$2; shift 2; continue ;;
+      --shm-dir|--shm-dir=*) shm_given=1 ;;
+      --port=*) port=${1#--port=} ;;
+      --host=*) host=${1#--host=} ;;
+      --port|--host) [ $# -ge 2 ] && { [ "$1" = --port ] && port=$2 || host=$2; } ;;
     esac
     args+=("$1"); shift
   done
   [[ $restarts =~ ^[0-9]+$ ]] || die "--restart must be a number of restarts (0 or more), got '$restarts'"
-  set -- "${args[@]}"
-  args=()
-  for a in "$@"; do
-    case $a in
-      --shm-dir|--shm-dir=*) shm_given=1 ;;
-    esac
-    case $prev in --port) port=$a ;; --host) host=$a ;; esac
-    case $a in --port=*) port=${a#--port=} ;; --host=*) host=${a#--host=} ;; esac
-    args+=("$a"); prev=$a
-  done
   [[ $port =~ ^[0-9]+$ ]] || die "--port must be a number, got '$port'"
   case $host in 0.0.0.0|::|'') host=127.0.0.1 ;; esac
   alive && die "a server already runs from $dir (pid $(server_pid)); stop it first: $0 stop"
@@ -111,9 +105,7 @@ start() {
     if ! alive; then
       echo "$prog: error: the server exited before it was ready; the end of $dir/server.log:" >&2
       tail -n 20 "$dir/server.log" >&2
-      rm -f "$dir/server.pid"
-      stop_mps >/dev/null
-      [ "$shm_given" = 1 ] || rm -rf "$shm_default"
+      cleanup >/dev/null
       exit 1
     fi
     [ "$waited" -ge "$start_timeout" ] && { stop >/dev/null; die "the server was not ready in $start_timeout s (UNIFIEDSERVE_START_TIMEOUT); stopped it; see $dir/server.log"; }
@@ -139,6 +131,11 @@ stop() {
   else
     echo "server not running"
   fi
+  cleanup
+}
+
+# what a stopped (or never started) server leaves: its state files, the node's shm folder, our MPS daemon
+cleanup() {
   rm -f "$dir/server.pid" "$dir/health_url" "$dir/args" "$dir/api.pid" "$dir/restarts"
   rm -rf "$shm_default"
   stop_mps

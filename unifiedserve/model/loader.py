@@ -141,8 +141,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         fill_llm: with ``llm_storage``, whether to read the language model's tensors from the
             checkpoint (the process that loads them) or trust the pool's contents (every other).
         load_vision: False leaves the vision tower unallocated (on the ``meta`` device) and unread,
-            for a process that never encodes (the decode process): on Qwen2.5-VL-7B that is 0.67 B
-            parameters, 1.3 GB in bf16, it would otherwise hold for nothing.
+            for a process that never encodes (the decode process): on Qwen2.5-VL-7B that is 0.68 B
+            parameters, 1.35 GB in bf16, it would otherwise hold for nothing.
     Returns:
         ``(model, config)``, the model in eval mode without gradients.
     Raises:

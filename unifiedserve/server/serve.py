@@ -307,16 +307,15 @@ def build_runtime(args: argparse.Namespace):
     if args.gpu_memory_utilization is not None:
         raise ValueError(f"--gpu-memory-utilization: the server sizes its pools from --kv-cache-gb / --num-kv-blocks "
                          f"on every device (it runs on {device}); give those instead")
-    placement = {}
-    if device != "cpu":
+    if device == "cpu":
+        placement = gpu_placement_fields(args, device, 0, False)  # GPU flags on the CPU are refused
+    else:
         import torch
 
         from unifiedserve.runtime.gpu_placement import mps_running
 
         placement = gpu_placement_fields(args, device, torch.cuda.device_count(), mps_running())
         device = "cuda"  # each worker sees only its GPU (CUDA_VISIBLE_DEVICES), as cuda:0
-    else:
-        gpu_placement_fields(args, device, 0, False)  # GPU flags on the CPU are refused
     dtype = resolve_dtype(args.dtype, device)
     from unifiedserve.model.demo import DEFAULT_DEMO_PATH, write_demo_model
     from unifiedserve.runtime.launcher import Runtime, build_config
