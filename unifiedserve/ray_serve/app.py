@@ -69,7 +69,6 @@ class NodeReplica:
         from unifiedserve.runtime.worker import setup_logging
         from unifiedserve.server.api import build_app
         from unifiedserve.server.engine_client import EngineClient
-        from unifiedserve.server.limits import BodySizeLimit
         from unifiedserve.server.serve import build_runtime, build_state, request_limits
 
         setup_logging("api")
@@ -88,7 +87,7 @@ class NodeReplica:
             await self._stop()
             raise
         self.client.on_fatal = lambda: self.state.metrics.healthy.set(0)
-        self.app = BodySizeLimit(build_app(self.state), limits.max_request_bytes)
+        self.app = build_app(self.state)  # bodies come read whole, within the limit, from the ingress
         log.info("replica %s (pid %d) serving %s", self.replica_id, os.getpid(), self.state.model_name)
 
     async def _stop(self) -> None:
@@ -118,10 +117,9 @@ class NodeReplica:
     async def metrics(self, routing: RoutingHints = RoutingHints()):
         """(replica id, this replica's /metrics text)."""
         self._check_target(routing)
-        state = self.state
-        state.metrics.update_workers(state.client.all_gauges(),
-                                     sum(1 for s in state.client.streams.values() if not s.added))
-        yield self.replica_id, state.metrics.render().decode()
+        from unifiedserve.server.api import render_metrics
+
+        yield self.replica_id, render_metrics(self.state).decode()
 
     def _check_target(self, routing: RoutingHints) -> None:
         assert routing.replica_id in (None, self.replica_id), (routing.replica_id, self.replica_id)
@@ -203,7 +201,9 @@ class Ingress:
         self.replicas = replicas.options(stream=True)  # DeploymentHandle of NodeReplica; every method streams
         self.policy = media_policy(args)
         self.limits = request_limits(args)
-        self.model_name = args.served_model_name or os.path.basename(str(args.model).rstrip("/"))
+        from unifiedserve.runtime.launcher import served_name
+
+        self.model_name = served_name(args.model, args.served_model_name)  # the replicas' media-key context
 
     async def __call__(self, request: Request) -> Response:
         if request.url.path == "/metrics" and request.method == "GET":

@@ -113,17 +113,11 @@ def run_ray(args: argparse.Namespace, limits) -> int:
         from ray import serve
     except ImportError:
         raise ValueError("--ray needs Ray Serve, which is not installed: pip install 'unifiedserve[ray]'") from None
-    from unifiedserve.model.demo import DEFAULT_DEMO_PATH, write_demo_model
     from unifiedserve.ray_serve.app import build_application
+    from unifiedserve.server.serve import resolve_model
 
-    if args.model is None:  # written once here, not by every replica at the same time
-        args.model = str(Path(DEFAULT_DEMO_PATH).expanduser())
-        if not (Path(args.model) / "config.json").exists():
-            log.info("writing the demo model to %s", args.model)
-            write_demo_model(args.model)
-    elif not (Path(args.model) / "config.json").is_file():
-        raise ValueError(f"--model {args.model}: no config.json there; give a Hugging Face checkpoint folder")
-    args.model = str(Path(args.model).resolve())
+    # the demo model is written once here, not by every replica at the same time
+    args.model = str(Path(resolve_model(args.model)).resolve())
 
     if not args.ray_address:
         # Serve's controller loop (default every 0.1 s) and the GCS calls it makes used ~50 ms of CPU a

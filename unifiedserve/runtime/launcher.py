@@ -31,6 +31,11 @@ log = logging.getLogger("unifiedserve")
 GiB = 2**30
 
 
+def served_name(model: str, served_model_name: str | None = None) -> str:
+    """The model id the API serves: ``--served-model-name``, else the checkpoint folder's name."""
+    return served_model_name or os.path.basename(str(model).rstrip("/"))
+
+
 def build_config(model: str, engine: EngineConfig, budgets: PoolBudgets = PoolBudgets(), *,
                  served_model_name: str | None = None, max_model_len: int | None = None, decode_threads: int = 0,
                  **kwargs) -> RuntimeConfig:
@@ -81,7 +86,7 @@ def build_config(model: str, engine: EngineConfig, budgets: PoolBudgets = PoolBu
     }
     engine = replace(engine, num_kv_blocks=num_kv_blocks, num_patch_pages=num_patch_pages,
                      num_visual_pages=num_visual_pages)
-    return RuntimeConfig(model=model, served_model_name=served_model_name or os.path.basename(model.rstrip("/")),
+    return RuntimeConfig(model=model, served_model_name=served_name(model, served_model_name),
                          engine=engine, max_model_len=max_model_len, pool_shapes=pool_shapes, **kwargs)
 
 

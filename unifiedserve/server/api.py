@@ -133,8 +133,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        state.metrics.update_workers(state.client.all_gauges(), _num_in_api(state.client))
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(render_metrics(state), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/chat/completions", dependencies=[Depends(_auth)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -152,6 +151,12 @@ def _authorized(header: str, api_key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
+def render_metrics(state: ServerState) -> bytes:
+    """The server's /metrics text, its worker gauges refreshed first."""
+    state.metrics.update_workers(state.client.all_gauges(), _num_in_api(state.client))
+    return state.metrics.render()
+
+
 def _num_in_api(client: EngineClient) -> int:
     return sum(1 for s in client.streams.values() if not s.added)
 
@@ -164,10 +169,11 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
     if body.n != 1:
         return _error("only n=1 is supported", 400, "n")
     response_format = body.response_format.sampling_fields() if body.response_format is not None else {}
-    try:  # compile the grammar before any media work: a bad schema is refused at once
-        await run_in_threadpool(check_response_format, SamplingParams(**response_format))
-    except ValueError as e:
-        return _error(f"invalid response_format: {e}", 400, "response_format")
+    if response_format.get("response_format", "text") != "text":
+        try:  # compile the grammar before any media work: a bad schema is refused at once
+            await run_in_threadpool(check_response_format, SamplingParams(**response_format))
+        except ValueError as e:
+            return _error(f"invalid response_format: {e}", 400, "response_format")
     arrival = time.time()
     try:
         check_text_chars(_num_text_chars(body), state.max_model_len)

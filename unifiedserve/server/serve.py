@@ -294,6 +294,24 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(build_runtime(args), args, limits))
 
 
+def resolve_model(model: str | None) -> str:
+    """The checkpoint folder ``--model`` names; without one, the demo model (written on first use).
+
+    Raises:
+        ValueError: a folder without ``config.json``.
+    """
+    if model is None:
+        from unifiedserve.model.demo import DEFAULT_DEMO_PATH, write_demo_model
+
+        model = str(Path(DEFAULT_DEMO_PATH).expanduser())
+        if not (Path(model) / "config.json").exists():
+            log.info("writing the demo model to %s", model)
+            write_demo_model(model)
+    elif not (Path(model) / "config.json").is_file():
+        raise ValueError(f"--model {model}: no config.json there; give a Hugging Face checkpoint folder")
+    return model
+
+
 def build_runtime(args: argparse.Namespace):
     """The node runtime the flags describe (config and worker specs; nothing started yet). Also what
     each Ray Serve replica builds.
@@ -317,17 +335,9 @@ def build_runtime(args: argparse.Namespace):
         placement = gpu_placement_fields(args, device, torch.cuda.device_count(), mps_running())
         device = "cuda"  # each worker sees only its GPU (CUDA_VISIBLE_DEVICES), as cuda:0
     dtype = resolve_dtype(args.dtype, device)
-    from unifiedserve.model.demo import DEFAULT_DEMO_PATH, write_demo_model
     from unifiedserve.runtime.launcher import Runtime, build_config
 
-    model = args.model
-    if model is None:
-        model = str(Path(DEFAULT_DEMO_PATH).expanduser())
-        if not (Path(model) / "config.json").exists():
-            log.info("writing the demo model to %s", model)
-            write_demo_model(model)
-    elif not (Path(model) / "config.json").is_file():
-        raise ValueError(f"--model {model}: no config.json there; give a Hugging Face checkpoint folder")
+    model = resolve_model(args.model)
     budgets = {k: v for k, v in (("prefill_token_budget", args.prefill_token_budget),
                                  ("encode_token_budget", args.encode_token_budget)) if v is not None}
     try:  # the config tree checks every value once; a refusal names the flag it came from
@@ -369,8 +379,6 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
 
 def media_policy(args: argparse.Namespace):
     """The media URL policy the flags describe."""
-    from unifiedserve.server.media import MediaPolicy
-
     return MediaPolicy(Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
                        tuple(args.allowed_media_domains), int(args.max_media_mb * 2**20))
 
