@@ -49,7 +49,6 @@ class RequestOutput:
 @dataclass
 class _Live:
     request: Request
-    seq: SequenceState  # its output list is the request's
     output: TextOutput
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
@@ -146,7 +145,7 @@ class LLM:
         seq = SequenceState(params, SamplerState.for_params(params, self.runner.device, grammar), stop_ids,
                             request.output_token_ids)
         self.core.add(request, list(vision), seq)
-        self._live[request_id] = _Live(request, seq, TextOutput(self.processor.incremental_decoder(), params.stop))
+        self._live[request_id] = _Live(request, TextOutput(self.processor.incremental_decoder(), params.stop))
         return request_id
 
     def abort(self, request_id: str) -> None:

@@ -205,10 +205,17 @@ class ModelRunner:
 
     # -- start-up ------------------------------------------------------------------------------
     def warmup(self, max_cuda_graph_batch: int | None = None) -> None:
-        """Compile/load the attention kernels (flashinfer JITs on first use) before any request and, on
-        CUDA, capture decode graphs for batches up to ``max_cuda_graph_batch`` (None: decode runs eagerly)."""
+        """Compile/load the attention kernels (flashinfer JITs on first use) before any request: the LLM's
+        and, where this runner encodes (it has a patch buffer), the vision tower's fused attention; on CUDA,
+        capture decode graphs for batches up to ``max_cuda_graph_batch`` (None: decode runs eagerly)."""
         self.attn.warmup()
-        if self.device.type != "cuda" or max_cuda_graph_batch is None:
+        if self.device.type != "cuda":
+            return
+        if self.patch_buffer is not None:
+            from unifiedserve.attention.warmup import warm_vision
+
+            warm_vision(self.model.config.vision, self.device, self.dtype)
+        if max_cuda_graph_batch is None:
             return
         if self.attn.supports_cuda_graph:
             from unifiedserve.engine.device import graph_batch_sizes

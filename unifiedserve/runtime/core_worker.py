@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -36,12 +35,6 @@ from unifiedserve.runtime.worker import Worker, memory_info
 log = logging.getLogger("unifiedserve")
 
 
-@dataclass
-class _Live:
-    seq: SequenceState  # its output list is the scheduler request's
-    stages: protocol.StageTimes
-
-
 class CoreWorker(Worker):
     name = "core"
     inbox_type = protocol.ToCore
@@ -59,12 +52,7 @@ class CoreWorker(Worker):
                                   attention=eng.attention, media_cache_bytes=eng.media_cache_bytes)
         # kernels that compile on first use (flashinfer on CUDA: tens of seconds each) compile now, before
         # any request and before the budget profile; CUDA graphs only where core decodes (monolithic)
-        graphs = eng.max_cuda_graph_batch if cfg.policy == "monolithic" and not eng.enforce_eager else None
-        self.runner.warmup(graphs)
-        if self.runner.device.type == "cuda":
-            from unifiedserve.attention.warmup import warm_vision
-
-            warm_vision(self.model_config.vision, self.runner.device, self.runner.dtype)
+        self.runner.warmup(eng.max_cuda_graph_batch if cfg.policy == "monolithic" and not eng.enforce_eager else None)
         sched_cfg = eng.scheduler
         info = {}
         if cfg.tbt_slo_ms is not None:
@@ -77,7 +65,7 @@ class CoreWorker(Worker):
                                    PageAllocator(eng.num_patch_pages, eng.page_size),
                                    PageAllocator(eng.num_visual_pages, eng.page_size), self.runner.media_cache)
         self.core = EngineCore(self.scheduler, self.runner)
-        self.live: dict[str, _Live] = {}
+        self.stages: dict[str, protocol.StageTimes] = {}  # per request while core holds it
         self.decode_here = cfg.policy == "monolithic"
         self._stalled = False  # the last schedule() found nothing to run; wait for a message
         self._threads_all = torch.get_num_threads()  # unified on CPU: fewer while decode is busy
@@ -119,7 +107,7 @@ class CoreWorker(Worker):
             req = self.scheduler.requests.get(rid)
             was_whole = req is not None and message.media_index in req.ready_media
             if self.scheduler.mark_media_ready(rid, message.media_index, message.num_rows):
-                stages = self.live[rid].stages
+                stages = self.stages[rid]
                 if message.decode_start and not (0 < stages.video_decode_start <= message.decode_start):
                     stages.video_decode_start = message.decode_start
                 if not was_whole and message.media_index in req.ready_media:  # now whole: its decode time
@@ -143,15 +131,14 @@ class CoreWorker(Worker):
             request = make_request(msg.request_id, msg.prompt_token_ids, msg.params, grids, self.model_config)
             grammar = grammar_for(msg.params, self.config.model, msg.stop_token_ids)  # response_format
             request.media_keys = list(msg.media_keys) if len(msg.media_keys) == len(grids) else []
-            self.scheduler.check(request)
+            seq = SequenceState(msg.params, SamplerState.for_params(msg.params, self.runner.device, grammar),
+                                frozenset(msg.stop_token_ids), request.output_token_ids)
+            self.core.add(request, grids, seq)  # the scheduler checks it before anything changes
         except ValueError as e:
             self.send("vision", protocol.CancelMedia(msg.request_id))
             self.send("api", protocol.RequestFailed(msg.request_id, str(e), 400))
             return
-        seq = SequenceState(msg.params, SamplerState.for_params(msg.params, self.runner.device, grammar),
-                            frozenset(msg.stop_token_ids), request.output_token_ids)
-        self.core.add(request, grids, seq)
-        self.live[msg.request_id] = _Live(seq, protocol.StageTimes(added=time.time()))
+        self.stages[msg.request_id] = protocol.StageTimes(added=time.time())
 
     # -- one iteration ----------------------------------------------------------------------------------
     def step(self) -> None:
@@ -163,11 +150,11 @@ class CoreWorker(Worker):
         end = time.time()
         encode_end = now + self.runner.last_encode_s
         for work in out.encode:
-            st = self.live[work.request_id].stages
+            st = self.stages[work.request_id]
             st.encode_start = st.encode_start or now
             st.encode_end = encode_end
         for chunk in out.prefill:
-            st = self.live[chunk.request_id].stages
+            st = self.stages[chunk.request_id]
             st.prefill_start = st.prefill_start or encode_end
             st.prefill_end = end
         if sampled:
@@ -177,7 +164,7 @@ class CoreWorker(Worker):
         """Before the step runs: admitted requests' patch pages to vision, and the thread count."""
         now = time.time()
         for rid in out.admitted:
-            self.live[rid].stages.admitted = now
+            self.stages[rid].admitted = now
         # rows of patch_write are the admitted requests with patches to write, in order; a request whose
         # media the caches hold entirely has none: vision forgets it
         index, b = out.patch_write, 0
@@ -189,7 +176,7 @@ class CoreWorker(Worker):
                 b += 1
             elif req.num_media:
                 self.send("vision", protocol.CancelMedia(rid))
-                self.live[rid].stages.media_ready = now
+                self.stages[rid].media_ready = now
         threads = self._threads_shared if self.scheduler.handed_off else self._threads_all
         if threads != torch.get_num_threads():  # leave decode's cores to it while it has requests
             torch.set_num_threads(threads)
@@ -197,9 +184,8 @@ class CoreWorker(Worker):
     def _outputs(self, sampled) -> None:
         outputs, handoffs = [], []
         for rid, r in sampled:
-            live = self.live[rid]
             outputs.append(protocol.TokenOutput(rid, r.index, r.token_id, r.finish_reason,
-                                                live.stages if r.index == 0 else None,
+                                                self.stages[rid] if r.index == 0 else None,
                                                 *(r.logprobs if r.logprobs is not None else (None, None))))
             if r.finish_reason is not None:
                 self._finish(rid, r.finish_reason)
@@ -209,11 +195,11 @@ class CoreWorker(Worker):
             req, seq, table, delta = self.core.hand_off(rid)
             handoffs.append(protocol.Handoff(rid, table, req.prompt_len, delta, r.token_id, seq.params,
                                              sorted(seq.stop_ids), seq.sampler.to_bytes()))
-            self.live.pop(rid)
+            self.stages.pop(rid)
         self.send("api", protocol.TokenOutputs(outputs))  # before the hand-off: token 0 reaches api first
         for h in handoffs:
             self.send("decode", h)
 
     def _finish(self, rid: str, reason: str) -> None:
         self.core.finish(rid, reason)
-        self.live.pop(rid, None)
+        self.stages.pop(rid, None)
