@@ -263,32 +263,25 @@ class _Request:
                     + ("" if len(failed) == a.plan.num_frames else "; use on_corrupt='repeat' to decode the rest"),
                     failed,
                 )
-            grid = a.plan.grid_thw()
-            if self.stream:  # the reader has the frames; only the outcome is left to report
-                self.result = DecodedVideo(
-                    key_id=a.key_id, frames=None, patches=None, grid_thw=tuple(grid),
-                    frame_indices=list(a.plan.frame_indices), sample_fps=a.plan.sample_fps, info=a.info,
-                    failed_frame_indices=failed, probe_s=a.probe_s, decode_s=time.perf_counter() - self.started)
-                self._done(self)
-                self._end()
-                return
-            for r in a.plan.ranks:
-                self._rank_buffer(r.rank)  # a rank with no frames still contributes an empty tensor
-            outputs = [self.rank_outputs[r.rank] for r in a.plan.ranks]
-            frames = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [T, H, W, 3]
-            frames = frames.permute(0, 3, 1, 2)  # [T, 3, H, W], channels-last strides
-            patches = None
-            if self.output == "patches":
-                from flashcodec.patches import frames_to_patches
+            if not self.stream:  # a streamed reader has had the frames: only the outcome (error) is left
+                grid = a.plan.grid_thw()
+                for r in a.plan.ranks:
+                    self._rank_buffer(r.rank)  # a rank with no frames still contributes an empty tensor
+                outputs = [self.rank_outputs[r.rank] for r in a.plan.ranks]
+                frames = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [T, H, W, 3]
+                frames = frames.permute(0, 3, 1, 2)  # [T, 3, H, W], channels-last strides
+                patches = None
+                if self.output == "patches":
+                    from flashcodec.patches import frames_to_patches
 
-                patches, grid = frames_to_patches(frames, self.patch_spec) if self.patch_spec else \
-                    frames_to_patches(frames)
-                frames = None
-            self.result = DecodedVideo(
-                key_id=a.key_id, frames=frames, patches=patches, grid_thw=tuple(grid),
-                frame_indices=list(a.plan.frame_indices), sample_fps=a.plan.sample_fps, info=a.info,
-                failed_frame_indices=failed, probe_s=a.probe_s, decode_s=time.perf_counter() - self.started,
-            )
+                    patches, grid = frames_to_patches(frames, self.patch_spec) if self.patch_spec else \
+                        frames_to_patches(frames)
+                    frames = None
+                self.result = DecodedVideo(
+                    key_id=a.key_id, frames=frames, patches=patches, grid_thw=tuple(grid),
+                    frame_indices=list(a.plan.frame_indices), sample_fps=a.plan.sample_fps, info=a.info,
+                    failed_frame_indices=failed, probe_s=a.probe_s, decode_s=time.perf_counter() - self.started,
+                )
         except BaseException as e:
             self.error = e
         if not self.stream:  # a streamed reader may be copying rows out; it drops the buffers itself
