@@ -96,6 +96,26 @@ def route_counts(server: RayServer) -> list[str]:
             if line.startswith("unifiedserve_route_requests_total")]
 
 
+def listener_cmdline(port: int) -> str:
+    """The command line of the process listening on TCP ``port`` (from /proc: no ss or psutil needed)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                inodes.add(fields[9])
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            links = {os.readlink(fd) for fd in (proc / "fd").iterdir()}
+            if any(f"socket:[{inode}]" in links for inode in inodes):
+                return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+    return ""
+
+
 def test_two_replicas_affinity_streaming_and_a_dead_replica(tmp_path):
     server = RayServer(tmp_path, "--replicas", "2")
     try:
@@ -132,6 +152,8 @@ def test_two_replicas_affinity_streaming_and_a_dead_replica(tmp_path):
         for info in health["replicas"].values():
             for pid in (info["pid"], info["workers"]["decode"]):
                 assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0), info
+        # the ingress replica itself listens on --port (Serve's direct ingress), not Serve's HTTP proxy
+        assert "ServeReplica:unifiedserve:Ingress" in listener_cmdline(server.port), listener_cmdline(server.port)
         status, metrics = http("GET", server.url + "/metrics")
         assert 'replica="' in metrics and "unifiedserve_route_affinity_hits_total" in metrics
 
