@@ -38,6 +38,7 @@ ROUTERS_BY_NAME = {"media-affinity": "unifiedserve.ray_serve.router.MediaAffinit
                    "serve-default": None}  # None: Serve's own power-of-two-choices router
 MAX_ATTEMPTS = 3  # replicas tried for one request whose runtime refuses it (dead workers)
 SCRAPE_TIMEOUT_S = 5.0
+INLINE_KEY_BYTES = 64 * 1024  # bodies up to this size get their routing key on the event loop
 # Ray starts its worker processes at nice 15 (RAY_worker_niceness), below everything else on the node,
 # and a replica's vision, core and decode processes inherit it (vision and core then add their own +5:
 # nice 19). Next to any other busy process they got a small fraction of a core: a text prompt's prefill
@@ -155,18 +156,13 @@ class NodeReplica:
             await sent.put(message)
 
         app_task = asyncio.create_task(self.app(scope, receive, send))
+        app_task.add_done_callback(lambda _: sent.put_nowait(None))  # after everything it sent
         try:
             while True:
-                get = asyncio.create_task(sent.get())
-                await asyncio.wait({get, app_task}, return_when=asyncio.FIRST_COMPLETED)
-                if not get.done():
-                    get.cancel()
-                    if sent.empty():
-                        app_task.result()  # re-raises what the app raised
-                        return
-                    message = sent.get_nowait()
-                else:
-                    message = get.result()
+                message = await sent.get()
+                if message is None:  # the app returned (or raised) without finishing its response
+                    app_task.result()  # re-raises what the app raised
+                    return
                 if message["type"] == "http.response.start":
                     yield {"replica_id": self.replica_id, "status": message["status"],
                            "headers": list(message.get("headers", ()))}
@@ -176,6 +172,10 @@ class NodeReplica:
                     chunks, more = [message.get("body", b"")], message.get("more_body", False)
                     while more and not sent.empty():
                         message = sent.get_nowait()  # after the start, the app sends only body messages
+                        if message is None:  # the app returned mid-body: what it sent is the end
+                            app_task.result()
+                            more = False
+                            break
                         chunks.append(message.get("body", b""))
                         more = message.get("more_body", False)
                     body = b"".join(chunks)
@@ -215,7 +215,10 @@ class Ingress:
             return body
         key = None
         if request.method == "POST" and request.url.path == "/v1/chat/completions":
-            key = await asyncio.to_thread(self.route_key, body)
+            # a body with inline media (data: payloads to hash) is keyed off the event loop; a small one
+            # (URLs, local paths: a stat) costs less than the thread hop
+            small = len(body) <= INLINE_KEY_BYTES
+            key = self.route_key(body) if small else await asyncio.to_thread(self.route_key, body)
         call = HttpCall(request.method, request.url.path, request.scope.get("query_string", b""),
                         list(request.scope.get("headers", ())), body)
         exclude: tuple[str, ...] = ()

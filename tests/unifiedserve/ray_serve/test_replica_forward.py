@@ -30,7 +30,7 @@ def run(node: NodeReplica) -> list:
     async def collect():
         return [item async for item in node.forward(CALL)]
 
-    return asyncio.run(collect())
+    return asyncio.run(asyncio.wait_for(collect(), 5.0))  # a relay that hangs fails instead
 
 
 def start(status=200):
@@ -70,3 +70,19 @@ def test_a_dead_runtime_says_unavailable():
     node = replica(None)
     node.client = SimpleNamespace(fatal="the core process died")
     assert run(node) == [{"replica_id": "r1", "unavailable": "the core process died"}]
+
+
+def test_an_app_that_returns_mid_body_ends_the_stream():
+    async def app(scope, receive, send):
+        await send(start())
+        await send(body(b"partial"))  # more_body=True, then the app returns: no hang waiting for more
+
+    assert run(replica(app))[1:] == [b"partial"]
+
+
+def test_an_app_that_raises_before_its_response_re_raises():
+    async def app(scope, receive, send):
+        raise RuntimeError("app broke")
+
+    with pytest.raises(RuntimeError, match="app broke"):
+        run(replica(app))
