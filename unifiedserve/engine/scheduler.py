@@ -211,6 +211,11 @@ class Scheduler:
         self.adopted.add(request.request_id)
 
     @property
+    def ingesting(self) -> bool:
+        """Whether vision is still writing the media of an admitted request (decoding it now)."""
+        return any(len(r.ready_media) < r.num_media for r in self.running)
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

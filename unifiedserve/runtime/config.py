@@ -65,7 +65,7 @@ class RuntimeConfig:
     torch_threads: dict[str, int] = field(default_factory=dict)  # per process; missing: torch's default
     cpu_affinity: dict[str, list[int]] = field(default_factory=dict)  # per process; missing: every core
     nice: dict[str, int] = field(default_factory=dict)  # per process niceness increment (lower CPU priority)
-    core_threads_while_decoding: int = 0  # core's torch threads while any request decodes; 0: no change
+    core_threads_shared: int = 0  # core's torch threads while decode or vision is busy; 0: no change
     #: per process: environment set first thing in the worker, before CUDA starts (GPU placement:
     #: CUDA_VISIBLE_DEVICES, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; see runtime/gpu_placement.py)
     process_env: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -89,7 +89,7 @@ class RuntimeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("vision_threads", "core_threads_while_decoding", "gpu"):
+        for name in ("vision_threads", "core_threads_shared", "gpu"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not self.max_video_seconds > 0:

@@ -68,11 +68,11 @@ class CoreWorker(Worker):
         self.stages: dict[str, protocol.StageTimes] = {}  # per request while core holds it
         self.decode_here = cfg.policy == "monolithic"
         self._stalled = False  # the last schedule() found nothing to run; wait for a message
-        self._threads_all = torch.get_num_threads()  # unified on CPU: fewer while decode is busy
-        self._threads_shared = cfg.core_threads_while_decoding or self._threads_all
+        self._threads_all = torch.get_num_threads()  # unified on CPU: fewer while decode or vision is busy
+        self._threads_shared = cfg.core_threads_shared or self._threads_all
         info.update({
             "device": eng.device, "dtype": eng.dtype, "nice": str(os.nice(0)),
-            "torch_threads": (f"{self._threads_all} ({self._threads_shared} while decoding)"
+            "torch_threads": (f"{self._threads_all} ({self._threads_shared} while decode or vision is busy)"
                               if self._threads_shared != self._threads_all else str(self._threads_all)),
             "prefill_token_budget": str(sched_cfg.prefill_token_budget),
             "encode_token_budget": str(sched_cfg.encode_token_budget),
@@ -177,8 +177,12 @@ class CoreWorker(Worker):
             elif req.num_media:
                 self.send("vision", protocol.CancelMedia(rid))
                 self.stages[rid].media_ready = now
-        threads = self._threads_shared if self.scheduler.handed_off else self._threads_all
-        if threads != torch.get_num_threads():  # leave decode's cores to it while it has requests
+        # leave decode its cores while it has requests, and vision while it decodes a running request's
+        # video: on 2 cores, streaming ingest with core at 2 threads took 15.6-17.3 s to the first
+        # token of a 3-minute video, at 1 thread while vision decodes 14.4-15.0 s (docs/benchmarks.md)
+        busy = self.scheduler.handed_off or self.scheduler.ingesting
+        threads = self._threads_shared if busy else self._threads_all
+        if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
 
     def _outputs(self, sampled) -> None:

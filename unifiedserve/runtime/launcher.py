@@ -103,8 +103,10 @@ def cpu_placement(policy: str, cpus: list[int], decode_threads: int = 0, vision_
     - ``unified``: every process may use every core. Decode runs ``decode_threads`` torch threads
       (default a quarter of the cores, at least 1) at normal priority; vision and core run niced
       (``UNIFIED_NICE``), and core drops to the cores decode leaves free while any request is
-      decoding, then takes all of them back. Decode steps are not slowed by oversubscription, and
-      encode+prefill gets every core whenever decode is idle.
+      decoding or vision is still decoding a running request's video (streaming ingest), then takes
+      all of them back. Decode steps are not slowed by oversubscription, core's parallel regions
+      do not wait at their barriers for a thread another process preempted, and encode+prefill
+      gets every core whenever decode and vision are idle.
     - ``monolithic``: one compute process with torch's default threads.
     """
     if decode_threads < 0 or vision_threads < 0:
@@ -119,7 +121,7 @@ def cpu_placement(policy: str, cpus: list[int], decode_threads: int = 0, vision_
     if policy == "unified":
         decode = min(n, decode_threads or max(1, n // 4))
         return {"torch_threads": {"core": n, "decode": decode},
-                "core_threads_while_decoding": max(1, n - decode),
+                "core_threads_shared": max(1, n - decode),
                 "nice": {"vision": UNIFIED_NICE, "core": UNIFIED_NICE}}
     return {}
 

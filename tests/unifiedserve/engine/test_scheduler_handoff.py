@@ -90,3 +90,19 @@ def test_abort_between_schedule_and_commit_frees_everything_once():
     s.finish("r", "abort")
     s.commit(out)
     assert s.patch_pages.num_used_pages == 0 and s.visual_pages.num_used_pages == 0 and s.blocks.num_used_blocks == 0
+
+
+def test_ingesting_while_an_admitted_request_waits_for_its_media():
+    """Core's worker gives vision cores while this holds (``core_threads_shared``)."""
+    s = make_scheduler()
+    assert not s.ingesting
+    s.add(two_media_request())
+    assert not s.ingesting  # waiting, not admitted: vision has not started it
+    s.commit(s.schedule())
+    assert s.ingesting
+    s.mark_media_ready("r", 0)
+    assert s.ingesting  # the video is still being written
+    s.mark_media_ready("r", 1, num_rows=8)  # its first slice only (streaming)
+    assert s.ingesting
+    s.mark_media_ready("r", 1)
+    assert not s.ingesting

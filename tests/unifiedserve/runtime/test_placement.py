@@ -21,13 +21,13 @@ def test_unified_shares_every_core_and_favours_decode(n, decode):
     p = cpu_placement("unified", list(range(n)))
     assert "cpu_affinity" not in p  # no partition: every process may run on every core
     assert p["torch_threads"] == {"core": n, "decode": decode}
-    assert p["core_threads_while_decoding"] == max(1, n - decode)
+    assert p["core_threads_shared"] == max(1, n - decode)
     assert p["nice"] == {"vision": UNIFIED_NICE, "core": UNIFIED_NICE}  # decode keeps normal priority
 
 
 def test_unified_decode_threads_flag_and_monolithic_default():
     p = cpu_placement("unified", list(range(8)), decode_threads=3)
-    assert p["torch_threads"]["decode"] == 3 and p["core_threads_while_decoding"] == 5
+    assert p["torch_threads"]["decode"] == 3 and p["core_threads_shared"] == 5
     assert cpu_placement("unified", [0, 1], decode_threads=9)["torch_threads"]["decode"] == 2  # capped at the cores
     assert cpu_placement("monolithic", list(range(8))) == {}
     with pytest.raises(ValueError, match="decode-threads"):
