@@ -30,7 +30,7 @@ from unifiedserve.memory.pages import PageAllocator
 from unifiedserve.model.loader import load_model
 from unifiedserve.runtime import protocol
 from unifiedserve.runtime.shm import open_pool
-from unifiedserve.runtime.worker import Worker, memory_info
+from unifiedserve.runtime.worker import Worker, device_memory_gauges, memory_info, weight_gauges
 
 log = logging.getLogger("unifiedserve")
 
@@ -45,6 +45,7 @@ class CoreWorker(Worker):
         weights = open_pool(cfg.pools["weights"]) if "weights" in cfg.pools else None
         self.model, self.model_config = load_model(cfg.model, DTYPES[eng.dtype], eng.device, llm_storage=weights)
         self.model.eval()
+        self._weight_gauges = weight_gauges(self.model, weights)
         kv, patch = open_pool(cfg.pools["kv"]), open_pool(cfg.pools["patch"])
         self.runner = ModelRunner(self.model, num_kv_blocks=eng.num_kv_blocks, block_size=eng.block_size,
                                   num_patch_pages=eng.num_patch_pages, num_visual_pages=eng.num_visual_pages,
@@ -95,7 +96,8 @@ class CoreWorker(Worker):
                 "num_waiting": s.num_waiting, "num_prefilling": len(s.running) - (s.num_waiting - len(s.waiting)),
                 "prefix_cache_queried_tokens": s.prefix_queried_tokens, "prefix_cache_hit_tokens": s.prefix_hit_tokens,
                 "media_cache_queried_tokens": s.media_queried_tokens, "media_cache_hit_tokens": s.media_hit_tokens,
-                "media_cache_bytes": self.runner.media_cache.num_bytes if self.runner.media_cache is not None else 0}
+                "media_cache_bytes": self.runner.media_cache.num_bytes if self.runner.media_cache is not None else 0,
+                **self._weight_gauges, **device_memory_gauges(self.config.engine.device)}
 
     # -- messages ------------------------------------------------------------------------------------
     def handle(self, message) -> None:

@@ -25,7 +25,7 @@ from unifiedserve.engine.structured import grammar_for
 from unifiedserve.model.loader import load_model
 from unifiedserve.runtime import protocol
 from unifiedserve.runtime.shm import open_pool
-from unifiedserve.runtime.worker import Worker, memory_info
+from unifiedserve.runtime.worker import Worker, device_memory_gauges, memory_info, weight_gauges
 
 log = logging.getLogger("unifiedserve")
 
@@ -42,6 +42,7 @@ class DecodeWorker(Worker):
         self.model, _ = load_model(cfg.model, DTYPES[eng.dtype], eng.device, llm_storage=weights,
                                    fill_llm=weights is None, load_vision=False)
         self.model.eval()
+        self._weight_gauges = weight_gauges(self.model, weights)
         runner = ModelRunner(self.model, num_kv_blocks=eng.num_kv_blocks, block_size=eng.block_size,
                              num_patch_pages=0, num_visual_pages=0, page_size=eng.page_size, device=eng.device,
                              kv_storage=open_pool(cfg.pools["kv"]), attention=eng.attention)
@@ -55,7 +56,8 @@ class DecodeWorker(Worker):
         return self.scheduler.has_work
 
     def stats(self) -> dict[str, float]:
-        return {"num_decoding": len(self.scheduler.running)}  # in the batch, and waiting for a place in it
+        return {"num_decoding": len(self.scheduler.running),  # in the batch, and waiting for a place in it
+                **self._weight_gauges, **device_memory_gauges(self.config.engine.device)}
 
     def handle(self, message) -> None:
         if isinstance(message, protocol.Handoff):

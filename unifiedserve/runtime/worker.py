@@ -127,18 +127,37 @@ class Worker:
 def memory_info(model, weights_pool=None) -> dict[str, str]:
     """Start-up memory of a process that holds ``model``: its own parameter bytes and those it maps from the
     shared weights pool (counted once for the server), and on CUDA what torch's allocator holds."""
+    g = weight_gauges(model, weights_pool)
+    info = {"weights": f"{g['mem_weights_own_bytes'] / 2**20:.1f} MiB own + "
+                       f"{g['mem_weights_shared_bytes'] / 2**20:.1f} MiB mapped from the shared pool"}
+    device = next(model.language_model.parameters()).device
+    d = device_memory_gauges(device)
+    if d:
+        info["cuda_allocated"] = (f"{d['mem_device_allocated_bytes'] / 2**20:.0f} MiB "
+                                  f"(peak {d['mem_device_peak_bytes'] / 2**20:.0f} MiB; the "
+                                  f"IPC-mapped pools are not in it)")
+    return info
+
+
+def weight_gauges(model, weights_pool=None) -> dict[str, float]:
+    """``mem_weights_{own,shared}_bytes`` of a process holding ``model`` (WorkerStats gauges; the
+    server exports them per process as ``unifiedserve_process_memory_bytes``)."""
     from unifiedserve.model.loader import weight_bytes
 
     own, shared = weight_bytes(model, weights_pool)
-    info = {"weights": f"{own / 2**20:.1f} MiB own + {shared / 2**20:.1f} MiB mapped from the shared pool"}
-    device = next(model.language_model.parameters()).device
-    if device.type == "cuda":
-        import torch
+    return {"mem_weights_own_bytes": float(own), "mem_weights_shared_bytes": float(shared)}
 
-        info["cuda_allocated"] = (f"{torch.cuda.memory_allocated(device) / 2**20:.0f} MiB "
-                                  f"(peak {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB; the "
-                                  f"IPC-mapped pools are not in it)")
-    return info
+
+def device_memory_gauges(device) -> dict[str, float]:
+    """On CUDA, what torch's allocator holds now and at its peak (``mem_device_{allocated,peak}_bytes``;
+    the IPC-mapped pools are not in it); nothing on the CPU."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    return {"mem_device_allocated_bytes": float(torch.cuda.memory_allocated(device)),
+            "mem_device_peak_bytes": float(torch.cuda.max_memory_allocated(device))}
 
 
 def _die_with_parent() -> None:

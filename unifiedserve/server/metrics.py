@@ -69,6 +69,16 @@ class Metrics:
             self._caches[cache] = (queried, hits, rate)
         self.media_cache_bytes = Gauge("unifiedserve_media_cache_bytes", "Bytes of encoded visual tokens the media "
                                        "cache holds.", ["model_name"], registry=r).labels(**labels)
+        self._pool_bytes = Gauge("unifiedserve_pool_bytes", "Bytes of each shared pool, allocated once at start "
+                                 "(kv: the KV cache; patch: the patch buffer; weights: the LLM weights core and "
+                                 "decode share), and where it lives (cpu: shared memory; cuda:N: the GPU).",
+                                 ["model_name", "pool", "device"], registry=r)
+        self._process_memory = Gauge("unifiedserve_process_memory_bytes", "Memory of each worker process by kind: "
+                                     "weights_own (parameters it allocated), weights_shared (parameters it maps from "
+                                     "the shared weights pool, counted once in unifiedserve_pool_bytes), and on CUDA "
+                                     "device_allocated and device_peak (torch's allocator: activations, its own "
+                                     "weights, caches; the mapped pools are not in it).",
+                                     ["model_name", "process", "kind"], registry=r)
         self.healthy = Gauge("unifiedserve_healthy", "1 while every worker process is alive.", ["model_name"],
                              registry=r).labels(**labels)
         self.healthy.set(1)
@@ -77,6 +87,18 @@ class Metrics:
 
     def finished(self, reason: str) -> None:
         self.requests.labels(finish_reason=reason, **self._labels).inc()
+
+    def set_pools(self, pools: dict[str, tuple[int, str]]) -> None:
+        """``{pool: (bytes, device)}`` of the runtime's shared pools (fixed for the server's life)."""
+        for pool, (num_bytes, device) in pools.items():
+            self._pool_bytes.labels(pool=pool, device=device, **self._labels).set(num_bytes)
+
+    def update_processes(self, gauges_by_worker: dict[str, dict[str, float]]) -> None:
+        """Each worker's ``mem_<kind>_bytes`` gauges, as ``unifiedserve_process_memory_bytes{process, kind}``."""
+        for process, gauges in gauges_by_worker.items():
+            for key, value in gauges.items():
+                if key.startswith("mem_") and key.endswith("_bytes"):
+                    self._process_memory.labels(process=process, kind=key[4:-6], **self._labels).set(value)
 
     def update_workers(self, gauges: dict[str, float], num_in_api: int) -> None:
         """From the workers' latest stats; ``num_in_api``: requests the api holds that core has not seen."""

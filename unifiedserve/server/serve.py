@@ -393,7 +393,10 @@ def build_state(runtime, client, args: argparse.Namespace, limits: RequestLimits
     config = runtime.config
     processor = load_processor(config.model)
     model_config = ModelConfig.from_json(os.path.join(config.model, "config.json"))
-    return ServerState(client, processor, Metrics(config.served_model_name), media_policy(args),
+    metrics = Metrics(config.served_model_name)
+    metrics.set_pools({name: (spec.num_bytes, "cpu" if spec.cuda_handle is None else f"cuda:{config.gpu}")
+                       for name, spec in config.pools.items()})
+    return ServerState(client, processor, metrics, media_policy(args),
                        config.served_model_name, config.max_model_len, config.default_max_tokens,
                        tuple(model_config.eos_token_ids), config.policy, args.api_key, limits)
 

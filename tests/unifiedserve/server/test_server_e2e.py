@@ -84,6 +84,29 @@ def test_models_health_openapi(server, client):
     assert status == 200 and "/v1/chat/completions" in spec["paths"]
 
 
+def test_metrics_count_the_weights_once(server):
+    """Pool bytes, and per-process weight bytes: core and decode map the one shared copy."""
+    m = server.metrics()
+
+    def value(name, **labels):
+        found = [v for k, v in m.items() if k.startswith(name + "{")
+                 and all(f'{label}="{x}"' in k for label, x in labels.items())]
+        assert len(found) == 1, (name, labels, [k for k in m if k.startswith(name)])
+        return found[0]
+
+    assert sum(k.startswith("unifiedserve_pool_bytes{") for k in m) == 3
+    assert all(value("unifiedserve_pool_bytes", pool=p, device="cpu") > 0 for p in ("kv", "patch", "weights"))
+    weights = value("unifiedserve_pool_bytes", pool="weights")
+
+    def mem(process, kind):
+        return value("unifiedserve_process_memory_bytes", process=process, kind=kind)
+
+    # every LLM parameter of both processes lives in the pool; what core owns is its vision tower
+    assert mem("core", "weights_shared") == mem("decode", "weights_shared") == weights
+    assert mem("decode", "weights_own") == 0 < mem("core", "weights_own")
+    assert not any("device_allocated" in k for k in m)  # CUDA only
+
+
 def test_video_nonstream_and_stream_agree(server, client, media):
     _, files = media
     full = client.chat.completions.create(model="demo-model", messages=video_message(files["video"]), **GREEDY)
