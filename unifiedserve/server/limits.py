@@ -129,7 +129,7 @@ async def read_body(scope, receive, limit: int) -> bytes | None:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise _too_large(limit, "more")
+            raise _too_large(limit, f"{size} bytes so far (chunked)")
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -172,6 +173,8 @@ def test_body_limit_refuses_before_reading(processor, media_dir):
     assert r.status_code == 413 and "--max-request-mb" in r.json()["error"]["message"]
     r = http.post("/v1/chat/completions", content=(b"x" * 1024 for _ in range(10)))  # chunked: no length
     assert r.status_code == 413
+    assert re.match(r"the request body is \d+ bytes so far \(chunked\), over this server's limit of 4096 bytes",
+                    r.json()["error"]["message"])
     assert client.added == []
 
 
