@@ -138,7 +138,7 @@ def video_messages(clip: Path) -> list[dict]:
                                          {"type": "text", "text": "What happens?"}]}]
 
 
-def measure(servers: dict[str, ServerProcess], clips: dict[str, list[Path]], num_text: int) -> dict:
+def measure(servers: dict[str, ServerProcess], clips: dict[str, list[Path]], num_text: int, idle_s: float) -> dict:
     """TTFTs (s) and API sums of each server; with several servers the requests alternate between them
     (who goes first alternates too), so a change of the machine's load falls on both alike."""
     for server in servers.values():
@@ -161,8 +161,15 @@ def measure(servers: dict[str, ServerProcess], clips: dict[str, list[Path]], num
                 cpu_ms[m][role] = cpu_ms[m].get(role, 0.0) + (cpu_s - before.get(role, 0.0)) * 1e3
     s2 = {m: api_sums(servers[m]) for m in modes}
     load = (load_before, os.getloadavg()[0])
+    # what each server's processes burn while no request runs (Ray's daemons and loops; the plain
+    # server's idle polling), in ms of CPU a second
+    before = {m: process_cpu_s(servers[m].proc.pid) for m in modes}
+    time.sleep(idle_s)
+    idle = {m: {role: (cpu_s - before[m].get(role, 0.0)) * 1e3 / idle_s
+                for role, cpu_s in process_cpu_s(servers[m].proc.pid).items()} if idle_s > 0 else {} for m in modes}
     return {m: {"text": text[m], "video": video[m], "sums": (s0[m], s1[m], s2[m]), "load": load,
-                "video_cpu_ms": {role: ms / len(video[m]) for role, ms in cpu_ms[m].items()}} for m in modes}
+                "video_cpu_ms": {role: ms / len(video[m]) for role, ms in cpu_ms[m].items()},
+                "idle_cpu_ms_per_s": idle[m]} for m in modes}
 
 
 def main(argv=None) -> int:
@@ -174,6 +181,8 @@ def main(argv=None) -> int:
                         "instead of one server after the other: on a shared machine whose load changes, each "
                         "pair of requests sees the same load; the idle Ray instance's own processes then run "
                         "beside the plain server too")
+    p.add_argument("--idle-s", type=float, default=10.0,
+                   help="after the requests, measure each server's CPU use while idle for this long (default 10; 0: skip)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "ray_overhead")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -190,7 +199,7 @@ def main(argv=None) -> int:
             for m in group:
                 servers[m] = ServerProcess(["--allowed-local-media-path", str(media), *MODES[m]],
                                            a.out / f"server-{m}.log")
-            runs.update(measure(servers, {m: batches[m] for m in group}, a.text))
+            runs.update(measure(servers, {m: batches[m] for m in group}, a.text, a.idle_s))
         finally:
             for server in servers.values():
                 server.stop()
@@ -217,12 +226,19 @@ def main(argv=None) -> int:
         print(f"{m:>12}: api {cpu.get('api', 0.0):.0f} | workers {cpu.get('workers', 0.0):.0f} | the rest "
               f"{sum(ray_own.values()):.0f}" + "".join(f" | {role} {ms:.0f}" for role, ms in
                                                    sorted(ray_own.items(), key=lambda kv: -kv[1]) if ms >= 1))
+    if a.idle_s > 0:
+        print(f"idle CPU, ms a second over {a.idle_s:g} s after the requests, by process:")
+        for m, r in runs.items():
+            idle = r["idle_cpu_ms_per_s"]
+            print(f"{m:>12}: total {sum(idle.values()):.1f}" + "".join(
+                f" | {role} {ms:.1f}" for role, ms in sorted(idle.items(), key=lambda kv: -kv[1]) if ms >= 0.5))
     print(("interleaved; " if a.interleave else "one server after the other; ")
           + "load average (1 min) before/after the timed requests: "
           + ", ".join(f"{mode} {lo:.2f}/{hi:.2f}" for mode, (lo, hi) in loads.items()))
     (a.out / "ray_overhead.json").write_text(json.dumps(
         {"median_ttft_s": results, "means_ms": breakdown, "load_average": loads, "text": a.text, "videos": a.videos,
          "interleave": a.interleave, "video_cpu_ms": {m: r["video_cpu_ms"] for m, r in runs.items()},
+         "idle_cpu_ms_per_s": {m: r["idle_cpu_ms_per_s"] for m, r in runs.items()},
          "ttft_s": {m: {"text": r["text"], "video": r["video"]} for m, r in runs.items()}},
         indent=2))
     return 0
