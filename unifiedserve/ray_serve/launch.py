@@ -110,12 +110,16 @@ def direct_ingress_env(port: int) -> dict[str, str]:
     actor and its handle call: one text request's TTFT through Ray went from ~30 to ~18 ms (the plain
     server: ~12 ms), and the ~18 ms of proxy CPU each request cost leaves the replica's cores
     (``docs/benchmarks.md``). No quarantine: without HAProxy nothing holds a stale route to a
-    released port, and a replaced ingress replica must get the same port back at once.
+    released port, and a replaced ingress replica must get the same port back at once. No minimum
+    draining period either (Serve's default, 30 s, gives an external load balancer time to
+    deregister the replica; there is none, and a stop took 32 s): a stopping ingress replica still
+    waits for its in-flight requests, up to its graceful shutdown timeout.
     """
     return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # the range's end is exclusive
-            "RAY_SERVE_PORT_QUARANTINE_S": "0"}
+            "RAY_SERVE_PORT_QUARANTINE_S": "0",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
 
 
 def check_port_free(host: str, port: int) -> None:
