@@ -101,43 +101,15 @@ def check_address(address: str) -> None:
                          f"launch/ray-cluster.sh head, or leave --ray-address out for a local instance") from None
 
 
-def direct_ingress_env(port: int) -> dict[str, str]:
-    """Environment for a local Ray instance whose ingress replica serves HTTP on ``port`` itself.
-
-    Serve's direct ingress (``RAY_SERVE_ENABLE_DIRECT_INGRESS``, part of its throughput-optimized mode)
-    starts an HTTP server inside the ingress replica, on a port from a range Serve's controller hands
-    out. A range of exactly ``port`` puts the endpoint there, so a request skips Serve's HTTP proxy
-    actor and its handle call: one text request's TTFT through Ray went from ~30 to ~18 ms (the plain
-    server: ~12 ms), and the ~18 ms of proxy CPU each request cost leaves the replica's cores
-    (``docs/benchmarks.md``). No quarantine: without HAProxy nothing holds a stale route to a
-    released port, and a replaced ingress replica must get the same port back at once. No minimum
-    draining period either (Serve's default, 30 s, gives an external load balancer time to
-    deregister the replica; there is none, and a stop took 32 s): a stopping ingress replica still
-    waits for its in-flight requests, up to its graceful shutdown timeout.
-    """
-    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # the range's end is exclusive
-            "RAY_SERVE_PORT_QUARANTINE_S": "0",
-            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
-
-
 def check_port_free(host: str, port: int) -> None:
-    """Raises ValueError when ``host:port`` cannot be bound (before Ray starts: one clear error, not
-    an ingress replica Serve retries for minutes)."""
+    """Raises ValueError when ``host:port`` cannot be bound: one clear error before Ray starts, not a
+    Serve proxy that fails to start inside it."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
             raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e})") from None
-
-
-def free_port(host: str) -> int:
-    """A port the OS says is free now, for Serve's HTTP proxy (the ingress replica has --port)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def run_ray(args: argparse.Namespace, limits) -> int:
@@ -158,7 +130,6 @@ def run_ray(args: argparse.Namespace, limits) -> int:
     # the demo model is written once here, not by every replica at the same time
     args.model = str(Path(resolve_model(args.model)).resolve())
 
-    proxy_port = args.port
     if not args.ray_address:
         # Serve's controller loop (default every 0.1 s) and the GCS calls it makes used ~50 ms of CPU a
         # second on an idle instance, taken from the replica's encode on a small node; every 0.5 s they
@@ -166,8 +137,6 @@ def run_ray(args: argparse.Namespace, limits) -> int:
         # Read by the processes of the instance ray.init starts; a cluster sets its own.
         os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", str(CONTROL_LOOP_INTERVAL_S))
         check_port_free(args.host, args.port)
-        proxy_port = free_port(args.host)
-        os.environ.update(direct_ingress_env(args.port))
     try:
         # "local": a new instance of our own, even when this machine already runs a cluster
         ray.init(address=args.ray_address or "local", include_dashboard=False, logging_level=logging.WARNING,
@@ -183,7 +152,7 @@ def run_ray(args: argparse.Namespace, limits) -> int:
         signal.signal(sig, lambda signum, frame: stop.set())
     try:
         try:
-            serve.start(http_options={"host": args.host, "port": proxy_port})
+            serve.start(http_options={"host": args.host, "port": args.port})
             serve.run(build_application(args, router=args.ray_router), name=APP_NAME, route_prefix="/",
                       blocking=False)
         except RuntimeError as e:  # a replica that cannot start (Serve retried it), a port in use
@@ -193,9 +162,6 @@ def run_ray(args: argparse.Namespace, limits) -> int:
                    if args.min_replicas or args.max_replicas else "fixed")
         log.info("serving on http://%s:%d with %d replica(s) on Ray Serve (%s, %d CPU each, %s router; OpenAI API "
                  "at /v1)", args.host, args.port, args.replicas, scaling, args.replica_cpus, args.ray_router)
-        if proxy_port != args.port:
-            log.info("the ingress replica serves --port itself (Serve's direct ingress); Serve's HTTP proxy, "
-                     "one hop longer, listens on %d", proxy_port)
         stop.wait()
         return 0
     finally:

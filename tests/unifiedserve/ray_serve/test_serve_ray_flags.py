@@ -58,8 +58,7 @@ def test_bad_ray_flags_fail_fast_with_one_line(args, needle):
 
 
 def test_a_port_in_use_is_one_error_line_before_ray_starts():
-    """The ingress replica serves --port itself (direct ingress): a taken port is refused up front,
-    not left to Serve, which would retry the ingress replica."""
+    """A taken port is refused up front, not left to Serve's proxy inside a started Ray instance."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -67,16 +66,6 @@ def test_a_port_in_use_is_one_error_line_before_ray_starts():
         started = time.perf_counter()
         one_error_line(serve("--ray", "--port", str(port)), f"--port {port}: cannot listen on 127.0.0.1:{port}")
     assert time.perf_counter() - started < 30.0
-
-
-def test_direct_ingress_env_puts_the_ingress_on_the_port():
-    from unifiedserve.ray_serve.launch import direct_ingress_env
-
-    env = direct_ingress_env(8123)
-    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
-    # Serve's port allocator hands out range(min, max): exactly the one port
-    assert list(range(int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]),
-                      int(env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]))) == [8123]
 
 
 def test_ray_missing_says_how_to_install_it(tmp_path):
