@@ -96,6 +96,13 @@ def route_counts(server: RayServer) -> list[str]:
             if line.startswith("unifiedserve_route_requests_total")]
 
 
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:  # the process ended meanwhile
+        return b""
+
+
 def test_two_replicas_affinity_streaming_and_a_dead_replica(tmp_path):
     server = RayServer(tmp_path, "--replicas", "2")
     try:
@@ -185,12 +192,12 @@ def test_two_replicas_affinity_streaming_and_a_dead_replica(tmp_path):
             except openai.APIError:
                 assert time.monotonic() < deadline, server.log()[-3000:]
                 time.sleep(1)
-        assert ask(client, clip_b, "And this one?") in {b}
+        # (B, or A's replacement once the router knows it: a new replica takes over part of B's keys)
+        assert ask(client, clip_b, "And this one?") != a
 
         # the ingress replica dies: Serve replaces it and its proxy, still on --port, routes to the new one
-        ingress = [line.split()[0] for line in subprocess.run(["ps", "-eo", "pid,args"], capture_output=True,
-                                                                text=True).stdout.splitlines()
-                   if "ServeReplica:unifiedserve:Ingress" in line]
+        ingress = [proc.name for proc in Path("/proc").iterdir() if proc.name.isdigit()
+                   and b"ServeReplica:unifiedserve:Ingress" in _read(proc / "cmdline")]
         assert len(ingress) == 1, ingress
         os.kill(int(ingress[0]), signal.SIGKILL)
         deadline = time.monotonic() + 60
@@ -202,8 +209,9 @@ def test_two_replicas_affinity_streaming_and_a_dead_replica(tmp_path):
                 pass
             assert time.monotonic() < deadline, server.log()[-3000:]
             time.sleep(0.5)
-        # the routing state is a function of the replica list: nothing to rebuild, the video keeps its replica
-        assert ask(client, clip_b, "Back?") == b
+        # the new ingress routes with affinity at once (the owner is a function of the key and the replica
+        # list; A's replacement has a new id, so it may now own the video: only the pairing is checked)
+        assert ask(client, clip_b, "Back?") == ask(client, clip_b, "Still the same one?")
     finally:
         stopping = time.monotonic()
         code = server.stop()
