@@ -38,6 +38,9 @@ ROUTERS_BY_NAME = {"media-affinity": "unifiedserve.ray_serve.router.MediaAffinit
                    "serve-default": None}  # None: Serve's own power-of-two-choices router
 MAX_ATTEMPTS = 3  # replicas tried for one request whose runtime refuses it (dead workers)
 SCRAPE_TIMEOUT_S = 5.0
+# a stopping replica checks for ongoing requests this often (Serve's default, 2 s, is also the least a
+# stop waits with none: each deployment added 2 s to every `serve --ray` stop)
+SHUTDOWN_POLL_S = 0.25
 INLINE_KEY_BYTES = 64 * 1024  # bodies up to this size get their routing key on the event loop
 # Ray starts its worker processes at nice 15 (RAY_worker_niceness), below everything else on the node,
 # and a replica's vision, core and decode processes inherit it (vision and core then add their own +5:
@@ -321,7 +324,7 @@ def build_application(args: argparse.Namespace, *, router: str = "media-affinity
     options = dict(ray_actor_options={"num_cpus": args.replica_cpus, "runtime_env": AT_NORMAL_PRIORITY},
                    max_ongoing_requests=args.max_num_seqs,
                    request_router_config=router_config, health_check_period_s=2.0, health_check_timeout_s=30.0,
-                   graceful_shutdown_timeout_s=10.0)
+                   graceful_shutdown_timeout_s=10.0, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
     if args.min_replicas is not None or args.max_replicas is not None:
         options["autoscaling_config"] = {
             "min_replicas": args.min_replicas or 1, "max_replicas": args.max_replicas or args.replicas,
@@ -331,6 +334,7 @@ def build_application(args: argparse.Namespace, *, router: str = "media-affinity
     replica = serve.deployment(NodeReplica, name="NodeReplica", **options)
     ingress = serve.deployment(Ingress, name="Ingress",
                                ray_actor_options={"num_cpus": 0, "runtime_env": AT_NORMAL_PRIORITY},
+                               graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
                                max_ongoing_requests=max(1000, 4 * args.max_num_seqs))
     return ingress.bind(replica.bind(args), args)
 
