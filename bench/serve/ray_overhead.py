@@ -30,7 +30,7 @@ for extra in (ROOT / "datasets", HERE):
     sys.path.insert(0, str(extra))
 
 import synthetic_video  # noqa: E402
-from server_process import ServerProcess  # noqa: E402
+from server_process import ServerProcess, histogram_totals  # noqa: E402
 
 
 def ttft(url: str, messages: list[dict]) -> float:
@@ -52,17 +52,11 @@ STAGES = ("probe", "video_decode", "queue", "encode", "prefill")
 
 def api_sums(server: ServerProcess) -> dict[str, float]:
     """Sums and counts of the API's TTFT and stage histograms, over every replica."""
-    out: dict[str, float] = {}
-    for key, value in server.metrics().items():
-        name, _, labels = key.partition("{")
-        base, _, field = name.rpartition("_")
-        if field not in ("sum", "count"):
-            continue
-        if base == "unifiedserve_time_to_first_token_seconds":
-            out[field] = out.get(field, 0.0) + value
-        elif base == "unifiedserve_request_stage_seconds":
-            stage = labels.split('stage="', 1)[1].split('"', 1)[0]
-            out[f"{stage}.{field}"] = out.get(f"{stage}.{field}", 0.0) + value
+    metrics, out = server.metrics(), {}
+    for prefix, totals in (("", histogram_totals(metrics, "unifiedserve_time_to_first_token_seconds")),
+                           ("{}.", histogram_totals(metrics, "unifiedserve_request_stage_seconds", "stage"))):
+        for group, (total, count) in totals.items():
+            out[prefix.format(group) + "sum"], out[prefix.format(group) + "count"] = total, count
     return out
 
 
@@ -182,7 +176,8 @@ def main(argv=None) -> int:
                         "pair of requests sees the same load; the idle Ray instance's own processes then run "
                         "beside the plain server too")
     p.add_argument("--idle-s", type=float, default=10.0,
-                   help="after the requests, measure each server's CPU use while idle for this long (default 10; 0: skip)")
+                   help="after the requests, measure each server's CPU use while idle for this long "
+                        "(default 10; 0: skip)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "ray_overhead")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)

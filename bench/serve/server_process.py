@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -12,6 +13,25 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def histogram_totals(metrics: dict[str, float], name: str, label: str | None = None) -> dict[str, tuple[float, float]]:
+    """``(sum, count)`` of the Prometheus histogram ``name`` in ``metrics`` (:meth:`ServerProcess.metrics`),
+    per value of ``label`` (everything under ``""`` without one), summed over every other label (a
+    Ray replica's, for one)."""
+    out: dict[str, tuple[float, float]] = {}
+    for key, value in metrics.items():
+        base, _, labels = key.partition("{")
+        field = base[len(name) + 1:] if base.startswith(name + "_") else None
+        if field not in ("sum", "count"):
+            continue
+        found = re.search(rf'{label}="([^"]*)"', labels) if label else None
+        if label and found is None:
+            continue
+        group = found.group(1) if found else ""
+        s, c = out.get(group, (0.0, 0.0))
+        out[group] = (s + value, c) if field == "sum" else (s, c + value)
+    return out
 
 
 def free_port() -> int:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import threading
 import time
@@ -36,7 +35,7 @@ sys.path.insert(0, str(ROOT / "datasets"))
 sys.path.insert(0, str(HERE))
 
 import synthetic_video  # noqa: E402
-from server_process import ServerProcess  # noqa: E402
+from server_process import ServerProcess, histogram_totals  # noqa: E402
 
 VIDEO = dict(codec="h264", width=854, height=480, duration_s=180.0, fps=30.0, gop=250, bframes=3, suffix=".mp4",
              preset="veryfast", seed=0)
@@ -48,13 +47,11 @@ def percentile(values, q):
 
 
 def stage_sums(metrics: dict[str, float]) -> dict[str, float]:
-    out = {}
-    for key, value in metrics.items():
-        m = re.match(r'unifiedserve_request_stage_seconds_sum\{.*stage="(\w+)"', key)
-        if m:
-            out[m.group(1)] = value
-        elif key.startswith("unifiedserve_request_first_encode_lag_seconds_sum"):
-            out["first_encode_lag"] = value
+    out = {stage: total for stage, (total, _) in
+           histogram_totals(metrics, "unifiedserve_request_stage_seconds", "stage").items()}
+    lag = histogram_totals(metrics, "unifiedserve_request_first_encode_lag_seconds").get("")
+    if lag:
+        out["first_encode_lag"] = lag[0]
     return out
 
 

@@ -127,16 +127,15 @@ def run_ray(args: argparse.Namespace, limits) -> int:
     from unifiedserve.ray_serve.app import build_application
     from unifiedserve.server.serve import resolve_model
 
-    # the demo model is written once here, not by every replica at the same time
-    args.model = str(Path(resolve_model(args.model)).resolve())
-
     if not args.ray_address:
+        check_port_free(args.host, args.port)  # before anything slow (the demo model, Ray) starts
         # Serve's controller loop (default every 0.1 s) and the GCS calls it makes used ~50 ms of CPU a
         # second on an idle instance, taken from the replica's encode on a small node; every 0.5 s they
         # use ~20, and only the controller's reactions wait longer (health checks run every 2 s anyway).
         # Read by the processes of the instance ray.init starts; a cluster sets its own.
         os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", str(CONTROL_LOOP_INTERVAL_S))
-        check_port_free(args.host, args.port)
+    # the demo model is written once here, not by every replica at the same time
+    args.model = str(Path(resolve_model(args.model)).resolve())
     try:
         # "local": a new instance of our own, even when this machine already runs a cluster
         ray.init(address=args.ray_address or "local", include_dashboard=False, logging_level=logging.WARNING,

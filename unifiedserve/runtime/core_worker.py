@@ -81,7 +81,7 @@ class CoreWorker(Worker):
             "visual_buffer": f"{eng.num_visual_pages} pages x {eng.page_size} rows",
             "prefix_caching": "on" if eng.enable_prefix_caching else "off",
             "media_cache": f"{eng.media_cache_gb:g} GiB" if self.runner.media_cache is not None else "off",
-            **memory_info(self.model, weights),
+            **memory_info(self._weight_gauges, eng.device),
         })
         return info
 

@@ -50,7 +50,8 @@ class DecodeWorker(Worker):
         self.scheduler = Scheduler.decode_only(eng.scheduler)
         self.core = EngineCore(self.scheduler, runner)
         return {"device": eng.device, "torch_threads": str(torch.get_num_threads()), "nice": str(os.nice(0)),
-                "max_decode_batch": str(self.scheduler.config.max_decode_batch), **memory_info(self.model, weights)}
+                "max_decode_batch": str(self.scheduler.config.max_decode_batch),
+                **memory_info(self._weight_gauges, eng.device)}
 
     def has_work(self) -> bool:
         return self.scheduler.has_work

@@ -124,13 +124,12 @@ class Worker:
         self.ctx.term()
 
 
-def memory_info(model, weights_pool=None) -> dict[str, str]:
-    """Start-up memory of a process that holds ``model``: its own parameter bytes and those it maps from the
-    shared weights pool (counted once for the server), and on CUDA what torch's allocator holds."""
-    g = weight_gauges(model, weights_pool)
-    info = {"weights": f"{g['mem_weights_own_bytes'] / 2**20:.1f} MiB own + "
-                       f"{g['mem_weights_shared_bytes'] / 2**20:.1f} MiB mapped from the shared pool"}
-    device = next(model.language_model.parameters()).device
+def memory_info(weights: dict[str, float], device) -> dict[str, str]:
+    """Start-up memory of a worker, for its log line: its :func:`weight_gauges` (own parameter bytes and
+    those it maps from the shared weights pool, counted once for the server), and on CUDA what torch's
+    allocator holds on ``device``."""
+    info = {"weights": f"{weights['mem_weights_own_bytes'] / 2**20:.1f} MiB own + "
+                       f"{weights['mem_weights_shared_bytes'] / 2**20:.1f} MiB mapped from the shared pool"}
     d = device_memory_gauges(device)
     if d:
         info["cuda_allocated"] = (f"{d['mem_device_allocated_bytes'] / 2**20:.0f} MiB "

@@ -97,7 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-threads", type=int, default=0,
                    help="unified on CPU: torch threads of the decode process, which runs at normal priority while "
                         "vision and core are niced; core uses the remaining cores while any request decodes or vision "
-                        "decodes a running request's video, and every core otherwise (default: a quarter of the cores, at least 1)")
+                        "decodes a running request's video, and every core otherwise (default: a quarter of the "
+                        "cores, at least 1)")
 
     g = p.add_argument_group("scheduling (Algorithm 3)")
     g.add_argument("--prefill-token-budget", type=_positive_int, default=None, metavar="TAU",
