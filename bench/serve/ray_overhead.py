@@ -166,16 +166,32 @@ def measure(servers: dict[str, ServerProcess], clips: dict[str, list[Path]], num
                 "idle_cpu_ms_per_s": idle[m]} for m in modes}
 
 
+def _count(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value!r}")
+    return int(value)
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {value}")
+    return seconds
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--text", type=int, default=20, help="text requests per server (default 20)")
-    p.add_argument("--videos", type=int, default=4, help="first questions about new videos per server (default 4)")
+    p.add_argument("--text", type=_count, default=20, help="text requests per server (default 20)")
+    p.add_argument("--videos", type=_count, default=4, help="first questions about new videos per server (default 4)")
     p.add_argument("--interleave", action="store_true",
                    help="run both servers at once and alternate the requests between them (one at a time), "
                         "instead of one server after the other: on a shared machine whose load changes, each "
                         "pair of requests sees the same load; the idle Ray instance's own processes then run "
                         "beside the plain server too")
-    p.add_argument("--idle-s", type=float, default=10.0,
+    p.add_argument("--idle-s", type=_seconds, default=10.0,
                    help="after the requests, measure each server's CPU use while idle for this long "
                         "(default 10; 0: skip)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "ray_overhead")
