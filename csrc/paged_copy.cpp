@@ -1,6 +1,6 @@
 // Paged embedding-buffer copies (patch buffer, visual-token buffer), CPU kernels.
 //
-// Ops (schemas in TORCH_LIBRARY below):
+// Ops (schemas in ops.cpp):
 //   unifiedserve::paged_scatter(buffer, src, <index>)  writes src's rows into buffer's pages
 //   unifiedserve::paged_gather(buffer, <index>)        reads them back into a packed [N, ...] tensor
 // where <index> is the paper's RaggedIndex (§4.2, Fig. 10): pv_indptr [B+1], pv_page_indptr [B+1],
@@ -13,7 +13,7 @@
 // a single memcpy. at::parallel_for splits the flat list of pages, so a long request is spread over
 // threads as well as many short ones.
 //
-// The schemas and the CPU kernels live here; csrc/paged_copy_cuda.cu registers the CUDA kernels against the
+// The CPU kernels live here; csrc/paged_copy_cuda.cu registers the CUDA kernels against the
 // same schemas, and paged_copy.h holds the checks both run, so they reject exactly the same inputs.
 
 #include <ATen/Parallel.h>
@@ -174,15 +174,6 @@ at::Tensor paged_gather_cpu(const at::Tensor& buffer, const at::Tensor& pv_indpt
 }
 
 }  // namespace
-
-TORCH_LIBRARY(unifiedserve, m) {
-  m.def(
-      "paged_scatter(Tensor(a!) buffer, Tensor src, Tensor pv_indptr, Tensor pv_page_indptr, "
-      "Tensor pv_page_indices, Tensor pv_cu_page_len) -> ()");
-  m.def(
-      "paged_gather(Tensor buffer, Tensor pv_indptr, Tensor pv_page_indptr, Tensor pv_page_indices, "
-      "Tensor pv_cu_page_len) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(unifiedserve, CPU, m) {
   m.impl("paged_scatter", &paged_scatter_cpu);

@@ -1,5 +1,5 @@
 // Paged embedding-buffer copies, CUDA kernels: the CUDA dispatch key of unifiedserve::paged_scatter and
-// unifiedserve::paged_gather (schemas and index semantics in paged_copy.cpp, checks in paged_copy.h).
+// unifiedserve::paged_gather (schemas in ops.cpp, index semantics in paged_copy.cpp, checks in paged_copy.h).
 //
 // One launch per call. Block (j, c) copies chunk c of listed page j's run: the rows of one request that
 // fall in that page, which are contiguous on both sides (a run of whole rows inside one page, and a

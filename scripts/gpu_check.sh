@@ -8,8 +8,9 @@
 #
 # Groups (one per run: both wheel sets together exceed what a run may carry):
 #   decode     flashcodec on NVDEC / nvJPEG / NVML: the decode tests and bench/decode/bench_gpu.py
-#   attention  the engine on flashinfer: a random-weight Qwen2.5-VL-7B preset, the kernels' JIT warm-up,
-#              the unifiedserve cuda tests, the MPS launcher test, bench/kernels and bench/engine
+#   attention  the engine on flashinfer: a random-weight Qwen2.5-VL-7B preset, the kernels' JIT warm-up
+#              (and the csrc/ build beside it), the unifiedserve cuda tests, the MPS launcher test,
+#              bench/kernels (paged copy, fused layer ops) and bench/engine
 #   serve      (attention's wheels) the multi-process server on the GPU, behind the unverified-CUDA gate
 #              (UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER=1), under a private MPS daemon: one long video's
 #              TTFT breakdown (streaming vs whole ingest) with 4 requests decoding, on the 7B preset
@@ -80,7 +81,10 @@ elif [ "$group" = serve ]; then
   export UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER=1 UNIFIEDSERVE_MPS_DIR=/tmp/unifiedserve-mps-check
   step "a random-weight Qwen2.5-VL-7B and its flashinfer kernels (compiled before anything is timed)"
   run 120 demo-model python3 -m unifiedserve.cli demo-model /tmp/qwen2.5-vl-7b --preset qwen2.5-vl-7b --dtype bfloat16
+  run 240 ops-build python3 -c "from unifiedserve import ops; print(ops.build_info())" &  # csrc/ beside it
+  ops_build=$!
   run 200 flashinfer-warmup python3 -m unifiedserve.attention.warmup --model /tmp/qwen2.5-vl-7b
+  wait "$ops_build"
   step "MPS daemon (private folders; stopped at the end)"
   run 30 mps-start launch/mps.sh start
   eval "$(launch/mps.sh env)"
@@ -92,13 +96,18 @@ elif [ "$group" = serve ]; then
 else
   step "a random-weight Qwen2.5-VL-7B (bf16, drawn on the GPU; real architecture, no download)"
   run 150 demo-model python3 -m unifiedserve.cli demo-model /tmp/qwen2.5-vl-7b --preset qwen2.5-vl-7b --dtype bfloat16
-  step "flashinfer warm-up (JIT once per machine; nothing is timed before it)"
+  step "flashinfer warm-up (JIT once per machine; nothing is timed before it), the csrc/ ops built beside it"
+  # nvcc builds csrc/ (paged copy + fused layer ops, about a minute) on other cores while flashinfer compiles
+  run 240 ops-build python3 -c "from unifiedserve import ops; print(ops.build_info())" &
+  ops_build=$!
   run 240 flashinfer-warmup python3 -m unifiedserve.attention.warmup --model /tmp/qwen2.5-vl-7b
+  wait "$ops_build"
   step "cuda tests (unifiedserve) and the MPS launcher"
   run 150 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/unifiedserve
   run 90 pytest-launch python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/launch  # MPS cycle, serve-node under MPS
-  step "bench/kernels (paged copy on CUDA)"
+  step "bench/kernels (paged copy and fused layer ops on CUDA)"
   run 40 bench-kernels python3 bench/kernels/bench_paged_copy.py --device cuda --quick --out "$out/bench_kernels.json"
+  run 40 bench-fused-ops python3 bench/kernels/bench_fused_ops.py --device cuda --quick --out "$out/bench_fused_ops.json"
   step "bench/engine on the 7B preset"
   run 240 bench-engine python3 bench/engine/bench_engine.py --model /tmp/qwen2.5-vl-7b --device cuda --short \
     --out "$out/bench_engine.json"

@@ -73,9 +73,7 @@ def run_decoder(model, attn, input_ids: torch.Tensor, positions: torch.Tensor, r
     if visual_rows is not None:
         x.index_copy_(0, visual_rows, visual.to(x.dtype))
     cos, sin = rope(positions, x.dtype)  # [N, D] each
-    for layer in lm.layers:
-        x = layer(x, cos, sin, attn)  # [N, hidden]
-    return lm.norm(x)
+    return lm.run_layers(x, cos, sin, attn)
 
 
 def forward_tokens(model, attn, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -15,14 +15,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from unifiedserve import ops
 from unifiedserve.attention import AttentionBackend
 from unifiedserve.model.config import TextConfig
+from unifiedserve.ops import reference
 
 __all__ = ["LanguageModel", "RMSNorm", "activation", "mrope_cos_sin", "rotate_half"]
 
 
 class RMSNorm(nn.Module):
-    """``weight * x / rms(x)``, normalised in float32 and cast back before the scale (as Qwen2)."""
+    """``weight * x / rms(x)``, normalised in float32 and cast back before the scale (as Qwen2).
+
+    One fused kernel when the native ops are built (:func:`unifiedserve.ops.rms_norm`); :meth:`add` also
+    folds in the residual add that precedes it.
+    """
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -30,9 +36,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h = x + residual``; returns ``(norm(h), h)``. May reuse the inputs' memory: use the results."""
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -48,10 +56,7 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"unsupported activation {name!r}")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` over the last dim (the rotary pairing Qwen uses)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+rotate_half = reference.rotate_half  # ``[x1, x2] -> [-x2, x1]`` over the last dim (Qwen's rotary pairing)
 
 
 def mrope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, mrope_section: tuple[int, ...],
@@ -93,9 +98,7 @@ class Attention(nn.Module):
         q = q.view(n, self.num_q_heads, self.head_dim)  # q: [N, Hq, D]
         k = k.view(n, self.num_kv_heads, self.head_dim)  # k: [N, Hkv, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)  # v: [N, Hkv, D]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, D]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = ops.rotary(q, k, cos, sin)  # in the model dtype, in place when fused
         out = attn.forward(self.layer_idx, q, k, v)  # [N, Hq, D]
         return self.o_proj(out.reshape(n, self.q_size))  # [N, hidden]
 
@@ -111,7 +114,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, I] each
+        gate_up = self.gate_up_proj(x)  # [N, 2I]
+        if self.hidden_act == "silu":
+            return self.down_proj(ops.silu_and_mul(gate_up))  # one fused pass
+        gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
         return self.down_proj(activation(self.hidden_act, gate) * up)
 
 
@@ -123,9 +129,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer on the split residual stream: the stream is ``residual + x`` (``x`` alone for the first
+        layer, ``residual=None``). Returns the MLP's output and the stream before it, so that each residual
+        add is fused into the RMSNorm that follows it (the next layer's, or the final norm)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add(x, residual)
+        x = self.self_attn(x, cos, sin, attn)
+        x, residual = self.post_attention_layernorm.add(x, residual)
+        return self.mlp(x), residual
 
 
 class LanguageModel(nn.Module):
@@ -167,10 +182,18 @@ class LanguageModel(nn.Module):
         cfg = self.config
         cos, sin = mrope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.mrope_section,
                                  inputs_embeds.dtype)  # [N, D] each
-        x = inputs_embeds
+        return self.run_layers(inputs_embeds.clone(), cos, sin, attn)  # the caller's tensor stays as it was
+
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """Every layer on ``x [N, hidden]`` with ``cos``/``sin [N, head_dim]``, then the final norm.
+
+        ``x``'s memory is reused for the residual stream (the fused residual adds write in place): pass a
+        tensor nobody reads afterwards.
+        """
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)  # [N, hidden]
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, attn)  # [N, hidden] each
+        return self.norm(x) if residual is None else self.norm.add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[M, hidden]`` -> ``[M, vocab_size]`` (the tied embedding when there is no lm_head)."""

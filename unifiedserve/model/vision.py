@@ -29,7 +29,8 @@ from torch import nn
 
 from unifiedserve.attention.varlen import check_varlen_impl, fused_varlen_attention, resolve_varlen_impl
 from unifiedserve.model.config import VisionConfig
-from unifiedserve.model.llm import MLP, RMSNorm, rotate_half
+from unifiedserve import ops
+from unifiedserve.model.llm import MLP, RMSNorm
 
 __all__ = ["VisionLayout", "VisionTower", "vision_layout"]
 
@@ -143,10 +144,9 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, D] each
-        # Rotary in float32, as the reference does, then back to the model dtype.
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, D] float32
-        q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
+        # Rotary in float32 (cos/sin are float32 [N, D]), as the reference does, then back to the model
+        # dtype; one fused pass over q and k in place when the native ops are built.
+        q, k = ops.rotary(q, k, cos, sin)
         out = varlen_attention(q, k, v, seq_lens, self.head_dim ** -0.5, self.attention_impl)  # [N, H, D]
         return self.proj(out.reshape(n, -1))
 
@@ -160,8 +160,10 @@ class VisionBlock(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, seq_lens)
-        return x + self.mlp(self.norm2(x))
+        """``x`` [N, hidden] -> [N, hidden]; ``x``'s memory is reused (the first residual add is fused into
+        ``norm2`` and writes in place), so pass a tensor nobody reads afterwards."""
+        normed, x = self.norm2.add(self.attn(self.norm1(x), cos, sin, seq_lens), x)  # x = x + attn(...)
+        return x + self.mlp(normed)
 
 
 class PatchMerger(nn.Module):

@@ -9,8 +9,15 @@ build fails, one warning is logged and every op runs its torch reference
 (:mod:`unifiedserve.ops.reference`) instead. Set ``UNIFIEDSERVE_NO_NATIVE=1`` to force the reference;
 ``UNIFIEDSERVE_CACHE_DIR`` moves the build cache.
 
-Ops: :func:`paged_scatter`, :func:`paged_gather` (paged embedding buffers, index semantics in
-:class:`unifiedserve.memory.RaggedIndex`).
+Ops:
+
+- :func:`paged_scatter`, :func:`paged_gather`: paged embedding buffers (index semantics in
+  :class:`unifiedserve.memory.RaggedIndex`).
+- :func:`rms_norm`, :func:`fused_add_rms_norm`, :func:`silu_and_mul`, :func:`rotary`: the decoder
+  layer's small ops fused, one pass over a row each instead of up to ten torch ops (csrc/fused_ops.cpp).
+  They round where the model's unfused torch code rounds (:mod:`unifiedserve.ops.reference`), so they
+  give its results up to the order of the RMSNorm's sum. They take the reference whenever autograd
+  would need to see them (grad mode with an input that requires grad) or a dtype they do not cover.
 """
 
 from __future__ import annotations
@@ -28,16 +35,19 @@ from unifiedserve.memory.pages import RaggedIndex
 from unifiedserve.ops import reference
 from unifiedserve.ops.reference import RaggedIndexTensors
 
-__all__ = ["RaggedIndexTensors", "build_info", "cache_dir", "native_available", "paged_gather",
-           "paged_scatter"]
+__all__ = ["RaggedIndexTensors", "build_info", "cache_dir", "fused_add_rms_norm", "fused_enabled", "native_available",
+           "paged_gather", "paged_scatter", "rms_norm", "rotary", "silu_and_mul"]
 
 logger = logging.getLogger(__name__)
 
 _EXTENSION_NAME = "unifiedserve_ops"
 _CSRC = pathlib.Path(__file__).resolve().parents[2] / "csrc"
-_SOURCES = [_CSRC / "paged_copy.cpp"]  # every build
-_CUDA_SOURCES = [_CSRC / "paged_copy_cuda.cu"]  # added when torch is a CUDA build and nvcc is found
-_CFLAGS = ["-O3", "-fopenmp"]  # -fopenmp: at::parallel_for is inline OpenMP; without it the copy runs serially
+_SOURCES = [_CSRC / "ops.cpp", _CSRC / "paged_copy.cpp", _CSRC / "fused_ops.cpp"]  # every build
+# added when torch is a CUDA build and nvcc is found
+_CUDA_SOURCES = [_CSRC / "paged_copy_cuda.cu", _CSRC / "fused_ops_cuda.cu"]
+# -fopenmp: at::parallel_for is inline OpenMP; without it the copy runs serially.
+# -ffp-contract=off: no fused multiply-adds, which round once where the reference rounds twice (fused_ops.h).
+_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 _CUDA_CFLAGS = ["-O3", "--expt-relaxed-constexpr"]
 _LDFLAGS = ["-fopenmp"]
 
@@ -112,6 +122,106 @@ def paged_gather(buffer: torch.Tensor, index: RaggedIndex | RaggedIndexTensors) 
     if _native_for(buffer):
         return torch.ops.unifiedserve.paged_gather(buffer, *ix)
     return reference.paged_gather(buffer, ix)
+
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fused_enabled() -> bool:
+    """Whether the fused layer ops may run their kernels: ``UNIFIEDSERVE_NO_FUSED_OPS=1`` sends them to the
+    torch reference (to measure the fusion, or to rule it out), without turning off the other native ops."""
+    return os.environ.get("UNIFIEDSERVE_NO_FUSED_OPS", "") in ("", "0")
+
+
+_FUSED = fused_enabled()  # read once: the ops run per layer
+
+
+def _fused_native(*tensors: torch.Tensor) -> bool:
+    """Whether the fused kernels take these tensors: a kernel for their device, a dtype they cover, and
+    nothing autograd would have to record (the kernels have no backward). Runs per layer: kept cheap."""
+    t = tensors[0]
+    if not _FUSED or t.dtype not in _FUSED_DTYPES:
+        return False
+    if torch.is_grad_enabled():
+        for x in tensors:
+            if x.requires_grad:
+                return False
+    if t.is_cuda:
+        return native_available() and bool(_info.get("cuda"))
+    return t.is_cpu and native_available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen2's RMSNorm of the last dim: ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``.
+
+    Args:
+        x: ``[..., hidden]``; weight: ``[hidden]``, in ``x``'s dtype for the fused kernel.
+
+    Returns:
+        A new tensor shaped like ``x``.
+    """
+    if weight.dtype != x.dtype or not _fused_native(x, weight):
+        return reference.rms_norm(x, weight, eps)
+    if x.dim() == 2 and x.stride(-1) == 1:
+        rows = x  # [N, hidden]
+    else:
+        rows = x.reshape(-1, x.shape[-1]) if x.stride(-1) == 1 else x.contiguous().view(-1, x.shape[-1])
+    out = torch.empty_like(rows, memory_format=torch.contiguous_format)  # [N, hidden]
+    torch.ops.unifiedserve.rms_norm(out, rows, weight, float(eps))
+    return out if rows is x else out.view(x.shape)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sublayer's output added to the residual stream, then the next RMSNorm: ``h = x + residual``,
+    returns ``(rms_norm(h), h)``.
+
+    The fused kernel writes both results into the inputs' memory (``h`` into ``residual``, the norm into
+    ``x``) and returns them; the reference returns new tensors. Callers use the returned pair and do not
+    read ``x`` or ``residual`` again.
+
+    Args:
+        x, residual: ``[N, hidden]`` of one dtype; weight: ``[hidden]``.
+    """
+    if (weight.dtype != x.dtype or residual.dtype != x.dtype or x.dim() != 2 or residual.shape != x.shape
+            or not _fused_native(x, residual, weight)):
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    torch.ops.unifiedserve.fused_add_rms_norm(x, residual, weight, float(eps))
+    return x, residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[..., 2 * I]``; returns ``[..., I]``."""
+    # CUDA only: on the CPU, torch's vectorised silu and mul beat a fused loop with a scalar exp (0.3-0.9x
+    # in bench/kernels/bench_fused_ops.py), so CPU tensors take the reference
+    if not gate_up.is_cuda or not _fused_native(gate_up) or gate_up.shape[-1] % 2:
+        return reference.silu_and_mul(gate_up)
+    shape = gate_up.shape
+    rows = gate_up.reshape(-1, shape[-1]) if gate_up.stride(-1) == 1 else gate_up.contiguous().view(-1, shape[-1])
+    out = torch.empty((rows.shape[0], shape[-1] // 2), dtype=gate_up.dtype, device=gate_up.device)  # [N, I]
+    torch.ops.unifiedserve.silu_and_mul(out, rows)
+    return out.view(*shape[:-1], shape[-1] // 2)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of ``q [N, Hq, D]`` and ``k [N, Hk, D]`` with ``cos``/``sin [N, D]``:
+    ``x * cos + rotate_half(x) * sin``, computed in the tables' dtype (see :func:`reference.rotary`).
+
+    The fused kernel rotates ``q`` and ``k`` in place (they may be views into one QKV projection) and
+    returns them; the reference returns new tensors. Callers use the returned pair.
+    """
+    fits = (q.dim() == 3 and k.dim() == 3 and q.stride(-1) == 1 and k.stride(-1) == 1 and k.dtype == q.dtype
+            and cos.dtype == sin.dtype and cos.dtype in (q.dtype, torch.float32)
+            and cos.shape == sin.shape == (q.shape[0], q.shape[2]) and cos.is_contiguous() and sin.is_contiguous())
+    if not fits or not _fused_native(q, k, cos, sin):
+        return reference.rotary(q, k, cos, sin)
+    torch.ops.unifiedserve.rotary_(q, k, cos, sin)
+    return q, k
 
 
 def _cuda_toolchain() -> str:

@@ -81,3 +81,43 @@ def paged_gather(buffer: torch.Tensor, index: RaggedIndexTensors) -> torch.Tenso
 def _check_buffer(buffer: torch.Tensor) -> None:
     if buffer.dim() < 2 or not buffer.is_contiguous():
         raise RuntimeError(f"buffer must be a contiguous [num_pages, page_size, ...] tensor, got {tuple(buffer.shape)}")
+
+
+# -- fused layer ops: the model's unfused torch code, which the fused kernels must reproduce ----------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen2's RMSNorm: normalised in float32, cast back to ``x``'s dtype, then scaled by ``weight``."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` (the residual stream after a sublayer), then ``(rms_norm(h), h)``."""
+    h = x + residual
+    return rms_norm(h, weight, eps), h
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dim."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` over the last dim (the rotary pairing Qwen uses)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary on ``q [N, Hq, D]`` and ``k [N, Hk, D]`` with ``cos``/``sin [N, D]``, computed in their dtype.
+
+    With ``cos``/``sin`` in the model dtype every product and the sum round to it (the language model);
+    with float32 tables the rotation is done in float32 and rounded once (the vision tower).
+    """
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, D]
+    qc, kc = q.to(cos.dtype), k.to(cos.dtype)
+    return (qc * c + rotate_half(qc) * s).to(q.dtype), (kc * c + rotate_half(kc) * s).to(k.dtype)

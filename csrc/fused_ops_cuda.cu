@@ -1,0 +1,196 @@
+// Fused layer ops of the language model, CUDA kernels: the CUDA dispatch key of unifiedserve::rms_norm,
+// fused_add_rms_norm, silu_and_mul and rotary_ (schemas in ops.cpp, semantics and CPU kernels in
+// fused_ops.cpp, shared checks and per-element arithmetic in fused_ops.h).
+//
+// Why: a Qwen2 decoder layer in plain torch launches about 35 kernels, of which only the four GEMMs and
+// attention move real bytes; at decode batch sizes the other thirty (the RMSNorm's float/pow/mean/rsqrt/
+// mul/cast/mul, rotate_half's chunk/neg/cat and the rotary's mul/mul/add twice, silu, mul, the residual
+// adds) cost a launch each even inside a CUDA graph. These kernels make that four launches per layer.
+//
+// One block per row for the norms (the row's sum of squares is a block reduction: warp shuffles, then one
+// warp over the warps' sums) and the rotary (all heads of q and k of one token), a (row, column-chunk) grid
+// for silu_and_mul. Loads and stores are scalar and coalesced. No kernel reads a value on the host, so all
+// four are capturable in a CUDA graph; the checks read only metadata.
+
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "fused_ops.h"
+
+namespace unifiedserve {
+namespace {
+
+constexpr int kMaxThreads = 1024;
+constexpr int kSiluThreads = 256;
+constexpr int64_t kMaxGridY = 65535;
+
+// Threads for one row of `work` items: a whole number of warps, at most kMaxThreads.
+int threads_for(int64_t work) {
+  const int64_t warps = std::min<int64_t>(kMaxThreads / 32, std::max<int64_t>(1, (work + 31) / 32));
+  return static_cast<int>(warps * 32);
+}
+
+// Sum of `v` over the block (blockDim.x a multiple of 32); every thread gets the total.
+__device__ float block_sum(float v) {
+  __shared__ float warp_sums[kMaxThreads / 32];
+  __shared__ float total;
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < static_cast<int>(blockDim.x >> 5) ? warp_sums[lane] : 0.0f;
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    if (lane == 0) total = v;
+  }
+  __syncthreads();
+  return total;
+}
+
+template <typename T>
+__global__ void rms_norm_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ weight,
+                                int64_t hidden, int64_t x_stride, float eps) {
+  const T* row = x + static_cast<int64_t>(blockIdx.x) * x_stride;
+  T* o = out + static_cast<int64_t>(blockIdx.x) * hidden;
+  float acc = 0.0f;
+  for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
+    const float v = static_cast<float>(row[i]);
+    acc += v * v;
+  }
+  const float inv = fused::inv_rms(block_sum(acc), hidden, eps);
+  for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x)
+    o[i] = fused::rms_scale<T>(static_cast<float>(row[i]), inv, weight[i]);
+}
+
+template <typename T>
+__global__ void fused_add_rms_norm_kernel(T* __restrict__ x, T* __restrict__ residual, const T* __restrict__ weight,
+                                          int64_t hidden, int64_t x_stride, int64_t r_stride, float eps) {
+  T* xr = x + static_cast<int64_t>(blockIdx.x) * x_stride;
+  T* rr = residual + static_cast<int64_t>(blockIdx.x) * r_stride;
+  float acc = 0.0f;
+  for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
+    const T h = static_cast<T>(fused::add_rn(static_cast<float>(xr[i]), static_cast<float>(rr[i])));
+    rr[i] = h;
+    const float v = static_cast<float>(h);
+    acc += v * v;
+  }
+  const float inv = fused::inv_rms(block_sum(acc), hidden, eps);
+  // each thread reads back only the elements it wrote above
+  for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x)
+    xr[i] = fused::rms_scale<T>(static_cast<float>(rr[i]), inv, weight[i]);
+}
+
+template <typename T>
+__global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ gate_up, int64_t inter,
+                                    int64_t stride) {
+  const int64_t i = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (i >= inter) return;
+  const T* gate = gate_up + static_cast<int64_t>(blockIdx.x) * stride;
+  const float s = fused::rnd<T>(fused::silu(static_cast<float>(gate[i])));
+  out[static_cast<int64_t>(blockIdx.x) * inter + i] = static_cast<T>(fused::mul_rn(s, static_cast<float>(gate[inter + i])));
+}
+
+// One block per token: pairs (head, i) of q's heads then k's heads.
+template <typename T, typename C>
+__global__ void rotary_kernel(T* q, T* k, const C* __restrict__ cos, const C* __restrict__ sin, int64_t q_heads,
+                              int64_t k_heads, int64_t q_row, int64_t q_head, int64_t k_row, int64_t k_head,
+                              int64_t dim) {
+  const int64_t half = dim / 2;
+  const C* c = cos + static_cast<int64_t>(blockIdx.x) * dim;
+  const C* s = sin + static_cast<int64_t>(blockIdx.x) * dim;
+  const int64_t pairs = (q_heads + k_heads) * half;
+  for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x) {
+    const int64_t head = p / half, i = p % half;
+    T* x = head < q_heads ? q + blockIdx.x * q_row + head * q_head
+                          : k + blockIdx.x * k_row + (head - q_heads) * k_head;
+    fused::rotate_pair(x + i, x + i + half, c[i], s[i], c[i + half], s[i + half]);
+  }
+}
+
+void rms_norm_cuda(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rms_norm(out, x, weight, eps, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  if (rows == 0) return;
+  const int threads = threads_for(hidden);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  UNIFIEDSERVE_DISPATCH_FUSED(x.scalar_type(), "rms_norm_cuda", [&] {
+    rms_norm_kernel<scalar_t><<<rows, threads, 0, stream>>>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
+                                                            weight.data_ptr<scalar_t>(), hidden, x.stride(0),
+                                                            static_cast<float>(eps));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void fused_add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_fused_add_rms_norm(x, residual, weight, eps, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  if (rows == 0) return;
+  const int threads = threads_for(hidden);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  UNIFIEDSERVE_DISPATCH_FUSED(x.scalar_type(), "fused_add_rms_norm_cuda", [&] {
+    fused_add_rms_norm_kernel<scalar_t><<<rows, threads, 0, stream>>>(
+        x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), hidden, x.stride(0),
+        residual.stride(0), static_cast<float>(eps));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void silu_and_mul_cuda(const at::Tensor& out, const at::Tensor& gate_up) {
+  check_silu_and_mul(out, gate_up, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  const int64_t rows = out.size(0), inter = out.size(1);
+  if (rows == 0) return;
+  const int64_t chunks = (inter + kSiluThreads - 1) / kSiluThreads;
+  TORCH_CHECK(chunks <= kMaxGridY, "silu_and_mul: intermediate size ", inter, " is over the kernel's limit of ",
+              kMaxGridY * kSiluThreads);
+  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(chunks));
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  UNIFIEDSERVE_DISPATCH_FUSED(gate_up.scalar_type(), "silu_and_mul_cuda", [&] {
+    silu_and_mul_kernel<scalar_t><<<grid, kSiluThreads, 0, stream>>>(out.data_ptr<scalar_t>(),
+                                                                     gate_up.data_ptr<scalar_t>(), inter,
+                                                                     gate_up.stride(0));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void rotary_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  check_rotary(q, k, cos, sin, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t rows = q.size(0), dim = q.size(2);
+  if (rows == 0) return;
+  const int threads = threads_for((q.size(1) + k.size(1)) * dim / 2);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  UNIFIEDSERVE_DISPATCH_FUSED(q.scalar_type(), "rotary_cuda", [&] {
+    using T = scalar_t;
+    auto launch = [&](auto* c, auto* s) {
+      rotary_kernel<<<rows, threads, 0, stream>>>(q.data_ptr<T>(), k.data_ptr<T>(), c, s, q.size(1), k.size(1),
+                                                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), dim);
+    };
+    if (cos.scalar_type() == at::kFloat) {
+      launch(cos.data_ptr<float>(), sin.data_ptr<float>());
+    } else {
+      launch(cos.data_ptr<T>(), sin.data_ptr<T>());
+    }
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(unifiedserve, CUDA, m) {
+  m.impl("rms_norm", &rms_norm_cuda);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm_cuda);
+  m.impl("silu_and_mul", &silu_and_mul_cuda);
+  m.impl("rotary_", &rotary_cuda);
+}
+
+}  // namespace unifiedserve

@@ -1,0 +1,287 @@
+"""Fused layer ops (csrc/fused_ops.cpp, fused_ops_cuda.cu) against the model's unfused torch code."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from unifiedserve import ops
+from unifiedserve.ops import reference
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def native():
+    if shutil.which(os.environ.get("CXX", "c++")) is None or os.environ.get("UNIFIEDSERVE_NO_NATIVE"):
+        pytest.skip("no C++ compiler, or UNIFIEDSERVE_NO_NATIVE is set")
+    assert ops.native_available(), f"a compiler is present but the build failed: {ops.build_info()['reason']}"
+    if not ops.fused_enabled():
+        pytest.skip("UNIFIEDSERVE_NO_FUSED_OPS is set")
+    return torch.ops.unifiedserve
+
+
+@pytest.fixture(scope="module")
+def cuda_native():
+    reason = ops._cuda_toolchain()
+    if reason:
+        pytest.skip(reason)
+    assert ops.native_available() and ops.build_info()["cuda"], ops.build_info().get("cuda_reason")
+    return torch.ops.unifiedserve
+
+
+def randn(shape, dtype, seed, device="cpu", scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=gen) * scale).to(dtype).to(device)
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor, exact: bool) -> None:
+    """Exact, or within the last bits the reduction order / exp implementation may change."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if exact:
+        assert torch.equal(got, want)
+        return
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    else:  # at most one unit in the last place, on a small share of the elements
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+        assert got.numel() == 0 or (got != want).float().mean().item() <= 0.02
+
+
+# hidden sizes: odd, under one 8-lane step, the demo's, the 7B's; rows: none, one (decode), several
+NORM_SHAPES = [(0, 64), (1, 5), (3, 256), (5, 300), (2, 3584)]
+
+
+def check_rms_norm(device: str, dtype, rows: int, hidden: int, strided: bool) -> None:
+    base = randn((rows, hidden + (7 if strided else 0)), dtype, seed=rows * 31 + hidden, device=device, scale=3.0)
+    x = base[:, :hidden]  # rows not contiguous with each other when strided
+    w = randn((hidden,), dtype, seed=1, device=device) * 0.2 + 1
+    assert_matches(ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), exact=False)
+
+
+def check_fused_add(device: str, dtype, rows: int, hidden: int) -> None:
+    x = randn((rows, hidden), dtype, seed=2, device=device)
+    r = randn((rows, hidden), dtype, seed=3, device=device, scale=4.0)
+    w = randn((hidden,), dtype, seed=4, device=device) * 0.2 + 1
+    want_norm, want_h = reference.fused_add_rms_norm(x, r, w, 1e-5)
+    xi, ri = x.clone(), r.clone()
+    got_norm, got_h = ops.fused_add_rms_norm(xi, ri, w, 1e-5)
+    assert torch.equal(got_h, want_h)  # the add rounds once, as torch's does
+    assert_matches(got_norm, want_norm, exact=False)
+    # written in place: the caller's buffers hold the results
+    assert got_norm.data_ptr() == xi.data_ptr() and got_h.data_ptr() == ri.data_ptr()
+
+
+def check_silu(device: str, dtype, rows: int, inter: int) -> None:
+    gate_up = randn((rows, 2 * inter), dtype, seed=5, device=device, scale=4.0)
+    assert_matches(ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), exact=dtype != torch.float32)
+
+
+def check_rotary(device: str, dtype, table_dtype, rows: int, q_heads: int, k_heads: int, dim: int) -> None:
+    qkv = randn((rows, (q_heads + 2 * k_heads) * dim), dtype, seed=6, device=device, scale=2.0)
+    q = qkv[:, :q_heads * dim].view(rows, q_heads, dim)  # views of one projection, as the model has them
+    k = qkv[:, q_heads * dim:(q_heads + k_heads) * dim].view(rows, k_heads, dim)
+    v_before = qkv[:, (q_heads + k_heads) * dim:].clone()
+    angles = randn((rows, dim // 2), torch.float32, seed=7, device=device, scale=50.0)
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(table_dtype), angles.sin().to(table_dtype)
+    want_q, want_k = reference.rotary(q, k, cos, sin)
+    got_q, got_k = ops.rotary(q, k, cos, sin)
+    # every product and sum rounds where the reference rounds: bit-identical in every dtype
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert got_q.data_ptr() == q.data_ptr()  # in place, in the projection's memory
+    assert torch.equal(qkv[:, (q_heads + k_heads) * dim:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", NORM_SHAPES)
+def test_rms_norm_matches_reference(native, dtype, rows, hidden):
+    check_rms_norm("cpu", dtype, rows, hidden, strided=False)
+    check_rms_norm("cpu", dtype, rows, hidden, strided=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", NORM_SHAPES)
+def test_fused_add_rms_norm_matches_reference(native, dtype, rows, hidden):
+    check_fused_add("cpu", dtype, rows, hidden)
+
+
+def test_silu_and_mul_on_the_cpu_is_torchs(native, monkeypatch):
+    """No CPU kernel (torch's vectorised silu and mul are faster there): the wrapper runs the reference."""
+    gate_up = randn((3, 74), torch.float32, seed=5)
+    calls = []
+    monkeypatch.setattr(reference, "silu_and_mul", lambda t: calls.append(t) or t[..., :37])
+    ops.silu_and_mul(gate_up)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("table", ["model", "float32"])
+@pytest.mark.parametrize("rows,q_heads,k_heads,dim", [(0, 2, 1, 8), (1, 4, 2, 64), (5, 28, 4, 128), (3, 16, 16, 80)])
+def test_rotary_matches_reference(native, dtype, table, rows, q_heads, k_heads, dim):
+    check_rotary("cpu", dtype, dtype if table == "model" else torch.float32, rows, q_heads, k_heads, dim)
+
+
+def test_leading_dims_are_kept(native):
+    x = randn((2, 3, 40), torch.float32, seed=8)
+    w = torch.ones(40)
+    assert ops.rms_norm(x, w, 1e-6).shape == (2, 3, 40)
+    assert ops.silu_and_mul(randn((2, 3, 40), torch.float32, seed=9)).shape == (2, 3, 20)
+
+
+def test_grad_mode_takes_the_reference(native):
+    """The kernels have no backward: with autograd watching, the ops run the torch reference."""
+    w = torch.ones(16, requires_grad=True)
+    x = randn((2, 16), torch.float32, seed=10)
+    out = ops.rms_norm(x, w, 1e-6)
+    assert out.requires_grad
+    out.sum().backward()
+    assert w.grad is not None
+    with torch.no_grad():
+        assert not ops.rms_norm(x, w, 1e-6).requires_grad
+
+
+def test_uncovered_inputs_take_the_reference(native):
+    """float64, mismatched weight dtype, odd head_dim: no error, the reference's answer."""
+    x64 = randn((3, 10), torch.float64, seed=11)
+    assert torch.equal(ops.rms_norm(x64, torch.ones(10, dtype=torch.float64), 1e-6),
+                       reference.rms_norm(x64, torch.ones(10, dtype=torch.float64), 1e-6))
+    x = randn((3, 10), torch.bfloat16, seed=12)
+    assert torch.equal(ops.rms_norm(x, torch.ones(10), 1e-6), reference.rms_norm(x, torch.ones(10), 1e-6))
+    q, k = randn((2, 1, 6), torch.float32, seed=13), randn((2, 1, 6), torch.float32, seed=14)
+    cos, sin = torch.ones(2, 6, dtype=torch.float64), torch.zeros(2, 6, dtype=torch.float64)
+    got = ops.rotary(q, k, cos, sin)
+    assert got[0].dtype == torch.float32 and torch.equal(got[0], q)
+
+
+def test_switch_off_gives_the_reference_bits(native, monkeypatch):
+    """UNIFIEDSERVE_NO_FUSED_OPS=1 (read at import) sends every op to the reference."""
+    monkeypatch.setenv("UNIFIEDSERVE_NO_FUSED_OPS", "1")
+    assert not ops.fused_enabled()
+    monkeypatch.setattr(ops, "_FUSED", False)
+    x, w = randn((3, 300), torch.float32, seed=15), torch.ones(300)
+    assert torch.equal(ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+    xi = x.clone()
+    norm, h = ops.fused_add_rms_norm(xi, x, w, 1e-6)
+    assert torch.equal(xi, x)  # the reference leaves its inputs alone
+
+
+BAD = [
+    ("int", lambda op: op.rms_norm(torch.empty(2, 4, dtype=torch.int32), torch.ones(2, 4, dtype=torch.int32),
+                                   torch.ones(4, dtype=torch.int32), 1e-6), "must be float32, bfloat16 or float16"),
+    ("weight", lambda op: op.rms_norm(torch.empty(2, 4), torch.ones(2, 4), torch.ones(5), 1e-6), "weight must be [4]"),
+    ("out", lambda op: op.rms_norm(torch.empty(2, 5), torch.ones(2, 4), torch.ones(4), 1e-6), "out must be shaped"),
+    ("eps", lambda op: op.rms_norm(torch.empty(2, 4), torch.ones(2, 4), torch.ones(4), float("nan")), "eps must be"),
+    ("x 1-D", lambda op: op.rms_norm(torch.empty(4), torch.ones(4), torch.ones(4), 1e-6), "x must be [N, hidden]"),
+    ("residual", lambda op: op.fused_add_rms_norm(torch.ones(2, 4), torch.ones(3, 4), torch.ones(4), 1e-6),
+     "residual must be shaped like x"),
+    ("residual dtype", lambda op: op.fused_add_rms_norm(torch.ones(2, 4), torch.ones(2, 4, dtype=torch.half),
+                                                        torch.ones(4), 1e-6), "residual is"),
+    ("odd head_dim", lambda op: op.rotary_(torch.ones(2, 1, 5), torch.ones(2, 1, 5), torch.ones(2, 5),
+                                          torch.ones(2, 5)), "head_dim must be even"),
+    ("cos shape", lambda op: op.rotary_(torch.ones(2, 1, 4), torch.ones(2, 1, 4), torch.ones(3, 4),
+                                       torch.ones(3, 4)), "cos must be [2, 4]"),
+    ("cos dtype", lambda op: op.rotary_(torch.ones(2, 1, 4), torch.ones(2, 1, 4),
+                                       torch.ones(2, 4, dtype=torch.float64), torch.ones(2, 4, dtype=torch.float64)),
+     "cos must be float32 or"),
+    ("k dim", lambda op: op.rotary_(torch.ones(2, 1, 4), torch.ones(2, 1, 6), torch.ones(2, 4), torch.ones(2, 4)),
+     "k must be"),
+    ("strided head", lambda op: op.rotary_(torch.ones(2, 1, 8)[..., ::2], torch.ones(2, 1, 4),
+                                          torch.ones(2, 4), torch.ones(2, 4)), "last dims must be contiguous"),
+]
+
+
+@pytest.mark.parametrize("name,call,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_raises_a_clear_error(native, name, call, message):
+    with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        call(native)
+
+
+def test_model_greedy_tokens_are_the_same_fused_or_not(native, monkeypatch, tmp_path):
+    """The demo model (float32) generates the same greedy tokens and near-identical logits either way."""
+    from unifiedserve.engine import LLM, EngineConfig, SamplingParams
+    from unifiedserve.model.demo import write_demo_model
+
+    path = tmp_path / "demo"
+    write_demo_model(path)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = [(list(range(100, 140)), [], params), (list(range(300, 317)), [], params)]
+    fused = [o.token_ids for o in LLM(path, EngineConfig(device="cpu")).generate(prompts)]
+    monkeypatch.setattr(ops, "_FUSED", False)
+    plain = [o.token_ids for o in LLM(path, EngineConfig(device="cpu")).generate(prompts)]
+    assert fused == plain and all(len(t) == 24 for t in fused)
+
+
+# -- CUDA ------------------------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_kernels_match_reference(cuda_native, dtype):
+    for rows, hidden in NORM_SHAPES + [(257, 3584)]:
+        check_rms_norm("cuda", dtype, rows, hidden, strided=True)
+        check_fused_add("cuda", dtype, rows, hidden)
+    for rows, inter in [(0, 8), (1, 18944), (33, 1344)]:
+        check_silu("cuda", dtype, rows, inter)
+    for table in (dtype, torch.float32):
+        for shape in [(1, 28, 4, 128), (64, 16, 2, 128), (100, 16, 16, 80)]:
+            check_rotary("cuda", dtype, table, *shape)
+
+
+@pytest.mark.cuda
+def test_cuda_public_ops_use_the_kernels(cuda_native, monkeypatch):
+    for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary"):
+        monkeypatch.setattr(reference, name, lambda *a, _n=name: pytest.fail(f"reference {_n} ran on CUDA"))
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(64, device="cuda", dtype=torch.bfloat16)
+    ops.rms_norm(x, w, 1e-6)
+    ops.fused_add_rms_norm(x.clone(), x.clone(), w, 1e-6)
+    ops.silu_and_mul(x)
+    q = torch.randn(4, 2, 64, device="cuda", dtype=torch.bfloat16)
+    ops.rotary(q, q.clone(), x, x)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replay_equals_eager(cuda_native):
+    """The four kernels in one captured graph give the eager bits (no host sync, capturable)."""
+    dtype, hidden = torch.bfloat16, 512
+    x = torch.randn(8, hidden, device="cuda", dtype=dtype)
+    r = torch.randn(8, hidden, device="cuda", dtype=dtype)
+    w = torch.rand(hidden, device="cuda", dtype=dtype) + 0.5
+    cos = torch.rand(8, 64, device="cuda", dtype=dtype)
+    sin = torch.rand(8, 64, device="cuda", dtype=dtype)
+
+    def body(x, r):
+        n = ops.rms_norm(x, w, 1e-6)
+        a, h = ops.fused_add_rms_norm(n.clone(), r.clone(), w, 1e-6)
+        q, k = ops.rotary(a.view(8, 8, 64)[:, :4], a.view(8, 8, 64)[:, 4:], cos, sin)
+        return ops.silu_and_mul(torch.cat((q.reshape(8, -1), k.reshape(8, -1)), dim=-1)), h
+
+    eager = body(x, r)
+    static_x, static_r = x.clone(), r.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body(static_x, static_r)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = body(static_x, static_r)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+
+
+@pytest.mark.cuda
+def test_cuda_bad_input_raises(cuda_native):
+    for gate_up, out, message in [(torch.ones(2, 7), torch.empty(2, 3), "gate_up must be"),
+                                  (torch.ones(2, 6), torch.empty(2, 4), "out must be")]:
+        with pytest.raises(RuntimeError, match=message):
+            cuda_native.silu_and_mul(out.cuda(), gate_up.cuda())
+    with pytest.raises(RuntimeError, match="weight is on"):
+        cuda_native.rms_norm(torch.empty(2, 4, device="cuda"), torch.ones(2, 4, device="cuda"), torch.ones(4), 1e-6)
+    with pytest.raises(RuntimeError, match="out is on cpu"):
+        cuda_native.silu_and_mul(torch.empty(2, 2), torch.ones(2, 4, device="cuda"))
