@@ -10,7 +10,7 @@ How a batch runs (first come, first served on both sides):
 2. JPEGs whose header nvJPEG can take (RGB or grayscale, within the pixel and aspect limits) are
    cut into batches of ``batch_size`` in input order; each batch is one
    ``torchvision.io.decode_jpeg(list, device="cuda:N")`` call (the NVJPG engines), then EXIF
-   orientation and the reference resize (:func:`flashcodec.resize.resize_frames`) run on the GPU.
+   orientation and the reference resize (:func:`flashcodec.resize.resize_frames_on_device`) run on the GPU.
 3. JPEGs nvJPEG refuses (CMYK, or any image whose GPU decode raises) join the CPU queue, where
    :func:`~flashcodec.image.decode_image` decodes them or raises its usual clear error.
 
@@ -41,7 +41,7 @@ from flashcodec.image import (
     decode_image,
 )
 from flashcodec.plan.sampling import IMAGE_MAX_PIXELS, IMAGE_MIN_PIXELS
-from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode, resize_frames
+from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode, resize_frames_on_device
 from flashcodec.source import Source, SourceLike
 
 __all__ = ["ImageBatchDecoder", "JpegBatchFn", "decode_images", "is_jpeg", "nvjpeg_unavailable_reason"]
@@ -312,7 +312,7 @@ class ImageBatchDecoder:
         if pixels.dtype != torch.uint8 or tuple(pixels.shape) != (3, *job.size):
             return None
         th, tw = job.target
-        out = resize_frames(pixels.unsqueeze(0), th, tw)[0].contiguous()  # [3, th, tw]
+        out = resize_frames_on_device(pixels.unsqueeze(0), th, tw)[0].contiguous()  # [3, th, tw]
         return DecodedImage(pixels=out.to(self.output_device), original_size=job.size)
 
     def _collect(self, results: list) -> list[DecodedImage]:

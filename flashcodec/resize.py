@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DEFAULT_RESIZE_MODE", "RESIZE_MODES", "check_resize_mode", "resize_frames", "resize_frames_uint8"]
+__all__ = ["DEFAULT_RESIZE_MODE", "RESIZE_MODES", "check_resize_mode", "resize_frames", "resize_frames_on_device",
+           "resize_frames_uint8"]
 
 #: Allowed values of the ``resize`` option, the default first.
 RESIZE_MODES = ("exact", "fast")
@@ -88,6 +89,17 @@ def resize_frames(frames: torch.Tensor, height: int, width: int) -> torch.Tensor
                                 align_corners=False)  # [n', 3, height, width]
         out[start:start + _FRAMES_PER_CHUNK] = resized.round_().clamp_(0, 255).to(torch.uint8)
     return out
+
+
+def resize_frames_on_device(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """:func:`resize_frames` where the frames are: on a CUDA device as one fused kernel
+    (:func:`flashcodec.resize_kernel.resize_frames_fused`: no float32 copy of the full-resolution
+    frames) when Triton is installed, else the torch reference itself. Same arguments and result."""
+    from flashcodec.resize_kernel import fused_resize_available, resize_frames_fused
+
+    if frames.is_cuda and fused_resize_available(frames.device):
+        return resize_frames_fused(frames, height, width)
+    return resize_frames(frames, height, width)
 
 
 def resize_frames_uint8(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -7,7 +7,8 @@
 #   on the device:       scripts/gpu_check.sh "$OUT" decode  # run with carry=[".whl"]
 #
 # Groups (one per run: both wheel sets together exceed what a run may carry):
-#   decode     flashcodec on NVDEC / nvJPEG / NVML: the decode tests and bench/decode/bench_gpu.py
+#   decode     flashcodec on NVDEC / nvJPEG / NVML: the decode tests, bench/decode/bench_resize.py (the
+#              fused resize kernel) and bench/decode/bench_gpu.py
 #   attention  the engine on flashinfer: a random-weight Qwen2.5-VL-7B preset, the kernels' JIT warm-up
 #              (and the csrc/ build beside it), the unifiedserve cuda tests, the MPS launcher test,
 #              bench/kernels (paged copy, fused layer ops) and bench/engine
@@ -73,6 +74,8 @@ run 60 probe python3 scripts/gpu_probe.py --out "$out/probe.json"
 if [ "$group" = decode ]; then
   step "cuda tests (flashcodec)"
   run 150 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/flashcodec tests/bench
+  step "bench/decode/bench_resize.py --quick (fused Triton resize vs the torch reference)"
+  run 60 bench-resize python3 bench/decode/bench_resize.py --quick --out "$out/bench_resize.json"
   step "bench/decode/bench_gpu.py --short"
   run 270 bench-decode python3 bench/decode/bench_gpu.py --short --out "$out/bench_decode"
 elif [ "$group" = serve ]; then

@@ -9,7 +9,8 @@ never uses more than one engine, so a rank of this backend runs 7-14 sessions as
 Frames never leave the GPU. torchcodec hands each decoded picture over as full-resolution RGB
 ``uint8 [N, 3, H, W]`` on the GPU, converted out of the decoder's surface at once (the surface
 pool is only as deep as the DPB, so nothing holds a surface). Each chunk is resized there with
-:func:`flashcodec.resize.resize_frames` (the reference antialiased bicubic), turned to display
+:func:`flashcodec.resize.resize_frames_on_device` (the reference antialiased bicubic, as one fused
+kernel when Triton is installed: no float32 copy of the full-resolution frames), turned to display
 orientation if torchcodec has not done so, and emitted as ``[h, w, 3]`` GPU views that the
 engine copies into the request's GPU output.
 
@@ -40,7 +41,7 @@ from flashcodec.decode.backends import Backend, Emit, SegmentDecoder, ShouldStop
 from flashcodec.devices import DEFAULT_NVDEC_SESSIONS, log_once
 from flashcodec.plan.segments import GopSegment
 from flashcodec._probe import VideoInfo
-from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode, resize_frames
+from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode, resize_frames_on_device
 from flashcodec.source import Source
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ class NvdecSegmentDecoder(SegmentDecoder):
     def _emit(self, indices: Sequence[int], frames: torch.Tensor, emit: Emit) -> None:
         frames = to_display(frames, self._info.rotation,
                             (self._info.display_height, self._info.display_width))  # [n, 3, H0, W0]
-        small = resize_frames(frames, *self._size)  # [n, 3, h, w] on the same GPU
+        small = resize_frames_on_device(frames, *self._size)  # [n, 3, h, w] on the same GPU
         for display, frame in zip(indices, small):
             emit(display, frame.permute(1, 2, 0))  # [h, w, 3] view
 

@@ -1,0 +1,130 @@
+"""The fused GPU resize (flashcodec/resize_kernel.py): its weights, its kernel under Triton's interpreter
+on the CPU, and on CUDA against the torch reference (flashcodec.resize.resize_frames)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from flashcodec.resize import resize_frames, resize_frames_on_device
+from flashcodec.resize_kernel import aa_bicubic_weights, fused_resize_available, resize_with_weights
+
+ROOT = Path(__file__).resolve().parents[2]
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+# (H, W) -> (h, w): shrink both (the video case: 1080p to a few hundred pixels), grow, mixed, odd sizes
+SIZES = [((64, 96), (28, 56)), ((30, 40), (56, 84)), ((72, 128), (72, 56)), ((37, 101), (20, 33)),
+         ((1080, 1920), (392, 728))]
+
+
+def frames(n: int, h: int, w: int, seed: int = 0) -> torch.Tensor:
+    """Smooth gradients plus noise: values spread over 0..255, with many pixels near rounding edges."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.linspace(0, 255, h).view(1, 1, h, 1)
+    x = torch.linspace(0, 255, w).view(1, 1, 1, w)
+    base = (y * 0.6 + x * 0.4).expand(n, 3, h, w)
+    return (base + torch.randn((n, 3, h, w), generator=g) * 40).clamp(0, 255).to(torch.uint8)
+
+
+def agreement(got: torch.Tensor, want: torch.Tensor) -> tuple[int, float]:
+    diff = (got.int() - want.int()).abs()
+    return int(diff.max()), float((diff == 0).float().mean())
+
+
+@pytest.mark.parametrize("src,dst", SIZES)
+def test_weights_are_normalised_and_cover_the_support(src, dst):
+    for in_size, out_size in zip(src, dst):
+        starts, weights = aa_bicubic_weights(in_size, out_size)
+        assert starts.shape == (out_size,) and weights.shape[0] == out_size
+        np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-5)
+        assert starts.min() >= 0 and starts.max() < in_size
+        assert np.all(np.diff(starts) >= 0)  # windows move right with the output pixel
+        # no weight falls past the input's last pixel
+        taps = weights.shape[1]
+        for i in range(out_size):
+            assert not np.any(weights[i, max(0, in_size - int(starts[i])):taps])
+
+
+@pytest.mark.parametrize("src,dst", SIZES[:4])
+def test_weights_reproduce_the_reference_resize(src, dst):
+    """The dense resize from these weights is the reference resize up to a level on rounding edges."""
+    x = frames(2, *src)
+    worst, exact = agreement(resize_with_weights(x, *dst), resize_frames(x, *dst))
+    assert worst <= 1 and exact >= 0.999
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="positive"):
+        aa_bicubic_weights(0, 4)
+
+
+def test_not_used_on_the_cpu_outside_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not fused_resize_available("cpu")
+    x = frames(1, 20, 24)
+    assert torch.equal(resize_frames_on_device(x, 8, 12), resize_frames(x, 8, 12))  # the reference ran
+
+
+def test_switch_off(monkeypatch):
+    monkeypatch.setenv("FLASHCODEC_NO_FUSED_RESIZE", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not fused_resize_available("cpu")
+
+
+INTERPRETED = textwrap.dedent("""
+    import os, sys, torch
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel is built
+    sys.path.insert(0, {root!r})
+    from flashcodec.resize import resize_frames
+    from flashcodec.resize_kernel import fused_resize_available, resize_frames_fused
+    from tests.flashcodec.test_resize_kernel import agreement, frames
+    assert fused_resize_available("cpu")
+    # shrink: 20x24 -> 8x12 (10 and 9 taps); grow: 6x5 -> 12x14; a channels-last source; into a strided out
+    x = frames(2, 20, 24, seed=1)
+    print("shrink", *agreement(resize_frames_fused(x, 8, 12), resize_frames(x, 8, 12)))
+    y = frames(1, 6, 5, seed=2)
+    print("grow", *agreement(resize_frames_fused(y, 12, 14), resize_frames(y, 12, 14)))
+    z = x.contiguous(memory_format=torch.channels_last)
+    out = torch.zeros(2, 12, 8, 3, dtype=torch.uint8).permute(0, 3, 1, 2)  # [2, 3, 12, 8], HWC in memory
+    got = resize_frames_fused(z, 12, 8, out=out)
+    print("strided", *agreement(got, resize_frames(x, 12, 8)), int(got.data_ptr() == out.data_ptr()))
+    print("same-size", int(resize_frames_fused(x, 20, 24) is x))
+""")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_kernel_under_the_triton_interpreter_matches_the_reference():
+    """The Triton kernel itself, run by Triton's interpreter on the CPU (slow: tiny frames)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", INTERPRETED.format(root=str(ROOT))], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = dict((line.split()[0], line.split()[1:]) for line in run.stdout.splitlines())
+    for case in ("shrink", "grow", "strided"):
+        worst, exact = int(lines[case][0]), float(lines[case][1])
+        assert worst <= 1 and exact >= 0.99, (case, lines[case])
+    assert lines["strided"][2] == "1"  # written into the given out
+    assert lines["same-size"] == ["1"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("src,dst", SIZES)
+def test_cuda_kernel_matches_the_reference(src, dst):
+    x = frames(3, *src).cuda()
+    assert fused_resize_available(x.device)
+    from flashcodec.resize_kernel import resize_frames_fused
+
+    worst, exact = agreement(resize_frames_fused(x, *dst), resize_frames(x, *dst))
+    assert worst <= 1 and exact >= 0.999
+    # the CPU reference of the same frames (issue 12: GPU vs CPU output within 1 level)
+    worst, exact = agreement(resize_frames_on_device(x, *dst).cpu(), resize_frames(x.cpu(), *dst))
+    assert worst <= 1 and exact >= 0.999
