@@ -5,6 +5,9 @@
 //   fused_add_rms_norm(x, residual, w, eps)  residual = x + residual; x = rms_norm(residual)   (in place)
 //   silu_and_mul(out, gate_up)               out = silu(gate) * up, gate_up = [gate | up]   (CUDA only)
 //   rotary_(q, k, cos, sin)                  q = q * cos + rotate_half(q) * sin, same for k    (in place)
+//   rotary_cache_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, write_rows?)
+//                                            rotary_ on q in place; the rotated k and v of row r (of row
+//                                            write_rows[r] when given) into slot slot_mapping[r] of the caches
 //
 // silu_and_mul has no CPU kernel: torch's own silu and mul are vectorised (Sleef's exp) and beat a fused
 // loop with a scalar exp on the CPU (0.3-0.9x, bench/kernels/bench_fused_ops.py), so the Python wrapper
@@ -111,6 +114,35 @@ void check_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& co
               " and ", sin.scalar_type());
 }
 
+void check_rotary_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                        const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& write_rows,
+                        c10::DeviceType device_type) {
+  check_rotary(q, k, cos, sin, device_type);
+  check_same(v, k, "v", "k");
+  TORCH_CHECK(v.sizes() == k.sizes(), "v must be shaped like k ", k.sizes(), ", got ", v.sizes());
+  TORCH_CHECK(v.stride(2) == 1, "v's last dim must be contiguous");
+  for (const auto* pair : {&k_cache, &v_cache}) {
+    const at::Tensor& c = *pair;
+    const char* name = pair == &k_cache ? "k_cache" : "v_cache";
+    check_same(c, k, name, "k");
+    TORCH_CHECK(c.dim() == 3 && c.size(1) == k.size(1) && c.size(2) == k.size(2), name, " must be [slots, ",
+                k.size(1), ", ", k.size(2), "], got shape ", c.sizes());
+    TORCH_CHECK(c.is_contiguous(), name, " must be contiguous");
+  }
+  TORCH_CHECK(v_cache.size(0) == k_cache.size(0), "k_cache and v_cache must have as many slots, got ",
+              k_cache.size(0), " and ", v_cache.size(0));
+  const int64_t rows = q.size(0);
+  auto check_index = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.device() == q.device(), name, " is on ", t.device(), " but q is on ", q.device());
+    TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == rows && t.is_contiguous(), name, " must be a contiguous [", rows,
+                "], got shape ", t.sizes());
+  };
+  check_index(slot_mapping, "slot_mapping");
+  if (write_rows.has_value()) check_index(*write_rows, "write_rows");
+}
+
 namespace {
 
 // Rows per parallel task: about 16K elements each, so that thread start-up does not dominate small rows.
@@ -184,7 +216,8 @@ void rotate_heads_cpu(T* base, int64_t rows, int64_t heads, int64_t row_stride, 
       const C* s = sin + r * dim;
       for (int64_t h = 0; h < heads; ++h) {
         T* x = base + r * row_stride + h * head_stride;
-        for (int64_t i = 0; i < half; ++i) fused::rotate_pair(x + i, x + i + half, c[i], s[i], c[i + half], s[i + half]);
+        for (int64_t i = 0; i < half; ++i)
+          fused::rotate_pair(x + i, x + i + half, x + i, x + i + half, c[i], s[i], c[i + half], s[i + half]);
       }
     }
   });
@@ -207,12 +240,61 @@ void rotary_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
   });
 }
 
+void rotary_cache_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                      const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& write_rows) {
+  check_rotary_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, write_rows, c10::DeviceType::CPU);
+  // every index before any byte moves (the values are on the host here)
+  const int64_t rows = q.size(0), slots = k_cache.size(0);
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  const int64_t* source = write_rows.has_value() ? write_rows->data_ptr<int64_t>() : nullptr;
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < slots, "slot_mapping[", r, "] = ", slot[r], " is outside the cache's ",
+                slots, " slots");
+    TORCH_CHECK(source == nullptr || (source[r] >= 0 && source[r] < rows), "write_rows[", r, "] = ",
+                source ? source[r] : 0, " is not a row of q (", rows, " rows)");
+  }
+  const int64_t heads = k.size(1), dim = q.size(2), half = dim / 2;
+  UNIFIEDSERVE_DISPATCH_FUSED(q.scalar_type(), "rotary_cache_cpu", [&] {
+    using T = scalar_t;
+    auto run = [&](auto* c, auto* s) {
+      rotate_heads_cpu(q.data_ptr<T>(), rows, q.size(1), q.stride(0), q.stride(1), dim, c, s);
+      const T* ks = k.data_ptr<T>();
+      const T* vs = v.data_ptr<T>();
+      T* kc = k_cache.data_ptr<T>();
+      T* vc = v_cache.data_ptr<T>();
+      // the rotated k goes into its slot (k itself is left as it was: a padding row reads row 0's k)
+      at::parallel_for(0, rows, grain_rows(heads * dim), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          const int64_t src = source ? source[r] : r;
+          const auto* cr = c + src * dim;  // row src's own rotation: a padding row repeats row 0's write exactly
+          const auto* sr = s + src * dim;
+          for (int64_t h = 0; h < heads; ++h) {
+            const T* kin = ks + src * k.stride(0) + h * k.stride(1);
+            T* kout = kc + (slot[r] * heads + h) * dim;
+            for (int64_t i = 0; i < half; ++i)
+              fused::rotate_pair(kin + i, kin + i + half, kout + i, kout + i + half, cr[i], sr[i], cr[i + half],
+                                 sr[i + half]);
+            std::copy_n(vs + src * v.stride(0) + h * v.stride(1), dim, vc + (slot[r] * heads + h) * dim);
+          }
+        }
+      });
+    };
+    if (cos.scalar_type() == at::kFloat) {
+      run(cos.data_ptr<float>(), sin.data_ptr<float>());
+    } else {
+      run(cos.data_ptr<T>(), sin.data_ptr<T>());
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(unifiedserve, CPU, m) {
   m.impl("rms_norm", &rms_norm_cpu);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm_cpu);
   m.impl("rotary_", &rotary_cpu);
+  m.impl("rotary_cache_", &rotary_cache_cpu);
 }
 
 }  // namespace unifiedserve

@@ -84,10 +84,12 @@ C10_HOST_DEVICE inline float inv_rms(float sum_squares, int64_t hidden, float ep
 
 // Rotary of one (first-half, second-half) pair: `x * cos + rotate_half(x) * sin` with the products and the
 // sum rounded to C (the dtype of cos/sin: the model dtype for the language model) and the result to T.
+// `in_*` and `out_*` may be the same (in place): both inputs are read before either output is written.
 template <typename T, typename C>
-C10_HOST_DEVICE inline void rotate_pair(T* lo, T* hi, C cos_lo, C sin_lo, C cos_hi, C sin_hi) {
-  const float a = static_cast<float>(*lo);
-  const float b = static_cast<float>(*hi);
+C10_HOST_DEVICE inline void rotate_pair(const T* in_lo, const T* in_hi, T* lo, T* hi, C cos_lo, C sin_lo, C cos_hi,
+                                        C sin_hi) {
+  const float a = static_cast<float>(*in_lo);
+  const float b = static_cast<float>(*in_hi);
   const float new_lo = rnd<C>(add_rn(rnd<C>(mul_rn(a, static_cast<float>(cos_lo))),
                                      rnd<C>(mul_rn(-b, static_cast<float>(sin_lo)))));
   const float new_hi = rnd<C>(add_rn(rnd<C>(mul_rn(b, static_cast<float>(cos_hi))),
@@ -112,6 +114,13 @@ void check_rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor
 // x and residual [N, H], last dims contiguous, same dtype and device.
 void check_fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                               double eps, c10::DeviceType device_type);
+
+// rotary_cache_: check_rotary's q/k/cos/sin; v like k; caches [slots, Hk, D] contiguous in k's dtype; slot_mapping
+// and write_rows (optional) int64 [N] contiguous; all on q's device.
+void check_rotary_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                        const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& write_rows,
+                        c10::DeviceType device_type);
 
 // gate_up [N, 2I] (last dim contiguous), out [N, I] contiguous, same dtype and device.
 void check_silu_and_mul(const at::Tensor& out, const at::Tensor& gate_up, c10::DeviceType device_type);

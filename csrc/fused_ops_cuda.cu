@@ -1,5 +1,5 @@
 // Fused layer ops of the language model, CUDA kernels: the CUDA dispatch key of unifiedserve::rms_norm,
-// fused_add_rms_norm, silu_and_mul and rotary_ (schemas in ops.cpp, semantics and CPU kernels in
+// fused_add_rms_norm, silu_and_mul, rotary_ and rotary_cache_ (schemas in ops.cpp, semantics and CPU kernels in
 // fused_ops.cpp, shared checks and per-element arithmetic in fused_ops.h).
 //
 // Why: a Qwen2 decoder layer in plain torch launches about 35 kernels, of which only the four GEMMs and
@@ -110,8 +110,44 @@ __global__ void rotary_kernel(T* q, T* k, const C* __restrict__ cos, const C* __
     const int64_t head = p / half, i = p % half;
     T* x = head < q_heads ? q + blockIdx.x * q_row + head * q_head
                           : k + blockIdx.x * k_row + (head - q_heads) * k_head;
-    fused::rotate_pair(x + i, x + i + half, c[i], s[i], c[i + half], s[i + half]);
+    fused::rotate_pair(x + i, x + i + half, x + i, x + i + half, c[i], s[i], c[i + half], s[i + half]);
   }
+}
+
+// One block per token r: q's pairs rotated in place, then k's pairs of row src = write_rows[r] (or r) rotated
+// with row src's cos/sin into slot slot_mapping[r] of k_cache, then v's elements of row src copied into v_cache. k and v are only
+// read, so a padding row that repeats row 0's write reads the same k as row 0 (no race). A slot or source
+// row out of range skips the write: a kernel cannot raise, and the planner that builds these indices
+// checks them on the host (the CPU kernel raises).
+template <typename T, typename C>
+__global__ void rotary_cache_kernel(T* q, const T* __restrict__ k, const T* __restrict__ v, const C* __restrict__ cos,
+                                    const C* __restrict__ sin, T* __restrict__ k_cache, T* __restrict__ v_cache,
+                                    const int64_t* __restrict__ slot_mapping, const int64_t* __restrict__ write_rows,
+                                    int64_t rows, int64_t slots, int64_t q_heads, int64_t heads, int64_t q_row,
+                                    int64_t q_head, int64_t k_row, int64_t k_head, int64_t v_row, int64_t v_head,
+                                    int64_t dim) {
+  const int64_t r = blockIdx.x, half = dim / 2;
+  const C* c = cos + r * dim;
+  const C* s = sin + r * dim;
+  const int64_t q_pairs = q_heads * half;
+  for (int64_t p = threadIdx.x; p < q_pairs; p += blockDim.x) {
+    T* x = q + r * q_row + (p / half) * q_head;
+    const int64_t i = p % half;
+    fused::rotate_pair(x + i, x + i + half, x + i, x + i + half, c[i], s[i], c[i + half], s[i + half]);
+  }
+  const int64_t slot = slot_mapping[r];
+  const int64_t src = write_rows != nullptr ? write_rows[r] : r;
+  if (slot < 0 || slot >= slots || src < 0 || src >= rows) return;
+  const C* cs = cos + src * dim;  // row src's own rotation: a padding row repeats row 0's write exactly
+  const C* ss = sin + src * dim;
+  for (int64_t p = threadIdx.x; p < heads * half; p += blockDim.x) {
+    const int64_t h = p / half, i = p % half;
+    const T* x = k + src * k_row + h * k_head;
+    T* out = k_cache + (slot * heads + h) * dim;
+    fused::rotate_pair(x + i, x + i + half, out + i, out + i + half, cs[i], ss[i], cs[i + half], ss[i + half]);
+  }
+  for (int64_t e = threadIdx.x; e < heads * dim; e += blockDim.x)
+    v_cache[slot * heads * dim + e] = v[src * v_row + (e / dim) * v_head + e % dim];
 }
 
 void rms_norm_cuda(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -184,6 +220,33 @@ void rotary_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+void rotary_cache_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                       const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& write_rows) {
+  check_rotary_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, write_rows, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t rows = q.size(0), dim = q.size(2), heads = k.size(1);
+  if (rows == 0) return;
+  const int threads = threads_for(std::max((q.size(1) + heads) * dim / 2, heads * dim));
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t* sources = write_rows.has_value() ? write_rows->data_ptr<int64_t>() : nullptr;
+  UNIFIEDSERVE_DISPATCH_FUSED(q.scalar_type(), "rotary_cache_cuda", [&] {
+    using T = scalar_t;
+    auto launch = [&](auto* c, auto* s) {
+      rotary_cache_kernel<<<rows, threads, 0, stream>>>(
+          q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), c, s, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+          slot_mapping.data_ptr<int64_t>(), sources, rows, k_cache.size(0), q.size(1), heads, q.stride(0),
+          q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dim);
+    };
+    if (cos.scalar_type() == at::kFloat) {
+      launch(cos.data_ptr<float>(), sin.data_ptr<float>());
+    } else {
+      launch(cos.data_ptr<T>(), sin.data_ptr<T>());
+    }
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(unifiedserve, CUDA, m) {
@@ -191,6 +254,7 @@ TORCH_LIBRARY_IMPL(unifiedserve, CUDA, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm_cuda);
   m.impl("silu_and_mul", &silu_and_mul_cuda);
   m.impl("rotary_", &rotary_cuda);
+  m.impl("rotary_cache_", &rotary_cache_cuda);
 }
 
 }  // namespace unifiedserve

@@ -113,7 +113,8 @@ def cases(hidden: int, inter: int, hq: int, hk: int, d: int, rows: int, device: 
     x, r, w = rand(rows, hidden), rand(rows, hidden), rand(hidden)
     gate_up = rand(rows, 2 * inter)
     qkv = rand(rows, (hq + 2 * hk) * d)
-    angles = rand(rows, d).float() * 10
+    angles = rand(rows, d // 2).float() * 10
+    angles = torch.cat((angles, angles), dim=-1)  # pair i turns with i + d/2, as M-RoPE's tables do
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)  # a rotation: q and k keep their size when redone
     q = qkv[:, :hq * d].view(rows, hq, d)
     k = qkv[:, hq * d:(hq + hk) * d].view(rows, hk, d)
@@ -130,6 +131,20 @@ def cases(hidden: int, inter: int, hq: int, hk: int, d: int, rows: int, device: 
     yield ("rotary_qk", lambda: ops.rotary(q, k, cos, sin), lambda: reference.rotary(q, k, cos, sin),
            (2 * rows * (hq + hk) * d + 2 * rows * d) * size,
            lambda: close(reference.rotary(q, k, cos, sin), ops.rotary(q.clone(), k.clone(), cos, sin)))
+    # rotary + the K/V write into a paged cache of 4x as many slots, rows on scattered slots
+    v = qkv[:, (hq + hk) * d:].view(rows, hk, d)
+    slots = torch.randperm(4 * rows, generator=g)[:rows].to(device)
+    caches = [torch.zeros(4 * rows, hk, d, dtype=dtype, device=device) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+
+    def cache_check() -> bool:
+        got_q = ops.rotary_cache(q.clone(), k, v, cos, sin, *caches, slots)
+        want_q = reference.rotary_cache(q.clone(), k, v, cos, sin, *ref_caches, slots)
+        return close(got_q, want_q) and all(torch.equal(a, b) for a, b in zip(caches, ref_caches))
+
+    yield ("rotary_kv_write", lambda: ops.rotary_cache(q, k, v, cos, sin, *caches, slots),
+           lambda: reference.rotary_cache(q, k, v, cos, sin, *ref_caches, slots),
+           (2 * rows * hq * d + 4 * rows * hk * d + 2 * rows * d) * size, cache_check)
 
 
 def main(argv=None) -> int:

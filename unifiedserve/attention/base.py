@@ -125,8 +125,9 @@ class AttentionBackend(ABC):
     1. ``plan(seqs)`` once, **outside** the model forward and outside any CUDA graph. It may do host
        work (Python loops, host-to-device copies) and validates the step (``ValueError`` on block
        tables too short for their tokens, empty sequences, ...).
-    2. ``forward(layer, q, k, v)`` once per layer inside the forward: writes the new K/V of the
-       ``N`` rows into their cache slots, then attends. Shapes: q ``[N, q_heads, head_dim]``,
+    2. ``forward(layer, q, k, v)`` (or ``forward_rope``, which applies the rotary first) once per
+       layer inside the forward: writes the new K/V of the ``N`` rows into their cache slots, then
+       attends. Shapes: q ``[N, q_heads, head_dim]``,
        k/v ``[N, kv_heads, head_dim]`` -> ``[N, q_heads, head_dim]`` in q's dtype. On CUDA backends
        ``forward`` never synchronizes with the host (no ``.item()``/``.tolist()``, no host-built
        tensors), so a forward can be captured in a CUDA graph. All layers share the plan.
@@ -184,6 +185,18 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+    def forward_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` of ``q`` and ``k`` after the rotary embedding (``cos``/``sin [N, head_dim]``).
+
+        What the model calls. Backends that own their K/V write override it to rotate and write the
+        cache in one pass (:func:`unifiedserve.ops.rotary_cache`); this default rotates, then forwards.
+        """
+        from unifiedserve import ops
+
+        q, k = ops.rotary(q, k, cos, sin)
+        return self.forward(layer, q, k, v)
 
     def init_cuda_graph(self, batch_sizes: Sequence[int], max_seq_len: int) -> None:
         """Allocate static metadata buffers for CUDA-graph decode at these batch sizes.

@@ -5,8 +5,9 @@
 * Every other step (prefill chunks over cached prefix pages, mixed with decode rows) runs
   ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True``; flashinfer aligns the causal mask
   to the bottom right, so a chunk's row i sees the cached prefix plus rows 0..i.
-* New K/V go into the cache with one ``index_copy_`` per tensor on the slot map: the project's
-  cache layout per layer (``[blocks, block_size, kv_heads, head_dim]`` for K and for V) is
+* New K/V go into the cache on the slot map: from the model (``forward_rope``) in the same kernel
+  as the rotary (``unifiedserve.ops.rotary_cache``), else with one ``index_copy_`` per tensor. The
+  project's cache layout per layer (``[blocks, block_size, kv_heads, head_dim]`` for K and for V) is
   flashinfer's ``NHD`` paged layout, passed to the kernels as a ``(k, v)`` tuple.
 * CUDA-graph decode: one decode wrapper per captured batch size, all reading fixed indptr/indices/
   last-page-length buffers that ``plan`` overwrites in place (see :class:`AttentionBackend`).
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from unifiedserve import ops
 from unifiedserve.attention.base import AttentionBackend, KVCache
 from unifiedserve.attention.metadata import PagedBatch, SeqSpec, build_paged_batch, pad_decode_batch
 
@@ -178,19 +180,34 @@ class FlashInferAttention(AttentionBackend):
 
     # -- per layer (inside the forward; no host syncs) --------------------------------------------
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _checked_step(self, q: torch.Tensor):
         step = self._step
         if step is None:
             raise RuntimeError("call plan(seqs) before the model forward")
         if q.shape[0] != step.num_tokens:
             raise ValueError(f"forward got {q.shape[0]} rows, the plan has {step.num_tokens}")
+        return step
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        step = self._checked_step(q)
         dtype = self.kv_cache.dtype
         k_slots, v_slots = self.kv_cache.layer(layer)  # [blocks * block_size, kv_heads, head_dim]
         if step.write_rows is not None:
             k, v = k[step.write_rows], v[step.write_rows]  # padding rows repeat row 0's write
         k_slots.index_copy_(0, step.slot_mapping, k.to(dtype))
         v_slots.index_copy_(0, step.slot_mapping, v.to(dtype))
-        out = step.wrapper.run(q.to(dtype), self.kv_cache.paged_layer(layer))  # [N, q_heads, head_dim]
+        return self._attend(step, layer, q)
+
+    def forward_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> torch.Tensor:
+        """Rotary and the K/V write in one kernel (:func:`unifiedserve.ops.rotary_cache`), then attention."""
+        step = self._checked_step(q)
+        k_slots, v_slots = self.kv_cache.layer(layer)
+        q = ops.rotary_cache(q, k, v, cos, sin, k_slots, v_slots, step.slot_mapping, step.write_rows)
+        return self._attend(step, layer, q)
+
+    def _attend(self, step, layer: int, q: torch.Tensor) -> torch.Tensor:
+        out = step.wrapper.run(q.to(self.kv_cache.dtype), self.kv_cache.paged_layer(layer))  # [N, q_heads, head_dim]
         return out.to(q.dtype)
 
     def warmup(self) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from unifiedserve import ops
 from unifiedserve.attention.base import AttentionBackend, KVCache
 from unifiedserve.attention.metadata import PagedBatch, SeqSpec, build_paged_batch, pad_decode_batch
 
@@ -126,17 +127,32 @@ class TorchPagedAttention(AttentionBackend):
         valid = positions[None, :] < kv_lens[:, None]  # [B, L]
         return torch.where(valid, slots, torch.zeros_like(slots)), valid
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _checked_plan(self, q: torch.Tensor) -> _TorchPlan:
         plan = self._plan
         if plan is None:
             raise RuntimeError("call plan(seqs) before the model forward")
         if q.shape[0] != plan.batch.num_tokens:
             raise ValueError(f"forward got {q.shape[0]} rows, the plan has {plan.batch.num_tokens}")
+        return plan
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        plan = self._checked_plan(q)
         k_cache, v_cache = self.kv_cache.layer(layer)  # [slots, kv_heads, head_dim]
         if plan.write_rows is not None:
             k, v = k[plan.write_rows], v[plan.write_rows]  # padding rows repeat row 0's write
         k_cache.index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, plan.slot_mapping, v.to(v_cache.dtype))
+        return self._attend(plan, q, k_cache, v_cache)
+
+    def forward_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> torch.Tensor:
+        plan = self._checked_plan(q)
+        k_cache, v_cache = self.kv_cache.layer(layer)  # [slots, kv_heads, head_dim]
+        q = ops.rotary_cache(q, k, v, cos, sin, k_cache, v_cache, plan.slot_mapping, plan.write_rows)
+        return self._attend(plan, q, k_cache, v_cache)
+
+    def _attend(self, plan: _TorchPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Attention of the planned rows over the cache, whose new K/V are already written."""
         if plan.decode_slots is not None:
             keys, values = k_cache[plan.decode_slots], v_cache[plan.decode_slots]  # [B, L, kv_heads, head_dim]
             return self._sdpa(q.unsqueeze(1), keys, values, plan.decode_valid.unsqueeze(1))[:, 0]

@@ -98,8 +98,8 @@ class Attention(nn.Module):
         q = q.view(n, self.num_q_heads, self.head_dim)  # q: [N, Hq, D]
         k = k.view(n, self.num_kv_heads, self.head_dim)  # k: [N, Hkv, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)  # v: [N, Hkv, D]
-        q, k = ops.rotary(q, k, cos, sin)  # in the model dtype, in place when fused
-        out = attn.forward(self.layer_idx, q, k, v)  # [N, Hq, D]
+        # rotary in the model dtype, and the K/V write, in one pass when fused
+        out = attn.forward_rope(self.layer_idx, q, k, v, cos, sin)  # [N, Hq, D]
         return self.o_proj(out.reshape(n, self.q_size))  # [N, hidden]
 
 

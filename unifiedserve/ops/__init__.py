@@ -13,8 +13,9 @@ Ops:
 
 - :func:`paged_scatter`, :func:`paged_gather`: paged embedding buffers (index semantics in
   :class:`unifiedserve.memory.RaggedIndex`).
-- :func:`rms_norm`, :func:`fused_add_rms_norm`, :func:`silu_and_mul`, :func:`rotary`: the decoder
-  layer's small ops fused, one pass over a row each instead of up to ten torch ops (csrc/fused_ops.cpp).
+- :func:`rms_norm`, :func:`fused_add_rms_norm`, :func:`silu_and_mul`, :func:`rotary`,
+  :func:`rotary_cache`: the decoder layer's small ops fused, one pass over a row each instead of up
+  to ten torch ops (csrc/fused_ops.cpp); ``rotary_cache`` also writes the new K/V into the paged cache.
   They round where the model's unfused torch code rounds (:mod:`unifiedserve.ops.reference`), so they
   give its results up to the order of the RMSNorm's sum. They take the reference whenever autograd
   would need to see them (grad mode with an input that requires grad) or a dtype they do not cover.
@@ -36,7 +37,7 @@ from unifiedserve.ops import reference
 from unifiedserve.ops.reference import RaggedIndexTensors
 
 __all__ = ["RaggedIndexTensors", "build_info", "cache_dir", "fused_add_rms_norm", "fused_enabled", "native_available",
-           "paged_gather", "paged_scatter", "rms_norm", "rotary", "silu_and_mul"]
+           "paged_gather", "paged_scatter", "rms_norm", "rotary", "rotary_cache", "silu_and_mul"]
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +223,32 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
         return reference.rotary(q, k, cos, sin)
     torch.ops.unifiedserve.rotary_(q, k, cos, sin)
     return q, k
+
+
+def rotary_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 write_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`rotary` of ``q`` and ``k`` with the new K/V written into the paged cache in the same pass.
+
+    Row ``r``'s rotated K and its V (row ``write_rows[r]``'s when given: CUDA-graph padding rows repeat
+    row 0's write) go to slot ``slot_mapping[r]`` of ``k_cache``/``v_cache`` ``[slots, Hk, D]``; ``k``
+    and ``v`` themselves are not changed. Returns the rotated ``q`` (rotated in place when fused).
+
+    On CUDA the fused kernel cannot raise on an index value: a slot or row out of range skips that
+    row's write (the attention planners build these indices and check them on the host); the CPU
+    kernel and the reference raise.
+    """
+    fits = (q.dim() == 3 and k.dim() == 3 and q.stride(-1) == 1 and k.stride(-1) == 1 and k.dtype == q.dtype
+            and v.shape == k.shape and v.dtype == k.dtype and v.stride(-1) == 1
+            and cos.dtype == sin.dtype and cos.dtype in (q.dtype, torch.float32)
+            and cos.shape == sin.shape == (q.shape[0], q.shape[2]) and cos.is_contiguous() and sin.is_contiguous()
+            and k_cache.dtype == k.dtype and v_cache.dtype == k.dtype and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+            and (write_rows is None or (write_rows.dtype == torch.int64 and write_rows.is_contiguous())))
+    if not fits or not _fused_native(q, k, v, cos, sin, k_cache, v_cache):
+        return reference.rotary_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, write_rows)
+    torch.ops.unifiedserve.rotary_cache_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, write_rows)
+    return q
 
 
 def _cuda_toolchain() -> str:

@@ -121,3 +121,16 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, D]
     qc, kc = q.to(cos.dtype), k.to(cos.dtype)
     return (qc * c + rotate_half(qc) * s).to(q.dtype), (kc * c + rotate_half(kc) * s).to(k.dtype)
+
+
+def rotary_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 write_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`rotary` on ``q`` and ``k``, then row ``r``'s K/V (row ``write_rows[r]``'s when given) into
+    slot ``slot_mapping[r]`` of ``k_cache``/``v_cache`` ``[slots, Hk, D]``. Returns the rotated ``q``."""
+    q, k = rotary(q, k, cos, sin)
+    if write_rows is not None:
+        k, v = k[write_rows], v[write_rows]
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    return q

@@ -125,6 +125,82 @@ def test_rotary_matches_reference(native, dtype, table, rows, q_heads, k_heads, 
     check_rotary("cpu", dtype, dtype if table == "model" else torch.float32, rows, q_heads, k_heads, dim)
 
 
+def check_rotary_cache(device: str, dtype, table_dtype, rows: int, q_heads: int, k_heads: int, dim: int,
+                       padded: bool) -> None:
+    qkv = randn((rows, (q_heads + 2 * k_heads) * dim), dtype, seed=16, device=device, scale=2.0)
+    q = qkv[:, :q_heads * dim].view(rows, q_heads, dim)
+    k = qkv[:, q_heads * dim:(q_heads + k_heads) * dim].view(rows, k_heads, dim)
+    v = qkv[:, (q_heads + k_heads) * dim:].view(rows, k_heads, dim)
+    slots = 3 * rows + 5
+    caches = [randn((slots, k_heads, dim), dtype, seed=17 + i, device=device) for i in range(2)]
+    gen = torch.Generator().manual_seed(rows)
+    slot_mapping = torch.randperm(slots, generator=gen)[:rows].to(device)
+    write_rows = None
+    if padded and rows > 1:  # CUDA-graph padding: the last rows repeat row 0's write
+        write_rows = torch.arange(rows)
+        write_rows[rows // 2:] = 0
+        slot_mapping[rows // 2:] = slot_mapping[0]
+        write_rows = write_rows.to(device)
+    angles = randn((rows, dim), torch.float32, seed=18, device=device, scale=50.0)
+    cos, sin = angles.cos().to(table_dtype), angles.sin().to(table_dtype)
+    qkv_before = qkv.clone()
+    want_caches = [c.clone() for c in caches]
+    want_q = reference.rotary_cache(q.clone(), k, v, cos, sin, *want_caches, slot_mapping, write_rows)
+    got_q = ops.rotary_cache(q, k, v, cos, sin, *caches, slot_mapping, write_rows)
+    assert torch.equal(got_q, want_q) and got_q.data_ptr() == q.data_ptr()
+    assert torch.equal(caches[0], want_caches[0]) and torch.equal(caches[1], want_caches[1])
+    assert torch.equal(qkv[:, q_heads * dim:], qkv_before[:, q_heads * dim:])  # k and v only read
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("table", ["model", "float32"])
+@pytest.mark.parametrize("rows,q_heads,k_heads,dim,padded", [(0, 2, 1, 8, False), (1, 4, 2, 64, False),
+                                                             (6, 28, 4, 128, True), (5, 4, 2, 64, False)])
+def test_rotary_cache_matches_reference(native, dtype, table, rows, q_heads, k_heads, dim, padded):
+    check_rotary_cache("cpu", dtype, dtype if table == "model" else torch.float32, rows, q_heads, k_heads, dim,
+                       padded)
+
+
+def test_rotary_cache_bad_index_raises_and_writes_nothing(native):
+    q, k, v = (randn((2, 2, 8), torch.float32, seed=19 + i) for i in range(3))
+    cos, sin = torch.ones(2, 8), torch.zeros(2, 8)
+    caches = [torch.zeros(4, 2, 8), torch.zeros(4, 2, 8)]
+    q_before = q.clone()
+    for slots, rows, message in [(torch.tensor([0, 4]), None, "slot_mapping\\[1\\] = 4 is outside"),
+                                 (torch.tensor([0, -1]), None, "slot_mapping\\[1\\] = -1"),
+                                 (torch.tensor([0, 1]), torch.tensor([0, 2]), "write_rows\\[1\\] = 2")]:
+        with pytest.raises(RuntimeError, match=message):
+            native.rotary_cache_(q, k, v, cos, sin, *caches, slots, rows)
+    with pytest.raises(RuntimeError, match="slot_mapping must be int64"):
+        native.rotary_cache_(q, k, v, cos, sin, *caches, torch.tensor([0, 1], dtype=torch.int32), None)
+    with pytest.raises(RuntimeError, match="k_cache must be"):
+        native.rotary_cache_(q, k, v, cos, sin, torch.zeros(4, 3, 8), caches[1], torch.tensor([0, 1]), None)
+    assert torch.equal(q, q_before) and not caches[0].any() and not caches[1].any()
+
+
+def test_backend_forward_rope_equals_rotary_then_forward(native):
+    """TorchPagedAttention: the fused rotary + K/V write gives the unfused path's output and cache."""
+    from unifiedserve.attention import KVCache, TorchPagedAttention
+
+    outs = []
+    for fused in (True, False):
+        cache = KVCache(num_layers=1, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                        device="cpu")
+        attn = TorchPagedAttention(cache, num_q_heads=4, num_kv_heads=2, head_dim=16)
+        attn.plan([(0, 5, [0, 1]), (0, 3, [2])])  # two prompts: 5 and 3 new tokens
+        q, k, v = (randn((8, h, 16), torch.float32, seed=30 + i) for i, h in enumerate((4, 2, 2)))
+        angles = randn((8, 16), torch.float32, seed=33)
+        cos, sin = angles.cos(), angles.sin()
+        if fused:
+            out = attn.forward_rope(0, q, k, v, cos, sin)
+        else:
+            rq, rk = reference.rotary(q, k, cos, sin)
+            out = attn.forward(0, rq, rk, v)
+        outs.append((out, cache.layer(0)[0].clone(), cache.layer(0)[1].clone()))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 def test_leading_dims_are_kept(native):
     x = randn((2, 3, 40), torch.float32, seed=8)
     w = torch.ones(40)
@@ -228,6 +304,14 @@ def test_cuda_kernels_match_reference(cuda_native, dtype):
     for table in (dtype, torch.float32):
         for shape in [(1, 28, 4, 128), (64, 16, 2, 128), (100, 16, 16, 80)]:
             check_rotary("cuda", dtype, table, *shape)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_rotary_cache_matches_reference(cuda_native, dtype):
+    for table in (dtype, torch.float32):
+        for rows, padded in [(1, False), (64, True), (300, False)]:
+            check_rotary_cache("cuda", dtype, table, rows, 28, 4, 128, padded)
 
 
 @pytest.mark.cuda
