@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from unifiedserve import ops
 from unifiedserve.attention import KVCache, TorchPagedAttention, get_attention_backend
 from unifiedserve.engine.inputs import MediaGrid, VisionInput
 from unifiedserve.engine.media_cache import MediaCache
@@ -185,6 +186,12 @@ class ModelRunner:
                                          device=self.device) if num_visual_pages else None
         self.media_cache = MediaCache(media_cache_bytes) if media_cache_bytes > 0 else None
         self.graphs = None  # DecodeGraphs once captured
+        # build or load csrc/ now (the fused layer ops run in every forward): a first build takes seconds on
+        # the CPU and about a minute with nvcc, which belongs to start-up, not to a request or a graph capture
+        native = ops.native_available()
+        if self.device.type == "cuda" and native and not ops.build_info().get("cuda"):
+            log.warning("unifiedserve.ops has no CUDA kernels (%s): the fused layer ops run as torch ops on %s",
+                        ops.build_info().get("cuda_reason"), self.device)
         self._tensors: dict[str, _RequestTensors] = {}
         self._encode_s = 0.0
         self._encode_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
