@@ -11,7 +11,8 @@
 #              fused resize kernel) and bench/decode/bench_gpu.py
 #   attention  the engine on flashinfer: a random-weight Qwen2.5-VL-7B preset, the kernels' JIT warm-up
 #              (and the csrc/ build beside it), the unifiedserve cuda tests, the MPS launcher test,
-#              bench/kernels (paged copy, fused layer ops) and bench/engine
+#              bench/kernels (paged copy, fused layer ops)
+#   engine     (attention's wheels) bench/engine on the 7B preset, then its decode with the fused ops off
 #   serve      (attention's wheels) the multi-process server on the GPU, behind the unverified-CUDA gate
 #              (UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER=1), under a private MPS daemon: one long video's
 #              TTFT breakdown (streaming vs whole ingest) with 4 requests decoding, on the 7B preset
@@ -20,9 +21,10 @@
 # Each step has its own time limit so that a hang in one still leaves the others' results in OUTDIR.
 # FULL_SUITE=1 also runs the whole CPU suite on the device's stack (torch 2.11, Python 3.12).
 set -uo pipefail
-out=${1:?usage: scripts/gpu_check.sh OUTDIR decode|attention|serve}
+out=${1:?usage: scripts/gpu_check.sh OUTDIR decode|attention|engine|serve}
 group=${2:-decode}
-case $group in decode|attention|serve) ;; *) echo "gpu_check.sh: error: group must be decode, attention or serve" >&2; exit 2 ;; esac
+case $group in decode|attention|engine|serve) ;;
+  *) echo "gpu_check.sh: error: group must be decode, attention, engine or serve" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 exec > >(tee -a "$out/gpu_check.log") 2>&1
@@ -43,7 +45,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 step "wheels ($group)"
 site=/tmp/site
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
+  wanted=$(cd .whl && ls -- *.whl | sort | tr '\n' ' ')
+  if [ "$(cat "$site/.installed" 2>/dev/null)" = "$wanted" ]; then
+    echo "already installed in $site (a warm machine)"
+  else
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
+    echo "$wanted" > "$site/.installed"
+  fi
 else
   echo "no .whl/ here: run scripts/gpu_wheels.sh $group first and carry .whl"
 fi
@@ -71,23 +79,56 @@ export UNIFIEDSERVE_BIN=$site/bin/unifiedserve
 step "probe"
 run 60 probe python3 scripts/gpu_probe.py --out "$out/probe.json"
 
-if [ "$group" = decode ]; then
+# The random-weight 7B preset, the flashinfer JIT and the csrc/ build, for the groups on the engine. Each
+# is kept on the machine (/tmp, ~/.cache): a group run right after another on the still-warm machine
+# (the device tool keeps it about 30 s) skips what is already there.
+prepare_7b() {
+  step "a random-weight Qwen2.5-VL-7B (bf16, drawn on the GPU; real architecture, no download)"
+  if [ -f /tmp/qwen2.5-vl-7b/config.json ]; then
+    echo "reusing /tmp/qwen2.5-vl-7b"
+  else
+    run 150 demo-model python3 -m unifiedserve.cli demo-model /tmp/qwen2.5-vl-7b --preset qwen2.5-vl-7b \
+      --dtype bfloat16
+  fi
+  step "flashinfer warm-up (JIT once per machine; nothing is timed before it), the csrc/ ops built beside it"
+  # nvcc builds csrc/ (paged copy + fused layer ops, about a minute) on other cores while flashinfer compiles;
+  # one model only: flashinfer compiles per head size (about 130 s for a new one)
+  run 240 ops-build python3 -c "from unifiedserve import ops; print(ops.build_info())" &
+  local ops_build=$!
+  run 240 flashinfer-warmup python3 -m unifiedserve.attention.warmup --model /tmp/qwen2.5-vl-7b
+  wait "$ops_build"
+}
+
+case $group in
+decode)
   step "cuda tests (flashcodec)"
   run 150 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/flashcodec tests/bench
   step "bench/decode/bench_resize.py --quick (fused Triton resize vs the torch reference)"
   run 60 bench-resize python3 bench/decode/bench_resize.py --quick --out "$out/bench_resize.json"
   step "bench/decode/bench_gpu.py --short"
   run 270 bench-decode python3 bench/decode/bench_gpu.py --short --out "$out/bench_decode"
-elif [ "$group" = serve ]; then
-  # one model only: flashinfer compiles per head size (about 130 s for a new one), so the tiny demo model
-  # would cost a second compilation; the 7B preset is the size the issue measures
+  ;;
+attention)
+  prepare_7b
+  step "cuda tests (unifiedserve) and the MPS launcher"
+  run 180 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/unifiedserve
+  run 90 pytest-launch python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/launch  # MPS cycle, serve-node under MPS
+  step "bench/kernels (paged copy and fused layer ops on CUDA)"
+  run 40 bench-kernels python3 bench/kernels/bench_paged_copy.py --device cuda --quick --out "$out/bench_kernels.json"
+  run 40 bench-fused-ops python3 bench/kernels/bench_fused_ops.py --device cuda --quick --out "$out/bench_fused_ops.json"
+  ;;
+engine)
+  prepare_7b
+  step "bench/engine on the 7B preset (issue 13's decode, prefill and ViT numbers)"
+  run 270 bench-engine python3 bench/engine/bench_engine.py --model /tmp/qwen2.5-vl-7b --device cuda --short \
+    --out "$out/bench_engine.json"
+  step "the same decode steps with the fused layer ops off (what the fusion buys inside the CUDA graphs)"
+  UNIFIEDSERVE_NO_FUSED_OPS=1 run 200 bench-engine-unfused python3 bench/engine/bench_engine.py \
+    --model /tmp/qwen2.5-vl-7b --device cuda --short --batches 1,8 --out "$out/bench_engine_unfused.json"
+  ;;
+serve)
   export UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER=1 UNIFIEDSERVE_MPS_DIR=/tmp/unifiedserve-mps-check
-  step "a random-weight Qwen2.5-VL-7B and its flashinfer kernels (compiled before anything is timed)"
-  run 120 demo-model python3 -m unifiedserve.cli demo-model /tmp/qwen2.5-vl-7b --preset qwen2.5-vl-7b --dtype bfloat16
-  run 240 ops-build python3 -c "from unifiedserve import ops; print(ops.build_info())" &  # csrc/ beside it
-  ops_build=$!
-  run 200 flashinfer-warmup python3 -m unifiedserve.attention.warmup --model /tmp/qwen2.5-vl-7b
-  wait "$ops_build"
+  prepare_7b
   step "MPS daemon (private folders; stopped at the end)"
   run 30 mps-start launch/mps.sh start
   eval "$(launch/mps.sh env)"
@@ -96,25 +137,8 @@ elif [ "$group" = serve ]; then
     --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16" --result-json "$out/ttft_cuda_7b.json"
   cp bench/results/ttft_breakdown_server_*.log "$out/" 2>/dev/null
   run 30 mps-stop launch/mps.sh stop
-else
-  step "a random-weight Qwen2.5-VL-7B (bf16, drawn on the GPU; real architecture, no download)"
-  run 150 demo-model python3 -m unifiedserve.cli demo-model /tmp/qwen2.5-vl-7b --preset qwen2.5-vl-7b --dtype bfloat16
-  step "flashinfer warm-up (JIT once per machine; nothing is timed before it), the csrc/ ops built beside it"
-  # nvcc builds csrc/ (paged copy + fused layer ops, about a minute) on other cores while flashinfer compiles
-  run 240 ops-build python3 -c "from unifiedserve import ops; print(ops.build_info())" &
-  ops_build=$!
-  run 240 flashinfer-warmup python3 -m unifiedserve.attention.warmup --model /tmp/qwen2.5-vl-7b
-  wait "$ops_build"
-  step "cuda tests (unifiedserve) and the MPS launcher"
-  run 150 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/unifiedserve
-  run 90 pytest-launch python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/launch  # MPS cycle, serve-node under MPS
-  step "bench/kernels (paged copy and fused layer ops on CUDA)"
-  run 40 bench-kernels python3 bench/kernels/bench_paged_copy.py --device cuda --quick --out "$out/bench_kernels.json"
-  run 40 bench-fused-ops python3 bench/kernels/bench_fused_ops.py --device cuda --quick --out "$out/bench_fused_ops.json"
-  step "bench/engine on the 7B preset"
-  run 240 bench-engine python3 bench/engine/bench_engine.py --model /tmp/qwen2.5-vl-7b --device cuda --short \
-    --out "$out/bench_engine.json"
-fi
+  ;;
+esac
 
 if [ "${FULL_SUITE:-0}" = 1 ]; then
   step "the whole suite on this stack"
