@@ -66,6 +66,14 @@ def _error(message: str, status_code: int) -> JSONResponse:
     return JSONResponse(error_body(message, status_code), status_code=status_code)
 
 
+def replica_rank_metadata() -> dict:
+    """``{"rank": n}`` from the replica context (Serve >= 2.50 ranks replicas 0..N-1 and gives a released
+    rank to the next replica it starts), or ``{}`` where this Serve has no ranks."""
+    rank = getattr(serve.get_replica_context(), "rank", None)
+    value = getattr(rank, "rank", rank)
+    return {"rank": value} if isinstance(value, int) and not isinstance(value, bool) else {}
+
+
 class NodeReplica:
     """One node's runtime, started in the constructor and stopped with the replica."""
 
@@ -102,6 +110,11 @@ class NodeReplica:
 
     async def __del__(self):  # Serve awaits this when it stops the replica
         await self._stop()
+
+    def record_replica_metadata(self) -> dict:
+        """Published once to the routers when the replica is ready: its Serve rank, which a replacement
+        replica inherits, so the hash ring keeps its points where the dead replica's were."""
+        return replica_rank_metadata()
 
     def check_health(self) -> None:
         """Serve replaces a replica whose workers died (its in-flight requests already got a 503)."""

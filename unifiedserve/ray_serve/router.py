@@ -25,7 +25,8 @@ def hints_of(pending_request: PendingRequest | None) -> RoutingHints:
 class MediaAffinityRouter(RequestRouter):
     """Consistent hashing of the media key with bounded load (see ``routing.py``).
 
-    The ring holds every running replica, so an owner whose Serve queue is full keeps its keys;
+    The ring holds every running replica, named by its Serve rank (see :meth:`ring_names`), so an
+    owner whose Serve queue is full keeps its keys, and a replica's replacement inherits them;
     loads are Serve's cached queue lengths (requests sent and not finished, per replica). No FIFO mixin:
     a replica chosen for one request is given to that request, never to an older one with another key.
     """
@@ -46,10 +47,26 @@ class MediaAffinityRouter(RequestRouter):
         self.ring = HashRing(num_virtual_nodes=num_virtual_nodes)
         self._decisions: dict[str, Route] = {}  # internal request id -> decision, until routed
         self._rounds: dict[str, int] = {}  # internal request id -> routing rounds so far, until routed
+        self._names: dict[str, str] = {}  # replica id -> ring name, as of the last routing decision
         shared.ROUTERS.add(self)
 
     def replica_ids(self) -> list[str]:
         return sorted(rid.unique_id for rid in self.curr_replicas)
+
+    @staticmethod
+    def ring_names(replicas: list[RunningReplica]) -> dict[str, str]:
+        """Replica id -> its name on the hash ring: ``rank-N`` when every replica published a distinct
+        Serve rank (``record_replica_metadata``), else its id.
+
+        A replica that dies is replaced by one with a new id but the same rank. Keyed by id, the
+        replacement's points land elsewhere on the ring and take keys from the survivors, whose caches
+        hold them; keyed by rank, it takes exactly the dead replica's keys.
+        """
+        ranks = {r.replica_id.unique_id: r.replica_metadata.get("rank") for r in replicas}
+        values = list(ranks.values())
+        if values and all(isinstance(v, int) for v in values) and len(set(values)) == len(values):
+            return {rid: f"rank-{rank}" for rid, rank in ranks.items()}
+        return {rid: rid for rid in ranks}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -62,11 +79,17 @@ class MediaAffinityRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if hints.replica_id is not None:
             return [[by_id[hints.replica_id]]] if hints.replica_id in by_id else []
-        usable = {rid: r for rid, r in by_id.items() if rid not in hints.exclude} or by_id
+        # the ring and the decision speak of ring names (ranks); Serve and the hints of replica ids
+        names = self.ring_names(list(self.curr_replicas.values()))
+        for rid in by_id:
+            names.setdefault(rid, rid)
+        self._names = names
+        usable = {names[rid]: r for rid, r in by_id.items() if rid not in hints.exclude} \
+            or {names[rid]: r for rid, r in by_id.items()}
         if not usable:
             return []
-        self.ring.sync(self.replica_ids())
-        loads = {rid: self.replica_queue_len_cache.get(r.replica_id) or 0 for rid, r in usable.items()}
+        self.ring.sync(sorted(names[rid] for rid in self.replica_ids()))
+        loads = {name: self.replica_queue_len_cache.get(r.replica_id) or 0 for name, r in usable.items()}
         decision = route(hints.key, loads, self.ring, self.config)
         rounds = 0
         if pending_request is not None:
@@ -88,7 +111,7 @@ class MediaAffinityRouter(RequestRouter):
         if decision is None:
             return
         # counted by where it went: a full owner skipped by Serve's queue check is not an affinity hit
-        went = replica_id.unique_id
+        went = self._names.get(replica_id.unique_id, replica_id.unique_id)
         if decision.owner_id is None:
             shared.ROUTE_COUNTS.inc("least_loaded")
         elif went == decision.owner_id:

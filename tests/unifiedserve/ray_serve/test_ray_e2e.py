@@ -192,8 +192,8 @@ def test_two_replicas_affinity_streaming_and_a_dead_replica(tmp_path):
             except openai.APIError:
                 assert time.monotonic() < deadline, server.log()[-3000:]
                 time.sleep(1)
-        # (B, or A's replacement once the router knows it: a new replica takes over part of B's keys)
-        assert ask(client, clip_b, "And this one?") != a
+        # B keeps its keys: the ring names replicas by Serve rank, and A's replacement inherits A's rank
+        assert ask(client, clip_b, "And this one?") == b
 
         # the ingress replica dies: Serve replaces it and its proxy, still on --port, routes to the new one
         ingress = [proc.name for proc in Path("/proc").iterdir() if proc.name.isdigit()
@@ -209,9 +209,10 @@ def test_two_replicas_affinity_streaming_and_a_dead_replica(tmp_path):
                 pass
             assert time.monotonic() < deadline, server.log()[-3000:]
             time.sleep(0.5)
-        # the new ingress routes with affinity at once (the owner is a function of the key and the replica
-        # list; A's replacement has a new id, so it may now own the video: only the pairing is checked)
-        assert ask(client, clip_b, "Back?") == ask(client, clip_b, "Still the same one?")
+        # the new ingress routes with affinity at once (the owner is a function of the key and the replicas'
+        # ranks): B's video is still B's, and A's video now goes to A's replacement, which has A's rank
+        assert ask(client, clip_b, "Back?") == b
+        assert ask(client, clip_a, "And A's video?") not in (a, b)
     finally:
         stopping = time.monotonic()
         code = server.stop()
