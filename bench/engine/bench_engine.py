@@ -70,6 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--slices", type=int, default=None, help="video slices (392x728 frame pairs, 1456 patches each) "
                                                             "for vision (default 16 CUDA, 4 CPU)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats of prefill/vision (default 5, short 3)")
+    p.add_argument("--agreement-steps", type=int, default=None,
+                   help="greedy decode steps checked token by token against transformers' top-1 on the same "
+                        "sequence, and their logits' cosine (default 256; 0 skips)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for our decode")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU (default: data sheet by GPU name)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -79,6 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results",
                    help="a folder (a timestamped JSON goes there) or a .json file")
     args = p.parse_args(argv)
+    if args.agreement_steps is not None and args.agreement_steps < 0:
+        p.error(f"--agreement-steps must be >= 0, got {args.agreement_steps}")
     for name in ("prompt_tokens", "prefill_tokens", "new_tokens", "slices", "repeats"):
         value = getattr(args, name)
         if value is not None and value < (2 if name == "new_tokens" else 1):
@@ -189,6 +194,10 @@ def main(argv=None) -> int:
         return 1
     results = {"correctness": {"greedy_agreement": agreement, "prefill_logits_cosine": logit_cos,
                                "vision_cosine": vision_cos, "tokens_checked": new_tokens}}
+    steps = 256 if args.agreement_steps is None else args.agreement_steps
+    if steps:
+        results["correctness"].update(_long_agreement(engine, model, runner, hf, prompt(args.prompt_tokens), steps,
+                                                      device, forward_tokens))
 
     # -- the floor: copy bandwidth and peak --------------------------------------------------
     bandwidth = em.copy_bandwidth(device, (1 << 30) if cuda else (1 << 28))
@@ -316,6 +325,27 @@ def _json_schema_overhead(engine, schema: dict, batches: list[int], prompt, prom
     return out
 
 
+def _long_agreement(engine, model, runner, hf, ids: list[int], steps: int, device, forward_tokens) -> dict:
+    """Issue 13's bf16 check: ``steps`` greedy tokens of ours (the decode path, CUDA graphs included), then
+    transformers on the same sequence (teacher-forced): the share of our tokens that are its top-1, and the
+    cosine of the two models' logits at each of those positions (ours from one prefill of the sequence)."""
+    from unifiedserve.engine import SamplingParams
+
+    out = engine.generate([(ids, [], SamplingParams(max_tokens=steps, ignore_eos=True))])[0].token_ids
+    full = ids + out
+    rows = list(range(len(ids) - 1, len(full) - 1))  # the position that predicts each generated token
+    with torch.inference_mode():
+        blocks = list(range(-(-len(full) // engine.config.block_size)))
+        ours = forward_tokens(model, runner.attn, torch.tensor(full), torch.arange(len(full)).expand(3, -1),
+                              [(0, len(full), blocks)], None, rows, torch.zeros(len(full), dtype=torch.bool),
+                              runner.rope).float()  # [steps, vocab]
+        theirs = hf(input_ids=torch.tensor([full], device=device)).logits[0, rows].float()  # [steps, vocab]
+    top1 = theirs.argmax(-1).tolist()
+    cos = torch.nn.functional.cosine_similarity(ours, theirs.to(ours.device), dim=-1)
+    return {"agreement_steps": steps, "top1_agreement": sum(a == b for a, b in zip(out, top1)) / steps,
+            "logits_cosine_min": float(cos.min()), "logits_cosine_mean": float(cos.mean())}
+
+
 def _throughput(units: int, unit: str, ours_s: float, hf_s: float, flops: float, peak: float | None) -> dict:
     out = {f"{unit}": units, f"ours_{unit}_per_s": units / ours_s, f"transformers_{unit}_per_s": units / hf_s,
            "speedup": hf_s / ours_s, "flops": flops, "ours_tflops": flops / ours_s / 1e12,
@@ -333,6 +363,10 @@ def _print(results: dict, device: str, dtype: str) -> None:
     c = results["correctness"]
     print(f"correctness: greedy agreement {c['greedy_agreement']:.3f}, prefill logits cosine "
           f"{c['prefill_logits_cosine']:.5f}, vision cosine {c['vision_cosine']:.5f}")
+    if "top1_agreement" in c:
+        print(f"{c['agreement_steps']} greedy steps vs transformers' top-1 on the same sequence: "
+              f"{c['top1_agreement']:.3f}; logits cosine min {c['logits_cosine_min']:.5f}, "
+              f"mean {c['logits_cosine_mean']:.5f}")
     print(f"{'decode':<10} {'ours ms':>9} {'tok/s':>9} {'hf ms':>9} {'hf tok/s':>9} {'speedup':>8} "
           f"{'floor ms':>9} {'x floor':>8}")
     for batch, r in results["decode"].items():
