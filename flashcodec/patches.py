@@ -8,7 +8,8 @@ then row-major inside the group; each row holds ``[C, temporal, patch, patch]``.
 
 :func:`frames_to_patches` produces exactly that layout from uint8 frames, writing straight into
 the output (which may be a caller-provided buffer): one reordering uint8 -> float copy, then
-one fused in-place ``bias + x * scale`` (no intermediate tensors).
+one fused in-place ``bias + x * scale`` (no intermediate tensors). On a GPU with Triton one
+kernel does both (:mod:`flashcodec.patch_kernel`).
 """
 
 from __future__ import annotations
@@ -190,6 +191,12 @@ def frames_to_patches(
         if out.device != frames.device:
             raise ValueError(f"out is on {out.device} but frames are on {frames.device}")
 
+    if frames.is_cuda:
+        from flashcodec.patch_kernel import fused_patchify_available, patches_fused
+
+        if fused_patchify_available(frames.device):  # one kernel instead of the two passes below
+            patches_fused(frames, spec, out)
+            return out, (grid_t, grid_h, grid_w)
     full = t // tp  # frame groups that need no padding
     rows_per_t = grid_h * grid_w
     if full:

@@ -26,12 +26,13 @@ interpreter (``TRITON_INTERPRET=1``) for the tests.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from collections import OrderedDict
 
 import numpy as np
 import torch
+
+from flashcodec._triton import import_triton, interpreting, triton_usable
 
 __all__ = ["aa_bicubic_weights", "fused_resize_available", "resize_frames_fused", "resize_with_weights"]
 
@@ -99,20 +100,11 @@ def resize_with_weights(frames: torch.Tensor, height: int, width: int) -> torch.
     return out.round().clamp(0, 255).to(torch.uint8).to(frames.device)
 
 
-def _import_triton():
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # not installed, or a broken install: the torch path serves
-        return None
-    return triton, tl
-
-
 @functools.lru_cache(maxsize=2)
 def _kernel(interpret: bool):
     """The Triton kernel, built on first use (``interpret`` keys the cache: the interpreter is chosen
     when ``triton.jit`` runs)."""
-    found = _import_triton()
+    found = import_triton()
     if found is None:
         return None
     triton, tl = found
@@ -153,19 +145,10 @@ def _kernel(interpret: bool):
     return triton, resize_aa_kernel
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
-
-
 def fused_resize_available(device: torch.device | str) -> bool:
     """Whether :func:`resize_frames_fused` runs on ``device``: Triton importable, and a CUDA device (or
-    any device under Triton's interpreter). ``FLASHCODEC_NO_FUSED_RESIZE=1`` turns it off."""
-    if os.environ.get("FLASHCODEC_NO_FUSED_RESIZE", "") not in ("", "0"):
-        return False
-    device = torch.device(device)
-    if device.type != "cuda" and not _interpreting():
-        return False
-    return _kernel(_interpreting()) is not None
+    any device under Triton's interpreter). ``FLASHCODEC_NO_TRITON=1`` turns it off."""
+    return triton_usable(device) and _kernel(interpreting()) is not None
 
 
 _tables: OrderedDict = OrderedDict()
@@ -218,7 +201,7 @@ def resize_frames_fused(frames: torch.Tensor, height: int, width: int,
     elif out.dtype != torch.uint8 or tuple(out.shape) != (n, 3, height, width) or out.device != frames.device:
         raise ValueError(f"out must be uint8 [{n}, 3, {height}, {width}] on {frames.device}, got {out.dtype} "
                          f"{list(out.shape)} on {out.device}")
-    built = _kernel(_interpreting())
+    built = _kernel(interpreting())
     if built is None:
         raise RuntimeError("resize_frames_fused needs Triton (pip install triton)")
     if n == 0:

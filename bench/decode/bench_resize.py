@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""GPU frame resize: flashcodec's fused Triton kernel vs the torch reference it reproduces.
+"""GPU frame resize and patchify: flashcodec's fused Triton kernels vs the torch paths they reproduce.
 
 For each (decoded size -> model size) it resizes a chunk of uint8 frames on the GPU both ways (the
 reference: float32 copy, antialiased bicubic ``F.interpolate``, round, clamp, cast; the fused kernel:
 one pass), checks that they agree (max |diff| <= 1 level), and prints frames/s, the ratio, and the
-memory each needs beyond its input and output (the reference's float32 copies).
+memory each needs beyond its input and output (the reference's float32 copies). Then the same for
+normalise + patchify of the resized frames into bfloat16 patch rows (one kernel vs torch's reordering
+copy and ``addcmul``).
 
     python bench/decode/bench_resize.py            # needs CUDA and Triton
     python bench/decode/bench_resize.py --quick    # the GPU check's setting
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,6 +26,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from flashcodec.patch_kernel import patches_fused  # noqa: E402
+from flashcodec.patches import PatchSpec, frames_to_patches  # noqa: E402
 from flashcodec.resize import resize_frames  # noqa: E402
 from flashcodec.resize_kernel import fused_resize_available, resize_frames_fused  # noqa: E402
 
@@ -86,13 +91,37 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"{f'{h0}x{w0} -> {h}x{w}':<24} {row['fused_fps']:>10.0f} {row['torch_fps']:>10.0f} "
               f"{row['speedup']:>7.2f}x {fused_mem / 1e6:>9.1f} {ref_mem / 1e6:>9.1f} {worst:>8} {exact:>7.4f}")
+    print(f"\n{'patchify (bf16 rows)':<24} {'fused fps':>10} {'torch fps':>10} {'speedup':>8} {'max diff':>9}")
+    patch_rows = []
+    spec = PatchSpec()
+    for _, (h, w) in CASES[::2]:
+        small = torch.randint(0, 256, (args.frames, 3, h, w), generator=g, dtype=torch.uint8).cuda()
+        ref_out, _ = frames_to_patches(small.cpu(), spec, dtype=torch.bfloat16)
+        out_t = torch.empty_like(ref_out, device="cuda")
+
+        def torch_path():
+            os.environ["FLASHCODEC_NO_TRITON"] = "1"  # frames_to_patches's two torch passes
+            try:
+                frames_to_patches(small, spec, out=out_t)
+            finally:
+                del os.environ["FLASHCODEC_NO_TRITON"]
+
+        fused_s, _ = timed(lambda: patches_fused(small, spec, out_t), repeats)
+        diff = float((out_t.cpu().float() - ref_out.float()).abs().max())
+        ref_s, _ = timed(torch_path, repeats)
+        ok &= diff <= 0.016  # one bf16 step at the values' scale
+        row = {"size": [h, w], "frames": args.frames, "fused_fps": args.frames / fused_s,
+               "torch_fps": args.frames / ref_s, "speedup": ref_s / fused_s, "max_diff": diff}
+        patch_rows.append(row)
+        print(f"{f'{h}x{w}':<24} {row['fused_fps']:>10.0f} {row['torch_fps']:>10.0f} {row['speedup']:>7.2f}x "
+              f"{diff:>9.4f}")
     out = args.out
     if out.suffix != ".json":
         out.mkdir(parents=True, exist_ok=True)
         out = out / f"resize-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
-                              indent=2))
+    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
+                               "patchify": patch_rows}, indent=2))
     print(f"wrote {out}")
     return 0 if ok else 1
 

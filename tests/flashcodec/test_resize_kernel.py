@@ -74,7 +74,7 @@ def test_not_used_on_the_cpu_outside_the_interpreter(monkeypatch):
 
 
 def test_switch_off(monkeypatch):
-    monkeypatch.setenv("FLASHCODEC_NO_FUSED_RESIZE", "1")
+    monkeypatch.setenv("FLASHCODEC_NO_TRITON", "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not fused_resize_available("cpu")
 
@@ -128,3 +128,59 @@ def test_cuda_kernel_matches_the_reference(src, dst):
     # the CPU reference of the same frames (issue 12: GPU vs CPU output within 1 level)
     worst, exact = agreement(resize_frames_on_device(x, *dst).cpu(), resize_frames(x.cpu(), *dst))
     assert worst <= 1 and exact >= 0.999
+
+
+PATCHIFY = textwrap.dedent("""
+    import os, sys, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, {root!r})
+    from flashcodec.patches import PatchSpec, frames_to_patches
+    from flashcodec.patch_kernel import fused_patchify_available, patches_fused
+    assert fused_patchify_available("cpu")
+    g = torch.Generator().manual_seed(3)
+    # 3 frames (the last temporal patch repeats frame 2), channels-last, into a float32 and a bf16 out
+    frames = torch.randint(0, 256, (3, 3, 56, 84), generator=g, dtype=torch.uint8)
+    frames = frames.contiguous(memory_format=torch.channels_last)
+    for dtype in (torch.float32, torch.bfloat16):
+        want, grid = frames_to_patches(frames, dtype=dtype)  # the torch path (CPU tensors)
+        got = torch.full_like(want, float("nan"))
+        patches_fused(frames, PatchSpec(), got)
+        diff = (got.float() - want.float()).abs().max().item()
+        print(str(dtype).split(".")[1], diff, int(torch.isnan(got).any()), *grid)
+    # a row stride wider than a row (a slice of a wider buffer) and another spec
+    spec = PatchSpec(patch_size=7, temporal_patch_size=1, merge_size=2, image_mean=(0.5, 0.5, 0.5),
+                     image_std=(0.25, 0.5, 1.0))
+    want, _ = frames_to_patches(frames[:1, :, :28, :28], spec)
+    wide = torch.zeros(want.shape[0], want.shape[1] + 5)
+    patches_fused(frames[:1, :, :28, :28], spec, wide[:, :want.shape[1]])
+    print("strided", (wide[:, :want.shape[1]] - want).abs().max().item(), int(wide[:, want.shape[1]:].any()))
+""")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_patchify_kernel_under_the_triton_interpreter_matches_the_torch_path():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", PATCHIFY.format(root=str(ROOT))], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = {line.split()[0]: line.split()[1:] for line in run.stdout.splitlines()}
+    assert float(lines["float32"][0]) <= 1e-6 and lines["float32"][1] == "0"  # every value written
+    assert lines["float32"][2:] == ["2", "4", "6"]
+    assert float(lines["bfloat16"][0]) <= 0.016 and lines["bfloat16"][1] == "0"  # within one bf16 step
+    assert float(lines["strided"][0]) <= 1e-6 and lines["strided"][1] == "0"  # nothing past the row
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_patchify_matches_the_cpu_path(dtype):
+    from flashcodec.patch_kernel import fused_patchify_available
+    from flashcodec.patches import frames_to_patches
+
+    assert fused_patchify_available("cuda")
+    x = frames(5, 392, 728, seed=4)
+    want, grid = frames_to_patches(x, dtype=dtype)  # CPU: the torch path
+    got, got_grid = frames_to_patches(x.cuda(), dtype=dtype)  # CUDA: the kernel
+    assert got_grid == grid
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-5 if dtype == torch.float32 else 0.016,
+                               rtol=0)
