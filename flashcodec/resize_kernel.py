@@ -124,11 +124,11 @@ def _kernel(interpret: bool):
         y0 = tl.load(y_start + oy)
         src_plane = src + frame * s_n + channel * s_c
         acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for j in tl.static_range(TAPS_Y):  # rows of the support; each row's columns summed first, as torch does
+        for j in range(TAPS_Y):  # rows of the support; each row's columns summed first, as torch does
             wy = tl.load(y_weight + oy * TAPS_Y + j)
             y = tl.minimum(y0 + j, h_in - 1)  # past the support the weight is 0
             line = tl.zeros([BLOCK], dtype=tl.float32)
-            for i in tl.static_range(TAPS_X):
+            for i in range(TAPS_X):
                 wx = tl.load(x_weight + ox * TAPS_X + i, mask=inside, other=0.0)
                 x = tl.minimum(x0 + i, w_in - 1)
                 pixel = tl.load(src_plane + y * s_h + x * s_w, mask=inside, other=0).to(tl.float32)
@@ -210,8 +210,8 @@ def resize_frames_fused(frames: torch.Tensor, height: int, width: int,
     x_start, x_weight = _device_tables(frames.device, w, width)
     y_start, y_weight = _device_tables(frames.device, h, height)
     grid = (n * 3 * height, triton.cdiv(width, _BLOCK))
-    # the tap counts are compile-time constants (unrolled loops): one compilation per pair of scale
-    # ratios, which a video's frames share. The first launch of a pair compiles under a lock, so the
+    # the tap counts are compile-time constants (loop bounds, not unrolled: a 4K frame has over 20 taps
+    # per axis): one compilation per pair of scale ratios, which a video's frames share. The first launch of a pair compiles under a lock, so the
     # NVDEC sessions' threads, which all start on the same video at once, compile it once.
     taps = (x_weight.shape[1], y_weight.shape[1])
 

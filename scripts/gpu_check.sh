@@ -104,7 +104,7 @@ decode)
   step "cuda tests (flashcodec)"
   run 150 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/flashcodec tests/bench
   step "bench/decode/bench_resize.py --quick (fused Triton resize vs the torch reference)"
-  run 60 bench-resize python3 bench/decode/bench_resize.py --quick --out "$out/bench_resize.json"
+  run 90 bench-resize python3 bench/decode/bench_resize.py --quick --out "$out/bench_resize.json"
   step "bench/decode/bench_gpu.py --short"
   run 270 bench-decode python3 bench/decode/bench_gpu.py --short --out "$out/bench_decode"
   ;;
