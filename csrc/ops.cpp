@@ -12,6 +12,8 @@ TORCH_LIBRARY(unifiedserve, m) {
   m.def(
       "paged_gather(Tensor buffer, Tensor pv_indptr, Tensor pv_page_indptr, Tensor pv_page_indices, "
       "Tensor pv_cu_page_len) -> Tensor");
+  // Decode attention over the paged KV cache (paged_attention.cpp, CPU).
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor valid, float scale) -> Tensor");
   // Fused layer ops (fused_ops.cpp).
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");

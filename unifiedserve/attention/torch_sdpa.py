@@ -153,9 +153,8 @@ class TorchPagedAttention(AttentionBackend):
 
     def _attend(self, plan: _TorchPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Attention of the planned rows over the cache, whose new K/V are already written."""
-        if plan.decode_slots is not None:
-            keys, values = k_cache[plan.decode_slots], v_cache[plan.decode_slots]  # [B, L, kv_heads, head_dim]
-            return self._sdpa(q.unsqueeze(1), keys, values, plan.decode_valid.unsqueeze(1))[:, 0]
+        if plan.decode_slots is not None:  # on the CPU one kernel reads the keys in place; else gather + SDPA
+            return ops.paged_decode_attention(q, k_cache, v_cache, plan.decode_slots, plan.decode_valid, self.scale)
         out = torch.empty_like(q)
         for seq in plan.prefill:
             qs, qe = seq.rows

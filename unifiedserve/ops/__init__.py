@@ -37,13 +37,14 @@ from unifiedserve.ops import reference
 from unifiedserve.ops.reference import RaggedIndexTensors
 
 __all__ = ["RaggedIndexTensors", "build_info", "cache_dir", "fused_add_rms_norm", "fused_enabled", "native_available",
-           "paged_gather", "paged_scatter", "rms_norm", "rotary", "rotary_cache", "silu_and_mul"]
+           "paged_decode_attention", "paged_gather", "paged_scatter", "rms_norm", "rotary", "rotary_cache",
+           "silu_and_mul"]
 
 logger = logging.getLogger(__name__)
 
 _EXTENSION_NAME = "unifiedserve_ops"
 _CSRC = pathlib.Path(__file__).resolve().parents[2] / "csrc"
-_SOURCES = [_CSRC / "ops.cpp", _CSRC / "paged_copy.cpp", _CSRC / "fused_ops.cpp"]  # every build
+_SOURCES = [_CSRC / "ops.cpp", _CSRC / "paged_copy.cpp", _CSRC / "fused_ops.cpp", _CSRC / "paged_attention.cpp"]
 # added when torch is a CUDA build and nvcc is found
 _CUDA_SOURCES = [_CSRC / "paged_copy_cuda.cu", _CSRC / "fused_ops_cuda.cu"]
 # -fopenmp: at::parallel_for is inline OpenMP; without it the copy runs serially.
@@ -249,6 +250,27 @@ def rotary_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
         return reference.rotary_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, write_rows)
     torch.ops.unifiedserve.rotary_cache_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, write_rows)
     return q
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                           valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one new token per sequence over its cached keys, read where they lie in the cache.
+
+    Args:
+        q: ``[B, q_heads, head_dim]``; k_cache, v_cache: ``[slots, kv_heads, head_dim]``;
+        slots: int64 ``[B, L]`` cache slot of key position ``l`` of sequence ``b``;
+        valid: bool ``[B, L]``, the positions that count; scale: the softmax scale.
+
+    Returns:
+        ``[B, q_heads, head_dim]`` in q's dtype. On the CPU (native build) one kernel reads each key and
+        value row in place; elsewhere the reference gathers them and runs SDPA.
+    """
+    fits = (q.dim() == 3 and q.stride(-1) == 1 and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64
+            and slots.is_contiguous() and valid.dtype == torch.bool and valid.is_contiguous())
+    if fits and q.is_cpu and _fused_native(q, k_cache, v_cache):
+        return torch.ops.unifiedserve.paged_decode_attention(q, k_cache, v_cache, slots, valid, float(scale))
+    return reference.paged_decode_attention(q, k_cache, v_cache, slots, valid, scale)
 
 
 def _cuda_toolchain() -> str:

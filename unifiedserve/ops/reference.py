@@ -134,3 +134,13 @@ def rotary_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
     k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
     return q
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                           valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """Gather each sequence's keys and values (``[B, L, Hkv, D]``), then SDPA over the valid positions."""
+    keys, values = k_cache[slots], v_cache[slots]  # [B, L, kv_heads, head_dim]
+    qt, kt, vt = q.unsqueeze(2), keys.to(q.dtype).transpose(1, 2), values.to(q.dtype).transpose(1, 2)  # [B, H, L, D]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qt, kt, vt, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=q.shape[1] != k_cache.shape[1])
+    return out[:, :, 0]  # [B, q_heads, head_dim]

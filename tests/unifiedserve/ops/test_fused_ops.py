@@ -201,6 +201,37 @@ def test_backend_forward_rope_equals_rotary_then_forward(native):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_heads,kv_heads,dim", [(4, 2, 64), (28, 4, 128), (2, 2, 20)])
+def test_paged_decode_attention_matches_gather_and_sdpa(native, dtype, q_heads, kv_heads, dim):
+    gen = torch.Generator().manual_seed(q_heads + dim)
+    num_slots, lengths = 300, [37, 1, 120, 0]
+    width = max(lengths) + 3
+    q = randn((5, q_heads, dim * 2), dtype, seed=40)[:, :, :dim]  # rows and heads strided, last dim contiguous
+    caches = [randn((num_slots, kv_heads, dim), dtype, seed=41 + i) for i in range(2)]
+    slots = torch.randint(0, num_slots, (5, width), generator=gen)
+    valid = torch.arange(width)[None, :] < torch.tensor(lengths + [width])[:, None]
+    slots[~valid] = num_slots + 7  # never read: out of range on purpose
+    got = ops.paged_decode_attention(q, *caches, slots, valid, dim ** -0.5)
+    want = reference.paged_decode_attention(q, *caches, torch.where(valid, slots, 0), valid, dim ** -0.5)
+    assert got.shape == (5, q_heads, dim) and got.dtype == dtype
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert not got[3].any()  # no key at all: zeros, as torch's SDPA gives
+
+
+def test_paged_decode_attention_bad_slots_raise(native):
+    q, caches = torch.ones(1, 2, 8), [torch.ones(4, 1, 8), torch.ones(4, 1, 8)]
+    valid = torch.ones(1, 3, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="slots\\[0, 2\\] = 4 is outside"):
+        native.paged_decode_attention(q, *caches, torch.tensor([[0, 1, 4]]), valid, 1.0)
+    with pytest.raises(RuntimeError, match="valid must be"):
+        native.paged_decode_attention(q, *caches, torch.tensor([[0, 1, 2]]), valid[:, :2], 1.0)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        native.paged_decode_attention(torch.ones(1, 3, 8), torch.ones(4, 2, 8), torch.ones(4, 2, 8),
+                                      torch.tensor([[0, 1, 2]]), valid, 1.0)
+
+
 def test_leading_dims_are_kept(native):
     x = randn((2, 3, 40), torch.float32, seed=8)
     w = torch.ones(40)
