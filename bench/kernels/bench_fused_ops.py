@@ -142,6 +142,18 @@ def cases(hidden: int, inter: int, hq: int, hk: int, d: int, rows: int, device: 
         want_q = reference.rotary_cache(q.clone(), k, v, cos, sin, *ref_caches, slots)
         return close(got_q, want_q) and all(torch.equal(a, b) for a, b in zip(caches, ref_caches))
 
+    if device == "cpu" and rows <= 64:  # decode attention over a 4096-token context per row, paged in 16s
+        ctx, block = 4096, 16
+        kv = [rand(rows * ctx, hk, d) for _ in range(2)]
+        pages = torch.randperm(rows * ctx // block, generator=g).view(rows, ctx // block)
+        dslots = (pages[:, :, None] * block + torch.arange(block)).reshape(rows, ctx).contiguous()
+        dvalid = torch.ones(rows, ctx, dtype=torch.bool)
+        qd = rand(rows, hq, d)
+        yield ("decode_attn_4k", lambda: ops.paged_decode_attention(qd, *kv, dslots, dvalid, d ** -0.5),
+               lambda: reference.paged_decode_attention(qd, *kv, dslots, dvalid, d ** -0.5),
+               (2 * rows * ctx * hk * d) * size,
+               lambda: close(ops.paged_decode_attention(qd, *kv, dslots, dvalid, d ** -0.5),
+                             reference.paged_decode_attention(qd, *kv, dslots, dvalid, d ** -0.5)))
     yield ("rotary_kv_write", lambda: ops.rotary_cache(q, k, v, cos, sin, *caches, slots),
            lambda: reference.rotary_cache(q, k, v, cos, sin, *ref_caches, slots),
            (2 * rows * hq * d + 4 * rows * hk * d + 2 * rows * d) * size, cache_check)
