@@ -7,6 +7,7 @@ sends both back to their torch reference paths.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -36,3 +37,8 @@ def triton_usable(device: torch.device | str) -> bool:
     if torch.device(device).type != "cuda" and not interpreting():
         return False
     return import_triton() is not None
+
+
+def on_device(device: torch.device):
+    """``torch.cuda.device(device)`` for a CUDA device (Triton launches on the current one), else a no-op."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from flashcodec._triton import import_triton, interpreting, triton_usable
+from flashcodec._triton import import_triton, interpreting, on_device, triton_usable
 
 __all__ = ["fused_patchify_available", "patches_fused"]
 
@@ -82,5 +82,6 @@ def patches_fused(frames: torch.Tensor, spec, out: torch.Tensor) -> None:
     if rows == 0:
         return
     scale, bias = _scale_bias(spec, out.device)  # [patch_dim] float32 each
-    kernel[(rows,)](frames, out, scale, bias, t, h // p // m, w // p // m, *frames.stride(), out.stride(0),
-                    P=p, TP=tp, M=m, COLS=spec.patch_dim, BLOCK=triton.next_power_of_2(spec.patch_dim))
+    with on_device(frames.device):  # Triton launches on the current device
+        kernel[(rows,)](frames, out, scale, bias, t, h // p // m, w // p // m, *frames.stride(), out.stride(0),
+                        P=p, TP=tp, M=m, COLS=spec.patch_dim, BLOCK=triton.next_power_of_2(spec.patch_dim))

@@ -32,7 +32,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from flashcodec._triton import import_triton, interpreting, triton_usable
+from flashcodec._triton import import_triton, interpreting, on_device, triton_usable
 
 __all__ = ["aa_bicubic_weights", "fused_resize_available", "resize_frames_fused", "resize_with_weights"]
 
@@ -216,8 +216,11 @@ def resize_frames_fused(frames: torch.Tensor, height: int, width: int,
     taps = (x_weight.shape[1], y_weight.shape[1])
 
     def launch():
-        kernel[grid](frames, out, x_start, x_weight, y_start, y_weight, h, w, height, width, *frames.stride(),
-                     *out.stride(), TAPS_X=taps[0], TAPS_Y=taps[1], BLOCK=_BLOCK)
+        # Triton launches on the current device: make it the frames' (an NVDEC rank of GPU 1 runs in a
+        # thread whose current device may be 0)
+        with on_device(frames.device):
+            kernel[grid](frames, out, x_start, x_weight, y_start, y_weight, h, w, height, width, *frames.stride(),
+                         *out.stride(), TAPS_X=taps[0], TAPS_Y=taps[1], BLOCK=_BLOCK)
 
     if taps in _compiled:
         launch()
