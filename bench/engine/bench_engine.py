@@ -66,6 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--batches", default=None, help="decode batch sizes (default 1,8,64 on CUDA, 1,8,32 on CPU)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of decode requests (default 64)")
     p.add_argument("--prefill-tokens", type=int, default=None, help="prefill chunk (default 8192 CUDA, 1024 CPU)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill the --prefill-tokens prompt in chunks of this many tokens, each over the pages "
+                        "of the ones before (as the server's chunked prefill does); transformers runs it whole")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per request (default 32, short 16)")
     p.add_argument("--slices", type=int, default=None, help="video slices (392x728 frame pairs, 1456 patches each) "
                                                             "for vision (default 16 CUDA, 4 CPU)")
@@ -84,7 +87,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.agreement_steps is not None and args.agreement_steps < 0:
         p.error(f"--agreement-steps must be >= 0, got {args.agreement_steps}")
-    for name in ("prompt_tokens", "prefill_tokens", "new_tokens", "slices", "repeats"):
+    for name in ("prompt_tokens", "prefill_tokens", "prefill_chunk", "new_tokens", "slices", "repeats"):
         value = getattr(args, name)
         if value is not None and value < (2 if name == "new_tokens" else 1):
             p.error(f"--{name.replace('_', '-')} must be at least {2 if name == 'new_tokens' else 1}, got {value}")
@@ -241,11 +244,31 @@ def main(argv=None) -> int:
 
     # -- prefill -------------------------------------------------------------------------------
     long_prompt = prompt(prefill_tokens)
+    def ours_chunked_prefill(ids, chunk):
+        blocks = list(range(-(-len(ids) // engine.config.block_size)))
+        for start in range(0, len(ids), chunk):
+            end = min(start + chunk, len(ids))
+            logits = forward_tokens(model, runner.attn, torch.tensor(ids[start:end]),
+                                    torch.arange(start, end).expand(3, -1), [(start, end - start, blocks)], None,
+                                    [end - start - 1], torch.zeros(end - start, dtype=torch.bool), runner.rope)[0]
+        return logits
+
     with torch.inference_mode():
-        ours_p = em.median_seconds(lambda: ours_prefill_logits(long_prompt), device, repeats)
+        if args.prefill_chunk:
+            chunked_cos = cosine(ours_chunked_prefill(long_prompt, args.prefill_chunk), hf_prefill_logits(long_prompt))
+            if chunked_cos < MIN_COSINE:
+                print(f"bench_engine: error: chunked prefill logits cosine {chunked_cos:.4f} < {MIN_COSINE}",
+                      file=sys.stderr)
+                return 1
+            results["correctness"]["chunked_prefill_logits_cosine"] = chunked_cos
+            ours_p = em.median_seconds(lambda: ours_chunked_prefill(long_prompt, args.prefill_chunk), device, repeats)
+        else:
+            ours_p = em.median_seconds(lambda: ours_prefill_logits(long_prompt), device, repeats)
         hf_p = em.median_seconds(lambda: hf_prefill_logits(long_prompt), device, repeats)
     flops = em.prefill_flops(engine.model_config.text, model.language_model.layers, prefill_tokens)
     results["prefill"] = _throughput(prefill_tokens, "tokens", ours_p, hf_p, flops, peak)
+    results["prefill"]["chunk"] = args.prefill_chunk  # None: one forward, as transformers'
+
 
     # -- vision --------------------------------------------------------------------------------
     with torch.inference_mode():
@@ -257,7 +280,8 @@ def main(argv=None) -> int:
 
     _print(results, device_name, dtype_name)
     config = {"model": str(model_path), "device": device_name, "dtype": dtype_name, "batches": batches,
-              "prompt_tokens": args.prompt_tokens, "prefill_tokens": prefill_tokens, "new_tokens": new_tokens,
+              "prompt_tokens": args.prompt_tokens, "prefill_tokens": prefill_tokens,
+              "prefill_chunk": args.prefill_chunk, "new_tokens": new_tokens,
               "slices": slices, "repeats": repeats, "short": args.short, "enforce_eager": args.enforce_eager,
               "json_schema": args.json_schema}
     path = args.out if args.out.suffix == ".json" else args.out / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -382,7 +406,8 @@ def _print(results: dict, device: str, dtype: str) -> None:
         r = results[name]
         mfu = (f", MFU ours {r['ours_mfu']:.1%} / transformers {r['transformers_mfu']:.1%}" if "ours_mfu" in r
                else "")
-        print(f"{name} ({r[unit]} {unit}): ours {r[f'ours_{unit}_per_s']:.0f}/s ({r['ours_tflops']:.3g} TFLOP/s), "
+        chunk = f", ours in chunks of {r['chunk']}" if r.get("chunk") else ""
+        print(f"{name} ({r[unit]} {unit}{chunk}): ours {r[f'ours_{unit}_per_s']:.0f}/s ({r['ours_tflops']:.3g} TFLOP/s), "
               f"transformers {r[f'transformers_{unit}_per_s']:.0f}/s ({r['transformers_tflops']:.3g} TFLOP/s), "
               f"{r['speedup']:.2f}x{mfu}")
 

@@ -73,7 +73,7 @@ def test_bench_engine_runs_on_cpu(tmp_path):
     out = tmp_path / "engine.json"
     assert bench_engine.main(["--device", "cpu", "--batches", "1,2", "--prefill-tokens", "32", "--new-tokens", "3",
                               "--slices", "1", "--repeats", "1", "--prompt-tokens", "8", "--agreement-steps", "24",
-                              "--out", str(out)]) == 0
+                              "--prefill-chunk", "12", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     r = report["results"]
     assert report["config"]["dtype"] == "float32" and report["machine"]["device"] == "cpu"
@@ -81,6 +81,8 @@ def test_bench_engine_runs_on_cpu(tmp_path):
     # float32: every greedy token is transformers' top-1 on the same sequence, logits all but identical
     assert r["correctness"]["agreement_steps"] == 24 and r["correctness"]["top1_agreement"] == 1.0
     assert r["correctness"]["logits_cosine_min"] > 0.9999
+    # the 32-token prompt prefilled in chunks of 12, 12, 8 (each over the pages before it) = transformers'
+    assert r["prefill"]["chunk"] == 12 and r["correctness"]["chunked_prefill_logits_cosine"] > 0.99999
     assert set(r["decode"]) == {"1", "2"} and all(d["ours_tokens_per_s"] > 0 for d in r["decode"].values())
     assert r["prefill"]["tokens"] == 32 and r["vision"]["patches"] == 28 * 52
     assert "ours_mfu" not in r["prefill"]  # no peak known for a CPU

@@ -21,7 +21,20 @@ from unifiedserve.attention.metadata import PagedBatch, SeqSpec, build_paged_bat
 class _PrefillSeq:
     rows: tuple[int, int]  # [start, end) of the sequence's rows
     slots: torch.Tensor  # int64 [kv_len]: cache slot of each key position
-    mask: torch.Tensor | None  # bool [num_new, kv_len], None when plain causal (no cached prefix)
+    num_cached: int  # keys before the new rows; row i sees keys 0..num_cached + i
+
+    def mask(self, device: torch.device) -> torch.Tensor | None:
+        """bool ``[num_new, kv_len]`` (bottom-right causal), None when plain causal (no cached prefix)."""
+        if self.num_cached == 0:
+            return None
+        num_new = self.rows[1] - self.rows[0]
+        return torch.ones((num_new, self.num_cached + num_new), dtype=torch.bool,
+                          device=device).tril(diagonal=self.num_cached)
+
+
+def _flash_cpu():
+    """torch's CPU flash-attention op, which also returns the log-sum-exp (None where this torch lacks it)."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 @dataclass
@@ -84,11 +97,8 @@ class TorchPagedAttention(AttentionBackend):
             rows = (batch.qo_indptr[b], batch.qo_indptr[b + 1])
             seq_pages = pages[indptr[b]:indptr[b + 1]]  # [P]
             slots = (seq_pages[:, None] * block_size + offsets).flatten()[:kv_len]  # [kv_len]
-            num_new = rows[1] - rows[0]
             # row i sits at absolute position num_cached + i and sees keys 0..num_cached + i
-            mask = None if num_cached == 0 else torch.ones((num_new, kv_len), dtype=torch.bool,
-                                                           device=device).tril(diagonal=num_cached)
-            prefill.append(_PrefillSeq(rows, slots, mask))
+            prefill.append(_PrefillSeq(rows, slots, num_cached))
         self._plan = _TorchPlan(batch, slot_mapping, None, None, None, prefill)
 
     def _plan_graph(self, batch: PagedBatch, graph_batch_size: int) -> _TorchPlan:
@@ -159,8 +169,30 @@ class TorchPagedAttention(AttentionBackend):
         for seq in plan.prefill:
             qs, qe = seq.rows
             keys, values = k_cache[seq.slots], v_cache[seq.slots]  # [kv_len, kv_heads, head_dim]
-            out[qs:qe] = self._sdpa(q[qs:qe].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), seq.mask)[0]
+            if seq.num_cached and q.is_cpu and _flash_cpu() is not None:
+                out[qs:qe] = self._after_prefix(q[qs:qe], keys.to(q.dtype), values.to(q.dtype), seq.num_cached)
+                continue
+            out[qs:qe] = self._sdpa(q[qs:qe].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                    seq.mask(q.device))[0]
         return out
+
+    def _after_prefix(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_cached: int) -> torch.Tensor:
+        """A chunk's rows ``q [n, Hq, D]`` over a cached prefix of ``num_cached`` keys plus themselves (causal).
+
+        What SDPA with the bottom-right causal mask computes, as two flash-attention calls (CPU): all of the
+        prefix, then the chunk causally among itself, merged by their log-sum-exps. SDPA given the mask
+        takes a slower kernel and needs the ``[n, kv_len]`` mask itself (47 MB for a 2048-row chunk over a
+        23k-token video prompt); the results agree to float32 rounding.
+        """
+        flash = _flash_cpu()
+        qt = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (keys, values))  # [1, Hkv, kv_len, D]
+        o1, l1 = flash(qt, kt[:, :, :num_cached], vt[:, :, :num_cached], scale=self.scale)[:2]  # [1, Hq, n, *]
+        o2, l2 = flash(qt, kt[:, :, num_cached:], vt[:, :, num_cached:], is_causal=True, scale=self.scale)[:2]
+        top = torch.maximum(l1, l2)
+        w1, w2 = torch.exp(l1 - top).unsqueeze(-1), torch.exp(l2 - top).unsqueeze(-1)  # [1, Hq, n, 1]
+        merged = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+        return merged[0].transpose(0, 1).to(q.dtype)  # [n, Hq, D]
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D], mask bool [B?, Lq, Lk] or None (causal) -> [B, Lq, Hq, D]."""

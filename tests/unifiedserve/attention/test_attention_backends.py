@@ -202,3 +202,31 @@ def test_missing_flashinfer_on_cuda(monkeypatch, caplog):
     assert line.startswith("attention backend: torch SDPA (flashinfer does not import (")
     with pytest.raises(ValueError, match="cannot run here: flashinfer does not import"):
         get_attention_backend("cuda", "flashinfer", torch.bfloat16, head_dim=128)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+def test_chunk_over_a_cached_prefix_uses_two_flash_calls_not_a_mask(monkeypatch, dtype, tol):
+    """CPU: a chunk after a cached prefix is attended as prefix + causal chunk merged by log-sum-exp (no
+    [n, kv_len] mask is built), and equals SDPA with the bottom-right causal mask."""
+    from unifiedserve.attention import torch_sdpa
+
+    gen = torch.Generator().manual_seed(7)
+    num_cached, num_new, hq, hkv, dim = 45, 19, 28, 4, 32
+    q = torch.randn(num_new, hq, dim, generator=gen).to(dtype)
+    keys = torch.randn(num_cached + num_new, hkv, dim, generator=gen).to(dtype)
+    values = torch.randn(num_cached + num_new, hkv, dim, generator=gen).to(dtype)
+    cache = KVCache(num_layers=1, num_blocks=2, block_size=4, num_kv_heads=hkv, head_dim=dim, dtype=dtype)
+    attn = TorchPagedAttention(cache, hq, hkv, dim)
+    seq = torch_sdpa._PrefillSeq((0, num_new), torch.arange(num_cached + num_new), num_cached)
+    want = attn._sdpa(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), seq.mask(q.device))[0]
+    got = attn._after_prefix(q, keys, values, num_cached)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+    # through the backend (chunks after cached prefixes among MIXED_SEQS): still the dense reference, no mask
+    monkeypatch.setattr(torch_sdpa._PrefillSeq, "mask",
+                        lambda self, device: pytest.fail("a mask was built") if self.num_cached else None)
+    backend = _torch_backend()
+    step = make_step(MIXED_SEQS, backend.kv_cache, backend.num_q_heads, seed=2)
+    backend.plan(MIXED_SEQS)
+    out = backend.forward(0, step.q, step.k, step.v)
+    torch.testing.assert_close(out.double(), dense_reference(step, backend.scale), atol=1e-5, rtol=1e-5)
