@@ -74,6 +74,12 @@ inline float dot(const float* q, const T* k, int64_t dim) {
   return total;
 }
 
+// acc += p * value over one head's row (restrict: the accumulator never aliases the cache, so it vectorises)
+template <typename T>
+inline void axpy(float* __restrict__ acc, float p, const T* __restrict__ value, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) acc[d] += p * static_cast<float>(value[d]);
+}
+
 template <typename T>
 void decode_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& slots, const at::Tensor& valid, float scale) {
@@ -117,11 +123,10 @@ void decode_attention(const at::Tensor& out, const at::Tensor& q, const at::Tens
         }
       }
       for (int64_t t = 0; t < n; ++t) {
-        const T* value = vs + rows[t] * dim;
+        const T* __restrict__ value = vs + rows[t] * dim;
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * n + t];
-          float* ag = acc.data() + g * dim;
-          for (int64_t d = 0; d < dim; ++d) ag[d] += p * static_cast<float>(value[d]);
+          axpy(acc.data() + g * dim, p, value, dim);
         }
       }
       for (int64_t g = 0; g < group; ++g) {
