@@ -50,6 +50,7 @@ class Worker:
         self.stopping = False
         self._parent = os.getppid()
         self._last_stats: dict[str, float] = {}
+        self._sent_bytes: dict[str, int] = {}  # peer -> bytes of the messages sent to it (stats excluded)
         self._last_stats_time = 0.0
 
     # -- to override ------------------------------------------------------------------------
@@ -78,7 +79,10 @@ class Worker:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.connect(self.config.address(peer))
-        sock.send(protocol.encode(message), copy=False)
+        payload = protocol.encode(message)
+        if not isinstance(message, protocol.WorkerStats):  # else the count would change with each report of it
+            self._sent_bytes[peer] = self._sent_bytes.get(peer, 0) + len(payload)
+        sock.send(payload, copy=False)
 
     def _drain(self, timeout_ms: int) -> None:
         if not self.inbox.poll(timeout_ms):
@@ -98,7 +102,9 @@ class Worker:
         now = time.monotonic()
         if not force and now - self._last_stats_time < 0.05:
             return
-        stats = self.stats()
+        # what crossed to each peer: only control messages and indices do; patches, visual tokens and KV
+        # stay in the shared pools (unifiedserve_ipc_sent_bytes)
+        stats = {**self.stats(), **{f"ipc_to_{peer}_bytes": float(n) for peer, n in self._sent_bytes.items()}}
         if stats != self._last_stats or force:
             self.send("api", protocol.WorkerStats(self.name, stats))
             self._last_stats = stats

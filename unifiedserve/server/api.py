@@ -154,7 +154,7 @@ def _authorized(header: str, api_key: str) -> bool:
 def render_metrics(state: ServerState) -> bytes:
     """The server's /metrics text, its worker gauges refreshed first."""
     state.metrics.update_workers(state.client.all_gauges(), _num_in_api(state.client))
-    state.metrics.update_processes(state.client.gauges)
+    state.metrics.update_processes(state.client.gauges, state.client.sent_bytes)
     return state.metrics.render()
 
 

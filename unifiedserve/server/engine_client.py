@@ -61,6 +61,7 @@ class EngineClient:
         self.streams: dict[str, RequestStream] = {}
         self.worker_info: dict[str, protocol.WorkerReady] = {}
         self.gauges: dict[str, dict[str, float]] = {}
+        self.sent_bytes: dict[str, int] = {}  # worker -> bytes of the messages this process sent it
         self.fatal: str | None = None  # why the runtime is dead
         self.on_fatal = None  # callback
         self.on_stats = None  # callback(gauges of all workers)
@@ -130,7 +131,9 @@ class EngineClient:
 
     def _send(self, peer: str, message) -> None:
         # never blocks (no high-water mark); the returned future is done at once
-        self._peers[peer].send(protocol.encode(message), copy=False)
+        payload = protocol.encode(message)
+        self.sent_bytes[peer] = self.sent_bytes.get(peer, 0) + len(payload)
+        self._peers[peer].send(payload, copy=False)
 
     # -- routing ---------------------------------------------------------------------------------------------
     async def _receive(self) -> None:

@@ -79,6 +79,11 @@ class Metrics:
                                      "device_allocated and device_peak (torch's allocator: activations, its own "
                                      "weights, caches; the mapped pools are not in it).",
                                      ["model_name", "process", "kind"], registry=r)
+        self._ipc_bytes = Gauge("unifiedserve_ipc_sent_bytes", "Bytes of the messages each process has sent each "
+                                "other process since start (ZMQ; the workers' own stats reports excluded). Only "
+                                "control messages and page indices cross: patches, visual tokens and KV stay in "
+                                "the shared pools, so this stays far below the bytes of the media served.",
+                                ["model_name", "src", "dst"], registry=r)
         self.healthy = Gauge("unifiedserve_healthy", "1 while every worker process is alive.", ["model_name"],
                              registry=r).labels(**labels)
         self.healthy.set(1)
@@ -93,12 +98,18 @@ class Metrics:
         for pool, (num_bytes, device) in pools.items():
             self._pool_bytes.labels(pool=pool, device=device, **self._labels).set(num_bytes)
 
-    def update_processes(self, gauges_by_worker: dict[str, dict[str, float]]) -> None:
-        """Each worker's ``mem_<kind>_bytes`` gauges, as ``unifiedserve_process_memory_bytes{process, kind}``."""
+    def update_processes(self, gauges_by_worker: dict[str, dict[str, float]],
+                         api_sent_bytes: dict[str, int] | None = None) -> None:
+        """Each worker's ``mem_<kind>_bytes`` gauges, as ``unifiedserve_process_memory_bytes{process, kind}``,
+        and its ``ipc_to_<peer>_bytes`` (plus the api process's own sends) as ``unifiedserve_ipc_sent_bytes``."""
         for process, gauges in gauges_by_worker.items():
             for key, value in gauges.items():
                 if key.startswith("mem_") and key.endswith("_bytes"):
                     self._process_memory.labels(process=process, kind=key[4:-6], **self._labels).set(value)
+                elif key.startswith("ipc_to_") and key.endswith("_bytes"):
+                    self._ipc_bytes.labels(src=process, dst=key[7:-6], **self._labels).set(value)
+        for peer, value in (api_sent_bytes or {}).items():
+            self._ipc_bytes.labels(src="api", dst=peer, **self._labels).set(value)
 
     def update_workers(self, gauges: dict[str, float], num_in_api: int) -> None:
         """From the workers' latest stats; ``num_in_api``: requests the api holds that core has not seen."""

@@ -107,6 +107,38 @@ def test_metrics_count_the_weights_once(server):
     assert not any("device_allocated" in k for k in m)  # CUDA only
 
 
+def test_media_crosses_no_process_boundary(server, client, media):
+    """Zero copies between stages, by count: a new video's patches (megabytes) are written by vision into
+    the shared patch buffer and read there by core, its visual tokens and KV stay in the pools, and the
+    messages between the processes carry only control data and page indices."""
+    _, files = media
+
+    def sent() -> dict[tuple[str, str], float]:
+        """(src, dst) -> bytes sent, from unifiedserve_ipc_sent_bytes (its labels in any order)."""
+        found = {}
+        for key, value in server.metrics().items():
+            if key.startswith("unifiedserve_ipc_sent_bytes{"):
+                labels = dict(part.split("=") for part in key[key.index("{") + 1:-1].split(","))
+                found[(labels["src"].strip('"'), labels["dst"].strip('"'))] = value
+        return found
+
+    before = sent()
+    # fps 1.5: a sampling no earlier test asked for, so no cache serves it and the video is decoded again
+    r = client.chat.completions.create(model="demo-model", messages=video_message(files["video"], fps=1.5),
+                                       **GREEDY)
+    deadline = time.monotonic() + 5
+    edge = ("vision", "core")
+    while (after := sent()).get(edge, 0) <= before.get(edge, 0):  # the workers report every 50 ms at most
+        assert time.monotonic() < deadline, after
+        time.sleep(0.1)
+    moved = sum(after.values()) - sum(before.values())
+    visual_tokens = r.usage.prompt_tokens - 40  # generous: the chat template and question are < 40 tokens
+    patch_bytes = visual_tokens * 4 * 1176 * 4  # 4 patches per visual token, 1176 float32 values each
+    assert 0 < moved < 0.01 * patch_bytes, (moved, patch_bytes, after)
+    for edge in (("api", "vision"), ("vision", "core"), ("core", "decode"), ("decode", "api")):
+        assert after.get(edge, 0) > 0, (edge, after)
+
+
 def test_video_nonstream_and_stream_agree(server, client, media):
     _, files = media
     full = client.chat.completions.create(model="demo-model", messages=video_message(files["video"]), **GREEDY)
