@@ -15,7 +15,8 @@
 #   engine     (attention's wheels) bench/engine on the 7B preset, then its decode with the fused ops off
 #   serve      (attention's wheels) the multi-process server on the GPU, behind the unverified-CUDA gate
 #              (UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER=1), under a private MPS daemon: one long video's
-#              TTFT breakdown (streaming vs whole ingest) with 4 requests decoding, on the 7B preset
+#              TTFT breakdown (streaming vs whole ingest) with 4 requests decoding, on the 7B preset; then
+#              an injected CUDA fault under serve-node.sh's MPS and its restart
 # The steps' limits add up to more than the device's 10 minutes only where a step usually ends early;
 # what ran is in OUTDIR/status.txt either way.
 # Each step has its own time limit so that a hang in one still leaves the others' results in OUTDIR.
@@ -112,7 +113,7 @@ attention)
   prepare_7b
   step "cuda tests (unifiedserve) and the MPS launcher"
   run 180 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/unifiedserve
-  run 90 pytest-launch python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/launch  # MPS cycle, serve-node under MPS
+  run 90 pytest-launch python3 -m pytest -q -p no:cacheprovider -m "not slow" -k "not cuda_fault" tests/launch  # MPS cycle, serve-node under MPS
   step "bench/kernels (paged copy and fused layer ops on CUDA)"
   run 40 bench-kernels python3 bench/kernels/bench_paged_copy.py --device cuda --quick --out "$out/bench_kernels.json"
   run 40 bench-fused-ops python3 bench/kernels/bench_fused_ops.py --device cuda --quick --out "$out/bench_fused_ops.json"
@@ -137,6 +138,8 @@ serve)
     --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16" --result-json "$out/ttft_cuda_7b.json"
   cp bench/results/ttft_breakdown_server_*.log "$out/" 2>/dev/null
   run 30 mps-stop launch/mps.sh stop
+  step "issue 14's fault: a device-side assert in decode under serve-node's own MPS daemon, then its restart"
+  run 240 pytest-fault python3 -m pytest -q -p no:cacheprovider -m cuda -k cuda_fault tests/launch
   ;;
 esac
 

@@ -135,3 +135,71 @@ def test_restart_after_a_worker_dies(tmp_path):
     if session is not None:
         assert session_processes(session) == []
     assert not shm_folder(folder).exists()
+
+
+def _fault_and_restart(tmp_path, serve_args: list[str], env: dict[str, str], startup_s: float):
+    """Start a node with --restart 1 and an injected fault in decode's 3rd step; the request in flight gets an
+    error, the server exits with one, the node restarts it (the marker file stops a second fault), and the
+    new server answers."""
+    import time
+
+    import openai
+
+    port, folder = free_port(), tmp_path / "node"
+    marker = tmp_path / "fault.fired"
+    health = f"http://127.0.0.1:{port}/health"
+    start = node("start", "--restart", "1", "--port", str(port), *serve_args, folder=folder, timeout=startup_s,
+                 UNIFIEDSERVE_INJECT_FAULT=f"decode:3:{marker}", **env)
+    session = None
+    try:
+        assert start.returncode == 0, start.stderr + (folder / "server.log").read_text()
+        session = int((folder / "server.pid").read_text())
+        first_api = int((folder / "api.pid").read_text())
+        time.sleep(max(0.0, 11 - (time.time() - os.stat(folder / "api.pid").st_mtime)))  # restarts follow >= 10 s runs
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.APIError):  # the fault ends it mid-decode
+            client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=40,
+                                           messages=[{"role": "user", "content": "Count to forty."}],
+                                           extra_body={"ignore_eos": True})
+        assert marker.exists()
+        deadline = time.monotonic() + startup_s
+        new_api = first_api
+        while time.monotonic() < deadline:
+            api = folder / "api.pid"
+            new_api = int(api.read_text()) if api.exists() else first_api
+            if new_api != first_api and up(health):
+                break
+            time.sleep(0.5)
+        log = (folder / "server.log").read_text()
+        assert new_api != first_api, log
+        assert "injecting a fatal fault" in log and "decode worker process exited unexpectedly" in log, log[-3000:]
+        assert "restart 1 of 1" in log
+        out = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=4,
+                                             messages=[{"role": "user", "content": "Hello"}])
+        assert out.choices[0].finish_reason in ("length", "stop")
+    finally:
+        stop = node("stop", folder=folder)
+    assert stop.returncode == 0 and "server stopped" in stop.stdout
+    if session is not None:
+        assert session_processes(session) == []
+    assert not shm_folder(folder).exists()
+
+
+@pytest.mark.slow
+def test_injected_fault_fails_the_request_and_the_node_restarts(tmp_path):
+    """The CPU stand-in of issue 14's fault test: decode aborts mid-request (UNIFIEDSERVE_INJECT_FAULT)."""
+    from unifiedserve.model.demo import write_demo_model
+
+    demo_path = write_demo_model(tmp_path / "demo-model")
+    _fault_and_restart(tmp_path, ["--model", str(demo_path), *SMALL_POOLS], {}, startup_s=300)
+
+
+@pytest.mark.cuda
+def test_cuda_fault_under_mps_fails_the_request_and_the_node_restarts(tmp_path):
+    """Issue 14's fault test on the GPU: decode trips a device-side assert (a sticky CUDA error) under the
+    node's MPS daemon; the in-flight request errors, the server exits, MPS and the server come back."""
+    model = pathlib.Path(os.environ.get("UNIFIEDSERVE_FAULT_MODEL", "/tmp/qwen2.5-vl-7b"))
+    if not (model / "config.json").exists():
+        pytest.skip(f"no model at {model} (scripts/gpu_check.sh writes the 7B preset there)")
+    _fault_and_restart(tmp_path, ["--device", "cuda", "--model", str(model), "--kv-cache-gb", "8"],
+                       {"UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER": "1"}, startup_s=400)

@@ -26,6 +26,26 @@ log = logging.getLogger("unifiedserve")
 
 IDLE_POLL_MS = 100  # how often an idle worker checks its parent
 
+#: Testing hook: ``worker:steps[:marker]`` makes that worker die of a fatal fault after that many steps
+#: of work (see :meth:`Worker.inject_fault`); with a marker path it fires once (the file records it).
+FAULT_ENV = "UNIFIEDSERVE_INJECT_FAULT"
+
+
+def parse_fault(value: str | None, worker: str) -> tuple[int, str | None] | None:
+    """``(steps, marker)`` when ``value`` (the :data:`FAULT_ENV` setting) names ``worker``, else None.
+
+    Raises:
+        ValueError: a malformed setting (one clear line, at the worker's start).
+    """
+    if not value:
+        return None
+    name, _, rest = value.partition(":")
+    steps, _, marker = rest.partition(":")
+    if name not in ("vision", "core", "decode") or not steps.isdigit() or int(steps) < 1:
+        raise ValueError(f"{FAULT_ENV} must be worker:steps[:marker] with worker vision, core or decode and "
+                         f"steps >= 1; got {value!r}")
+    return (int(steps), marker or None) if name == worker else None
+
 
 def setup_logging(name: str) -> None:
     logging.basicConfig(level=os.environ.get("UNIFIEDSERVE_LOG_LEVEL", "INFO"),
@@ -52,6 +72,8 @@ class Worker:
         self._last_stats: dict[str, float] = {}
         self._sent_bytes: dict[str, int] = {}  # peer -> bytes of the messages sent to it (stats excluded)
         self._last_stats_time = 0.0
+        self._fault = parse_fault(os.environ.get(FAULT_ENV), self.name)
+        self._steps = 0
 
     # -- to override ------------------------------------------------------------------------
     def setup(self) -> dict[str, str]:
@@ -121,8 +143,38 @@ class Worker:
                 break
             if self.has_work():
                 self.step()
+                self._steps += 1
+                if self._fault is not None and self._steps >= self._fault[0]:
+                    self.inject_fault()
             self._send_stats()
         self._send_stats(force=True)
+
+    def inject_fault(self) -> None:
+        """Die the way a fatal device fault kills a process (the ``UNIFIEDSERVE_INJECT_FAULT`` testing hook).
+
+        On CUDA an out-of-bounds index trips a device-side assert: a sticky error that ends the CUDA
+        context, and under MPS can end every client on the GPU (issue 14's fault). On the CPU the process
+        aborts mid-step. Either way the server fails its in-flight requests, turns ``/health`` 503 and
+        exits with an error, which ``launch/serve-node.sh --restart`` answers. With a marker file in the
+        setting it fires only when the file does not exist yet, and creates it, so a restarted server runs.
+        """
+        steps, marker = self._fault
+        self._fault = None
+        if marker is not None:
+            try:
+                with open(marker, "x"):
+                    pass
+            except FileExistsError:
+                return
+        log.error("%s=%s: injecting a fatal fault after %d steps", FAULT_ENV, os.environ.get(FAULT_ENV), steps)
+        import torch
+
+        device = torch.device(self.config.engine.device)
+        if device.type == "cuda":
+            x = torch.zeros(1, device=device)
+            x[torch.tensor([1 << 40], device=device)]  # noqa: B018 (the point is the out-of-bounds read)
+            torch.cuda.synchronize(device)  # raises: device-side assert triggered
+        os.abort()
 
     def close(self) -> None:
         for sock in [self.inbox, *self._peers.values()]:
