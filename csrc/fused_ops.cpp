@@ -232,11 +232,7 @@ void rotary_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
       rotate_heads_cpu(q.data_ptr<T>(), q.size(0), q.size(1), q.stride(0), q.stride(1), dim, c, s);
       rotate_heads_cpu(k.data_ptr<T>(), k.size(0), k.size(1), k.stride(0), k.stride(1), dim, c, s);
     };
-    if (cos.scalar_type() == at::kFloat) {
-      run(cos.data_ptr<float>(), sin.data_ptr<float>());
-    } else {
-      run(cos.data_ptr<T>(), sin.data_ptr<T>());
-    }
+    fused::with_tables<T>(cos, sin, run);
   });
 }
 
@@ -280,11 +276,7 @@ void rotary_cache_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         }
       });
     };
-    if (cos.scalar_type() == at::kFloat) {
-      run(cos.data_ptr<float>(), sin.data_ptr<float>());
-    } else {
-      run(cos.data_ptr<T>(), sin.data_ptr<T>());
-    }
+    fused::with_tables<T>(cos, sin, run);
   });
 }
 

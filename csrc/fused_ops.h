@@ -98,6 +98,17 @@ C10_HOST_DEVICE inline void rotate_pair(const T* in_lo, const T* in_hi, T* lo, T
   *hi = static_cast<T>(new_hi);
 }
 
+// Calls f(cos_ptr, sin_ptr) with the rotary tables typed as they are: float32, or T (the model dtype).
+// check_rotary has already refused any other dtype.
+template <typename T, typename F>
+void with_tables(const at::Tensor& cos, const at::Tensor& sin, F&& f) {
+  if (cos.scalar_type() == at::kFloat) {
+    f(cos.data_ptr<float>(), sin.data_ptr<float>());
+  } else {
+    f(cos.data_ptr<T>(), sin.data_ptr<T>());
+  }
+}
+
 }  // namespace fused
 
 // ---- metadata checks (host side; no tensor value is read) -------------------------------------------

@@ -211,11 +211,7 @@ void rotary_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos
       rotary_kernel<<<rows, threads, 0, stream>>>(q.data_ptr<T>(), k.data_ptr<T>(), c, s, q.size(1), k.size(1),
                                                   q.stride(0), q.stride(1), k.stride(0), k.stride(1), dim);
     };
-    if (cos.scalar_type() == at::kFloat) {
-      launch(cos.data_ptr<float>(), sin.data_ptr<float>());
-    } else {
-      launch(cos.data_ptr<T>(), sin.data_ptr<T>());
-    }
+    fused::with_tables<T>(cos, sin, launch);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -238,11 +234,7 @@ void rotary_cache_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tenso
           slot_mapping.data_ptr<int64_t>(), sources, rows, k_cache.size(0), q.size(1), heads, q.stride(0),
           q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dim);
     };
-    if (cos.scalar_type() == at::kFloat) {
-      launch(cos.data_ptr<float>(), sin.data_ptr<float>());
-    } else {
-      launch(cos.data_ptr<T>(), sin.data_ptr<T>());
-    }
+    fused::with_tables<T>(cos, sin, launch);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -197,8 +197,18 @@ def frames_to_patches(
         if fused_patchify_available(frames.device):  # one kernel instead of the two passes below
             patches_fused(frames, spec, out)
             return out, (grid_t, grid_h, grid_w)
+    patches_torch(frames, spec, out)
+    return out, (grid_t, grid_h, grid_w)
+
+
+def patches_torch(frames: torch.Tensor, spec: PatchSpec, out: torch.Tensor) -> None:
+    """The torch path of :func:`frames_to_patches` (arguments as it checks them): two passes per frame pair
+    group, the last group padded with the last frame."""
+    tp = spec.temporal_patch_size
+    t, _, h, w = frames.shape
+    grid_t = -(-t // tp)
     full = t // tp  # frame groups that need no padding
-    rows_per_t = grid_h * grid_w
+    rows_per_t = (h // spec.patch_size) * (w // spec.patch_size)
     if full:
         _write_patches(frames[: full * tp], spec, out[: full * rows_per_t])  # [full*hw, patch_dim]
     if full < grid_t:
@@ -206,7 +216,6 @@ def frames_to_patches(
         index = torch.arange(full * tp, full * tp + tp, device=frames.device).clamp_(max=t - 1)  # [tp]
         tail = frames.index_select(0, index)  # [tp, 3, H, W]
         _write_patches(tail, spec, out[full * rows_per_t :])  # [hw, patch_dim]
-    return out, (grid_t, grid_h, grid_w)
 
 
 def image_to_patches(

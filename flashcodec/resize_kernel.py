@@ -34,7 +34,7 @@ import torch
 
 from flashcodec._triton import import_triton, interpreting, on_device, triton_usable
 
-__all__ = ["aa_bicubic_weights", "fused_resize_available", "resize_frames_fused", "resize_with_weights"]
+__all__ = ["aa_bicubic_weights", "fused_resize_available", "resize_frames_fused"]
 
 _F32 = np.float32
 _BLOCK = 128  # output pixels of one row per program
@@ -80,24 +80,6 @@ def aa_bicubic_weights(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndar
     for i, w in enumerate(rows):
         weights[i, :len(w)] = w
     return starts, weights
-
-
-def resize_with_weights(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """The same resize through dense float64 matrices built from :func:`aa_bicubic_weights`: a
-    readable check of the weights (not fast), uint8 ``[N, 3, H, W]`` -> uint8 ``[N, 3, height, width]``."""
-    n, c, h, w = frames.shape
-
-    def dense(in_size: int, out_size: int) -> torch.Tensor:
-        starts, weights = aa_bicubic_weights(in_size, out_size)
-        m = torch.zeros(out_size, in_size, dtype=torch.float64)
-        for i in range(out_size):
-            taps = min(weights.shape[1], in_size - int(starts[i]))
-            m[i, starts[i]:starts[i] + taps] = torch.from_numpy(weights[i, :taps].astype(np.float64))
-        return m
-
-    wy, wx = dense(h, height), dense(w, width)  # [height, H], [width, W]
-    out = torch.einsum("yh,nchw,xw->ncyx", wy, frames.double().cpu(), wx)
-    return out.round().clamp(0, 255).to(torch.uint8).to(frames.device)
 
 
 @functools.lru_cache(maxsize=2)

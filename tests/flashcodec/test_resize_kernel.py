@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flashcodec.resize import resize_frames, resize_frames_on_device
-from flashcodec.resize_kernel import aa_bicubic_weights, fused_resize_available, resize_with_weights
+from flashcodec.resize_kernel import aa_bicubic_weights, fused_resize_available
 
 ROOT = Path(__file__).resolve().parents[2]
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -32,6 +32,24 @@ def frames(n: int, h: int, w: int, seed: int = 0) -> torch.Tensor:
     x = torch.linspace(0, 255, w).view(1, 1, 1, w)
     base = (y * 0.6 + x * 0.4).expand(n, 3, h, w)
     return (base + torch.randn((n, 3, h, w), generator=g) * 40).clamp(0, 255).to(torch.uint8)
+
+
+def resize_with_weights(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The same resize through dense float64 matrices built from :func:`aa_bicubic_weights`: a
+    readable check of the weights (not fast), uint8 ``[N, 3, H, W]`` -> uint8 ``[N, 3, height, width]``."""
+    n, c, h, w = frames.shape
+
+    def dense(in_size: int, out_size: int) -> torch.Tensor:
+        starts, weights = aa_bicubic_weights(in_size, out_size)
+        m = torch.zeros(out_size, in_size, dtype=torch.float64)
+        for i in range(out_size):
+            taps = min(weights.shape[1], in_size - int(starts[i]))
+            m[i, starts[i]:starts[i] + taps] = torch.from_numpy(weights[i, :taps].astype(np.float64))
+        return m
+
+    wy, wx = dense(h, height), dense(w, width)  # [height, H], [width, W]
+    out = torch.einsum("yh,nchw,xw->ncyx", wy, frames.double().cpu(), wx)
+    return out.round().clamp(0, 255).to(torch.uint8).to(frames.device)
 
 
 def agreement(got: torch.Tensor, want: torch.Tensor) -> tuple[int, float]:

@@ -3,10 +3,13 @@ that leaves no process, pid file or shared memory behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -94,95 +97,80 @@ def test_start_status_stop_leaves_nothing_behind(tmp_path):
     assert node("status", folder=folder).returncode == 3
 
 
-@pytest.mark.slow
-def test_restart_after_a_worker_dies(tmp_path):
-    """--restart 1: a killed worker ends the server with an error; the node starts a new one, once."""
-    import signal
-    import time
-
-    from unifiedserve.model.demo import write_demo_model
-
-    demo_path = write_demo_model(tmp_path / "demo-model")
+@contextlib.contextmanager
+def restarting_node(tmp_path, serve_args: list[str], startup_s: float, **env: str):
+    """A node started with --restart 1, yielded once it has run the 10 s a restart needs; stopped after,
+    with nothing left behind. Yields ``(folder, port, health url, first api pid)``."""
     port, folder = free_port(), tmp_path / "node"
     health = f"http://127.0.0.1:{port}/health"
-    start = node("start", "--restart", "1", "--model", str(demo_path), "--port", str(port), *SMALL_POOLS,
-                 folder=folder, timeout=300)
+    start = node("start", "--restart", "1", "--port", str(port), *serve_args, folder=folder, timeout=startup_s, **env)
     session = None
     try:
         assert start.returncode == 0, start.stderr + (folder / "server.log").read_text()
         session = int((folder / "server.pid").read_text())
         first_api = int((folder / "api.pid").read_text())
         time.sleep(max(0.0, 11 - (time.time() - os.stat(folder / "api.pid").st_mtime)))  # restarts follow >= 10 s runs
-        status, body = http("GET", health)
-        assert status == 200
-        os.kill(body["workers"]["decode"], signal.SIGKILL)
-        deadline = time.monotonic() + 120
-        new_api = first_api
-        while time.monotonic() < deadline:
-            api = folder / "api.pid"
-            new_api = int(api.read_text()) if api.exists() else first_api
-            if new_api != first_api and up(health):
-                break
-            time.sleep(0.5)
-        log = (folder / "server.log").read_text()
-        assert new_api != first_api, log
-        assert "decode worker process exited unexpectedly" in log and "restart 1 of 1" in log
-        status = node("status", folder=folder)
-        assert status.returncode == 0 and "restarted 1 times" in status.stdout
+        yield folder, port, health, first_api
     finally:
         stop = node("stop", folder=folder)
     assert stop.returncode == 0 and "server stopped" in stop.stdout
     if session is not None:
         assert session_processes(session) == []
     assert not shm_folder(folder).exists()
+
+
+def wait_for_restart(folder: pathlib.Path, health: str, first_api: int, timeout: float) -> str:
+    """Wait until a new server (another api pid) answers /health; returns the node's log."""
+    deadline = time.monotonic() + timeout
+    new_api = first_api
+    while time.monotonic() < deadline:
+        api = folder / "api.pid"
+        new_api = int(api.read_text()) if api.exists() else first_api
+        if new_api != first_api and up(health):
+            break
+        time.sleep(0.5)
+    log = (folder / "server.log").read_text()
+    assert new_api != first_api, log
+    return log
+
+
+@pytest.mark.slow
+def test_restart_after_a_worker_dies(tmp_path):
+    """--restart 1: a killed worker ends the server with an error; the node starts a new one, once."""
+    from unifiedserve.model.demo import write_demo_model
+
+    demo_path = write_demo_model(tmp_path / "demo-model")
+    with restarting_node(tmp_path, ["--model", str(demo_path), *SMALL_POOLS], 300) as (folder, _, health, first_api):
+        status, body = http("GET", health)
+        assert status == 200
+        os.kill(body["workers"]["decode"], signal.SIGKILL)
+        log = wait_for_restart(folder, health, first_api, 120)
+        assert "decode worker process exited unexpectedly" in log and "restart 1 of 1" in log
+        status = node("status", folder=folder)
+        assert status.returncode == 0 and "restarted 1 times" in status.stdout
 
 
 def _fault_and_restart(tmp_path, serve_args: list[str], env: dict[str, str], startup_s: float):
     """Start a node with --restart 1 and an injected fault in decode's 3rd step; the request in flight gets an
     error, the server exits with one, the node restarts it (the marker file stops a second fault), and the
     new server answers."""
-    import time
-
     import openai
 
-    port, folder = free_port(), tmp_path / "node"
     marker = tmp_path / "fault.fired"
-    health = f"http://127.0.0.1:{port}/health"
-    start = node("start", "--restart", "1", "--port", str(port), *serve_args, folder=folder, timeout=startup_s,
-                 UNIFIEDSERVE_INJECT_FAULT=f"decode:3:{marker}", **env)
-    session = None
-    try:
-        assert start.returncode == 0, start.stderr + (folder / "server.log").read_text()
-        session = int((folder / "server.pid").read_text())
-        first_api = int((folder / "api.pid").read_text())
-        time.sleep(max(0.0, 11 - (time.time() - os.stat(folder / "api.pid").st_mtime)))  # restarts follow >= 10 s runs
+    with restarting_node(tmp_path, serve_args, startup_s, UNIFIEDSERVE_INJECT_FAULT=f"decode:3:{marker}",
+                         **env) as (folder, port, health, first_api):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
         with pytest.raises(openai.APIError):  # the fault ends it mid-decode
             client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=40,
                                            messages=[{"role": "user", "content": "Count to forty."}],
                                            extra_body={"ignore_eos": True})
         assert marker.exists()
-        deadline = time.monotonic() + startup_s
-        new_api = first_api
-        while time.monotonic() < deadline:
-            api = folder / "api.pid"
-            new_api = int(api.read_text()) if api.exists() else first_api
-            if new_api != first_api and up(health):
-                break
-            time.sleep(0.5)
-        log = (folder / "server.log").read_text()
-        assert new_api != first_api, log
+        log = wait_for_restart(folder, health, first_api, startup_s)
         assert "injecting a fatal fault" in log and "decode worker process exited unexpectedly" in log, log[-3000:]
         assert "restart 1 of 1" in log
         out = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=4,
                                              messages=[{"role": "user", "content": "Hello"}])
         assert out.choices[0].finish_reason in ("length", "stop")
-    finally:
-        stop = node("stop", folder=folder)
-    assert stop.returncode == 0 and "server stopped" in stop.stdout
-    if session is not None:
-        assert session_processes(session) == []
-    assert not shm_folder(folder).exists()
 
 
 @pytest.mark.slow

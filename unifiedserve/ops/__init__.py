@@ -209,6 +209,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out.view(*shape[:-1], shape[-1] // 2)
 
 
+def _rotary_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """The layouts and dtypes the rotary kernels take (anything else runs the reference)."""
+    return (q.dim() == 3 and k.dim() == 3 and q.stride(-1) == 1 and k.stride(-1) == 1 and k.dtype == q.dtype
+            and cos.dtype == sin.dtype and cos.dtype in (q.dtype, torch.float32)
+            and cos.shape == sin.shape == (q.shape[0], q.shape[2]) and cos.is_contiguous() and sin.is_contiguous())
+
+
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of ``q [N, Hq, D]`` and ``k [N, Hk, D]`` with ``cos``/``sin [N, D]``:
@@ -217,10 +224,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     The fused kernel rotates ``q`` and ``k`` in place (they may be views into one QKV projection) and
     returns them; the reference returns new tensors. Callers use the returned pair.
     """
-    fits = (q.dim() == 3 and k.dim() == 3 and q.stride(-1) == 1 and k.stride(-1) == 1 and k.dtype == q.dtype
-            and cos.dtype == sin.dtype and cos.dtype in (q.dtype, torch.float32)
-            and cos.shape == sin.shape == (q.shape[0], q.shape[2]) and cos.is_contiguous() and sin.is_contiguous())
-    if not fits or not _fused_native(q, k, cos, sin):
+    if not _rotary_fits(q, k, cos, sin) or not _fused_native(q, k, cos, sin):
         return reference.rotary(q, k, cos, sin)
     torch.ops.unifiedserve.rotary_(q, k, cos, sin)
     return q, k
@@ -239,10 +243,7 @@ def rotary_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
     row's write (the attention planners build these indices and check them on the host); the CPU
     kernel and the reference raise.
     """
-    fits = (q.dim() == 3 and k.dim() == 3 and q.stride(-1) == 1 and k.stride(-1) == 1 and k.dtype == q.dtype
-            and v.shape == k.shape and v.dtype == k.dtype and v.stride(-1) == 1
-            and cos.dtype == sin.dtype and cos.dtype in (q.dtype, torch.float32)
-            and cos.shape == sin.shape == (q.shape[0], q.shape[2]) and cos.is_contiguous() and sin.is_contiguous()
+    fits = (_rotary_fits(q, k, cos, sin) and v.shape == k.shape and v.dtype == k.dtype and v.stride(-1) == 1
             and k_cache.dtype == k.dtype and v_cache.dtype == k.dtype and k_cache.is_contiguous()
             and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
             and (write_rows is None or (write_rows.dtype == torch.int64 and write_rows.is_contiguous())))

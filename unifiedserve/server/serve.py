@@ -321,7 +321,9 @@ def build_runtime(args: argparse.Namespace):
         ValueError: a flag the device or the model folder refuses.
     """
     from unifiedserve.engine.device import resolve_dtype
+    from unifiedserve.runtime.worker import FAULT_ENV, parse_fault
 
+    parse_fault(os.environ.get(FAULT_ENV), "decode")  # a malformed testing hook: one error line, before any worker
     device = _resolve_device(args.device)
     if args.gpu_memory_utilization is not None:
         raise ValueError(f"--gpu-memory-utilization: the server sizes its pools from --kv-cache-gb / --num-kv-blocks "

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 
 import pytest
 import torch
@@ -15,22 +13,11 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(scope="module")
-def native():
-    if shutil.which(os.environ.get("CXX", "c++")) is None or os.environ.get("UNIFIEDSERVE_NO_NATIVE"):
-        pytest.skip("no C++ compiler, or UNIFIEDSERVE_NO_NATIVE is set")
-    assert ops.native_available(), f"a compiler is present but the build failed: {ops.build_info()['reason']}"
+def native(native):
+    """The native ops (conftest), with the fused ones switched on."""
     if not ops.fused_enabled():
         pytest.skip("UNIFIEDSERVE_NO_FUSED_OPS is set")
-    return torch.ops.unifiedserve
-
-
-@pytest.fixture(scope="module")
-def cuda_native():
-    reason = ops._cuda_toolchain()
-    if reason:
-        pytest.skip(reason)
-    assert ops.native_available() and ops.build_info()["cuda"], ops.build_info().get("cuda_reason")
-    return torch.ops.unifiedserve
+    return native
 
 
 def randn(shape, dtype, seed, device="cpu", scale=1.0):

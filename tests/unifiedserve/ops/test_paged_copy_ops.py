@@ -22,15 +22,6 @@ from unifiedserve.ops import RaggedIndexTensors, reference
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(scope="session")
-def native():
-    """The native ops, built once per session (seconds the first time, then cached on disk)."""
-    if shutil.which(os.environ.get("CXX", "c++")) is None or os.environ.get("UNIFIEDSERVE_NO_NATIVE"):
-        pytest.skip("no C++ compiler, or UNIFIEDSERVE_NO_NATIVE is set")
-    assert ops.native_available(), f"a compiler is present but the build failed: {ops.build_info()['reason']}"
-    return torch.ops.unifiedserve
-
-
 def random_index(rng: random.Random, num_pages: int, page_size: int) -> RaggedIndex:
     """A batch of up to 5 requests, each starting at any token position, on distinct random pages."""
     free = list(range(num_pages))
@@ -250,16 +241,6 @@ def test_cuda_toolchain_reasons(monkeypatch):
     assert "not a CUDA build" in ops._cuda_toolchain()
     monkeypatch.setattr(ops, "_CUDA_SOURCES", [])
     assert ops._cuda_toolchain() == "no CUDA sources"
-
-
-@pytest.fixture(scope="module")
-def cuda_native():
-    """The extension's CUDA kernels: a CUDA torch with nvcc must have built them."""
-    reason = ops._cuda_toolchain()
-    if reason:
-        pytest.skip(reason)
-    assert ops.native_available() and ops.build_info()["cuda"], ops.build_info().get("cuda_reason")
-    return torch.ops.unifiedserve
 
 
 @pytest.mark.cuda

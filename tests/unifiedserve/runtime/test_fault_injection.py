@@ -19,3 +19,17 @@ def test_the_setting_names_a_worker_its_steps_and_an_optional_marker():
 def test_a_malformed_setting_is_one_clear_error(value):
     with pytest.raises(ValueError, match="UNIFIEDSERVE_INJECT_FAULT must be worker:steps"):
         parse_fault(value, "decode")
+
+
+def test_serve_refuses_a_malformed_setting_in_one_line():
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "unifiedserve.cli", "serve", "--device", "cpu"],
+                         env={**os.environ, "UNIFIEDSERVE_INJECT_FAULT": "gpu:1"}, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines() == [
+        "unifiedserve: error: UNIFIEDSERVE_INJECT_FAULT must be worker:steps[:marker] with worker vision, core or "
+        "decode and steps >= 1; got 'gpu:1'"]
