@@ -4,13 +4,14 @@
 # groups go in two runs: scripts/gpu_check.sh OUTDIR decode|attention installs whatever is in .whl/.
 #   decode    : PyAV 19 (FFmpeg with NVDEC), torchcodec 0.16 (first CUDA 13 build on PyPI)   ~50 MB
 #   attention : flashinfer-python 0.6.13 + apache-tvm-ffi (kernels JIT-compiled on first use)  ~24 MB
-# Both add the server's dependencies and pytest-timeout.
+# Both add the server's dependencies (fastapi 0.165 imports opentelemetry-api at import) and pytest-timeout;
+# scripts/wheel_closure.py then checks that every wheel's requirements are in the folder or on the machine.
 # Usage: scripts/gpu_wheels.sh decode|attention [DEST]   (empties DEST first)
 set -euo pipefail
 group=${1:?usage: scripts/gpu_wheels.sh decode|attention [DEST]}; dest=${2:-.whl}
 common="msgspec==0.22.0 pyzmq==27.3.0 fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.3 pydantic-core==2.50.4
         annotated-types==0.8.0 typing-inspection==0.4.5 uvicorn==0.54.0 openai==3.54.0 jiter==0.19.0 sniffio==1.3.1
-        distro httpx2==2.16.2 httpcore2==2.16.2 truststore pytest-timeout"
+        distro httpx2==2.16.2 httpcore2==2.16.2 truststore opentelemetry-api==1.45.2 pytest-timeout"
 case $group in
   decode) pkgs="av==19.0.2 torchcodec==0.16.0 $common" ;;
   attention) pkgs="flashinfer-python==0.6.13 apache-tvm-ffi==0.1.15.post2 $common" ;;
@@ -25,3 +26,4 @@ for pkg in $pkgs; do
     -d "$dest" "$pkg" 2>&1 | grep -v '^WARNING' || true
 done
 du -sh "$dest"
+"${PYTHON:-python3}" "$(dirname "$0")/wheel_closure.py" "$dest"
