@@ -41,6 +41,7 @@ run() {  # run LIMIT_S NAME CMD...: time-limited, output to OUTDIR/NAME.log and 
 
 step "machine"
 date -u +%FT%TZ; git rev-parse --short HEAD 2>/dev/null || true
+ldd --version 2>&1 | head -1  # glibc: llguidance's wheel needs 2.31
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || echo "no nvidia-smi"
 
 step "wheels ($group)"
