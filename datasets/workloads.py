@@ -130,6 +130,7 @@ class WorkloadConfig:
     ignore_eos: bool = True  # generate exactly output_len tokens
     seed: int = 0
     scale: float = 1.0  # in (0, 1]: multiplies video durations and media sizes
+    video_seconds: tuple[float, float] | None = None  # videos last MIN..MAX s (not scaled); None: the kind's range
     num_videos: int = 4  # distinct media files per kind; multi-question: videos asked about at once
     questions_per_video: int = 4  # multi-question only: questions asked about each video
     video_fps: float | None = 2.0  # sampling fps asked of the server; None: the server's default
@@ -157,6 +158,12 @@ class WorkloadConfig:
             raise ValueError(f"output_len must be >= 1, got {self.output_len}")
         if not 0.0 < self.scale <= 1.0:
             raise ValueError(f"scale must be in (0, 1], got {self.scale}")
+        if self.video_seconds is not None:
+            low, high = self.video_seconds
+            if not (0 < low <= high and math.isfinite(high)):
+                raise ValueError(f"video_seconds must be MIN,MAX with 0 < MIN <= MAX, got {low:g},{high:g}")
+            if self.workload == "image" or self.workload in DATASETS:
+                raise ValueError(f"video_seconds applies to synthetic videos, not to workload {self.workload!r}")
         if self.num_videos < 1:
             raise ValueError(f"num_videos must be >= 1, got {self.num_videos}")
         if self.questions_per_video < 1:
@@ -212,22 +219,26 @@ def _scaled_size(width: int, height: int, scale: float) -> tuple[int, int]:
     return tuple(max(_MIN_SIDE, 2 * int(round(v * s / 2.0))) for v in (width, height))
 
 
-def video_spec(kind: str, index: int, *, scale: float = 1.0, seed: int = 0) -> dict:
+def video_spec(kind: str, index: int, *, scale: float = 1.0, seed: int = 0,
+               seconds: tuple[float, float] | None = None) -> dict:
     """``synthetic_video.cached_video`` spec of the ``index``-th video of ``kind``.
 
     ``kind``: "long-video", "short-video" or "multi-question". Sizes and durations are multiplied by ``scale``;
-    the aspect ratio is kept, sides stay even and >= 64, durations >= 1 s. The GOP is a seeded 2-8 s.
+    the aspect ratio is kept, sides stay even and >= 64, durations >= 1 s. ``seconds`` (min, max) replaces
+    the kind's range of durations, unscaled. The GOP is a seeded 2-8 s.
     """
     shape = _VIDEO_KINDS[kind]
     rng = np.random.default_rng([seed, _KIND_IDS[kind], index])
-    duration_s = round(float(rng.uniform(shape["min_s"], shape["max_s"])))
+    low, high = seconds if seconds is not None else (shape["min_s"], shape["max_s"])
+    duration_s = round(float(rng.uniform(low, high)))
+    scale_s = 1.0 if seconds is not None else scale
     gop_s = float(rng.uniform(*_GOP_S))
     fps = shape["fps"]
     width, height = _scaled_size(shape["width"], shape["height"], scale)
     return dict(
         codec="h264", suffix=".mp4", preset="veryfast", bframes=2, fps=fps,
         width=width, height=height,
-        duration_s=max(_MIN_DURATION_S, round(duration_s * scale, 2)),
+        duration_s=max(_MIN_DURATION_S, round(duration_s * scale_s, 2)),
         gop=max(3, int(round(gop_s * fps))), seed=int(rng.integers(2**31)),
     )
 
@@ -259,7 +270,7 @@ def _cached_image(spec: dict, cache_dir: pathlib.Path) -> pathlib.Path:
 def _media_path(kind: str, index: int, cfg: WorkloadConfig, media_dir: pathlib.Path) -> pathlib.Path:
     if kind == "image":
         return _cached_image(image_spec(index, scale=cfg.scale, seed=cfg.seed), media_dir / "images")
-    spec = video_spec(kind, index, scale=cfg.scale, seed=cfg.seed)
+    spec = video_spec(kind, index, scale=cfg.scale, seed=cfg.seed, seconds=cfg.video_seconds)
     return synthetic_video.cached_video(spec, cache_dir=media_dir / "videos")
 
 
@@ -603,6 +614,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--scale", type=float, default=d.scale,
                    help="(0, 1]: multiplies video durations and media sizes (e.g. 0.05 for CPU runs)")
+    p.add_argument("--video-seconds", type=seconds_range, default=None, metavar="MIN,MAX",
+                   help="videos last MIN to MAX seconds, not scaled by --scale (default: the workload's own, "
+                        "long-video 480-600 s)")
     p.add_argument("--num-videos", type=int, default=d.num_videos,
                    help="distinct media files per kind; requests reuse them round-robin "
                         "(multi-question: videos asked about at once)")
@@ -625,6 +639,17 @@ def add_arrival_args(p: argparse.ArgumentParser) -> None:
                    help="inter-arrival distribution (default gamma when --burstiness != 1, else poisson)")
     p.add_argument("--burstiness", type=float, default=None,
                    help="gamma shape: < 1 burstier than poisson, > 1 more regular (default 1)")
+
+
+def seconds_range(text: str) -> tuple[float, float]:
+    """``"60,300"`` -> ``(60.0, 300.0)`` (argparse type; the config checks the values)."""
+    parts = text.split(",")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        return float(parts[0]), float(parts[1])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX seconds, got {text!r}") from None
 
 
 def _optional(kind):

@@ -17,15 +17,23 @@
 #              (UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER=1), under a private MPS daemon: one long video's
 #              TTFT breakdown (streaming vs whole ingest) with 4 requests decoding, on the 7B preset; then
 #              an injected CUDA fault under serve-node.sh's MPS and its restart
+#   policies   (attention's wheels) issue 14's serving table, one policy per run (three runs for the table):
+#              bench/policies on the 7B preset under a private MPS daemon, the long-video workload at 1-5
+#              minutes of 720p (VIDEO_SECONDS), Poisson arrivals at RATES; POLICY=unified|monolithic|split,
+#              NUM_REQUESTS (default 64); results in OUTDIR/policies-POLICY/, which
+#              `bench/policies/bench_policies.py --merge` turns into the three-policy table
 # The steps' limits add up to more than the device's 10 minutes only where a step usually ends early;
 # what ran is in OUTDIR/status.txt either way.
 # Each step has its own time limit so that a hang in one still leaves the others' results in OUTDIR.
 # FULL_SUITE=1 also runs the whole CPU suite on the device's stack (torch 2.11, Python 3.12).
 set -uo pipefail
-out=${1:?usage: scripts/gpu_check.sh OUTDIR decode|attention|engine|serve}
+out=${1:?usage: scripts/gpu_check.sh OUTDIR decode|attention|engine|serve|policies}
 group=${2:-decode}
-case $group in decode|attention|engine|serve) ;;
-  *) echo "gpu_check.sh: error: group must be decode, attention, engine or serve" >&2; exit 2 ;; esac
+case $group in decode|attention|engine|serve|policies) ;;
+  *) echo "gpu_check.sh: error: group must be decode, attention, engine, serve or policies" >&2; exit 2 ;; esac
+policy=${POLICY:-unified}
+case $policy in unified|monolithic|split) ;;
+  *) echo "gpu_check.sh: error: POLICY must be unified, monolithic or split" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 exec > >(tee -a "$out/gpu_check.log") 2>&1
@@ -141,6 +149,25 @@ serve)
   run 30 mps-stop launch/mps.sh stop
   step "issue 14's fault: a device-side assert in decode under serve-node's own MPS daemon, then its restart"
   run 240 pytest-fault python3 -m pytest -q -p no:cacheprovider -m cuda -k cuda_fault tests/launch
+  ;;
+policies)
+  export UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER=1 UNIFIEDSERVE_MPS_DIR=/tmp/unifiedserve-mps-check
+  prepare_7b
+  step "MPS daemon (private folders; stopped at the end)"
+  run 30 mps-start launch/mps.sh start
+  eval "$(launch/mps.sh env)"
+  step "the workload's videos (generated once, kept in the media cache for the other policies' runs)"
+  run 200 media python3 datasets/workloads.py --workload long-video --video-seconds "${VIDEO_SECONDS:-60,300}" \
+    --scale 1 --num-videos 4 --num-requests "${NUM_REQUESTS:-64}" --output-len 128 --out /tmp/policies-workload.jsonl
+  step "bench/policies --policies $policy on the 7B preset: ${NUM_REQUESTS:-64} requests, 1-5 minute 720p videos"
+  # the same workload, server flags and SLOs in every policy's run (media cached in /tmp between runs);
+  # --no-prefix-caching / --media-cache-gb 0: each request pays its video, as in the paper's workload
+  run 500 policies python3 bench/policies/bench_policies.py --policies "$policy" --rates "${RATES:-0.2,0.4,0.8}" \
+    --workload long-video --video-seconds "${VIDEO_SECONDS:-60,300}" --scale 1 --num-videos 4 \
+    --num-requests "${NUM_REQUESTS:-64}" --output-len 128 --goodput ttft:10000 tbt:100 \
+    --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16 --patch-buffer-gb 4 --no-prefix-caching --media-cache-gb 0" \
+    --out "$out/policies-$policy"
+  run 30 mps-stop launch/mps.sh stop
   ;;
 esac
 

@@ -79,3 +79,49 @@ def test_plots_are_written(results, tmp_path):
     files = bp.plot(results, 1.0, SLO, tmp_path)
     assert [f.name for f in files] == ["policies.png", "timeline.png"]
     assert all(f.stat().st_size > 10_000 for f in files)
+
+
+def test_gpu_runs_are_held_to_the_gpu_tbt_target(results):
+    assert bp.on_gpu("--device cuda --model /tmp/m") and bp.on_gpu("--kv-cache-gb 4 --device cuda:1")
+    assert bp.on_gpu("--device=cuda") and not bp.on_gpu("--device cpu") and not bp.on_gpu("")
+    results["unified"][1] = run(1.0, 0.8, 0.06)  # p99 TBT 0.3x monolithic's: meets the CPU target only
+    assert "= **0.30** (target <= 0.5: met)" in bp.summarize(results, 1.0, SLO)
+    assert "= **0.30** (target <= 0.2: missed)" in bp.summarize(results, 1.0, SLO, gpu=True)
+
+
+def write_run(folder: pathlib.Path, results: dict, **args) -> pathlib.Path:
+    import json
+
+    base = {"workload": "long-video", "num_requests": 4, "scale": 1.0, "video_seconds": [60, 300], "num_videos": 4,
+            "output_len": 5, "burstiness": 1.0, "seed": 0, "goodput": ["ttft:1000", "tbt:100"], "rates": "0.5,1",
+            "server_args": "--device cuda"}
+    folder.mkdir()
+    (folder / "results.json").write_text(json.dumps({"machine": {}, "args": base | args, "results": results}))
+    return folder
+
+
+def test_merge_of_one_policy_runs_is_the_three_policy_table(results, tmp_path, capsys):
+    runs = [write_run(tmp_path / p, {p: results[p]}) for p in bp.POLICIES]
+    assert bp.main(["--merge", *map(str, runs), "--out", str(tmp_path / "merged")]) == 0
+    text = (tmp_path / "merged" / "summary.md").read_text()
+    assert text == bp.summarize(results, 1.0, SLO, gpu=True)
+    assert "(target <= 0.2: met)" in text and "Comparison rate: **1 req/s**" in text
+
+
+@pytest.mark.parametrize("second, needle", [
+    ({"split": None, "args": {"rates": "0.5"}}, "was run with other rates"),
+    ({"unified": None, "args": {}}, "policy unified is in more than one run"),
+])
+def test_merge_refuses_runs_that_do_not_compare(results, tmp_path, capsys, second, needle):
+    first = write_run(tmp_path / "a", {"unified": results["unified"]})
+    policy = next(k for k in second if k != "args")
+    other = write_run(tmp_path / "b", {policy: results[policy]}, **second["args"])
+    with pytest.raises(SystemExit):
+        bp.main(["--merge", str(first), str(other), "--out", str(tmp_path / "m")])
+    assert needle in capsys.readouterr().err
+
+
+def test_merge_of_a_missing_run_is_an_error(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bp.main(["--merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "m")])
+    assert "cannot read" in capsys.readouterr().err

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -103,6 +105,40 @@ def test_scale_shrinks_durations_and_sizes():
     assert short["duration_s"] == 180 and wl.video_spec("short-video", 0, scale=0.1)["duration_s"] == 18
     img_full, img_small = wl.image_spec(3), wl.image_spec(3, scale=0.05)
     assert img_small["width"] < img_full["width"] and min(img_small["width"], img_small["height"]) == 64
+
+
+def test_video_seconds_replaces_the_duration_range_unscaled():
+    for i in range(5):
+        spec = wl.video_spec("long-video", i, seconds=(60, 300))
+        assert 60 <= spec["duration_s"] <= 300 and (spec["width"], spec["height"]) == (1280, 720)
+        small = wl.video_spec("long-video", i, scale=0.5, seconds=(60, 300))
+        assert small["duration_s"] == spec["duration_s"] and (small["width"], small["height"]) == (640, 360)
+    assert {wl.video_spec("long-video", i, seconds=(90, 90))["duration_s"] for i in range(3)} == {90}
+    cfg = wl.config_from_args(argparse_for_workloads().parse_args(["--video-seconds", "60,300"]))
+    assert cfg.video_seconds == (60.0, 300.0)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(video_seconds=(0, 10)), "0 < MIN <= MAX"),
+    (dict(video_seconds=(30, 10)), "0 < MIN <= MAX"),
+    (dict(video_seconds=(10, float("inf"))), "0 < MIN <= MAX"),
+    (dict(workload="image", video_seconds=(10, 20)), "not to workload 'image'"),
+])
+def test_bad_video_seconds(kw, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        wl.WorkloadConfig(**kw)
+
+
+def test_video_seconds_flag_needs_two_numbers():
+    with pytest.raises(SystemExit):
+        argparse_for_workloads().parse_args(["--video-seconds", "60"])
+
+
+def argparse_for_workloads():
+    p = argparse.ArgumentParser()
+    wl.add_workload_args(p)
+    wl.add_arrival_args(p)
+    return p
 
 
 def test_generated_video_matches_its_scaled_spec(tmp_path):
