@@ -8,7 +8,8 @@
 #
 # Groups (one per run: both wheel sets together exceed what a run may carry):
 #   decode     flashcodec on NVDEC / nvJPEG / NVML: the decode tests, bench/decode/bench_resize.py (the
-#              fused resize kernel) and bench/decode/bench_gpu.py
+#              fused resize kernel) and bench/decode/bench_gpu.py; then bench/kernels/bench_sm_shares.py
+#              (issue 14: green contexts vs MPS shares; pure torch, so it rides with this group)
 #   attention  the engine on flashinfer: a random-weight Qwen2.5-VL-7B preset, the kernels' JIT warm-up
 #              (and the csrc/ build beside it), the unifiedserve cuda tests, the MPS launcher test,
 #              bench/kernels (paged copy, fused layer ops)
@@ -117,6 +118,8 @@ decode)
   run 90 bench-resize python3 bench/decode/bench_resize.py --quick --out "$out/bench_resize.json"
   step "bench/decode/bench_gpu.py --short"
   run 270 bench-decode python3 bench/decode/bench_gpu.py --short --out "$out/bench_decode"
+  step "bench/kernels/bench_sm_shares.py --quick (decode beside prefill: unpartitioned, green contexts, MPS)"
+  run 100 bench-sm-shares python3 bench/kernels/bench_sm_shares.py --quick --out "$out/sm_shares.json"
   ;;
 attention)
   prepare_7b
