@@ -139,6 +139,31 @@ class DecodeGraphs:
         self._graphs[size].replay()
         return self._outputs[size][:len(seqs)].clone()
 
+    def replay_seconds(self, num_seqs: int, repeats: int = 20) -> float:
+        """Device time of one replay of the graph a ``num_seqs``-sequence step uses: ``repeats`` replays back
+        to back between two CUDA events, no host work between them (benchmarks: a step's wall time minus
+        this is its host overhead). It replays on the buffers and attention metadata of the last step
+        prepared, rewriting its logits and the K/V slot of its new tokens with the same values.
+
+        Raises:
+            ValueError: no captured graph serves ``num_seqs``; RuntimeError: not captured.
+        """
+        if not self.captured:
+            raise RuntimeError("DecodeGraphs.replay_seconds before capture()")
+        size = self.graph_size(num_seqs)
+        if size is None or repeats < 1:
+            raise ValueError(f"no captured decode graph serves {num_seqs} sequences (sizes {list(self.batch_sizes)})"
+                             if size is None else f"repeats must be >= 1, got {repeats}")
+        graph = self._graphs[size]
+        graph.replay()  # warm
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0 / repeats
+
     def run_eager(self, seqs, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The same step as :meth:`run`, the same kernels launched one by one (to check replay against)."""
         size = self._prepare(seqs, input_ids, positions)

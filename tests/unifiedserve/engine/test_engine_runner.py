@@ -122,6 +122,13 @@ def test_cuda_graph_replay_equals_eager(demo_path, dtype):
                                torch.zeros(len(reqs), dtype=torch.bool), engine.runner.rope)
     assert replayed.shape == (3, engine.model_config.text.vocab_size)
     assert torch.equal(replayed, eager)  # the graph is exactly its kernels
+    with torch.inference_mode():
+        graphs.run(seqs, ids, positions)  # the graph's metadata is this step's again (the plain forward planned)
+    kv = engine.runner.kv_cache.tensor.clone()
+    assert 0 < graphs.replay_seconds(3, repeats=5) < 1.0  # bench_engine's device-only step
+    assert torch.equal(engine.runner.kv_cache.tensor, kv)  # replays rewrite the last step's slots, same values
+    with pytest.raises(ValueError, match="no captured decode graph serves 9"):
+        graphs.replay_seconds(9)
     tol = 1e-4 if dtype == "float32" else 5e-2  # padded batch / graph attention kernels vs the eager path
     torch.testing.assert_close(replayed.float(), plain.float(), atol=tol, rtol=tol)
     assert torch.equal(replayed.argmax(-1), plain.argmax(-1))
@@ -164,5 +171,7 @@ def test_padded_graph_step_matches_the_plain_forward_on_cpu(model):
         graphs.run_eager([(1, 1, [0])] * 9, torch.zeros(9, dtype=torch.int64), torch.zeros(3, 9, dtype=torch.int64))
     with pytest.raises(RuntimeError, match="before capture"):
         graphs.run(seqs, ids, positions)
+    with pytest.raises(RuntimeError, match="before capture"):
+        graphs.replay_seconds(3)
     with pytest.raises(ValueError, match="CUDA graphs need"):
         graphs.capture()
