@@ -13,7 +13,8 @@
 #   attention  the engine on flashinfer: a random-weight Qwen2.5-VL-7B preset, the kernels' JIT warm-up
 #              (and the csrc/ build beside it), the unifiedserve cuda tests, the MPS launcher test,
 #              bench/kernels (paged copy, fused layer ops)
-#   engine     (attention's wheels) bench/engine on the 7B preset, then its decode with the fused ops off
+#   engine     (attention's wheels) bench/engine on the 7B preset (decode timed sync and with async scheduling,
+#              and split into graph replay and host time), then its decode with the fused ops off
 #   serve      (attention's wheels) the multi-process server on the GPU, behind the unverified-CUDA gate
 #              (UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER=1), under a private MPS daemon: one long video's
 #              TTFT breakdown (streaming vs whole ingest) with 4 requests decoding, on the 7B preset; then
@@ -134,7 +135,7 @@ engine)
   prepare_7b
   step "bench/engine on the 7B preset (issue 13's decode, prefill and ViT numbers)"
   run 270 bench-engine python3 bench/engine/bench_engine.py --model /tmp/qwen2.5-vl-7b --device cuda --short \
-    --out "$out/bench_engine.json"
+    --async-scheduling both --out "$out/bench_engine.json"
   step "the same decode steps with the fused layer ops off (what the fusion buys inside the CUDA graphs)"
   UNIFIEDSERVE_NO_FUSED_OPS=1 run 200 bench-engine-unfused python3 bench/engine/bench_engine.py \
     --model /tmp/qwen2.5-vl-7b --device cuda --short --batches 1,8 --out "$out/bench_engine_unfused.json"

@@ -77,6 +77,9 @@ def parse_args(argv=None):
                    help="greedy decode steps checked token by token against transformers' top-1 on the same "
                         "sequence, and their logits' cosine (default 256; 0 skips)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for our decode")
+    p.add_argument("--async-scheduling", choices=("off", "on", "both"), default="off",
+                   help="our decode steps launched before the previous one is read back (on), or timed both ways "
+                        "in the same run (both: the sync step stays the headline, the async one beside it)")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU (default: data sheet by GPU name)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--json-schema", nargs="?", const="builtin", default=None, metavar="SCHEMA.json",
@@ -139,6 +142,7 @@ def main(argv=None) -> int:
     total = max_batch * (args.prompt_tokens + new_tokens) + prefill_tokens + new_tokens
     engine = LLM(model_path, EngineConfig(
         device=device_name, dtype=dtype_name, num_kv_blocks=total // 16 + 64, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling == "on",
         max_cuda_graph_batch=max_batch, scheduler=SchedulerConfig(
             prefill_token_budget=max(prefill_tokens, max_batch * args.prompt_tokens), max_num_seqs=max_batch)))
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_path, dtype=dtype).to(device).eval()
@@ -210,20 +214,29 @@ def main(argv=None) -> int:
                          "attention_backend": type(runner.attn).__name__}
 
     # -- decode --------------------------------------------------------------------------------
-    decode = {}
-    for batch in batches:
-        prompts = [prompt(args.prompt_tokens) for _ in range(batch)]
+    def time_decode(prompts, overlap: bool) -> tuple[float, int]:
+        """Seconds per decode step of ``prompts`` (prefill not timed) and the outputs produced meanwhile;
+        per step is per token of each request, so sync and async steps compare (async's first call reads
+        nothing back and its last one launches a row too many)."""
+        engine.core.async_scheduling = overlap
         engine.generate([(p, [], SamplingParams(max_tokens=3, ignore_eos=True)) for p in prompts])  # warm-up
         for ids in prompts:
             engine.add_request(ids, [], params)
         while any(not r.output_token_ids for r in engine.scheduler.requests.values()):
             engine.step()  # prefill: not timed
         em.sync(device)
-        start, steps, produced = time.perf_counter(), 0, 0
+        start, produced = time.perf_counter(), 0
         while engine.has_unfinished:
             produced += len(engine.step())
-            steps += 1
-        ours_s = (time.perf_counter() - start) / steps
+        return (time.perf_counter() - start) / (new_tokens - 1), produced
+
+    decode = {}
+    for batch in batches:
+        prompts = [prompt(args.prompt_tokens) for _ in range(batch)]
+        ours_s, produced = time_decode(prompts, args.async_scheduling == "on")
+        async_s = time_decode(prompts, True)[0] if args.async_scheduling == "both" else None
+        engine.core.async_scheduling = args.async_scheduling == "on"
+        steps = new_tokens - 1
         # the same step's device time alone (graph replays back to back): the rest of a step is host work, what
         # overlapping the next step's scheduling with this one's kernels could hide
         graph_s = runner.graphs.replay_seconds(batch) if runner.graphs is not None and \
@@ -238,7 +251,9 @@ def main(argv=None) -> int:
                          "transformers_step_ms": hf_s * 1e3, "transformers_tokens_per_s": batch / hf_s,
                          "speedup": hf_s / ours_s, "floor_step_ms": floor_s * 1e3, "vs_floor": ours_s / floor_s,
                          "graph_replay_ms": None if graph_s is None else graph_s * 1e3,
-                         "host_ms": None if graph_s is None else (ours_s - graph_s) * 1e3}
+                         "host_ms": None if graph_s is None else (ours_s - graph_s) * 1e3,
+                         "async_step_ms": None if async_s is None else async_s * 1e3,
+                         "async_vs_floor": None if async_s is None else async_s / floor_s}
     results["decode"] = decode
     if args.json_schema is not None:
         try:
@@ -289,6 +304,7 @@ def main(argv=None) -> int:
               "prompt_tokens": args.prompt_tokens, "prefill_tokens": prefill_tokens,
               "prefill_chunk": args.prefill_chunk, "new_tokens": new_tokens,
               "slices": slices, "repeats": repeats, "short": args.short, "enforce_eager": args.enforce_eager,
+              "async_scheduling": args.async_scheduling,
               "json_schema": args.json_schema}
     path = args.out if args.out.suffix == ".json" else args.out / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -403,6 +419,11 @@ def _print(results: dict, device: str, dtype: str) -> None:
         print(f"{f'batch {batch}':<10} {r['ours_step_ms']:>9.2f} {r['ours_tokens_per_s']:>9.0f} "
               f"{r['transformers_step_ms']:>9.2f} {r['transformers_tokens_per_s']:>9.0f} {r['speedup']:>7.2f}x "
               f"{r['floor_step_ms']:>9.3f} {r['vs_floor']:>7.2f}x")
+    overlapped = {b: r for b, r in results["decode"].items() if r.get("async_step_ms") is not None}
+    if overlapped:
+        print("async scheduling (same run): " + "; ".join(
+            f"batch {b}: {r['async_step_ms']:.3f} ms ({r['async_vs_floor']:.2f}x floor) vs sync "
+            f"{r['ours_step_ms']:.3f} ms" for b, r in overlapped.items()))
     graphed = {b: r for b, r in results["decode"].items() if r.get("graph_replay_ms") is not None}
     if graphed:
         print("decode step split: " + "; ".join(

@@ -73,7 +73,7 @@ def test_bench_engine_runs_on_cpu(tmp_path):
     out = tmp_path / "engine.json"
     assert bench_engine.main(["--device", "cpu", "--batches", "1,2", "--prefill-tokens", "32", "--new-tokens", "3",
                               "--slices", "1", "--repeats", "1", "--prompt-tokens", "8", "--agreement-steps", "24",
-                              "--prefill-chunk", "12", "--out", str(out)]) == 0
+                              "--prefill-chunk", "12", "--async-scheduling", "both", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     r = report["results"]
     assert report["config"]["dtype"] == "float32" and report["machine"]["device"] == "cpu"
@@ -84,5 +84,6 @@ def test_bench_engine_runs_on_cpu(tmp_path):
     # the 32-token prompt prefilled in chunks of 12, 12, 8 (each over the pages before it) = transformers'
     assert r["prefill"]["chunk"] == 12 and r["correctness"]["chunked_prefill_logits_cosine"] > 0.99999
     assert set(r["decode"]) == {"1", "2"} and all(d["ours_tokens_per_s"] > 0 for d in r["decode"].values())
+    assert all(d["async_step_ms"] > 0 and d["graph_replay_ms"] is None for d in r["decode"].values())
     assert r["prefill"]["tokens"] == 32 and r["vision"]["patches"] == 28 * 52
     assert "ours_mfu" not in r["prefill"]  # no peak known for a CPU

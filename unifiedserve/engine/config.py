@@ -28,7 +28,9 @@ class EngineConfig:
     ``gpu_memory_utilization`` (default 0.9) of the GPU leaves after the weights and the profiled
     peak of a maximum-size step; an explicit ``num_kv_blocks`` wins. On CUDA, decode steps of up to
     ``max_cuda_graph_batch`` sequences replay CUDA graphs captured at start-up unless
-    ``enforce_eager``; the CPU always runs eagerly.
+    ``enforce_eager``; the CPU always runs eagerly. ``async_scheduling`` launches each pure-decode step
+    before the previous one's tokens are read back (``EngineCore.step``), so the host's work per step
+    overlaps the device's (a GPU gain; on the CPU the steps run in turn, same tokens).
 
     Raises:
         ValueError: an unknown device or dtype (the message names the choices), CUDA without a GPU,
@@ -44,6 +46,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     enforce_eager: bool = False
+    async_scheduling: bool = False
     gpu_memory_utilization: float | None = None
     max_cuda_graph_batch: int = 64
     attention: str = "auto"  # attention backend: auto | flashinfer | torch

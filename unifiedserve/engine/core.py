@@ -17,7 +17,7 @@ import torch
 
 from unifiedserve.engine.params import SamplingParams, finish_reason
 from unifiedserve.engine.request import Request
-from unifiedserve.engine.sampling import SamplerState, TokenLogprobs, sample, token_logprobs
+from unifiedserve.engine.sampling import SamplerState, TokenLogprobs, sample, sample_tensor, token_logprobs
 
 
 @dataclass
@@ -50,15 +50,33 @@ class SampledToken(NamedTuple):
 def process_logits(logits: torch.Tensor, seqs: list[SequenceState]) -> list[SampledToken]:
     """Sample one token per row of ``logits`` ``[B, vocab]`` for ``seqs`` (one per row), append it to each
     sequence's output and say whether the sequence ends (stop id, ``max_tokens``, closed grammar)."""
-    params = [s.params for s in seqs]
-    tokens = sample(logits, params, [s.sampler for s in seqs])
+    tokens = sample(logits, [s.params for s in seqs], [s.sampler for s in seqs])
+    return record_tokens(logits, tokens, seqs)
+
+
+def record_tokens(logits: torch.Tensor, tokens: list[int], seqs: list[SequenceState]) -> list[SampledToken]:
+    """Append each row's sampled token to its sequence: its index, why the sequence ends, its logprobs."""
     results = []
-    for seq, token, lp in zip(seqs, tokens, token_logprobs(logits, tokens, params)):
+    for seq, token, lp in zip(seqs, tokens, token_logprobs(logits, tokens, [s.params for s in seqs])):
         seq.output_token_ids.append(token)
         reason = finish_reason(token, len(seq.output_token_ids), seq.stop_ids, seq.params.max_tokens,
                                seq.sampler.is_complete)
         results.append(SampledToken(token, len(seq.output_token_ids) - 1, reason, lp, token in seq.stop_ids))
     return results
+
+
+@dataclass
+class PendingStep:
+    """A decode step launched but not yet read back (async scheduling): its rows' sampled ids stay on the
+    device until the next step has been launched behind them."""
+
+    request_ids: list[str]  # row order
+    tokens: torch.Tensor  # int64 [B] on the device
+    logits: torch.Tensor  # [B, vocab] on the device (logprobs are computed when the step is read back)
+
+    @property
+    def rows(self) -> dict[str, int]:
+        return {rid: i for i, rid in enumerate(self.request_ids)}
 
 
 class EngineCore:
@@ -72,10 +90,14 @@ class EngineCore:
     device tensors.
     """
 
-    def __init__(self, scheduler, runner):
+    def __init__(self, scheduler, runner, async_scheduling: bool = False):
         self.scheduler = scheduler
         self.runner = runner
         self.seqs: dict[str, SequenceState] = {}
+        #: launch a pure-decode step before reading the previous one's tokens back (see :meth:`step`)
+        self.async_scheduling = async_scheduling
+        self._pending: PendingStep | None = None
+        self._ended: set[str] = set()  # read back with a finish reason; the caller's finish() is next
 
     def add(self, request, vision, seq: SequenceState) -> None:
         """Queue ``request`` (its media as ``VisionInput`` with pixels, or ``MediaGrid`` written elsewhere)."""
@@ -100,26 +122,84 @@ class EngineCore:
         """One iteration. Returns ``(the scheduler's output, [(request id, SampledToken)])``.
 
         ``before_execute(out)`` runs after scheduling, before the model (e.g. to hand pages out).
-        An empty output ran nothing.
+        An empty output ran nothing (it may still carry a pending step's tokens).
+
+        With ``async_scheduling``, a step that only decodes (nothing waiting, every running request past
+        its prompt, no grammar) is launched with each row's last token taken on the device from the
+        previous step's samples, and only then is the previous step read back (the one device-to-host
+        copy, then stop checks and logprobs): the host work of one step overlaps the kernels of the next.
+        Its tokens come out one call later. A request that ended in the step read back has had one more
+        row computed for it in the step just launched (its last token fed, the K/V slot inside its
+        blocks); that row is dropped. Tokens are those of the synchronous step, seeded ones included.
         """
+        flushed = []
+        overlap = self.async_scheduling and self._only_decoding()
+        if self._pending is not None and not overlap:
+            flushed = self._read_back()  # the host must know every token before a step of another kind
         out = self.scheduler.schedule()
+        if self._ended:
+            out.decode = [r for r in out.decode if r not in self._ended]
         if out.is_empty:
-            return out, []
+            return out, flushed
         if before_execute is not None:
             before_execute(out)
+        if overlap and not (out.admitted or out.encode or out.prefill):
+            logits = self.runner.execute(out, self.scheduler.requests, self._pending)
+            self.scheduler.commit(out)
+            ids = list(logits)
+            rows = torch.stack([logits[r] for r in ids])  # [B, vocab]
+            seqs = [self.seqs[r] for r in ids]
+            tokens = sample_tensor(rows, [s.params for s in seqs], [s.sampler for s in seqs])  # stays on the device
+            previous = self._read_back()
+            self._pending = PendingStep(ids, tokens, rows)
+            return out, flushed + previous
+        if self._pending is not None:  # not only decode rows after all: read back first, drop who ended
+            flushed += self._read_back()
+            out.decode = [r for r in out.decode if r not in self._ended]
         logits = self.runner.execute(out, self.scheduler.requests)
         self.scheduler.commit(out)
         if not logits:
-            return out, []
+            return out, flushed
         ids = list(logits)
         rows = torch.stack([logits[r] for r in ids])  # [B, vocab]
-        return out, list(zip(ids, process_logits(rows, [self.seqs[r] for r in ids])))
+        return out, flushed + self._note_ended(list(zip(ids, process_logits(rows, [self.seqs[r] for r in ids]))))
+
+    def _only_decoding(self) -> bool:
+        """Whether the next step can only be decode rows, none under a grammar (the async condition)."""
+        s = self.scheduler
+        return not s.waiting and bool(s.running) and all(
+            r.is_prefill_done and r.output_token_ids and self.seqs[r.request_id].sampler.grammar is None
+            for r in s.running)
+
+    def _read_back(self) -> list[tuple[str, SampledToken]]:
+        """The pending step's tokens, to the host and into their sequences (rows of ended requests dropped)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return []
+        tokens = pending.tokens.tolist()  # the step's one device-to-host copy
+        live = [i for i, r in enumerate(pending.request_ids) if r in self.seqs and r not in self._ended]
+        if not live:
+            return []
+        ids = [pending.request_ids[i] for i in live]
+        logits = pending.logits if len(live) == len(tokens) else pending.logits[live]
+        results = record_tokens(logits, [tokens[i] for i in live], [self.seqs[r] for r in ids])
+        return self._note_ended(list(zip(ids, results)))
+
+    def _note_ended(self, results: list[tuple[str, SampledToken]]) -> list[tuple[str, SampledToken]]:
+        if self.async_scheduling:
+            self._ended.update(r for r, t in results if t.finish_reason is not None)
+        return results
 
     def finish(self, request_id: str, reason: str) -> None:
-        """End a request here (finished or aborted): free its blocks, pages and tensors."""
+        """End a request here (finished or aborted): free its blocks, pages and tensors.
+
+        A pending step may still write the K/V of a row of it: on the device's stream, before anything a
+        later step writes into the freed blocks.
+        """
         self.scheduler.finish(request_id, reason)
         self.runner.release(request_id)
         self.seqs.pop(request_id, None)
+        self._ended.discard(request_id)
 
     def hand_off(self, request_id: str):
         """A prefilled request leaves to decode elsewhere; its KV blocks stay held until ``release``.
@@ -129,4 +209,5 @@ class EngineCore:
         table, delta = self.runner.block_table(request_id), self.runner.mrope_delta(request_id)
         request = self.scheduler.hand_off(request_id)
         self.runner.release(request_id)
+        self._ended.discard(request_id)
         return request, self.seqs.pop(request_id), table, delta

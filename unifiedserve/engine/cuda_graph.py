@@ -101,7 +101,7 @@ class DecodeGraphs:
         return (bool(seqs) and self.graph_size(len(seqs)) is not None
                 and all(new == 1 and cached + 1 <= self.max_seq_len for cached, new, _ in seqs))
 
-    def _prepare(self, seqs, input_ids: torch.Tensor, positions: torch.Tensor) -> int:
+    def _prepare(self, seqs, input_ids: torch.Tensor, positions: torch.Tensor, fed=None) -> int:
         n = len(seqs)
         size = self.graph_size(n)
         if size is None or not self.serves(seqs):
@@ -116,15 +116,18 @@ class DecodeGraphs:
         pos = torch.zeros((3, size), dtype=torch.int64)
         pos[:, :n] = positions
         self.input_ids[:size].copy_(to_device(ids, self.device), non_blocking=True)
+        if fed is not None:  # rows whose token is still on the device (async scheduling)
+            self.input_ids.index_copy_(0, *fed)
         self.positions[:, :size].copy_(to_device(pos, self.device), non_blocking=True)
         return size
 
-    def run(self, seqs, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def run(self, seqs, input_ids: torch.Tensor, positions: torch.Tensor, fed=None) -> torch.Tensor:
         """Replay the graph for a decode step.
 
         Args:
             seqs: ``(cached, 1, block_ids)`` per sequence, in row order.
             input_ids: int64 ``[n]`` (host): each sequence's last token; positions: int64 ``[3, n]`` (host).
+            fed: ``(rows, tokens)`` on the device: tokens that replace ``input_ids`` at those rows.
 
         Returns:
             ``[n, vocab]`` logits (a fresh tensor: the graph's output buffer is rewritten next replay).
@@ -135,7 +138,7 @@ class DecodeGraphs:
         """
         if not self.captured:
             raise RuntimeError("DecodeGraphs.run before capture()")
-        size = self._prepare(seqs, input_ids, positions)
+        size = self._prepare(seqs, input_ids, positions, fed)
         self._graphs[size].replay()
         return self._outputs[size][:len(seqs)].clone()
 

@@ -105,7 +105,7 @@ class LLM:
                                                                   config.enable_prefix_caching),
                                    PageAllocator(config.num_patch_pages, config.page_size),
                                    PageAllocator(config.num_visual_pages, config.page_size), self.runner.media_cache)
-        self.core = EngineCore(self.scheduler, self.runner)
+        self.core = EngineCore(self.scheduler, self.runner, config.async_scheduling)
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)

@@ -80,7 +80,8 @@ def run_decoder(model, attn, input_ids: torch.Tensor, positions: torch.Tensor, r
 def forward_tokens(model, attn, input_ids: torch.Tensor, positions: torch.Tensor,
                    seqs: list[tuple[int, int, list[int]]], visual: torch.Tensor | None,
                    sample_rows: list[int], visual_mask: torch.Tensor | None = None,
-                   rope: RopeTables | None = None) -> torch.Tensor:
+                   rope: RopeTables | None = None,
+                   fed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One LLM forward over a flattened batch; returns the logits ``[S, vocab]`` of ``sample_rows``.
 
     Args:
@@ -91,6 +92,8 @@ def forward_tokens(model, attn, input_ids: torch.Tensor, positions: torch.Tensor
             among ``input_ids``, in order.
         visual_mask: bool [N] on the host, rows that take ``visual`` (default: rows with a placeholder id).
         rope: the model's :class:`RopeTables` (built here when ``None``).
+        fed: ``(rows, tokens)``, int64 ``[F]`` each on the model's device: token ids that replace
+            ``input_ids`` at those rows (text rows whose token is not on the host yet: async scheduling).
 
     Raises:
         ValueError: positions of the wrong shape, or placeholders and visual tokens differ in number.
@@ -110,7 +113,10 @@ def forward_tokens(model, attn, input_ids: torch.Tensor, positions: torch.Tensor
                          f"{num_visual} visual tokens were given")
     attn.plan(seqs)
     rope = rope or RopeTables(model.config.text, device)
-    hidden = run_decoder(model, attn, to_device(input_ids, device), to_device(positions, device), rope,
+    ids_dev = to_device(input_ids, device)
+    if fed is not None:
+        ids_dev = ids_dev.index_copy(0, *fed)
+    hidden = run_decoder(model, attn, ids_dev, to_device(positions, device), rope,
                          visual if num_visual else None, to_device(rows, device) if num_visual else None)
     picked = to_device(torch.tensor(sample_rows, dtype=torch.int64), device)
     return model.compute_logits(hidden.index_select(0, picked))  # [S, vocab]
@@ -287,8 +293,13 @@ class ModelRunner:
 
     # -- steps ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[str, torch.Tensor]:
-        """Run one step; returns the logits ``[vocab]`` (on the device) of each request that samples now."""
+    def execute(self, out: SchedulerOutput, requests: dict[str, Request], pending=None) -> dict[str, torch.Tensor]:
+        """Run one step; returns the logits ``[vocab]`` (on the device) of each request that samples now.
+
+        ``pending`` (an :class:`~unifiedserve.engine.core.PendingStep`, async scheduling): a decode row of a
+        request in it feeds that step's sampled token, still on the device, which its output list does not
+        hold yet.
+        """
         rows = []  # admitted requests' patches, without the media the caches hold
         for r in out.admitted:
             media = self._tensors[r].patches or []
@@ -313,7 +324,7 @@ class ModelRunner:
             self._encode_s = time.perf_counter() - start
         if not (out.prefill or out.decode):
             return {}
-        return self._forward(out, requests)
+        return self._forward(out, requests, pending)
 
     def _encode(self, works, patch_read, requests: dict[str, Request]) -> torch.Tensor:
         """Visual tokens of the step's encode items, in order: the encoder's for patches, the media
@@ -344,9 +355,11 @@ class ModelRunner:
                     self.media_cache.put(req.media_keys[media], torch.cat(t.encoded.pop(media)))
         return torch.cat(out) if len(out) > 1 else out[0]
 
-    def _forward(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[str, torch.Tensor]:
+    def _forward(self, out: SchedulerOutput, requests: dict[str, Request], pending=None) -> dict[str, torch.Tensor]:
         ids, positions, seqs, sample_rows, sample_ids = [], [], [], [], []
         num_rows = 0
+        waiting_rows = pending.rows if pending is not None else {}
+        from_device = ([], [])  # (row in this step, row in the pending step) of tokens fed from the device
         for chunk in out.prefill:
             t = self._tensors[chunk.request_id]
             end = chunk.start + chunk.num_tokens
@@ -359,8 +372,12 @@ class ModelRunner:
                 sample_ids.append(chunk.request_id)
         for rid in out.decode:
             req, t = requests[rid], self._tensors[rid]
-            row = decode_row(t.num_prompt_tokens + len(req.output_token_ids) - 1, req.output_token_ids[-1],
-                             t.mrope_delta, t.block_table)
+            behind = rid in waiting_rows  # its newest token is the pending step's, not in its list yet
+            if behind:
+                from_device[0].append(num_rows)
+                from_device[1].append(waiting_rows[rid])
+            row = decode_row(t.num_prompt_tokens + len(req.output_token_ids) - 1 + behind,
+                             0 if behind else req.output_token_ids[-1], t.mrope_delta, t.block_table)
             for dest, value in zip((ids, positions, seqs), row):
                 dest.append(value)
             num_rows += 1
@@ -368,15 +385,19 @@ class ModelRunner:
             sample_ids.append(rid)
         input_ids = torch.cat(ids)  # [N] (host)
         positions = torch.cat(positions, dim=1)  # [3, N] (host)
+        fed = None
+        if from_device[0]:  # rows whose token is on the device: (rows [F], tokens [F]) to write after the copy
+            fed = (to_device(torch.tensor(from_device[0], dtype=torch.int64), self.device),
+                   pending.tokens[to_device(torch.tensor(from_device[1], dtype=torch.int64), self.device)])
         if not out.prefill and self.graphs is not None and self.graphs.serves(seqs):
-            logits = self.graphs.run(seqs, input_ids, positions)  # [N, vocab]: decode rows are the samples
+            logits = self.graphs.run(seqs, input_ids, positions, fed)  # [N, vocab]: decode rows are the samples
         else:
             visual = self.visual_buffer.read(out.visual_read) if out.visual_read is not None else None
             cfg = self.model.config
             visual_mask = (input_ids == cfg.image_token_id) | (input_ids == cfg.video_token_id)
             visual_mask[num_rows - len(out.decode):] = False  # generated tokens are text, whatever their id
             logits = forward_tokens(self.model, self.attn, input_ids, positions, seqs, visual, sample_rows,
-                                    visual_mask, self.rope)
+                                    visual_mask, self.rope, fed)
         return dict(zip(sample_ids, logits))
 
     def _blocks(self, req: Request) -> list[int]:

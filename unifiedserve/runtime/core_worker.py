@@ -65,7 +65,7 @@ class CoreWorker(Worker):
         self.scheduler = Scheduler(sched_cfg, blocks,
                                    PageAllocator(eng.num_patch_pages, eng.page_size),
                                    PageAllocator(eng.num_visual_pages, eng.page_size), self.runner.media_cache)
-        self.core = EngineCore(self.scheduler, self.runner)
+        self.core = EngineCore(self.scheduler, self.runner, eng.async_scheduling)  # decode steps: monolithic
         self.stages: dict[str, protocol.StageTimes] = {}  # per request while core holds it
         self.decode_here = cfg.policy == "monolithic"
         self._stalled = False  # the last schedule() found nothing to run; wait for a message
@@ -148,6 +148,8 @@ class CoreWorker(Worker):
         out, sampled = self.core.step(before_execute=self._hand_out_pages)
         if out.is_empty:
             self._stalled = True  # waiting on media or on KV blocks: nothing changes until a message
+            if sampled:  # an async decode step read back before a step that ran nothing
+                self._outputs(sampled)
             return
         end = time.time()
         encode_end = now + self.runner.last_encode_s

@@ -48,7 +48,7 @@ class DecodeWorker(Worker):
                              kv_storage=open_pool(cfg.pools["kv"]), attention=eng.attention)
         runner.warmup(None if eng.enforce_eager else eng.max_cuda_graph_batch)  # CUDA graphs: decode's own
         self.scheduler = Scheduler.decode_only(eng.scheduler)
-        self.core = EngineCore(self.scheduler, runner)
+        self.core = EngineCore(self.scheduler, runner, eng.async_scheduling)
         return {"device": eng.device, "torch_threads": str(torch.get_num_threads()), "nice": str(os.nice(0)),
                 "max_decode_batch": str(self.scheduler.config.max_decode_batch),
                 **memory_info(self._weight_gauges, eng.device)}

@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights and activations (default auto: float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never replay CUDA graphs for decode (CUDA only; on CPU decode is always eager)")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="launch each decode-only step before reading the previous one's tokens back, so the host's "
+                        "per-step work overlaps the GPU's (tokens come out one step later; the same tokens)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
                    help="CUDA only: share of the GPU's memory for weights, activations and the KV cache, which "
                         "gets what the weights and a profiled peak step leave (default 0.9; --num-kv-blocks wins). "
@@ -347,7 +350,8 @@ def build_runtime(args: argparse.Namespace):
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_decode_batch=args.max_decode_batch,
                                 patches_ready_on_admit=False, **budgets)
         engine = EngineConfig(device=device, dtype=dtype, block_size=args.block_size, page_size=args.page_size,
-                              enforce_eager=args.enforce_eager, scheduler=sched,
+                              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+                              scheduler=sched,
                               enable_prefix_caching=args.prefix_caching, media_cache_gb=args.media_cache_gb)
         pools = PoolBudgets(kv_cache_gb=args.kv_cache_gb, num_kv_blocks=args.num_kv_blocks,
                             patch_buffer_gb=args.patch_buffer_gb, visual_buffer_gb=args.visual_buffer_gb)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -33,9 +34,12 @@ def reference(media):
     return llm.generate([(ids, vision, SamplingParams(max_tokens=10, ignore_eos=True))])[0].text
 
 
-@pytest.mark.parametrize("policy", ["monolithic", "split"])
-def test_policy_serves_engine_tokens(policy, media, reference):
-    srv = Server("--policy", policy, media_dir=media)
+@pytest.mark.parametrize("policy, extra", [("monolithic", ()), ("split", ()),
+                                           # async scheduling: in decode (unified) and in core (monolithic)
+                                           ("unified", ("--async-scheduling",)),
+                                           ("monolithic", ("--async-scheduling",))])
+def test_policy_serves_engine_tokens(policy, extra, media, reference):
+    srv = Server("--policy", policy, *extra, media_dir=media)
     try:
         status, health = http("GET", srv.url + "/health")
         assert health["policy"] == policy
@@ -47,8 +51,13 @@ def test_policy_serves_engine_tokens(policy, media, reference):
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
         messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": f"file://{media}/clip.mp4"}},
                                                  {"type": "text", "text": "What happens?"}]}]
-        outs = [client.chat.completions.create(model="demo-model", messages=messages, temperature=0, max_tokens=10,
-                                               extra_body={"ignore_eos": True}) for _ in range(2)]
+        def ask(_):
+            return client.chat.completions.create(model="demo-model", messages=messages, temperature=0,
+                                                  max_tokens=10, extra_body={"ignore_eos": True})
+
+        outs = [ask(0)]
+        with ThreadPoolExecutor(3) as pool:  # then three at once: they decode in one batch
+            outs += list(pool.map(ask, range(3)))
         assert all(o.choices[0].message.content == reference for o in outs)
         srv.wait_idle()
     finally:

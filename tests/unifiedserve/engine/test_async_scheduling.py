@@ -1,0 +1,205 @@
+"""Async scheduling (``EngineConfig.async_scheduling``): a decode-only step is launched before the previous
+one is read back. The tokens, logprobs, finish reasons and pool usage are those of the synchronous engine;
+only when the host learns them changes (one step later)."""
+
+from __future__ import annotations
+
+import flashcodec
+import pytest
+import torch
+
+from unifiedserve.engine.core import EngineCore, SequenceState
+from unifiedserve.engine.inputs import VisionInput
+from unifiedserve.engine.llm import LLM, EngineConfig
+from unifiedserve.engine.params import SamplingParams
+from unifiedserve.engine.runner import ModelRunner
+from unifiedserve.engine.sampling import SamplerState
+from unifiedserve.engine.scheduler import Scheduler, SchedulerConfig
+
+from json_schemas import PERSON  # noqa: F401  (tests/ on the path: the grammar case below)
+
+
+@pytest.fixture(scope="module")
+def engines(demo_path):
+    sync = LLM(demo_path, EngineConfig(num_kv_blocks=256))
+    overlapped = LLM(demo_path, EngineConfig(num_kv_blocks=256, async_scheduling=True))
+    assert overlapped.core.async_scheduling and not sync.core.async_scheduling
+    return sync, overlapped
+
+
+@pytest.fixture(scope="module")
+def prompts(engines, image_factory):
+    llm = engines[0]
+    image = VisionInput.from_image(flashcodec.decode_image(image_factory(".png", width=97, height=61, seed=5)))
+    with_image = llm.build_prompt([{"role": "user", "content": [{"type": "image", "vision": image},
+                                                                {"type": "text", "text": "What is it?"}]}])
+    text = llm.build_prompt([{"role": "user", "content": "Say something."}])
+    other = llm.build_prompt([{"role": "user", "content": "Count to ten, slowly."}])
+    return [(*with_image, SamplingParams(max_tokens=9, ignore_eos=True)),  # M-RoPE delta != 0
+            (*text, SamplingParams(max_tokens=5, ignore_eos=True)),
+            (*text, SamplingParams(max_tokens=7, ignore_eos=True, logprobs=2)),
+            (*other, SamplingParams(max_tokens=11, temperature=0.9, top_p=0.9, top_k=50, seed=11,
+                                    ignore_eos=True)),
+            (*other, SamplingParams(max_tokens=1, ignore_eos=True))]
+
+
+def summary(outputs):
+    return [(o.token_ids, o.finish_reason, o.text, [(lp.logprob, lp.top) for lp in o.logprobs or []])
+            for o in outputs]
+
+
+def test_same_outputs_as_the_synchronous_engine(engines, prompts):
+    sync, overlapped = engines
+    expected = summary(sync.generate(prompts))
+    assert summary(overlapped.generate(prompts)) == expected
+    assert overlapped.pool_usage() == {"kv_blocks_used": 0, "patch_pages_used": 0, "visual_pages_used": 0}
+    assert overlapped.core._pending is None or not overlapped.scheduler.has_work
+    assert not overlapped.core._ended
+
+
+def test_tokens_come_out_one_step_later_and_the_overlap_really_happens(engines, prompts, monkeypatch):
+    _, overlapped = engines
+    launched, read = [], []
+    execute, read_back = overlapped.runner.execute, overlapped.core._read_back
+
+    def spy_execute(out, requests, pending=None):
+        launched.append((list(out.decode), pending is not None))
+        return execute(out, requests, pending)
+
+    def spy_read_back():
+        got = read_back()
+        read.append([r for r, _ in got])
+        return got
+
+    monkeypatch.setattr(overlapped.runner, "execute", spy_execute)
+    monkeypatch.setattr(overlapped.core, "_read_back", spy_read_back)
+    p, v, params = prompts[1]  # 5 tokens, text only
+    rid = overlapped.add_request(p, v, params)
+    steps = []
+    while overlapped.has_unfinished:
+        steps.append([(r.request_id, len(r.token_ids)) for r in overlapped.step()])
+    assert steps[0] == [(rid, 1)]  # the prefill step samples synchronously
+    assert steps[1] == []  # the first decode step is launched, nothing read back yet
+    assert steps[2:] == [[(rid, n)] for n in range(2, 6)]  # each call reads the previous step back
+    # every decode step after the first fed its token from the device; the last one is the extra row of a
+    # request that ended in the step read back (its token dropped)
+    assert [fed for _, fed in launched[1:]] == [False, True, True, True, True]
+    assert len(launched) == 1 + 5 and read[-1] == [rid]
+
+
+def test_a_new_request_reads_back_first_then_joins(engines, prompts):
+    sync, overlapped = engines
+    expected = summary(sync.generate(prompts[:2]))
+    first = overlapped.add_request(*prompts[0])
+    outs = {}
+    added = None
+    while overlapped.has_unfinished:
+        for o in overlapped.step():
+            outs[o.request_id] = o
+        if added is None and len(outs.get(first).token_ids if first in outs else []) >= 3:
+            added = overlapped.add_request(*prompts[1])  # arrives while the first decodes: a prefill step
+    assert summary([outs[first], outs[added]]) == expected
+
+
+def test_abort_while_a_step_is_pending(engines, prompts):
+    sync, overlapped = engines
+    keep_expected = summary(sync.generate([prompts[0]]))
+    keep = overlapped.add_request(*prompts[0])
+    drop = overlapped.add_request(*prompts[3])
+    outs = {}
+    steps = 0
+    while overlapped.has_unfinished:
+        for o in overlapped.step():
+            outs[o.request_id] = o
+        steps += 1
+        if steps == 4:
+            assert overlapped.core._pending is not None and drop in overlapped.core._pending.request_ids
+            overlapped.abort(drop)
+    assert summary([outs[keep]]) == keep_expected
+    assert outs[drop].finish_reason is None and len(outs[drop].token_ids) < 11  # never finished: aborted
+    assert overlapped.pool_usage()["kv_blocks_used"] == 0
+
+
+def test_stop_tokens_end_requests_the_same_way(engines, prompts):
+    """A request that stops on an EOS/stop id mid-way (not at max_tokens): the step launched behind that
+    token computes one row too many, which is dropped."""
+    sync, overlapped = engines
+    p, v, _ = prompts[2]
+    probe = sync.generate([(p, v, SamplingParams(max_tokens=12, ignore_eos=True))])[0].token_ids
+    stop = SamplingParams(max_tokens=12, stop_token_ids=[probe[4]])  # ends at its 5th token (or sooner)
+    batch = [(p, v, stop), prompts[0]]
+    expected = summary(sync.generate(batch))
+    assert expected[0][1] == "stop" and len(expected[0][0]) <= 5
+    assert summary(overlapped.generate(batch)) == expected
+
+
+def test_grammar_requests_run_synchronously(engines):
+    import json
+
+    sync, overlapped = engines
+    p, v = sync.build_prompt([{"role": "user", "content": "A person as JSON."}])
+    params = SamplingParams(max_tokens=40, response_format="json_schema", json_schema=json.dumps(PERSON))
+    assert summary(overlapped.generate([(p, v, params)])) == summary(sync.generate([(p, v, params)]))
+
+
+def test_decode_only_core_overlaps_and_matches(engines, prompts):
+    """The decode process's engine core (adopted requests, decode rows only) with async scheduling."""
+    sync, _ = engines
+    expected = [o.token_ids for o in sync.generate(prompts[:3])]
+    ids = [sync.add_request(p, v, s) for p, v, s in prompts[:3]]
+    handed = {}
+    while len(handed) < len(ids):
+        for rid, r in sync.core.step()[1]:
+            request, seq, table, delta = sync.core.hand_off(rid)
+            del sync._live[rid]
+            handed[rid] = (request.prompt_len, delta, table, seq)
+    cfg = sync.config
+    runner = ModelRunner(sync.model, num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size, num_patch_pages=0,
+                         num_visual_pages=0, page_size=cfg.page_size, kv_storage=sync.runner.kv_cache.tensor)
+    decode = EngineCore(Scheduler.decode_only(SchedulerConfig(max_decode_batch=2)), runner, async_scheduling=True)
+    for rid in ids:
+        prompt_len, delta, table, seq = handed[rid]
+        decode.adopt(rid, SequenceState(seq.params, SamplerState.from_bytes(seq.sampler.to_bytes()), seq.stop_ids,
+                                        list(seq.output_token_ids)), prompt_len, delta, table)
+    tokens = {rid: list(handed[rid][3].output_token_ids) for rid in ids}
+    overlapped_steps = 0
+    while decode.scheduler.has_work:
+        out, sampled = decode.step()
+        overlapped_steps += decode._pending is not None
+        for rid, r in sampled:
+            tokens[rid].append(r.token_id)
+            if r.finish_reason is not None:
+                decode.finish(rid, r.finish_reason)
+    assert [tokens[rid] for rid in ids] == expected
+    assert overlapped_steps > 5
+    for rid in ids:
+        assert sync.scheduler.release(rid)
+
+
+def test_runner_feeds_pending_tokens_from_the_device(engines, prompts):
+    """The runner's half on its own: a decode row whose token is pending takes it from the pending step's
+    tensor (at that step's row), one position further than its output list says."""
+    from unifiedserve.engine.core import PendingStep
+
+    sync, _ = engines
+    p, v, params = prompts[1]
+    rid = sync.add_request(p, v, params)
+    while not sync.scheduler.requests[rid].output_token_ids:
+        sync.step()
+    req = sync.scheduler.requests[rid]
+    out = sync.scheduler.schedule()
+    assert out.decode == [rid]
+    plain = sync.runner.execute(out, sync.scheduler.requests)[rid]
+    sync.scheduler.commit(out)
+    token = int(plain.argmax())
+    req.output_token_ids.append(token)  # what the sync step records
+    out = sync.scheduler.schedule()
+    after_sync = sync.runner.execute(out, sync.scheduler.requests)[rid]
+    sync.scheduler.commit(out)
+    req.output_token_ids.pop()  # as if the token were still on the device
+    pending = PendingStep(["other", rid], torch.tensor([5, token]), torch.zeros(2, 3))
+    out = sync.scheduler.schedule()
+    fed = sync.runner.execute(out, sync.scheduler.requests, pending)[rid]
+    sync.scheduler.commit(out)
+    torch.testing.assert_close(fed, after_sync, rtol=0, atol=0)
+    sync.abort(rid)
