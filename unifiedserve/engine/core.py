@@ -54,8 +54,9 @@ def process_logits(logits: torch.Tensor, seqs: list[SequenceState]) -> list[Samp
     return record_tokens(logits, tokens, seqs)
 
 
-def record_tokens(logits: torch.Tensor, tokens: list[int], seqs: list[SequenceState]) -> list[SampledToken]:
-    """Append each row's sampled token to its sequence: its index, why the sequence ends, its logprobs."""
+def record_tokens(logits: torch.Tensor | None, tokens: list[int], seqs: list[SequenceState]) -> list[SampledToken]:
+    """Append each row's sampled token to its sequence: its index, why the sequence ends, its logprobs
+    (``logits`` may be None when no row asks for them)."""
     results = []
     for seq, token, lp in zip(seqs, tokens, token_logprobs(logits, tokens, [s.params for s in seqs])):
         seq.output_token_ids.append(token)
@@ -67,12 +68,34 @@ def record_tokens(logits: torch.Tensor, tokens: list[int], seqs: list[SequenceSt
 
 @dataclass
 class PendingStep:
-    """A decode step launched but not yet read back (async scheduling): its rows' sampled ids stay on the
-    device until the next step has been launched behind them."""
+    """A decode step launched but not yet read back (async scheduling).
+
+    Its sampled ids stay on the device, where the next step reads them, and are copied to pinned host
+    memory right behind the sampler with an event recorded after the copy: reading them back waits for
+    that event, not for the stream, which by then also holds the next step.
+    """
 
     request_ids: list[str]  # row order
     tokens: torch.Tensor  # int64 [B] on the device
-    logits: torch.Tensor  # [B, vocab] on the device (logprobs are computed when the step is read back)
+    host_tokens: torch.Tensor  # int64 [B] on the host (pinned on CUDA), filled when ``ready`` completes
+    ready: torch.cuda.Event | None = None  # None on the CPU: the copy is done
+
+    @classmethod
+    def launch(cls, request_ids: list[str], tokens: torch.Tensor) -> "PendingStep":
+        """Start the copy of ``tokens`` to the host without waiting for it."""
+        if tokens.device.type != "cuda":
+            return cls(request_ids, tokens, tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(request_ids, tokens, host, ready)
+
+    def token_ids(self) -> list[int]:
+        """The sampled ids on the host (waits for the copy only)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host_tokens.tolist()
 
     @property
     def rows(self) -> dict[str, int]:
@@ -125,9 +148,10 @@ class EngineCore:
         An empty output ran nothing (it may still carry a pending step's tokens).
 
         With ``async_scheduling``, a step that only decodes (nothing waiting, every running request past
-        its prompt, no grammar) is launched with each row's last token taken on the device from the
-        previous step's samples, and only then is the previous step read back (the one device-to-host
-        copy, then stop checks and logprobs): the host work of one step overlaps the kernels of the next.
+        its prompt, none under a grammar or asking for logprobs) is launched with each row's last token
+        taken on the device from the previous step's samples, and only then is the previous step read back
+        (its ids, copied to the host behind its sampler, then stop checks): the host work of one step
+        overlaps the kernels of the next.
         Its tokens come out one call later. A request that ended in the step read back has had one more
         row computed for it in the step just launched (its last token fed, the K/V slot inside its
         blocks); that row is dropped. Tokens are those of the synchronous step, seeded ones included.
@@ -150,8 +174,9 @@ class EngineCore:
             rows = torch.stack([logits[r] for r in ids])  # [B, vocab]
             seqs = [self.seqs[r] for r in ids]
             tokens = sample_tensor(rows, [s.params for s in seqs], [s.sampler for s in seqs])  # stays on the device
+            launched = PendingStep.launch(ids, tokens)  # the copy is queued before anything of the next step
             previous = self._read_back()
-            self._pending = PendingStep(ids, tokens, rows)
+            self._pending = launched
             return out, flushed + previous
         if self._pending is not None:  # not only decode rows after all: read back first, drop who ended
             flushed += self._read_back()
@@ -165,24 +190,27 @@ class EngineCore:
         return out, flushed + self._note_ended(list(zip(ids, process_logits(rows, [self.seqs[r] for r in ids]))))
 
     def _only_decoding(self) -> bool:
-        """Whether the next step can only be decode rows, none under a grammar (the async condition)."""
+        """Whether the next step can only be decode rows, none under a grammar (whose mask needs the previous
+        token on the host) or asking for logprobs (read back with the step: the async condition)."""
         s = self.scheduler
-        return not s.waiting and bool(s.running) and all(
-            r.is_prefill_done and r.output_token_ids and self.seqs[r.request_id].sampler.grammar is None
-            for r in s.running)
+        if s.waiting or not s.running or not all(r.is_prefill_done and r.output_token_ids for r in s.running):
+            return False
+        return all(self.seqs[r].sampler.grammar is None and self.seqs[r].params.logprobs is None
+                   for r in s.next_decode_rows())
 
     def _read_back(self) -> list[tuple[str, SampledToken]]:
         """The pending step's tokens, to the host and into their sequences (rows of ended requests dropped)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return []
-        tokens = pending.tokens.tolist()  # the step's one device-to-host copy
+        tokens = pending.token_ids()
         live = [i for i, r in enumerate(pending.request_ids) if r in self.seqs and r not in self._ended]
         if not live:
             return []
         ids = [pending.request_ids[i] for i in live]
-        logits = pending.logits if len(live) == len(tokens) else pending.logits[live]
-        results = record_tokens(logits, [tokens[i] for i in live], [self.seqs[r] for r in ids])
+        seqs = [self.seqs[r] for r in ids]
+        assert all(seq.params.logprobs is None for seq in seqs), "an async step never holds a logprobs row"
+        results = record_tokens(None, [tokens[i] for i in live], seqs)  # no logprobs: no logits needed
         return self._note_ended(list(zip(ids, results)))
 
     def _note_ended(self, results: list[tuple[str, SampledToken]]) -> list[tuple[str, SampledToken]]:

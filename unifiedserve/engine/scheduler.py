@@ -219,6 +219,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def next_decode_rows(self) -> list[str]:
+        """The decode rows the next :meth:`schedule` gives, as things stand (read-only)."""
+        return self._decode_rows()
+
     def _decode_rows(self) -> list[str]:
         """The requests past their prompt that decode this step: the oldest ``max_decode_batch``."""
         rows = [r.request_id for r in self.running if r.is_prefill_done and r.output_token_ids]

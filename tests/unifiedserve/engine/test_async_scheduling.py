@@ -171,9 +171,39 @@ def test_decode_only_core_overlaps_and_matches(engines, prompts):
             if r.finish_reason is not None:
                 decode.finish(rid, r.finish_reason)
     assert [tokens[rid] for rid in ids] == expected
-    assert overlapped_steps > 5
+    # the third request asks for logprobs: steps run synchronously while it is in the batch (its 6 decode
+    # tokens); the first two overlap until it joins (max_decode_batch=2: when the 5-token one ends)
+    assert overlapped_steps >= 4
     for rid in ids:
         assert sync.scheduler.release(rid)
+
+
+def test_logprobs_rows_keep_steps_synchronous(engines, prompts):
+    sync, overlapped = engines
+    launched = []
+    execute = overlapped.runner.execute
+
+    def spy(out, requests, pending=None):
+        launched.append(pending is not None)
+        return execute(out, requests, pending)
+
+    overlapped.runner.execute = spy
+    try:
+        got = overlapped.generate([prompts[2]])  # logprobs=2, 7 tokens
+    finally:
+        del overlapped.runner.execute
+    assert summary(got) == summary(sync.generate([prompts[2]]))
+    assert not any(launched) and overlapped.core._pending is None
+    assert all(lp is not None for lp in got[0].logprobs)
+
+
+def test_pending_step_on_the_cpu_needs_no_copy():
+    from unifiedserve.engine.core import PendingStep
+
+    tokens = torch.tensor([3, 1, 4])
+    pending = PendingStep.launch(["a", "b", "c"], tokens)
+    assert pending.host_tokens is tokens and pending.ready is None
+    assert pending.token_ids() == [3, 1, 4] and pending.rows == {"a": 0, "b": 1, "c": 2}
 
 
 def test_runner_feeds_pending_tokens_from_the_device(engines, prompts):
@@ -197,9 +227,36 @@ def test_runner_feeds_pending_tokens_from_the_device(engines, prompts):
     after_sync = sync.runner.execute(out, sync.scheduler.requests)[rid]
     sync.scheduler.commit(out)
     req.output_token_ids.pop()  # as if the token were still on the device
-    pending = PendingStep(["other", rid], torch.tensor([5, token]), torch.zeros(2, 3))
+    pending = PendingStep.launch(["other", rid], torch.tensor([5, token]))
     out = sync.scheduler.schedule()
     fed = sync.runner.execute(out, sync.scheduler.requests, pending)[rid]
     sync.scheduler.commit(out)
     torch.testing.assert_close(fed, after_sync, rtol=0, atol=0)
     sync.abort(rid)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_async_equals_sync_with_graphs(demo_path, dtype):
+    """On the GPU: decode steps replay CUDA graphs fed from the device, the ids come back through pinned
+    memory behind an event; the tokens equal the synchronous engine's (greedy and seeded)."""
+    cfg = dict(device="cuda", dtype=dtype, num_kv_blocks=256, max_cuda_graph_batch=8)
+    sync = LLM(demo_path, EngineConfig(**cfg))
+    overlapped = LLM(demo_path, EngineConfig(**cfg, async_scheduling=True))
+    assert overlapped.runner.graphs is not None
+    texts = ["Tell me a story about the sea.", "What is two plus two?", "Describe a red square."]
+    prompts = [sync.build_prompt([{"role": "user", "content": t}]) for t in texts]
+    batch = [(*prompts[0], SamplingParams(max_tokens=12, ignore_eos=True)),
+             (*prompts[1], SamplingParams(max_tokens=7, ignore_eos=True)),
+             (*prompts[2], SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True))]
+    launched = []
+    orig = overlapped.core._read_back
+
+    def spy():
+        launched.append(overlapped.core._pending is not None and overlapped.core._pending.ready is not None)
+        return orig()
+
+    overlapped.core._read_back = spy
+    assert [o.token_ids for o in overlapped.generate(batch)] == [o.token_ids for o in sync.generate(batch)]
+    assert sum(launched) >= 5  # steps read back through the pinned copy's event
+    assert overlapped.pool_usage()["kv_blocks_used"] == 0
