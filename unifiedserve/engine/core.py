@@ -151,10 +151,10 @@ class EngineCore:
         its prompt, none under a grammar or asking for logprobs) is launched with each row's last token
         taken on the device from the previous step's samples, and only then is the previous step read back
         (its ids, copied to the host behind its sampler, then stop checks): the host work of one step
-        overlaps the kernels of the next.
-        Its tokens come out one call later. A request that ended in the step read back has had one more
-        row computed for it in the step just launched (its last token fed, the K/V slot inside its
-        blocks); that row is dropped. Tokens are those of the synchronous step, seeded ones included.
+        overlaps the kernels of the next, and its tokens come out one call later. A request that ended in
+        the step read back has had one more row computed for it in the step just launched (its last token
+        fed, the K/V slot inside its blocks); that row is dropped. Tokens are those of the synchronous
+        step, seeded ones included.
         """
         flushed = []
         overlap = self.async_scheduling and self._only_decoding()
