@@ -111,6 +111,16 @@ prepare_7b() {
   wait "$ops_build"
 }
 
+# The groups that start the multi-process server on the GPU: past its unverified-CUDA gate, the 7B preset,
+# a private MPS daemon (stopped by the group at its end)
+serve_under_mps() {
+  export UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER=1 UNIFIEDSERVE_MPS_DIR=/tmp/unifiedserve-mps-check
+  prepare_7b
+  step "MPS daemon (private folders; stopped at the end)"
+  run 30 mps-start launch/mps.sh start
+  eval "$(launch/mps.sh env)"
+}
+
 case $group in
 decode)
   step "cuda tests (flashcodec)"
@@ -141,11 +151,7 @@ engine)
     --model /tmp/qwen2.5-vl-7b --device cuda --short --batches 1,8 --out "$out/bench_engine_unfused.json"
   ;;
 serve)
-  export UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER=1 UNIFIEDSERVE_MPS_DIR=/tmp/unifiedserve-mps-check
-  prepare_7b
-  step "MPS daemon (private folders; stopped at the end)"
-  run 30 mps-start launch/mps.sh start
-  eval "$(launch/mps.sh env)"
+  serve_under_mps
   step "serve --device cuda on the 7B preset: one 3-minute video, 4 requests decoding, streaming vs whole ingest"
   run 240 serve-7b python3 bench/serve/ttft_breakdown.py --ingest both --num-decoding 4 \
     --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16" --result-json "$out/ttft_cuda_7b.json"
@@ -155,11 +161,7 @@ serve)
   run 240 pytest-fault python3 -m pytest -q -p no:cacheprovider -m cuda -k cuda_fault tests/launch
   ;;
 policies)
-  export UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER=1 UNIFIEDSERVE_MPS_DIR=/tmp/unifiedserve-mps-check
-  prepare_7b
-  step "MPS daemon (private folders; stopped at the end)"
-  run 30 mps-start launch/mps.sh start
-  eval "$(launch/mps.sh env)"
+  serve_under_mps
   step "the workload's videos (generated once, kept in the media cache for the other policies' runs)"
   run 200 media python3 datasets/workloads.py --workload long-video --video-seconds "${VIDEO_SECONDS:-60,300}" \
     --scale 1 --num-videos 4 --num-requests "${NUM_REQUESTS:-64}" --output-len 128 --out /tmp/policies-workload.jsonl
