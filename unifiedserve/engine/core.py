@@ -17,7 +17,8 @@ import torch
 
 from unifiedserve.engine.params import SamplingParams, finish_reason
 from unifiedserve.engine.request import Request
-from unifiedserve.engine.sampling import SamplerState, TokenLogprobs, sample, sample_tensor, token_logprobs
+from unifiedserve.engine.sampling import (SamplerState, TokenLogprobs, logprob_tensors, logprobs_of, sample,
+                                          sample_tensor, token_logprobs)
 
 
 @dataclass
@@ -50,15 +51,16 @@ class SampledToken(NamedTuple):
 def process_logits(logits: torch.Tensor, seqs: list[SequenceState]) -> list[SampledToken]:
     """Sample one token per row of ``logits`` ``[B, vocab]`` for ``seqs`` (one per row), append it to each
     sequence's output and say whether the sequence ends (stop id, ``max_tokens``, closed grammar)."""
-    tokens = sample(logits, [s.params for s in seqs], [s.sampler for s in seqs])
-    return record_tokens(logits, tokens, seqs)
+    params = [s.params for s in seqs]
+    tokens = sample(logits, params, [s.sampler for s in seqs])
+    return record_tokens(tokens, seqs, token_logprobs(logits, tokens, params))
 
 
-def record_tokens(logits: torch.Tensor | None, tokens: list[int], seqs: list[SequenceState]) -> list[SampledToken]:
-    """Append each row's sampled token to its sequence: its index, why the sequence ends, its logprobs
-    (``logits`` may be None when no row asks for them)."""
+def record_tokens(tokens: list[int], seqs: list[SequenceState],
+                  logprobs: list[TokenLogprobs | None]) -> list[SampledToken]:
+    """Append each row's sampled token to its sequence: its index, why the sequence ends, its logprobs."""
     results = []
-    for seq, token, lp in zip(seqs, tokens, token_logprobs(logits, tokens, [s.params for s in seqs])):
+    for seq, token, lp in zip(seqs, tokens, logprobs):
         seq.output_token_ids.append(token)
         reason = finish_reason(token, len(seq.output_token_ids), seq.stop_ids, seq.params.max_tokens,
                                seq.sampler.is_complete)
@@ -77,25 +79,31 @@ class PendingStep:
 
     request_ids: list[str]  # row order
     tokens: torch.Tensor  # int64 [B] on the device
-    host_tokens: torch.Tensor  # int64 [B] on the host (pinned on CUDA), filled when ``ready`` completes
-    ready: torch.cuda.Event | None = None  # None on the CPU: the copy is done
+    host: tuple[torch.Tensor, ...]  # the ids [B] and, when rows ask, logprob_tensors' three, on the host
+    params: list[SamplingParams] | None = None  # per row, when some row asks for logprobs
+    ready: torch.cuda.Event | None = None  # None on the CPU: the copies are done
 
     @classmethod
-    def launch(cls, request_ids: list[str], tokens: torch.Tensor) -> "PendingStep":
-        """Start the copy of ``tokens`` to the host without waiting for it."""
+    def launch(cls, request_ids: list[str], tokens: torch.Tensor, logits: torch.Tensor,
+               params: list[SamplingParams]) -> "PendingStep":
+        """Start the copies to the host (the ids; the logprobs of the rows that ask) without waiting for them."""
+        asks = any(p.logprobs is not None for p in params)
+        found = (tokens, *logprob_tensors(logits, tokens, params)) if asks else (tokens,)
         if tokens.device.type != "cuda":
-            return cls(request_ids, tokens, tokens)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+            return cls(request_ids, tokens, found, params if asks else None)
+        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in found)
         ready = torch.cuda.Event()
         ready.record()
-        return cls(request_ids, tokens, host, ready)
+        return cls(request_ids, tokens, host, params if asks else None, ready)
 
-    def token_ids(self) -> list[int]:
-        """The sampled ids on the host (waits for the copy only)."""
+    def results(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The sampled ids and each row's logprobs (None where not asked) on the host; waits for the copies only."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.host_tokens.tolist()
+        tokens = self.host[0].tolist()
+        if self.params is None:
+            return tokens, [None] * len(tokens)
+        return tokens, logprobs_of(self.params, *(t.tolist() for t in self.host[1:]))
 
     @property
     def rows(self) -> dict[str, int]:
@@ -148,9 +156,9 @@ class EngineCore:
         An empty output ran nothing (it may still carry a pending step's tokens).
 
         With ``async_scheduling``, a step that only decodes (nothing waiting, every running request past
-        its prompt, none under a grammar or asking for logprobs) is launched with each row's last token
+        its prompt, no row under a grammar) is launched with each row's last token
         taken on the device from the previous step's samples, and only then is the previous step read back
-        (its ids, copied to the host behind its sampler, then stop checks): the host work of one step
+        (its ids and asked-for logprobs, copied to the host behind its sampler, then stop checks): the host work of one step
         overlaps the kernels of the next, and its tokens come out one call later. A request that ended in
         the step read back has had one more row computed for it in the step just launched (its last token
         fed, the K/V slot inside its blocks); that row is dropped. Tokens are those of the synchronous
@@ -172,9 +180,9 @@ class EngineCore:
             self.scheduler.commit(out)
             ids = list(logits)
             rows = torch.stack([logits[r] for r in ids])  # [B, vocab]
-            seqs = [self.seqs[r] for r in ids]
-            tokens = sample_tensor(rows, [s.params for s in seqs], [s.sampler for s in seqs])  # stays on the device
-            launched = PendingStep.launch(ids, tokens)  # the copy is queued before anything of the next step
+            params = [self.seqs[r].params for r in ids]
+            tokens = sample_tensor(rows, params, [self.seqs[r].sampler for r in ids])  # stays on the device
+            launched = PendingStep.launch(ids, tokens, rows, params)  # copies queued before the next step
             previous = self._read_back()
             self._pending = launched
             return out, flushed + previous
@@ -191,26 +199,23 @@ class EngineCore:
 
     def _only_decoding(self) -> bool:
         """Whether the next step can only be decode rows, none under a grammar (whose mask needs the previous
-        token on the host) or asking for logprobs (read back with the step: the async condition)."""
+        token on the host): the async condition."""
         s = self.scheduler
         if s.waiting or not s.running or not all(r.is_prefill_done and r.output_token_ids for r in s.running):
             return False
-        return all(self.seqs[r].sampler.grammar is None and self.seqs[r].params.logprobs is None
-                   for r in s.next_decode_rows())
+        return all(self.seqs[r].sampler.grammar is None for r in s.next_decode_rows())
 
     def _read_back(self) -> list[tuple[str, SampledToken]]:
         """The pending step's tokens, to the host and into their sequences (rows of ended requests dropped)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return []
-        tokens = pending.token_ids()
+        tokens, logprobs = pending.results()
         live = [i for i, r in enumerate(pending.request_ids) if r in self.seqs and r not in self._ended]
         if not live:
             return []
         ids = [pending.request_ids[i] for i in live]
-        seqs = [self.seqs[r] for r in ids]
-        assert all(seq.params.logprobs is None for seq in seqs), "an async step never holds a logprobs row"
-        results = record_tokens(None, [tokens[i] for i in live], seqs)  # no logprobs: no logits needed
+        results = record_tokens([tokens[i] for i in live], [self.seqs[r] for r in ids], [logprobs[i] for i in live])
         return self._note_ended(list(zip(ids, results)))
 
     def _note_ended(self, results: list[tuple[str, SampledToken]]) -> list[tuple[str, SampledToken]]:

@@ -147,18 +147,36 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int],
     Args:
         logits: ``[B, vocab]``; token_ids: the ``B`` sampled ids; params: one per row.
     """
+    if not any(p.logprobs is not None for p in params):
+        return [None] * len(params)
+    found = logprob_tensors(logits, torch.tensor(token_ids, dtype=torch.int64, device=logits.device), params)
+    return logprobs_of(params, *(t.tolist() for t in found))
+
+
+def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor,
+                    params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The device half of :func:`token_logprobs` (no host sync): for the rows that ask, in row order, the
+    sampled token's log-probability ``[A]``, and the ``k`` best ``[A, k]`` values and ids (``k`` the most
+    any row asks; ``[A, 0]`` when none asks for alternatives).
+
+    Args:
+        logits: ``[B, vocab]``; tokens: int64 ``[B]`` on the logits' device; params: one per row.
+    """
     asking = [i for i, p in enumerate(params) if p.logprobs is not None]
-    out: list[TokenLogprobs | None] = [None] * len(params)
-    if not asking:
-        return out
-    rows = torch.tensor(asking, dtype=torch.int64, device=logits.device)
+    rows = torch.tensor(asking, dtype=torch.int64).to(logits.device, non_blocking=True)
     logprobs = torch.log_softmax(logits[rows].float(), dim=-1)  # [A, vocab]
-    chosen = logprobs.gather(1, torch.tensor([[token_ids[i]] for i in asking], device=logits.device))  # [A, 1]
-    k = max(params[i].logprobs for i in asking)
-    top = logprobs.topk(k, dim=-1) if k else None  # values, indices: [A, k]
-    chosen_list = chosen[:, 0].tolist()
-    top_values, top_ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+    chosen = logprobs.gather(1, tokens[rows].unsqueeze(1))[:, 0]  # [A]
+    k = max((params[i].logprobs for i in asking), default=0)
+    top = logprobs.topk(k, dim=-1)  # values, indices: [A, k]
+    return chosen, top.values, top.indices
+
+
+def logprobs_of(params: list[SamplingParams], chosen: list[float], top_values: list[list[float]],
+                top_ids: list[list[int]]) -> list[TokenLogprobs | None]:
+    """The host half of :func:`token_logprobs`: :func:`logprob_tensors`' results as lists -> one entry per row."""
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    asking = [i for i, p in enumerate(params) if p.logprobs is not None]
     for a, i in enumerate(asking):
         n = params[i].logprobs
-        out[i] = TokenLogprobs(chosen_list[a], list(zip(top_ids[a][:n], top_values[a][:n])) if n else [])
+        out[i] = TokenLogprobs(chosen[a], list(zip(top_ids[a][:n], top_values[a][:n])) if n else [])
     return out

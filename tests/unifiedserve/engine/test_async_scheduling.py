@@ -171,14 +171,13 @@ def test_decode_only_core_overlaps_and_matches(engines, prompts):
             if r.finish_reason is not None:
                 decode.finish(rid, r.finish_reason)
     assert [tokens[rid] for rid in ids] == expected
-    # the third request asks for logprobs: steps run synchronously while it is in the batch (its 6 decode
-    # tokens); the first two overlap until it joins (max_decode_batch=2: when the 5-token one ends)
-    assert overlapped_steps >= 4
+    assert overlapped_steps > 5
     for rid in ids:
         assert sync.scheduler.release(rid)
 
 
-def test_logprobs_rows_keep_steps_synchronous(engines, prompts):
+def test_logprobs_rows_overlap_too(engines, prompts):
+    """A row asking for logprobs: computed on the device at launch, copied with the ids, the same values."""
     sync, overlapped = engines
     launched = []
     execute = overlapped.runner.execute
@@ -188,22 +187,29 @@ def test_logprobs_rows_keep_steps_synchronous(engines, prompts):
         return execute(out, requests, pending)
 
     overlapped.runner.execute = spy
+    batch = [prompts[2], prompts[3], prompts[1]]  # logprobs=2 beside a seeded and a greedy row
     try:
-        got = overlapped.generate([prompts[2]])  # logprobs=2, 7 tokens
+        got = overlapped.generate(batch)
     finally:
         del overlapped.runner.execute
-    assert summary(got) == summary(sync.generate([prompts[2]]))
-    assert not any(launched) and overlapped.core._pending is None
-    assert all(lp is not None for lp in got[0].logprobs)
+    assert summary(got) == summary(sync.generate(batch))
+    assert sum(launched) >= 5
+    assert len(got[0].logprobs) == 7 and all(len(lp.top) == 2 for lp in got[0].logprobs)
 
 
 def test_pending_step_on_the_cpu_needs_no_copy():
     from unifiedserve.engine.core import PendingStep
 
     tokens = torch.tensor([3, 1, 4])
-    pending = PendingStep.launch(["a", "b", "c"], tokens)
-    assert pending.host_tokens is tokens and pending.ready is None
-    assert pending.token_ids() == [3, 1, 4] and pending.rows == {"a": 0, "b": 1, "c": 2}
+    logits = torch.log_softmax(torch.randn(3, 10, generator=torch.Generator().manual_seed(0)), -1)
+    params = [SamplingParams(), SamplingParams(logprobs=1), SamplingParams()]
+    pending = PendingStep.launch(["a", "b", "c"], tokens, logits, params)
+    assert pending.host[0] is tokens and pending.ready is None and pending.rows == {"a": 0, "b": 1, "c": 2}
+    ids, lps = pending.results()
+    assert ids == [3, 1, 4] and lps[0] is None and lps[2] is None
+    assert lps[1].logprob == pytest.approx(float(logits[1, 1])) and lps[1].top[0][0] == int(logits[1].argmax())
+    plain = PendingStep.launch(["a"], tokens[:1], logits[:1], [SamplingParams()])
+    assert plain.params is None and plain.results() == ([3], [None])
 
 
 def test_runner_feeds_pending_tokens_from_the_device(engines, prompts):
@@ -227,7 +233,8 @@ def test_runner_feeds_pending_tokens_from_the_device(engines, prompts):
     after_sync = sync.runner.execute(out, sync.scheduler.requests)[rid]
     sync.scheduler.commit(out)
     req.output_token_ids.pop()  # as if the token were still on the device
-    pending = PendingStep.launch(["other", rid], torch.tensor([5, token]))
+    pending = PendingStep.launch(["other", rid], torch.tensor([5, token]), torch.zeros(2, 8),
+                                 [SamplingParams(), SamplingParams()])
     out = sync.scheduler.schedule()
     fed = sync.runner.execute(out, sync.scheduler.requests, pending)[rid]
     sync.scheduler.commit(out)
