@@ -223,6 +223,13 @@ class EngineCore:
             self._ended.update(r for r, t in results if t.finish_reason is not None)
         return results
 
+    def writes_pending(self, request_id: str) -> bool:
+        """Whether a step launched and not yet read back computes a row of ``request_id`` (async scheduling):
+        its K/V write into the request's blocks may still land. Blocks that another process frees (the
+        decode process lends them back to core) must wait until it has: core's next writes into them are
+        not ordered after this process's stream."""
+        return self._pending is not None and request_id in self._pending.request_ids
+
     def finish(self, request_id: str, reason: str) -> None:
         """End a request here (finished or aborted): free its blocks, pages and tensors.
 

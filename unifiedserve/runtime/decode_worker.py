@@ -30,6 +30,28 @@ from unifiedserve.runtime.worker import Worker, device_memory_gauges, memory_inf
 log = logging.getLogger("unifiedserve")
 
 
+class BlockReleases:
+    """Which finished requests' blocks may go back to core now (``ReleaseBlocks``).
+
+    With async scheduling a request can end while a launched step still computes a row of it, whose K/V
+    write lands in one of its blocks. Core would hand the block to another request and write into it on its
+    own stream, unordered with this process's, so the release waits until no pending step of this engine
+    core holds a row of the request (the next read-back has waited for that step's event).
+    """
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self.held: list[str] = []
+
+    def ready(self, finished: list[str]) -> list[str]:
+        """``finished`` plus those held before, less the ones a pending step still writes (held for later)."""
+        candidates, self.held = self.held + finished, []
+        now = []
+        for rid in candidates:
+            (self.held if self.core.writes_pending(rid) else now).append(rid)
+        return now
+
+
 class DecodeWorker(Worker):
     name = "decode"
     inbox_type = protocol.ToDecode
@@ -49,12 +71,13 @@ class DecodeWorker(Worker):
         runner.warmup(None if eng.enforce_eager else eng.max_cuda_graph_batch)  # CUDA graphs: decode's own
         self.scheduler = Scheduler.decode_only(eng.scheduler)
         self.core = EngineCore(self.scheduler, runner, eng.async_scheduling)
+        self.releases = BlockReleases(self.core)
         return {"device": eng.device, "torch_threads": str(torch.get_num_threads()), "nice": str(os.nice(0)),
                 "max_decode_batch": str(self.scheduler.config.max_decode_batch),
                 **memory_info(self._weight_gauges, eng.device)}
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self.releases.held)  # a step reads the pending one back
 
     def stats(self) -> dict[str, float]:
         return {"num_decoding": len(self.scheduler.running),  # in the batch, and waiting for a place in it
@@ -72,7 +95,7 @@ class DecodeWorker(Worker):
             if message.request_id not in self.scheduler.requests:
                 return  # already finished: its blocks were released then
             self.core.finish(message.request_id, "abort")
-            self.send("core", protocol.ReleaseBlocks([message.request_id]))
+            self._release([message.request_id])
 
     def step(self) -> None:
         _, sampled = self.core.step()
@@ -83,6 +106,11 @@ class DecodeWorker(Worker):
             if r.finish_reason is not None:
                 self.core.finish(rid, r.finish_reason)
                 finished.append(rid)
-        self.send("api", protocol.TokenOutputs(outputs))
-        if finished:
-            self.send("core", protocol.ReleaseBlocks(finished))
+        if outputs:
+            self.send("api", protocol.TokenOutputs(outputs))
+        self._release(finished)
+
+    def _release(self, finished: list[str]) -> None:
+        ready = self.releases.ready(finished)
+        if ready:
+            self.send("core", protocol.ReleaseBlocks(ready))

@@ -267,3 +267,27 @@ def test_cuda_async_equals_sync_with_graphs(demo_path, dtype):
     assert [o.token_ids for o in overlapped.generate(batch)] == [o.token_ids for o in sync.generate(batch)]
     assert sum(launched) >= 5  # steps read back through the pinned copy's event
     assert overlapped.pool_usage()["kv_blocks_used"] == 0
+
+
+def test_blocks_go_back_to_core_only_after_the_last_write(engines, prompts):
+    """The decode process holds a finished request's ReleaseBlocks while a launched step still computes a row
+    of it (that row's K/V lands in the request's blocks, and core's next writes there are not ordered after
+    this process's stream)."""
+    from unifiedserve.runtime.decode_worker import BlockReleases
+
+    _, overlapped = engines
+    releases = BlockReleases(overlapped.core)
+    short = overlapped.add_request(*prompts[4])  # 1 token: ends at its prefill, synchronously
+    longer = overlapped.add_request(*prompts[1])  # 5 tokens
+    sent, held_after_end = [], None
+    while overlapped.has_unfinished or releases.held:
+        finished = [o.request_id for o in overlapped.step() if o.finished]
+        if longer in finished:
+            assert overlapped.core.writes_pending(longer)  # the extra row launched before its end was known
+        sent += releases.ready(finished)
+        if longer in finished:
+            held_after_end = list(releases.held)
+        if not overlapped.has_unfinished and releases.held:
+            overlapped.step()  # what the decode worker's has_work does: a step reads the pending one back
+    assert held_after_end == [longer] and sent == [short, longer]
+    assert not overlapped.core.writes_pending(longer) and overlapped.core._pending is None
