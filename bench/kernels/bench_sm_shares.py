@@ -15,7 +15,7 @@ Modes, each in a fresh process (the parent never opens CUDA), both streams start
 ``--seconds`` after a warm-up:
 
 - ``alone``: each stream by itself: the reference of every ratio;
-- ``shared``: both at once in one process (two threads), no partition: time-slicing and the hardware's
+- ``shared``: both at once in one process (two threads, a stream each), no partition: the hardware's
   own sharing;
 - ``green:D``: decode in a green context of D SMs, prefill in one of the remaining SMs (two threads);
 - ``mps:P``: two processes under a private MPS daemon (``launch/mps.sh``), decode with an active thread
@@ -180,7 +180,8 @@ def run_prefill(work: Work, seconds: float, warmup: int, go: threading.Barrier |
                 green=None) -> dict:
     """Prefill passes back to back for ``seconds`` (synchronized after each): TFLOP/s."""
     torch = work.torch
-    sync = torch.cuda.synchronize if work.device.startswith("cuda") else (lambda: None)
+    # this thread's stream only: a device-wide synchronize would also wait for the decode thread's kernels
+    sync = (lambda: torch.cuda.current_stream().synchronize()) if work.device.startswith("cuda") else (lambda: None)
     if green is not None:
         green.set_context()
     try:
@@ -211,7 +212,12 @@ def run_together(work: Work, seconds: float, warmup: int, greens=(None, None)) -
 
     def thread(name, fn, green):
         try:
-            results[name] = fn(work, seconds, warmup, go, green)
+            if green is None and work.device.startswith("cuda"):
+                # a stream of its own: both threads on the default stream would just take turns
+                with work.torch.cuda.stream(work.torch.cuda.Stream(work.device)):
+                    results[name] = fn(work, seconds, warmup, go, green)
+            else:  # a green context makes its own stream current (torch's setContext)
+                results[name] = fn(work, seconds, warmup, go, green)
         except BaseException as e:  # reported by the caller
             errors.append(e)
             go.abort()
