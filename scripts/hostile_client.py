@@ -3,7 +3,7 @@
 documented success), never a 500, a hang or harm to another request; the server must end healthy,
 with every pool back to free and its memory flat.
 
-    python scripts/hostile_client.py [--out bench/results/hostile.json]
+    python scripts/hostile_client.py [--out bench/results/hostile.json] [--server-args="--async-scheduling"]
 
 Starts its own server (demo model, CPU, ``--api-key``), generates tiny media, runs the cases in
 order, prints one line per case and a summary, and exits 1 if any case failed.
@@ -242,6 +242,8 @@ def rss_mib(pids: list[int]) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--server-args", default="", help="extra flags for the server (e.g. \"--async-scheduling\" or "
+                   "\"--policy monolithic\"): the same cases against another configuration")
     p.add_argument("--rounds", type=int, default=3, help="passes over the cases (default 3; memory is checked "
                    "from the second on)")
     a = p.parse_args(argv)
@@ -258,7 +260,8 @@ def main(argv=None) -> int:
     media["escape"] = media_dir / "escape.png"
     media["escape"].symlink_to(outside)
     server = ServerProcess(["--allowed-local-media-path", str(media_dir), "--api-key", KEY,
-                            "--kv-cache-gb", "0.125", "--patch-buffer-gb", "0.25"], work / "server.log")
+                            "--kv-cache-gb", "0.125", "--patch-buffer-gb", "0.25", *a.server_args.split()],
+                           work / "server.log")
     client = Client(server.port)
     pids = [server.proc.pid, *server.health["workers"].values()]
     names = ["api", *server.health["workers"]]
