@@ -27,7 +27,7 @@ for extra in (ROOT / "datasets", ROOT / "bench" / "serve"):
     sys.path.insert(0, str(extra))
 
 import synthetic_video  # noqa: E402
-from server_process import ServerProcess  # noqa: E402
+from server_process import ServerProcess, ServerStartError  # noqa: E402
 
 KEY = "hostile-test-key"
 
@@ -259,9 +259,13 @@ def main(argv=None) -> int:
     outside = synthetic_video.make_image(outside_dir / "secret.png", seed=4)
     media["escape"] = media_dir / "escape.png"
     media["escape"].symlink_to(outside)
-    server = ServerProcess(["--allowed-local-media-path", str(media_dir), "--api-key", KEY,
-                            "--kv-cache-gb", "0.125", "--patch-buffer-gb", "0.25", *a.server_args.split()],
-                           work / "server.log")
+    try:
+        server = ServerProcess(["--allowed-local-media-path", str(media_dir), "--api-key", KEY,
+                                "--kv-cache-gb", "0.125", "--patch-buffer-gb", "0.25", *a.server_args.split()],
+                               work / "server.log")
+    except ServerStartError as e:  # e.g. a bad --server-args flag: the server says which
+        print(f"hostile_client.py: error: {e}", file=sys.stderr)
+        return 2
     client = Client(server.port)
     pids = [server.proc.pid, *server.health["workers"].values()]
     names = ["api", *server.health["workers"]]

@@ -40,6 +40,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerStartError(RuntimeError):
+    """The server exited or did not answer in time; the message ends with its own error line, if it wrote one."""
+
+
+def _last_error_line(log_path: Path) -> str:
+    try:
+        lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if "error" in line.lower()]
+    except OSError:
+        return ""
+    return f": {lines[-1]}" if lines else ""
+
+
 class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, timeout: float = 600.0):
         self.port = free_port()
@@ -52,7 +64,9 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}); see {log_path}")
+                self._log.flush()
+                raise ServerStartError(f"the server exited ({self.proc.returncode}){_last_error_line(log_path)} "
+                                       f"(log: {log_path})")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -61,7 +75,7 @@ class ServerProcess:
             except OSError:
                 time.sleep(0.5)
         self.stop()
-        raise RuntimeError(f"the server did not start in {timeout:.0f} s; see {log_path}")
+        raise ServerStartError(f"the server did not start in {timeout:.0f} s (log: {log_path})")
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
