@@ -138,15 +138,19 @@ def blocked_modules(group: str) -> list[str]:
     return sorted(blocked)
 
 
+def hiding_env(modules: list[str], folder: str | Path) -> dict[str, str]:
+    """An environment in which Python processes cannot import ``modules`` (top-level names): writes the
+    blocker into ``folder``, which must outlive the processes, and puts it first on ``PYTHONPATH``."""
+    Path(folder, "sitecustomize.py").write_text(_BLOCKER)
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "DEVICE_PACKAGES_BLOCKED": ",".join(modules),
+            "PYTHONPATH": str(folder) + (os.pathsep + path if path else "")}
+
+
 def run_as_on_device(group: str, command: list[str]) -> int:
     """Run ``command`` with the modules of :func:`blocked_modules` unimportable, in its subprocesses too."""
-    blocked = blocked_modules(group)
     with tempfile.TemporaryDirectory(prefix="device-packages-") as folder:
-        Path(folder, "sitecustomize.py").write_text(_BLOCKER)
-        path = os.environ.get("PYTHONPATH")
-        env = {**os.environ, "DEVICE_PACKAGES_BLOCKED": ",".join(blocked),
-               "PYTHONPATH": folder + (os.pathsep + path if path else "")}
-        return subprocess.run(command, env=env).returncode
+        return subprocess.run(command, env=hiding_env(blocked_modules(group), folder)).returncode
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,14 +76,10 @@ def green_split(total_sms: int, decode_sms: int) -> tuple[int, int]:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) by linear interpolation; nan for no values."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    """The ``q``-th percentile (0..100) by linear interpolation (numpy's); nan for no values."""
+    import numpy as np
+
+    return float(np.percentile(values, q)) if values else float("nan")
 
 
 # -- the work (runs in a worker process) -------------------------------------------------------------

@@ -169,8 +169,7 @@ class EngineCore:
         if self._pending is not None and not overlap:
             flushed = self._read_back()  # the host must know every token before a step of another kind
         out = self.scheduler.schedule()
-        if self._ended:
-            out.decode = [r for r in out.decode if r not in self._ended]
+        self._drop_ended(out)
         if out.is_empty:
             return out, flushed
         if before_execute is not None:
@@ -188,7 +187,7 @@ class EngineCore:
             return out, flushed + previous
         if self._pending is not None:  # not only decode rows after all: read back first, drop who ended
             flushed += self._read_back()
-            out.decode = [r for r in out.decode if r not in self._ended]
+            self._drop_ended(out)
         logits = self.runner.execute(out, self.scheduler.requests)
         self.scheduler.commit(out)
         if not logits:
@@ -196,6 +195,11 @@ class EngineCore:
         ids = list(logits)
         rows = torch.stack([logits[r] for r in ids])  # [B, vocab]
         return out, flushed + self._note_ended(list(zip(ids, process_logits(rows, [self.seqs[r] for r in ids]))))
+
+    def _drop_ended(self, out) -> None:
+        """No decode row for a request read back as ended (its caller's finish() has not run yet)."""
+        if self._ended:
+            out.decode = [r for r in out.decode if r not in self._ended]
 
     def _only_decoding(self) -> bool:
         """Whether the next step can only be decode rows, none under a grammar (whose mask needs the previous

@@ -387,8 +387,8 @@ class ModelRunner:
         positions = torch.cat(positions, dim=1)  # [3, N] (host)
         fed = None
         if from_device[0]:  # rows whose token is on the device: (rows [F], tokens [F]) to write after the copy
-            fed = (to_device(torch.tensor(from_device[0], dtype=torch.int64), self.device),
-                   pending.tokens[to_device(torch.tensor(from_device[1], dtype=torch.int64), self.device)])
+            index = to_device(torch.tensor(from_device, dtype=torch.int64), self.device)  # [2, F]: one copy
+            fed = (index[0], pending.tokens[index[1]])
         if not out.prefill and self.graphs is not None and self.graphs.serves(seqs):
             logits = self.graphs.run(seqs, input_ids, positions, fed)  # [N, vocab]: decode rows are the samples
         else:

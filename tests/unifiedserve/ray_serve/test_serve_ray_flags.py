@@ -3,7 +3,6 @@ the plain server never imports Ray."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -99,17 +98,3 @@ def test_help_lists_the_ray_flags(capsys):
     out = capsys.readouterr().out
     for flag in ("--ray", "--replicas", "--ray-address", "--min-replicas", "--max-replicas", "--affinity-load-bound"):
         assert flag in out
-
-
-def test_ray_missing_is_one_error_line(tmp_path):
-    """Without the extra (Ray hidden from the server here), --ray says how to install it."""
-    (tmp_path / "sitecustomize.py").write_text(
-        "import sys\n"
-        "class NoRay:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.partition('.')[0] == 'ray':\n"
-        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
-        "sys.meta_path.insert(0, NoRay())\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    one_error_line(serve("--ray", "--replicas", "2", env=env),
-                   "--ray needs Ray Serve, which is not installed: pip install 'unifiedserve[ray]'")
