@@ -11,10 +11,16 @@
   flashinfer's ``NHD`` paged layout, passed to the kernels as a ``(k, v)`` tuple.
 * CUDA-graph decode: one decode wrapper per captured batch size, all reading fixed indptr/indices/
   last-page-length buffers that ``plan`` overwrites in place (see :class:`AttentionBackend`).
+* Kernel families: decode runs flashinfer's FA2 tensor-core kernel (its choice for half-precision
+  decode); prefill (and the vision tower's ragged attention, :mod:`unifiedserve.attention.varlen`)
+  runs what ``UNIFIEDSERVE_FLASHINFER_PREFILL_BACKEND`` names: ``auto`` (default: flashinfer picks,
+  FA3 on Hopper), ``fa2`` or ``fa3``. The knob exists to measure one against the other, and so that a
+  GPU run whose carried FA3 kernels cannot load falls back to FA2 (``scripts/flashinfer_kernels.py``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +37,20 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 #: head dims flashinfer's prefill kernels are built for (its Hopper FA3 path asserts 64/128/256)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+PREFILL_BACKEND_ENV = "UNIFIEDSERVE_FLASHINFER_PREFILL_BACKEND"
+PREFILL_BACKENDS = ("auto", "fa2", "fa3")
+
+
+def prefill_backend() -> str:
+    """flashinfer's backend for prefill and ragged kernels, from ``UNIFIEDSERVE_FLASHINFER_PREFILL_BACKEND``.
+
+    Raises:
+        ValueError: a value other than ``auto``, ``fa2`` or ``fa3``.
+    """
+    value = os.environ.get(PREFILL_BACKEND_ENV, "") or "auto"
+    if value not in PREFILL_BACKENDS:
+        raise ValueError(f"{PREFILL_BACKEND_ENV}={value!r}: choose one of {', '.join(PREFILL_BACKENDS)}")
+    return value
 
 
 def unsupported_reason(device: str | torch.device, dtype: torch.dtype | None = None,
@@ -89,10 +109,12 @@ class FlashInferAttention(AttentionBackend):
         self._validate_cache(kv_cache)
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(unsupported_reason("cuda", head_dim=head_dim))
+        backend = prefill_backend()
         self._fi = import_flashinfer()
         device = kv_cache.device
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
+        self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD",
+                                                                     backend=backend)
         self._decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD",
                                                                    use_tensor_cores=True)
         self._graph_decode: dict[int, Any] = {}  # batch size -> wrapper bound to the fixed buffers

@@ -144,13 +144,14 @@ def _ragged_wrapper(seq_lens: tuple[int, ...], device: torch.device, dtype: torc
     if wrapper is not None:
         _PLANS.move_to_end(key)
         return wrapper
-    from unifiedserve.attention.flashinfer_backend import WORKSPACE_BYTES, import_flashinfer
+    from unifiedserve.attention.flashinfer_backend import WORKSPACE_BYTES, import_flashinfer, prefill_backend
+    backend = prefill_backend()
     fi = import_flashinfer()
     if device not in _WORKSPACES:
         _WORKSPACES[device] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
     indptr[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int32), 0)
-    wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(_WORKSPACES[device], kv_layout="NHD")
+    wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(_WORKSPACES[device], kv_layout="NHD", backend=backend)
     wrapper.plan(indptr, indptr, num_heads, num_heads, head_dim, causal=False, sm_scale=scale,
                  q_data_type=dtype, kv_data_type=dtype)
     _PLANS[key] = wrapper

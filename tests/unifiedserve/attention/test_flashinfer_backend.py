@@ -39,8 +39,10 @@ def _paged_reference(q, kv, qo_indptr, kv_indptr, indices, last_page_len, page_s
 
 class _FakeWrapper:
     def __init__(self, workspace, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
-                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
+                 backend="auto"):
         assert kv_layout == "NHD" and workspace.dtype == torch.uint8
+        self.backend = backend
         self.use_cuda_graph, self.use_tensor_cores = use_cuda_graph, use_tensor_cores
         if use_cuda_graph:
             assert len(paged_kv_indptr_buffer) == len(paged_kv_last_page_len_buffer) + 1
@@ -145,6 +147,17 @@ def test_graph_decode_errors(fake_flashinfer):
         attn.plan(DECODE_SEQS, graph_batch_size=4)
     with pytest.raises(ValueError, match="do not fit a graph of batch size 4"):
         attn.plan([(1, 1, [i]) for i in range(5)], graph_batch_size=4)
+
+
+def test_prefill_backend_knob(fake_flashinfer, monkeypatch):
+    assert _fi()._prefill.backend == "auto" and fib.prefill_backend() == "auto"
+    monkeypatch.setenv(fib.PREFILL_BACKEND_ENV, "fa2")
+    attn = _fi()
+    assert attn._prefill.backend == "fa2"
+    assert attn._decode.backend == "auto"  # decode keeps flashinfer's tensor-core (FA2) kernel either way
+    monkeypatch.setenv(fib.PREFILL_BACKEND_ENV, "fa4")
+    with pytest.raises(ValueError, match="UNIFIEDSERVE_FLASHINFER_PREFILL_BACKEND='fa4': choose one of auto, fa2, fa3"):
+        _fi()
 
 
 def test_constructor_rejects_odd_head_dims(fake_flashinfer):

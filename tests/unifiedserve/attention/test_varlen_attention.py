@@ -100,8 +100,11 @@ class _FakeRagged:
 
     planned: list[dict] = []
 
-    def __init__(self, workspace, kv_layout="NHD"):
+    backends: list[str] = []
+
+    def __init__(self, workspace, kv_layout="NHD", backend="auto"):
         assert kv_layout == "NHD"
+        _FakeRagged.backends.append(backend)
 
     def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, causal=False, sm_scale=None,
              q_data_type=None, kv_data_type=None):
@@ -127,6 +130,8 @@ def test_flashinfer_path_pads_head_dim_80_and_plans_once(monkeypatch):
     monkeypatch.setattr(varlen, "_PLANS", varlen.OrderedDict())
     monkeypatch.setattr(varlen, "_WORKSPACES", {})
     monkeypatch.setattr(_FakeRagged, "planned", [])
+    monkeypatch.setattr(_FakeRagged, "backends", [])
+    monkeypatch.setenv("UNIFIEDSERVE_FLASHINFER_PREFILL_BACKEND", "fa2")
     q, k, v = _qkv(sum(SEGMENTS), heads=2, dim=80, seed=4)
     for _ in range(3):  # three layers, one plan
         out = fused_varlen_attention(q, k, v, SEGMENTS, 80 ** -0.5, "flashinfer")
@@ -134,6 +139,7 @@ def test_flashinfer_path_pads_head_dim_80_and_plans_once(monkeypatch):
     torch.testing.assert_close(out.double(), _segment_reference(q, k, v, SEGMENTS, 80 ** -0.5), atol=1e-5, rtol=1e-5)
     assert _FakeRagged.planned == [dict(lens=list(SEGMENTS), heads=(2, 2), dim=128, scale=80 ** -0.5,
                                         dtype=torch.float32)]
+    assert _FakeRagged.backends == ["fa2"]  # the prefill-backend knob reaches the ragged wrapper
     big = _qkv(8, dim=300)
     with pytest.raises(ValueError, match="head dims up to 256, got 300"):
         fused_varlen_attention(*big, (8,), 0.1, "flashinfer")
