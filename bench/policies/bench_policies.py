@@ -36,7 +36,7 @@ for extra in (ROOT / "datasets", ROOT / "bench" / "serve"):
 import workloads  # noqa: E402
 from bench_serve import (RequestRecord, compute_metrics, machine_info, meets_slo, parse_goodput,  # noqa: E402
                          run_benchmark, warm_up)
-from server_process import ServerProcess, ServerStartError  # noqa: E402
+from server_process import ServerProcess, run_main  # noqa: E402
 
 POLICIES = ("unified", "monolithic", "split")
 
@@ -286,12 +286,7 @@ def main(argv=None) -> int:
     results: dict[str, list] = {}
     for policy in a.policies.split(","):
         print(f"\n=== policy {policy}: unifiedserve serve --policy {policy} {' '.join(flags)}", flush=True)
-        try:
-            server = ServerProcess(["--policy", policy, *flags], a.out / f"server-{policy}.log")
-        except ServerStartError as e:  # e.g. a bad --server-args flag: the server says which
-            print(f"bench_policies.py: error: {e}", file=sys.stderr)
-            return 2
-        with server:
+        with ServerProcess(["--policy", policy, *flags], a.out / f"server-{policy}.log") as server:
             runs = results[policy] = []
             asyncio.run(warm_up(server.url, base))  # first-call costs (thread pools, allocator) stay out
             for rate in rates:
@@ -311,4 +306,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, "bench_policies.py"))

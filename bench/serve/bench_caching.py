@@ -32,7 +32,7 @@ for extra in (ROOT / "datasets", HERE):
 import synthetic_video  # noqa: E402
 import workloads  # noqa: E402
 from bench_serve import compute_metrics, machine_info, parse_goodput, run_benchmark  # noqa: E402
-from server_process import ServerProcess  # noqa: E402
+from server_process import ServerProcess, run_main  # noqa: E402
 
 MODES = {"caching": [], "no-caching": ["--no-prefix-caching", "--media-cache-gb", "0"]}
 FOLLOW_UPS = [("What happens in this video?", True), ("What colours do you see?", True),
@@ -152,4 +152,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, "bench_caching.py"))

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "bench" / "serve"))
 from bench_serve import (RequestRecord, _client, _error_text, chat_messages, compute_metrics,  # noqa: E402
                          format_metrics, machine_info, media_urls, parse_goodput)
 import workloads  # noqa: E402  (bench_serve put datasets/ on sys.path)
-from server_process import ServerProcess  # noqa: E402
+from server_process import ServerProcess, run_main  # noqa: E402
 
 REPLICA_HEADER = "x-unifiedserve-replica"
 ROUTERS = ("media-affinity", "serve-default")
@@ -158,4 +158,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, "bench_ray.py"))

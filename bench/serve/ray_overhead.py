@@ -30,7 +30,7 @@ for extra in (ROOT / "datasets", HERE):
     sys.path.insert(0, str(extra))
 
 import synthetic_video  # noqa: E402
-from server_process import ServerProcess, histogram_totals  # noqa: E402
+from server_process import ServerProcess, histogram_totals, run_main  # noqa: E402
 
 
 def ttft(url: str, messages: list[dict]) -> float:
@@ -256,4 +256,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, "ray_overhead.py"))

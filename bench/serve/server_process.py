@@ -44,6 +44,16 @@ class ServerStartError(RuntimeError):
     """The server exited or did not answer in time; the message ends with its own error line, if it wrote one."""
 
 
+def run_main(main, prog: str) -> int:
+    """``main()``'s exit status, with a server that would not start said in one ``prog: error:`` line (exit 2)
+    instead of a traceback: e.g. a bad ``--server-args`` flag, where the server's own error line says which."""
+    try:
+        return main()
+    except ServerStartError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
 def _last_error_line(log_path: Path) -> str:
     try:
         lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if "error" in line.lower()]

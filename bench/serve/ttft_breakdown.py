@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "datasets"))
 sys.path.insert(0, str(HERE))
 
 import synthetic_video  # noqa: E402
-from server_process import ServerProcess, histogram_totals  # noqa: E402
+from server_process import ServerProcess, histogram_totals, run_main  # noqa: E402
 
 VIDEO = dict(codec="h264", width=854, height=480, duration_s=180.0, fps=30.0, gop=250, bframes=3, suffix=".mp4",
              preset="veryfast", seed=0)
@@ -176,4 +176,4 @@ def run_one(clip: Path, mode: str, args) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, "ttft_breakdown.py"))

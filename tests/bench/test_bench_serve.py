@@ -274,3 +274,24 @@ def test_cli_user_errors_are_one_line(tmp_path, capsys):
     assert bs.main(["--workload-file", str(bad)]) == 2
     errs = capsys.readouterr().err.strip().splitlines()
     assert len(errs) == 3 and "w.jsonl:1:" in errs[2]
+
+
+# ---------------------------------------------------------------------------
+# server_process: a server that will not start is one error line, not a traceback
+# ---------------------------------------------------------------------------
+
+
+def test_bad_server_flag_is_one_error_line(tmp_path, capsys):
+    import server_process as sp
+
+    with pytest.raises(sp.ServerStartError, match=r"the server exited \(2\): .*error: .*--no-such-flag"):
+        sp.ServerProcess(["--no-such-flag"], tmp_path / "server.log", timeout=60)
+
+    def main() -> int:
+        sp.ServerProcess(["--no-such-flag"], tmp_path / "server2.log", timeout=60)
+        return 0
+
+    assert sp.run_main(main, "ttft_breakdown.py") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ttft_breakdown.py: error: the server exited (2): ")
+    assert sp.run_main(lambda: 0, "x") == 0
