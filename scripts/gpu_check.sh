@@ -23,7 +23,9 @@
 #              bench/policies on the 7B preset under a private MPS daemon, the long-video workload at 1-5
 #              minutes of 720p (VIDEO_SECONDS), Poisson arrivals at RATES; POLICY=unified|monolithic|split,
 #              NUM_REQUESTS (default 64); results in OUTDIR/policies-POLICY/, which
-#              `bench/policies/bench_policies.py --merge` turns into the three-policy table
+#              `bench/policies/bench_policies.py --merge` turns into the three-policy table; rates whose
+#              arrivals would outlast the run are skipped (64 requests at 0.2 req/s alone are 320 s), so a
+#              policy's rates may take several runs (RATES=...), which --merge joins
 # The steps' limits add up to more than the device's 10 minutes only where a step usually ends early;
 # what ran is in OUTDIR/status.txt either way.
 # Each step has its own time limit so that a hang in one still leaves the others' results in OUTDIR.
@@ -168,7 +170,11 @@ policies)
   step "bench/policies --policies $policy on the 7B preset: ${NUM_REQUESTS:-64} requests, 1-5 minute 720p videos"
   # the same workload, server flags and SLOs in every policy's run (media cached in /tmp between runs);
   # --no-prefix-caching / --media-cache-gb 0: each request pays its video, as in the paper's workload
+  # rates whose arrivals would outlast the device's 10 minutes are skipped (run them in another run: --merge
+  # joins a policy's rates across runs); each finished rate is in results.json at once
+  budget=$(( 600 - ($(date +%s) - start) - 60 ))
   run 500 policies python3 bench/policies/bench_policies.py --policies "$policy" --rates "${RATES:-0.2,0.4,0.8}" \
+    --time-budget-s "$budget" \
     --workload long-video --video-seconds "${VIDEO_SECONDS:-60,300}" --scale 1 --num-videos 4 \
     --num-requests "${NUM_REQUESTS:-64}" --output-len 128 --goodput ttft:10000 tbt:100 \
     --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16 --patch-buffer-gb 4 --no-prefix-caching --media-cache-gb 0" \

@@ -15,6 +15,10 @@ Where one run cannot hold all three policies (a GPU run is capped at 10 minutes)
 time with the same options, then merge the runs' ``results.json`` into one table and plots:
 
     python bench/policies/bench_policies.py --merge run-unified run-monolithic run-split --out merged
+
+A run may also hold only some rates of a policy (``--rates``, or rates ``--time-budget-s`` skipped):
+runs of one policy at other rates merge into its row. ``results.json`` is rewritten after every rate,
+so a run stopped from outside keeps the rates it finished (marked ``"partial": true``).
 """
 
 from __future__ import annotations
@@ -216,7 +220,7 @@ def merge(runs: list[Path], out: Path) -> int:
         except (OSError, ValueError) as e:
             raise ValueError(f"--merge: cannot read {path}: {e}") from None
     same = ("workload", "num_requests", "scale", "video_seconds", "num_videos", "output_len", "burstiness", "seed",
-            "goodput", "rates", "server_args")
+            "goodput", "server_args")
     first = loaded[0]["args"]
     for run, data in zip(runs[1:], loaded[1:]):
         differ = [k for k in same if data["args"].get(k) != first.get(k)]
@@ -225,10 +229,17 @@ def merge(runs: list[Path], out: Path) -> int:
     results: dict[str, list] = {}
     for run, data in zip(runs, loaded):
         for policy, policy_runs in data["results"].items():
-            if policy in results:
-                raise ValueError(f"--merge: policy {policy} is in more than one run ({run})")
-            results[policy] = policy_runs
-    rates = [float(r) for r in first["rates"].split(",")]
+            have = {r["rate"] for r in results.get(policy, [])}
+            again = sorted(have & {r["rate"] for r in policy_runs})
+            if again:
+                raise ValueError(f"--merge: policy {policy} at {', '.join(f'{r:g}' for r in again)} req/s is in more "
+                                 f"than one run ({run})")
+            results[policy] = sorted(results.get(policy, []) + policy_runs, key=lambda r: r["rate"])
+    order = {p: i for i, p in enumerate(POLICIES)}
+    results = dict(sorted(results.items(), key=lambda item: order.get(item[0], len(order))))
+    rates = sorted({r["rate"] for policy_runs in results.values() for r in policy_runs})
+    if not rates:
+        raise ValueError("--merge: the runs hold no finished rate")
     slo = parse_goodput(first["goodput"])
     return report(results, rates, slo, out, on_gpu(first.get("server_args", "")),
                   {"machine": [d.get("machine") for d in loaded], "args": first | {"merged": [str(r) for r in runs]}})
@@ -265,9 +276,12 @@ def main(argv=None) -> int:
     p.add_argument("--goodput", nargs="*", default=["ttft:20000", "tbt:500"], help="SLOs, e.g. ttft:MS tbt:MS")
     p.add_argument("--server-args", default="", help="extra flags for every server (same for all policies)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "policies")
+    p.add_argument("--time-budget-s", type=float, default=None, metavar="S",
+                   help="skip a rate whose arrivals (num_requests / rate) would end more than S s after the first "
+                        "server is started (a device run's time limit); finished rates are kept")
     p.add_argument("--merge", nargs="+", type=Path, metavar="RUN",
-                   help="no server: merge the results.json of these runs (one policy each, same workload, rates "
-                        "and SLOs) into one summary and plots in --out")
+                   help="no server: merge the results.json of these runs (one policy or some rates of one each, same "
+                        "workload and SLOs) into one summary and plots in --out")
     a = p.parse_args(argv)
     if a.merge:
         try:
@@ -284,12 +298,19 @@ def main(argv=None) -> int:
     flags = ["--allowed-local-media-path", str(media_dir.parent), "--kv-cache-gb", "0.5", "--patch-buffer-gb", "1",
              *a.server_args.split()]
     results: dict[str, list] = {}
+    meta = {"machine": machine_info(), "args": vars(a) | {"out": str(a.out), "merge": None}}
+    deadline = None if a.time_budget_s is None else time.monotonic() + a.time_budget_s
     for policy in a.policies.split(","):
         print(f"\n=== policy {policy}: unifiedserve serve --policy {policy} {' '.join(flags)}", flush=True)
         with ServerProcess(["--policy", policy, *flags], a.out / f"server-{policy}.log") as server:
             runs = results[policy] = []
             asyncio.run(warm_up(server.url, base))  # first-call costs (thread pools, allocator) stay out
             for rate in rates:
+                span = a.num_requests / rate  # the arrivals alone, before the last request is served
+                if deadline is not None and time.monotonic() + span > deadline:
+                    print(f"{policy} @ {rate} req/s: skipped: its arrivals alone take {span:.0f} s, "
+                          f"{max(0.0, deadline - time.monotonic()):.0f} s of --time-budget-s are left", flush=True)
+                    continue
                 reqs = workloads.with_arrivals(base, rate, arrival="gamma" if a.burstiness != 1 else "poisson",
                                                burstiness=a.burstiness, seed=a.seed)
                 started = time.perf_counter()
@@ -301,8 +322,15 @@ def main(argv=None) -> int:
                       f"p99 TBT {_pct(m, 'itl_ms', 'p99'):.0f} ms, goodput {(m['goodput'] or {}).get('requests_per_s')}",
                       flush=True)
                 runs.append({"rate": rate, "metrics": m, "records": [r.to_dict() for r in records]})
-    return report(results, rates, slo, a.out, on_gpu(a.server_args), {"machine": machine_info(),
-                                               "args": vars(a) | {"out": str(a.out), "merge": None}})
+                # what is finished survives a run stopped from outside (a device run's time limit)
+                (a.out / "results.json").write_text(json.dumps(meta | {"partial": True, "results": results},
+                                                               indent=1, default=str))
+    results = {policy: runs for policy, runs in results.items() if runs}
+    done = sorted({r["rate"] for policy_runs in results.values() for r in policy_runs})
+    if not done:
+        print("bench_policies.py: error: no rate fits --time-budget-s", file=sys.stderr)
+        return 1
+    return report(results, done, slo, a.out, on_gpu(a.server_args), meta)
 
 
 if __name__ == "__main__":

@@ -108,9 +108,17 @@ def test_merge_of_one_policy_runs_is_the_three_policy_table(results, tmp_path, c
     assert "(target <= 0.2: met)" in text and "Comparison rate: **1 req/s**" in text
 
 
+def test_merge_joins_runs_of_one_policy_at_other_rates(results, tmp_path):
+    runs = [write_run(tmp_path / p, {p: results[p]}) for p in ("monolithic", "split")]
+    runs += [write_run(tmp_path / "u-low", {"unified": results["unified"][:1]}, rates="0.5"),
+             write_run(tmp_path / "u-high", {"unified": results["unified"][1:]}, rates="1")]
+    assert bp.main(["--merge", *map(str, runs), "--out", str(tmp_path / "merged")]) == 0
+    assert (tmp_path / "merged" / "summary.md").read_text() == bp.summarize(results, 1.0, SLO, gpu=True)
+
+
 @pytest.mark.parametrize("second, needle", [
-    ({"split": None, "args": {"rates": "0.5"}}, "was run with other rates"),
-    ({"unified": None, "args": {}}, "policy unified is in more than one run"),
+    ({"split": None, "args": {"seed": 1}}, "was run with other seed"),
+    ({"unified": None, "args": {}}, "policy unified at 0.5, 1 req/s is in more than one run"),
 ])
 def test_merge_refuses_runs_that_do_not_compare(results, tmp_path, capsys, second, needle):
     first = write_run(tmp_path / "a", {"unified": results["unified"]})
@@ -125,3 +133,42 @@ def test_merge_of_a_missing_run_is_an_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bp.main(["--merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "m")])
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_time_budget_skips_rates_and_results_survive_each_rate(tmp_path, monkeypatch, capsys):
+    """With a fake server and client: a rate whose arrivals outlast --time-budget-s is skipped, and results.json
+    holds every finished rate as soon as it finishes."""
+    import contextlib
+    import json
+
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_server(args, log):
+        yield type("S", (), {"url": "http://fake"})()
+
+    async def fake_run(url, reqs, max_concurrency=None, progress=False):
+        partial = tmp_path / "out" / "results.json"
+        seen.append(json.loads(partial.read_text())["results"]["unified"] if partial.exists() else None)
+        return bp.records_of(run(0.5, 0.5, 0.02)), 10.0
+
+    async def no_warm_up(url, base):
+        return None
+
+    monkeypatch.setattr(bp, "ServerProcess", fake_server)
+    monkeypatch.setattr(bp, "run_benchmark", fake_run)
+    monkeypatch.setattr(bp, "warm_up", no_warm_up)
+    monkeypatch.setattr(bp.workloads, "generate_workload", lambda cfg, progress=False: [
+        {"id": f"q{i}", "media": [], "prompt": "hi", "output_len": 5} for i in range(4)])
+    monkeypatch.setattr(bp.workloads, "with_arrivals", lambda base, rate, **kw: base)
+    # 4 requests: 8 s of arrivals at 0.5 req/s, 2 s at 2 req/s, 400 s at 0.01 req/s (over the 60-s budget)
+    argv = ["--policies", "unified", "--rates", "0.5,0.01,2", "--num-requests", "4", "--time-budget-s", "60",
+            "--goodput", "ttft:1000", "tbt:100", "--out", str(tmp_path / "out")]
+    assert bp.main(argv) == 0
+    assert "unified @ 0.01 req/s: skipped: its arrivals alone take 400 s" in capsys.readouterr().out
+    assert seen[0] is None and [r["rate"] for r in seen[1]] == [0.5]  # rate 0.5 was on disk before rate 2 ran
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert "partial" not in data and [r["rate"] for r in data["results"]["unified"]] == [0.5, 2.0]
+    argv[argv.index("60")] = "1"
+    assert bp.main(argv) == 1
+    assert "no rate fits --time-budget-s" in capsys.readouterr().err
