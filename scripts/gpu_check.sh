@@ -10,8 +10,8 @@
 #   decode     flashcodec on NVDEC / nvJPEG / NVML: the decode tests, bench/decode/bench_resize.py (the
 #              fused resize kernel) and bench/decode/bench_gpu.py; then bench/kernels/bench_sm_shares.py
 #              (issue 14: green contexts vs MPS shares; pure torch, so it rides with this group)
-#   attention  the engine on flashinfer: a random-weight Qwen2.5-VL-7B preset, the kernels' JIT warm-up
-#              (and the csrc/ build beside it), the unifiedserve cuda tests, the MPS launcher test,
+#   attention  the engine on flashinfer: a random-weight Qwen2.5-VL-7B preset, flashinfer's kernels (carried
+#              prebuilt by scripts/gpu_wheels.sh, else JIT-compiled) warmed (and the csrc/ build beside it), the unifiedserve cuda tests, the MPS launcher test,
 #              bench/kernels (paged copy, fused layer ops)
 #   engine     (attention's wheels) bench/engine on the 7B preset (decode timed sync and with async scheduling,
 #              and split into graph replay and host time), then its decode with the fused ops off
@@ -89,6 +89,14 @@ mkdir -p "$site/bin"
 printf '#!/bin/sh\nexec python3 -m unifiedserve.cli "$@"\n' > "$site/bin/unifiedserve"
 chmod +x "$site/bin/unifiedserve"
 export UNIFIEDSERVE_BIN=$site/bin/unifiedserve
+if [ -f .whl/flashinfer-kernels.tar.xz ] && [ "$group" != decode ]; then
+  step "flashinfer's kernels, compiled on the development machine (scripts/flashinfer_kernels.py): no JIT here"
+  rm -f /tmp/flashinfer-fallback.env
+  run 150 flashinfer-kernels python3 scripts/flashinfer_kernels.py install .whl/flashinfer-kernels.tar.xz \
+    --env-out /tmp/flashinfer-fallback.env
+  # FA3 modules that do not load, with no CUTLASS headers to compile them (slim wheel): prefill runs FA2
+  [ -f /tmp/flashinfer-fallback.env ] && . /tmp/flashinfer-fallback.env
+fi
 
 step "probe"
 run 60 probe python3 scripts/gpu_probe.py --out "$out/probe.json"
@@ -104,12 +112,18 @@ prepare_7b() {
     run 150 demo-model python3 -m unifiedserve.cli demo-model /tmp/qwen2.5-vl-7b --preset qwen2.5-vl-7b \
       --dtype bfloat16
   fi
-  step "flashinfer warm-up (JIT once per machine; nothing is timed before it), the csrc/ ops built beside it"
+  step "flashinfer warm-up (prebuilt kernels load, others JIT once per machine; nothing is timed before it), the csrc/ ops built beside it"
   # nvcc builds csrc/ (paged copy + fused layer ops, about a minute) on other cores while flashinfer compiles;
   # one model only: flashinfer compiles per head size (about 130 s for a new one)
   run 240 ops-build python3 -c "from unifiedserve import ops; print(ops.build_info())" &
   local ops_build=$!
   run 240 flashinfer-warmup python3 -m unifiedserve.attention.warmup --model /tmp/qwen2.5-vl-7b
+  if ! grep -q "attention kernels warm" "$out/flashinfer-warmup.log" && [ -z "${UNIFIEDSERVE_FLASHINFER_PREFILL_BACKEND:-}" ]; then
+    # e.g. an FA3 module neither carried nor compilable (the slim wheel has no CUTLASS): FA2 for the whole run
+    export UNIFIEDSERVE_FLASHINFER_PREFILL_BACKEND=fa2
+    step "the warm-up failed: again with UNIFIEDSERVE_FLASHINFER_PREFILL_BACKEND=fa2, kept for the rest of the run"
+    run 240 flashinfer-warmup-fa2 python3 -m unifiedserve.attention.warmup --model /tmp/qwen2.5-vl-7b
+  fi
   wait "$ops_build"
 }
 

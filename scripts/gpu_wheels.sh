@@ -4,8 +4,12 @@
 # groups go in two runs: scripts/gpu_check.sh OUTDIR decode|attention installs whatever is in .whl/.
 # The lists are in scripts/gpu_wheels.txt:
 #   decode    : PyAV 19 (FFmpeg with NVDEC), torchcodec 0.16 (first CUDA 13 build on PyPI)          ~53 MB
-#   attention : flashinfer-python 0.6.13 + apache-tvm-ffi (kernels JIT-compiled on first use), and PyAV 19:
-#               the server's vision process and the tests that import flashcodec need it          ~60 MB
+#   attention : flashinfer-python 0.6.13 + apache-tvm-ffi, and PyAV 19: the server's vision process and the
+#               tests that import flashcodec need it. flashinfer's attention kernels are compiled here for
+#               sm_90a (scripts/flashinfer_kernels.py: ~12 min on two cores the first time, then kept in
+#               ~/.cache/unifiedserve) into flashinfer-kernels.tar.xz, so no device run spends its minutes on
+#               the JIT, and the flashinfer wheel loses CUTLASS's headers (only that JIT reads them) to
+#               make room; FLASHINFER_KERNELS=0 skips both                                         ~57 MB
 # Both add the server's dependencies (fastapi 0.165 imports opentelemetry-api at import; the engine's sampler
 # imports llguidance, whose wheel is manylinux_2_31) and pytest-timeout. scripts/device_packages.py closure
 # then checks that every wheel's requirements are in the folder or on the machine, and this script that the
@@ -24,9 +28,29 @@ for pkg in $pkgs; do
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
     -d "$dest" "$pkg" 2>&1 | grep -v '^WARNING' || true
 done
+if [ "$group" = attention ] && [ "${FLASHINFER_KERNELS:-1}" != 0 ]; then
+  # a Python-3.11 flashinfer to drive its own JIT recipe here (the .whl/ wheels are for the device's 3.12), and
+  # cuRAND's headers, which CUTLASS's utilities include and this machine's CUDA toolkit lacks
+  build_site=${XDG_CACHE_HOME:-$HOME/.cache}/unifiedserve/flashinfer-build-site
+  reqs="$(echo "$pkgs" | tr ' ' '\n' | grep -E '^(flashinfer-python|apache-tvm-ffi)==' | tr '\n' ' ')nvidia-curand==10.4.0.35"
+  reqs="$reqs nvidia-ml-py requests tabulate einops charset-normalizer idna urllib3 certifi"
+  if [ "$(cat "$build_site/.requirements" 2>/dev/null)" != "$reqs" ]; then
+    rm -rf "$build_site"
+    # shellcheck disable=SC2086
+    "$py" -m pip install -q --no-deps --target "$build_site" $reqs 2>&1 | grep -v '^WARNING' || true
+    echo "$reqs" > "$build_site/.requirements"
+  fi
+  # check: the project's backends, planned against this flashinfer, ask for exactly the modules built
+  if PYTHONPATH="$build_site" "$py" scripts/flashinfer_kernels.py check &&
+     PYTHONPATH="$build_site" "$py" scripts/flashinfer_kernels.py build "$dest/flashinfer-kernels.tar.xz"; then
+    "$py" scripts/flashinfer_kernels.py slim-wheel "$dest"/flashinfer_python-*.whl
+  else
+    echo "gpu_wheels.sh: the kernels did not build: the device runs will JIT them (full flashinfer wheel kept)" >&2
+  fi
+fi
 du -sh "$dest"
 # what one device run may bring: these wheels and the working tree (tracked and untracked, not ignored)
-total=$(( $(cat "$dest"/*.whl | wc -c) + $(git ls-files -co --exclude-standard -z | xargs -0 cat 2>/dev/null | wc -c) ))
+total=$(( $(cat "$dest"/* | wc -c) + $(git ls-files -co --exclude-standard -z | xargs -0 cat 2>/dev/null | wc -c) ))
 echo "with the working tree: $(( total / 1048576 )) MiB of the 64 MiB a run may carry"
 [ "$total" -le $(( 64 * 1048576 )) ] || { echo "gpu_wheels.sh: error: over 64 MiB" >&2; exit 1; }
 "$py" scripts/device_packages.py closure "$dest"

@@ -54,6 +54,11 @@ _DEMO_TEXT = dict(hidden_size=256, intermediate_size=1344, num_hidden_layers=4, 
                   max_position_embeddings=32768)
 _BPE_VOCAB_SIZE = 1400
 
+
+def demo_text_config(vocab_size: int = 64) -> TextConfig:
+    """The demo model's language-model config (its vocabulary is the tokenizer's, padded to 64)."""
+    return TextConfig(vocab_size=vocab_size, **_DEMO_TEXT)
+
 # Qwen2-VL style: a default system turn, one <|vision_start|><|image_pad|><|vision_end|> per image.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -123,7 +128,7 @@ def demo_config(num_tokens: int, token_ids: dict[str, int], tie_word_embeddings:
     if preset == "tiny":
         if overrides:
             raise ValueError(f"the tiny preset takes no {', '.join(sorted(overrides))}")
-        text, vision, tie = TextConfig(vocab_size=-(-num_tokens // 64) * 64, **_DEMO_TEXT), DEMO_VISION, False
+        text, vision, tie = demo_text_config(-(-num_tokens // 64) * 64), DEMO_VISION, False
     else:
         text, vision, tie = preset_architecture(preset, **overrides)
         if text.vocab_size < num_tokens:
