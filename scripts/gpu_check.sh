@@ -98,6 +98,15 @@ if [ -f .whl/flashinfer-kernels.tar.xz ] && [ "$group" != decode ]; then
   [ -f /tmp/flashinfer-fallback.env ] && . /tmp/flashinfer-fallback.env
 fi
 
+ops_build=""
+case $group in attention|engine|serve|policies)
+  # csrc/ (paged copy, fused layer ops) compiles with the device's nvcc, about a minute on its cores, while the
+  # machine is probed and the 7B preset written; prepare_7b waits for it
+  step "csrc/ ops build started in the background"
+  run 300 ops-build python3 -c "from unifiedserve import ops; print(ops.build_info())" &
+  ops_build=$! ;;
+esac
+
 step "probe"
 run 60 probe python3 scripts/gpu_probe.py --out "$out/probe.json"
 
@@ -112,11 +121,8 @@ prepare_7b() {
     run 150 demo-model python3 -m unifiedserve.cli demo-model /tmp/qwen2.5-vl-7b --preset qwen2.5-vl-7b \
       --dtype bfloat16
   fi
-  step "flashinfer warm-up (prebuilt kernels load, others JIT once per machine; nothing is timed before it), the csrc/ ops built beside it"
-  # nvcc builds csrc/ (paged copy + fused layer ops, about a minute) on other cores while flashinfer compiles;
-  # one model only: flashinfer compiles per head size (about 130 s for a new one)
-  run 240 ops-build python3 -c "from unifiedserve import ops; print(ops.build_info())" &
-  local ops_build=$!
+  step "flashinfer warm-up (prebuilt kernels load, others JIT once per machine; nothing is timed before it)"
+  # one model only: a head size whose kernels were not carried compiles here (about 130 s)
   run 240 flashinfer-warmup python3 -m unifiedserve.attention.warmup --model /tmp/qwen2.5-vl-7b
   if ! grep -q "attention kernels warm" "$out/flashinfer-warmup.log" && [ -z "${UNIFIEDSERVE_FLASHINFER_PREFILL_BACKEND:-}" ]; then
     # e.g. an FA3 module neither carried nor compilable (the slim wheel has no CUTLASS): FA2 for the whole run
@@ -124,7 +130,8 @@ prepare_7b() {
     step "the warm-up failed: again with UNIFIEDSERVE_FLASHINFER_PREFILL_BACKEND=fa2, kept for the rest of the run"
     run 240 flashinfer-warmup-fa2 python3 -m unifiedserve.attention.warmup --model /tmp/qwen2.5-vl-7b
   fi
-  wait "$ops_build"
+  step "waiting for the csrc/ ops build"
+  [ -n "$ops_build" ] && wait "$ops_build"
 }
 
 # The groups that start the multi-process server on the GPU: past its unverified-CUDA gate, the 7B preset,
