@@ -1,0 +1,51 @@
+"""The shell scripts parse, and the GPU-run scripts refuse bad arguments before touching anything.
+
+gpu_check.sh and gpu_wheels.sh run only on the GPU machine or before a device run, never in CI: a syntax
+error or a bad argument check there would cost a rare device run, so both are checked here."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted([*ROOT.glob("scripts/*.sh"), *ROOT.glob("launch/*.sh")])
+
+
+def test_scripts_are_found():
+    names = {p.name for p in SCRIPTS}
+    assert {"gpu_check.sh", "gpu_wheels.sh", "mps.sh", "serve-node.sh", "ray-cluster.sh"} <= names
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_script_parses(script):
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("args, env, needle", [
+    ([], {}, "usage: scripts/gpu_check.sh OUTDIR"),
+    (["OUT", "benchmarks"], {}, "gpu_check.sh: error: group must be decode, attention, engine, serve or policies"),
+    (["OUT", "policies"], {"POLICY": "fast"}, "gpu_check.sh: error: POLICY must be unified, monolithic or split"),
+])
+def test_gpu_check_refuses_bad_arguments_before_doing_anything(tmp_path, args, env, needle):
+    out = [str(tmp_path / a) if a == "OUT" else a for a in args]
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), *out], capture_output=True, text=True,
+                          timeout=30, env={"PATH": "/usr/bin:/bin", **env})
+    assert proc.returncode != 0 and needle in proc.stderr
+    assert not (tmp_path / "OUT").exists()  # no output folder, no log: nothing started
+
+
+def test_gpu_wheels_needs_a_known_group_and_leaves_the_folder_alone(tmp_path):
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_wheels.sh")], capture_output=True, text=True,
+                          timeout=30, env={"PATH": "/usr/bin:/bin"})
+    assert proc.returncode != 0 and "usage: scripts/gpu_wheels.sh decode|attention" in proc.stderr
+    dest = tmp_path / "wheels"
+    dest.mkdir()
+    (dest / "kept.whl").write_bytes(b"")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_wheels.sh"), "foo", str(dest)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode != 0 and "group must be one of attention, decode, got 'foo'" in proc.stderr
+    assert (dest / "kept.whl").exists()  # nothing emptied before the group was known
