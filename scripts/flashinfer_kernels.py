@@ -107,10 +107,11 @@ def sha256(path: Path) -> str:
 def requested_configs(presets: tuple[str, ...] = DEFAULT_PRESETS, dtype: str = "bfloat16") -> list[KernelConfig]:
     """The modules the project's attention backends ask flashinfer for on a Hopper GPU, found without one.
 
-    Drives ``FlashInferAttention.plan`` (a prefill and a decode step) and the vision tower's ragged wrapper
-    for each model with flashinfer's Hopper check forced true, CPU tensors for its pinned buffers, and its
-    module lookup recording the request instead of loading; :func:`kernel_configs` must equal this, or a
-    run would JIT-compile what was meant to be carried. Needs flashinfer importable (the build's site).
+    Drives ``FlashInferAttention.plan`` (a prefill step, a decode step eager and as a CUDA graph replays it)
+    and the vision tower's ragged path for each model, with flashinfer's Hopper check forced true, CPU
+    tensors for its pinned buffers, and its module lookup recording the request instead of loading;
+    :func:`kernel_configs` must equal this, or a run would JIT-compile what was meant to be carried.
+    Needs flashinfer importable (the build's site).
     """
     import torch
 
@@ -153,6 +154,8 @@ def requested_configs(presets: tuple[str, ...] = DEFAULT_PRESETS, dtype: str = "
             attn = _backend_on_cpu(flashinfer_backend, cache, text)
             attn.plan([(0, 5, [0])])  # a prefill chunk
             attn.plan([(4, 1, [0])])  # a decode step
+            attn.init_cuda_graph([1, 2], 64)  # and one as a captured graph replays it (its own wrappers)
+            attn.plan([(4, 1, [0])], graph_batch_size=2)
             qkv = torch.zeros(64, vision.num_heads, vision.head_dim, dtype=torch_dtype)  # the tower's own head dim
             varlen._ragged(qkv, qkv, qkv, (16, 48), vision.head_dim ** -0.5)  # pads it as a GPU run would
         return sorted(asked)
