@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from unifiedserve.engine.params import SamplingParams
@@ -132,15 +133,38 @@ class Request:
             first += item.num_visual_tokens
         return [tuple(s) for s in spans]
 
+    def _media_hash_spans(self) -> list[tuple[int, int, str]]:
+        keys = self.media_keys or [""] * self.num_media
+        return [(f, n, k) for (f, n), k in zip(self.media_visual_spans(), keys)]
+
     def block_hashes(self, block_size: int) -> list[bytes]:
         """Prefix hashes of the prompt's full KV blocks (computed once; see ``memory/prefix_hash.py``)."""
         if self._block_hashes is None:
             from unifiedserve.memory.prefix_hash import block_hashes
 
-            keys = self.media_keys or [""] * self.num_media
-            spans = [(f, n, k) for (f, n), k in zip(self.media_visual_spans(), keys)]
-            self._block_hashes = block_hashes(self.prompt_token_ids, block_size, spans, self.visual_positions)
+            self._block_hashes = block_hashes(self.prompt_token_ids, block_size, self._media_hash_spans(),
+                                              self.visual_positions)
         return self._block_hashes
+
+    def computed_block_hashes(self, block_size: int, output_token_ids: Sequence[int] | None = None) -> list[bytes]:
+        """Prefix hashes of every full block whose K/V are written: the prompt's computed blocks, then, once
+        decoding, the blocks its outputs filled, as vLLM caches them (a later turn that repeats the answer
+        finds it). The last output's K/V are never computed (nothing ran on it), so it is left out.
+
+        Args:
+            output_token_ids: the outputs, where this process does not hold them (a decode process reports
+                them with its ``ReleaseBlocks``); default ``self.output_token_ids``.
+        """
+        outputs = self.output_token_ids if output_token_ids is None else output_token_ids
+        prompt = self.block_hashes(block_size)
+        if not outputs or self.num_computed_tokens < self.prompt_len:
+            return prompt[:self.num_computed_tokens // block_size]
+        if len(prompt) < self.prompt_len // block_size:  # the chain stopped at media without a key
+            return prompt
+        from unifiedserve.memory.prefix_hash import block_hashes
+
+        tokens = [*self.prompt_token_ids, *outputs[:-1]]
+        return block_hashes(tokens, block_size, self._media_hash_spans(), self.visual_positions, start=prompt)
 
     @property
     def media_without_patches(self) -> set[int]:

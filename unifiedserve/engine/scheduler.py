@@ -37,6 +37,7 @@ core lent them, schedules nothing but their decode rows, and never allocates or 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from unifiedserve.engine.request import Request, Status
@@ -155,7 +156,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.patch_streams: dict[str, PagedStream] = {}
         self.visual_streams: dict[str, PagedStream] = {}
-        self.handed_off: set[str] = set()  # prefilled, decoding elsewhere; their KV blocks are still held
+        self.handed_off: dict[str, Request] = {}  # prefilled, decoding elsewhere; their KV blocks are still held
         self.kv_overtakes: dict[str, int] = {}  # request waiting for KV blocks -> later requests that took theirs
         self.adopted: set[str] = set()  # prefilled elsewhere, decoding here on blocks lent by their owner
 
@@ -447,19 +448,28 @@ class Scheduler:
         self.running.remove(req)
         self.patch_pages.free(self.patch_streams.pop(request_id).release())
         self.visual_pages.free(self.visual_streams.pop(request_id).release())
-        self.handed_off.add(request_id)
+        self.handed_off[request_id] = req
         return req
 
-    def release(self, request_id: str) -> bool:
+    def release(self, request_id: str, output_token_ids: Sequence[int] = ()) -> bool:
         """The decode process is done with a handed-off request: free its KV blocks.
+
+        With prefix caching, the full blocks its outputs filled join the cache first (``output_token_ids``:
+        its outputs as the decode process reports them; none, as for an abort, caches none of them).
 
         Returns False for an id that is not handed off (e.g. released twice).
         """
-        if request_id not in self.handed_off:
+        req = self.handed_off.pop(request_id, None)
+        if req is None:
             return False
-        self.handed_off.remove(request_id)
+        self._cache_outputs(req, output_token_ids)
         self.blocks.free(request_id)
         return True
+
+    def _cache_outputs(self, req: Request, output_token_ids: Sequence[int] | None = None) -> None:
+        """Register the full blocks a finished request's outputs filled (its prompt's are already in)."""
+        if self.blocks.enable_prefix_caching and req.request_id in self.blocks:
+            self.blocks.register(req.request_id, req.computed_block_hashes(self.blocks.block_size, output_token_ids))
 
     def finish(self, request_id: str, reason: str) -> Request:
         """Mark finished (or aborted) and free everything it holds: KV blocks and unread pages."""
@@ -472,6 +482,7 @@ class Scheduler:
         elif req in self.running:
             self.running.remove(req)
             if request_id in self.blocks:
+                self._cache_outputs(req)
                 self.blocks.free(request_id)
             for m in req.cached_media:  # pins of media-cache entries not copied yet
                 if not self._media_copied(req, m):

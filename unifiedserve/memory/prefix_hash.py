@@ -10,6 +10,9 @@ equal places, hence equal M-RoPE positions and equal keys and values (same model
 
 A block that holds a token of media without a key (``""``) cannot be named, and neither can any
 block after it: the chain stops there.
+
+When a request ends, the chain goes on over the tokens it generated (they hash as text), so the
+blocks its answer filled are cached too and a chat's next turn, which repeats the answer, finds them.
 """
 
 from __future__ import annotations
@@ -23,15 +26,18 @@ __all__ = ["block_hashes"]
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, media_spans: Sequence[tuple[int, int, str]] = (),
-                 visual_positions: Sequence[int] = ()) -> list[bytes]:
+                 visual_positions: Sequence[int] = (), start: Sequence[bytes] = ()) -> list[bytes]:
     """Chained hashes of the full blocks of ``token_ids`` (a trailing partial block has none).
 
     Args:
-        token_ids: the prompt, visual placeholders expanded (one token per visual token).
+        token_ids: the prompt, visual placeholders expanded (one token per visual token), and
+            possibly tokens generated after it (they hash as text).
         block_size: tokens per KV block.
         media_spans: per media in prompt order, ``(first, count, key)``: its visual tokens are
             ``visual_positions[first:first + count]``; ``key`` is its media key ("" = uncacheable).
         visual_positions: sorted prompt positions of all visual tokens (media order).
+        start: the hashes of the first blocks, known already (a prompt's, to extend over its
+            outputs): they are returned as they are and the chain goes on from the last.
 
     Returns:
         One 16-byte hash per full block, from the first, stopping before a block with an unkeyed
@@ -40,9 +46,9 @@ def block_hashes(token_ids: Sequence[int], block_size: int, media_spans: Sequenc
     # per media: prompt positions of its first and last visual token
     starts = [visual_positions[f] for f, n, _ in media_spans if n]
     spans = [(visual_positions[f], visual_positions[f + n - 1], f, key) for f, n, key in media_spans if n]
-    out: list[bytes] = []
-    parent = b""
-    for b in range(len(token_ids) // block_size):
+    out: list[bytes] = list(start)
+    parent = out[-1] if out else b""
+    for b in range(len(out), len(token_ids) // block_size):
         lo, hi = b * block_size, (b + 1) * block_size
         h = hashlib.blake2b(parent, digest_size=16)
         h.update(array("q", token_ids[lo:hi]).tobytes())

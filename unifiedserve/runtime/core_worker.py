@@ -124,8 +124,9 @@ class CoreWorker(Worker):
             elif not self.decode_here and rid in self.scheduler.handed_off:
                 self.send("decode", message)  # decode replies with ReleaseBlocks
         elif isinstance(message, protocol.ReleaseBlocks):
-            for rid in message.request_ids:
-                self.scheduler.release(rid)
+            outputs = message.output_token_ids
+            for i, rid in enumerate(message.request_ids):
+                self.scheduler.release(rid, outputs[i] if i < len(outputs) else ())
 
     def _add(self, msg: protocol.AddRequest) -> None:
         grids = [MediaGrid(p.kind, tuple(p.grid_thw), p.second_per_grid_t) for p in msg.media]

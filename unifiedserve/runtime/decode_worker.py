@@ -71,6 +71,7 @@ class DecodeWorker(Worker):
         runner.warmup(None if eng.enforce_eager else eng.max_cuda_graph_batch)  # CUDA graphs: decode's own
         self.scheduler = Scheduler.decode_only(eng.scheduler)
         self.core = EngineCore(self.scheduler, runner, eng.async_scheduling)
+        self._outputs: dict[str, list[int]] = {}  # finished, blocks not yet released -> its outputs
         self.releases = BlockReleases(self.core)
         return {"device": eng.device, "torch_threads": str(torch.get_num_threads()), "nice": str(os.nice(0)),
                 "max_decode_batch": str(self.scheduler.config.max_decode_batch),
@@ -94,7 +95,7 @@ class DecodeWorker(Worker):
         elif isinstance(message, protocol.AbortRequest):
             if message.request_id not in self.scheduler.requests:
                 return  # already finished: its blocks were released then
-            self.core.finish(message.request_id, "abort")
+            self._finish(message.request_id, "abort")
             self._release([message.request_id])
 
     def step(self) -> None:
@@ -104,13 +105,19 @@ class DecodeWorker(Worker):
             outputs.append(protocol.TokenOutput(rid, r.index, r.token_id, r.finish_reason, None,
                                                 *(r.logprobs if r.logprobs is not None else (None, None))))
             if r.finish_reason is not None:
-                self.core.finish(rid, r.finish_reason)
+                self._finish(rid, r.finish_reason)
                 finished.append(rid)
         if outputs:
             self.send("api", protocol.TokenOutputs(outputs))
         self._release(finished)
 
+    def _finish(self, request_id: str, reason: str) -> None:
+        """End a request here; its outputs go back with its blocks (core caches the blocks they filled)."""
+        seq = self.core.seqs.get(request_id)
+        self._outputs[request_id] = list(seq.output_token_ids) if seq is not None else []
+        self.core.finish(request_id, reason)
+
     def _release(self, finished: list[str]) -> None:
         ready = self.releases.ready(finished)
         if ready:
-            self.send("core", protocol.ReleaseBlocks(ready))
+            self.send("core", protocol.ReleaseBlocks(ready, [self._outputs.pop(r, []) for r in ready]))

@@ -123,9 +123,13 @@ class MediaReady(msgspec.Struct, tag=True):
 
 
 class ReleaseBlocks(msgspec.Struct, tag=True):
-    """Decode is done with these requests: free their KV blocks."""
+    """Decode is done with these requests: free their KV blocks.
+
+    ``output_token_ids[i]``, where given, are request ``i``'s outputs: with prefix caching, core caches the
+    full blocks they filled before freeing them."""
 
     request_ids: list[str]
+    output_token_ids: list[list[int]] = []
 
 
 # -- to decode -----------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def test_handed_off_requests_decode_the_llms_tokens(llm, prompts):
             request, seq, table, delta = llm.core.hand_off(rid)
             del llm._live[rid]
             handed[rid] = (request.prompt_len, delta, table, seq)
-    assert llm.scheduler.handed_off == set(ids) and not llm.scheduler.has_work
+    assert set(llm.scheduler.handed_off) == set(ids) and not llm.scheduler.has_work
     used = llm.pool_usage()["kv_blocks_used"]
     assert handed[ids[0]][1] != 0
 

@@ -95,3 +95,60 @@ def test_other_pixels_are_never_served_from_the_cache(demo_path, video):
     hits = engine.scheduler.media_hit_tokens
     _, _, encoded = _ask(engine, other, "What is this?")
     assert encoded == video.grid_thw[0] and engine.scheduler.media_hit_tokens == hits
+
+
+def _turn_two(engine: LLM, video: VisionInput, answer: list[int]):
+    """Turn one's prompt, its answer's tokens as they were generated, then more text: a chat's next turn."""
+    ids, vision = engine.build_prompt([{"role": "user", "content": [{"type": "video", "vision": video},
+                                                                    {"type": "text", "text": "What happens?"}]}])
+    return ids, vision, [*ids, *answer, *ids[-6:]]
+
+
+def test_a_later_turn_reuses_the_blocks_the_answer_filled(demo_path, video):
+    cached, plain = _engine(demo_path, True), _engine(demo_path, False)
+    params = SamplingParams(max_tokens=11, ignore_eos=True)
+    ids, vision, _ = _turn_two(cached, video, [])
+    answer = cached.generate([(ids, vision, params)])[0].token_ids
+    assert answer == plain.generate([(ids, vision, params)])[0].token_ids
+    _, _, ids2 = _turn_two(cached, video, answer)
+    before = cached.scheduler.prefix_hit_tokens
+    a = cached.generate([(ids2, vision, params)])[0]
+    # every full block of the prompt and the answer but its last token (whose K/V nothing computed)
+    assert cached.scheduler.prefix_hit_tokens - before == (len(ids) + len(answer) - 1) // 4 * 4 > len(ids) // 4 * 4
+    assert a.token_ids == plain.generate([(ids2, vision, params)])[0].token_ids
+    assert cached.pool_usage()["kv_blocks_used"] == 0
+
+
+def test_a_handed_off_requests_answer_is_cached_when_decode_releases_it(demo_path, video):
+    from unifiedserve.engine.core import EngineCore, SequenceState
+    from unifiedserve.engine.runner import ModelRunner
+    from unifiedserve.engine.sampling import SamplerState
+    from unifiedserve.engine.scheduler import Scheduler
+
+    engine = _engine(demo_path, True)
+    params = SamplingParams(max_tokens=11, ignore_eos=True)
+    ids, vision, _ = _turn_two(engine, video, [])
+    rid = engine.add_request(ids, vision, params)
+    while not engine.scheduler.requests[rid].output_token_ids:
+        engine.core.step()
+    request, seq, table, delta = engine.core.hand_off(rid)
+    del engine._live[rid]
+    cfg = engine.config  # the decode process's core on the same KV cache, as in the runtime
+    runner = ModelRunner(engine.model, num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size,
+                         num_patch_pages=0, num_visual_pages=0, page_size=cfg.page_size,
+                         kv_storage=engine.runner.kv_cache.tensor)
+    decode = EngineCore(Scheduler.decode_only(SchedulerConfig()), runner)
+    decode.adopt(rid, SequenceState(params, SamplerState.from_bytes(seq.sampler.to_bytes()), seq.stop_ids,
+                                    list(seq.output_token_ids)), request.prompt_len, delta, table)
+    answer = None
+    while answer is None:
+        for r, token in decode.step()[1]:
+            if token.finish_reason is not None:
+                answer = list(decode.seqs[r].output_token_ids)
+                decode.finish(r, token.finish_reason)
+    assert engine.scheduler.release(rid, answer)  # what ReleaseBlocks carries from the decode process
+    _, _, ids2 = _turn_two(engine, video, answer)
+    before = engine.scheduler.prefix_hit_tokens
+    engine.generate([(ids2, vision, params)])
+    assert engine.scheduler.prefix_hit_tokens - before == (len(ids) + len(answer) - 1) // 4 * 4
+    assert engine.pool_usage()["kv_blocks_used"] == 0

@@ -38,3 +38,14 @@ def test_a_chain_stops_at_an_unkeyed_media():
     assert len(block_hashes(ids, 4, [(0, 4, "")], pos)) == 1
     text = block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
     assert len(text) == 2 and text[0] != text[1]
+
+
+def test_a_chain_extends_from_known_hashes():
+    ids, pos = _prompt(3, 6, [5, 6, 7, 8])  # a prompt of 13 tokens: 3 full blocks
+    spans = [(0, 6, "video-a")]
+    prompt = block_hashes(ids, 4, spans, pos)
+    longer = ids + [20, 21, 22, 23, 24, 25, 26]  # its outputs: the partial block fills, one more block
+    whole = block_hashes(longer, 4, spans, pos)
+    assert len(whole) == 5 and whole[:3] == prompt
+    assert block_hashes(longer, 4, spans, pos, start=prompt) == whole  # the same, without rehashing the prompt
+    assert block_hashes(longer, 4, spans, pos, start=whole[:1]) == whole

@@ -18,6 +18,7 @@ MESSAGES = [
     (p.ToCore, p.AbortRequest("r1")),
     (p.ToCore, p.MediaReady("r1", 0, 0.25)),
     (p.ToCore, p.ReleaseBlocks(["a", "b"])),
+    (p.ToCore, p.ReleaseBlocks(["a", "b"], [[5, 6, 7], []])),
     (p.ToDecode, p.Handoff("r1", [0, 1], 30, -4, 17, PARAMS, [9], b"\x00\x01state")),
     (p.ToApi, p.MediaProbed("r1", [p.MediaPlan("image", (1, 4, 4))], 0.01)),
     (p.ToApi, p.MediaFailed("r1", "media 0: not a video")),
