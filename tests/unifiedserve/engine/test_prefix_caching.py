@@ -112,10 +112,15 @@ def test_a_later_turn_reuses_the_blocks_the_answer_filled(demo_path, video):
     assert answer == plain.generate([(ids, vision, params)])[0].token_ids
     _, _, ids2 = _turn_two(cached, video, answer)
     before = cached.scheduler.prefix_hit_tokens
-    a = cached.generate([(ids2, vision, params)])[0]
+    scored = SamplingParams(max_tokens=11, ignore_eos=True, logprobs=3)
+    a = cached.generate([(ids2, vision, scored)])[0]
     # every full block of the prompt and the answer but its last token (whose K/V nothing computed)
     assert cached.scheduler.prefix_hit_tokens - before == (len(ids) + len(answer) - 1) // 4 * 4 > len(ids) // 4 * 4
-    assert a.token_ids == plain.generate([(ids2, vision, params)])[0].token_ids
+    b = plain.generate([(ids2, vision, scored)])[0]
+    assert a.token_ids == b.token_ids  # the answer's K/V, read from the cache, are the ones a prefill computes
+    for la, lb in zip(a.logprobs, b.logprobs):
+        assert [t for t, _ in la.top] == [t for t, _ in lb.top]
+        assert la.logprob == pytest.approx(lb.logprob, abs=1e-4)
     assert cached.pool_usage()["kv_blocks_used"] == 0
 
 
