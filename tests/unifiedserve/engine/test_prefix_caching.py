@@ -157,3 +157,25 @@ def test_a_handed_off_requests_answer_is_cached_when_decode_releases_it(demo_pat
     engine.generate([(ids2, vision, params)])
     assert engine.scheduler.prefix_hit_tokens - before == (len(ids) + len(answer) - 1) // 4 * 4
     assert engine.pool_usage()["kv_blocks_used"] == 0
+
+
+def test_a_media_key_is_hashed_once_per_tensor_and_again_after_a_write(video, monkeypatch):
+    import dataclasses
+    import hashlib
+
+    from unifiedserve.engine import llm as llm_module
+
+    calls = []
+    real = hashlib.blake2b
+    monkeypatch.setattr(llm_module.hashlib, "blake2b", lambda **kw: calls.append(1) or real(**kw))
+    mine = dataclasses.replace(video, patches=video.patches.clone())
+    key = llm_module._content_key(mine)
+    assert llm_module._content_key(mine) == key and len(calls) == 1  # a later turn: no second pass over the pixels
+    assert llm_module._content_key(dataclasses.replace(mine, patches=mine.patches.clone())) == key  # equal pixels
+    mine.patches[0, 0] += 1  # written in place: the version counter moves, the key follows the pixels
+    assert llm_module._content_key(mine) != key and len(calls) == 3
+    ident = id(mine.patches)
+    del mine
+    import gc
+    gc.collect()
+    assert ident not in llm_module._CONTENT_KEYS  # entries go with their tensors
