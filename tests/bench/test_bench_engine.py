@@ -87,3 +87,18 @@ def test_bench_engine_runs_on_cpu(tmp_path):
     assert all(d["async_step_ms"] > 0 and d["graph_replay_ms"] is None for d in r["decode"].values())
     assert r["prefill"]["tokens"] == 32 and r["vision"]["patches"] == 28 * 52
     assert "ours_mfu" not in r["prefill"]  # no peak known for a CPU
+
+
+@pytest.mark.slow
+def test_bench_multiturn_runs_and_the_answer_is_cached(tmp_path):
+    import bench_multiturn
+
+    out = tmp_path / "multiturn.json"
+    assert bench_multiturn.main(["--answer-tokens", "40", "--repeats", "1", "--video-seconds", "2",
+                                 "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["results"]
+    cached, prompt_only, off = (r[m][0] for m in bench_multiturn.MODES)
+    prompt = cached["turn_two_tokens"] - 40 - 12  # turn two: turn one's prompt, the answer, 12 tokens of question
+    # from the cache: the full blocks of the prompt and the answer but its last token; prompt only: the prompt's
+    assert cached["cached_tokens"] == (prompt + 39) // 16 * 16
+    assert prompt_only["cached_tokens"] == prompt // 16 * 16 and off["cached_tokens"] == 0
