@@ -36,7 +36,6 @@ import flashcodec  # noqa: E402
 from unifiedserve.engine.inputs import VisionInput  # noqa: E402
 from unifiedserve.engine.llm import LLM, EngineConfig  # noqa: E402
 from unifiedserve.engine.params import SamplingParams  # noqa: E402
-from unifiedserve.engine.scheduler import Scheduler  # noqa: E402
 from unifiedserve.model.presets import DEFAULT_DEMO_PATH  # noqa: E402
 
 MODES = ("answer cached", "prompt only", "no prefix cache")
