@@ -455,7 +455,7 @@ class Scheduler:
         """The decode process is done with a handed-off request: free its KV blocks.
 
         With prefix caching, the full blocks its outputs filled join the cache first (``output_token_ids``:
-        its outputs as the decode process reports them; none, as for an abort, caches none of them).
+        its outputs as the decode process reports them, aborted requests' too; none given caches none).
 
         Returns False for an id that is not handed off (e.g. released twice).
         """
