@@ -378,15 +378,22 @@ class DecodeEngine:
         return len(self._ranks)
 
     def analyse_bitstream(self, source: SourceLike, options: SamplingOptions | None = None, *,
-                          frame_indices: list[int] | None = None, **sampling) -> BitstreamAnalysis:
-        """Probe and plan a video. ``sampling`` takes :class:`SamplingOptions` fields (fps, ...)."""
+                          frame_indices: list[int] | None = None, info: VideoInfo | None = None,
+                          **sampling) -> BitstreamAnalysis:
+        """Probe and plan a video. ``sampling`` takes :class:`SamplingOptions` fields (fps, ...).
+
+        ``info``: this source's probe from an earlier call (``BitstreamAnalysis.info``), for a caller that
+        knows the source has not changed (e.g. by its size and modification time): the demux scan, about
+        10 ms a minute of video, is skipped.
+        """
         if options is None:
             options = SamplingOptions(**sampling)
         elif sampling:
             raise TypeError("give either options or sampling keywords, not both")
         started = time.perf_counter()
         src = Source.of(source)
-        info = probe(src)
+        if info is None:
+            info = probe(src)
         speeds, allowed, reason = self.layout.shares(lambda gpu: video_nvdec_reason(info, gpu))
         if reason is not None:
             log.warning("flashcodec: %s decodes on the CPU rank: %s", src.name, reason)

@@ -15,6 +15,9 @@ soon as it is decoded (or when the pages arrive, for slices decoded before) and 
 With whole-video hand-off a video's patches are written, and announced, once it is all decoded.
 Media core already holds (``WritePatches.skip_media``) are cancelled and never written; the
 other media's patches follow one another in the pages as if those were absent.
+
+A video's probe is kept by its media key (:class:`ProbeCache`), so a later question about the same
+file (same size, modification time and inode: ``server/media_key.py``) skips the demux scan.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -41,6 +45,47 @@ from unifiedserve.runtime.worker import Worker
 log = logging.getLogger("unifiedserve")
 
 BUSY_POLL_MS = 5  # inbox poll while probes or decodes are in flight (their results arrive on a queue)
+#: what the probes kept may hold: an hour of 30-fps video's probe is about 1.7 MB (two int64 per frame)
+PROBE_CACHE_BYTES = 64 << 20
+
+
+class ProbeCache:
+    """Video probes (``VideoInfo``) by media key, least recently used out past ``max_bytes``; thread-safe
+    (probes run on a thread pool). A key names the file's identity and the request's options, so a file
+    changed on disk has another key and is probed again; media without a key are never kept."""
+
+    def __init__(self, max_bytes: int = PROBE_CACHE_BYTES):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[str, tuple] = OrderedDict()  # key -> (info, bytes)
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def size(info) -> int:
+        return 256 + sum(a.nbytes for a in (info.frame_pts, info.decode_positions, info.keyframe_positions))
+
+    def get(self, key: str):
+        with self._lock:
+            entry = self._entries.get(key) if key else None
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            return entry[0]
+
+    def put(self, key: str, info) -> None:
+        size = self.size(info)
+        if not key or size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            self.bytes += size - (old[1] if old else 0)
+            self._entries[key] = (info, size)
+            while self.bytes > self.max_bytes:
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self.bytes -= evicted
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 @dataclass
@@ -79,6 +124,7 @@ class VisionWorker(Worker):
         self.patch_buffer = PagedBuffer(*storage.shape, dtype=storage.dtype, storage=storage)
         self.engine = DecodeEngine("auto", cfg.vision_threads or None)
         self.probe_pool = ThreadPoolExecutor(2, thread_name_prefix="probe")
+        self.probes = ProbeCache()
         self.events: queue.Queue = queue.Queue()
         self.jobs: dict[str, _Job] = {}
         self.in_flight = 0  # probes and decodes running on other threads
@@ -210,7 +256,8 @@ class VisionWorker(Worker):
                     continue
                 options = SamplingOptions(fps=ref.fps, max_frames=ref.max_frames, min_pixels=ref.min_pixels,
                                           max_pixels=ref.max_pixels)
-                analysis = self.engine.analyse_bitstream(Source.of(source), options)
+                analysis = self.engine.analyse_bitstream(Source.of(source), options, info=self.probes.get(ref.key))
+                self.probes.put(ref.key, analysis.info)
                 duration = analysis.info.duration_s
                 if duration > self.config.max_video_seconds:
                     raise ValueError(f"video {index} is {duration:.0f} s long; this server accepts at most "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -170,3 +171,51 @@ def test_everything_skipped_ends_the_request_at_once(tmp_path, demo_model, clips
         assert torch.all(worker.patch_buffer.tensor == SENTINEL)
     finally:
         worker.close()
+
+
+def test_a_video_is_probed_once_per_media_key(tmp_path, demo_model, clips, monkeypatch):
+    import flashcodec.decode.engine as engine_module
+
+    probed = []
+    real = engine_module.probe
+    monkeypatch.setattr(engine_module, "probe", lambda src: probed.append(src.name) or real(src))
+    worker = make_worker(tmp_path, demo_model, streaming=False, delay_s=0.0)
+    try:
+        ref = protocol.MediaRef("video", path=clips[0].path, min_pixels=3136, max_pixels=128 * 96, key="k-a")
+        plans = []
+        for n, key in enumerate(["k-a", "k-a", "k-a2", ""]):
+            media = [msgspec.structs.replace(ref, key=key)]
+            rid = f"r{n}"
+            worker.handle(protocol.ProbeMedia(rid, media))
+            pump(worker, lambda: len(messages(worker, protocol.MediaProbed)) == n + 1)
+            plans.append(messages(worker, protocol.MediaProbed)[-1].plans)
+            worker.handle(protocol.CancelMedia(rid))
+            pump(worker, lambda: rid not in worker.jobs and worker.in_flight == 0)
+        # the same key: no second demux scan, the same plan; another key, or none, probes again
+        assert len(probed) == 3 and plans[0] == plans[1] == plans[2] == plans[3]
+        assert len(worker.probes) == 2  # "k-a" and "k-a2"; media without a key are not kept
+    finally:
+        worker.close()
+
+
+def test_probe_cache_keeps_recent_probes_within_its_bytes():
+    import numpy as np
+
+    from unifiedserve.runtime.vision_worker import ProbeCache
+
+    class Info:
+        def __init__(self, frames):
+            self.frame_pts = self.decode_positions = np.zeros(frames, dtype=np.int64)
+            self.keyframe_positions = np.zeros(1, dtype=np.int64)
+
+    one = ProbeCache.size(Info(100))
+    cache = ProbeCache(max_bytes=2 * one)
+    a, b, c = Info(100), Info(100), Info(100)
+    cache.put("a", a)
+    cache.put("b", b)
+    assert cache.get("a") is a  # now the most recent
+    cache.put("c", c)  # over the bound: the least recently used ("b") goes
+    assert cache.get("b") is None and cache.get("a") is a and cache.get("c") is c and cache.bytes == 2 * one
+    cache.put("", Info(1))  # no key: never kept
+    cache.put("huge", Info(10_000))  # larger than the whole cache: not kept, nothing evicted for it
+    assert len(cache) == 2 and cache.get("") is None and cache.get("huge") is None
