@@ -74,6 +74,7 @@ def kernel_configs(presets: tuple[str, ...] = DEFAULT_PRESETS, dtype: str = "bfl
         ValueError: an unknown preset, or a head dim flashinfer has no kernels for.
     """
     from unifiedserve.attention.flashinfer_backend import SUPPORTED_HEAD_DIMS
+    from unifiedserve.attention.varlen import kernel_head_dim
     from unifiedserve.model.demo import DEMO_VISION, demo_text_config
     from unifiedserve.model.presets import PRESETS, preset_architecture
 
@@ -89,7 +90,7 @@ def kernel_configs(presets: tuple[str, ...] = DEFAULT_PRESETS, dtype: str = "bfl
             raise ValueError(f"{name}: flashinfer has no kernels for head dim {text.head_dim}")
         configs.add(KernelConfig("fa2", dtype, text.head_dim))  # decode (tensor cores)
         configs.add(KernelConfig("fa3", dtype, text.head_dim))  # paged prefill: auto on Hopper
-        padded = next((d for d in SUPPORTED_HEAD_DIMS if d >= vision.head_dim), None)  # as attention.varlen pads
+        padded = kernel_head_dim(vision.head_dim)  # the tower's head dim, padded as attention.varlen does
         if padded is None:
             raise ValueError(f"{name}: vision head dim {vision.head_dim} is over flashinfer's 256")
         configs.add(KernelConfig("fa3", dtype, padded))  # the tower's ragged attention

@@ -66,6 +66,11 @@ def _at(results: dict, rate: float) -> dict[str, dict | None]:
     return {p: next((r["metrics"] for r in runs if r["rate"] == rate), None) for p, runs in results.items()}
 
 
+def measured_rates(results: dict) -> list[float]:
+    """Every rate any policy in ``results`` was run at, ascending."""
+    return sorted({run["rate"] for runs in results.values() for run in runs})
+
+
 def comparison_rate(results: dict, rates: list[float]) -> float:
     """The issue's condition: the highest rate at which monolithic completed every request."""
     complete = [r["rate"] for r in results.get("monolithic", []) if r["metrics"]["failed"] == 0
@@ -140,7 +145,7 @@ def summarize(results: dict, rate: float, slo: dict, gpu: bool = False) -> str:
     for key, text, target, ok in targets(gpu):
         if key in r:
             lines.append(f"- {text} = **{r[key]:.2f}** (target {target}: {'met' if ok(r[key]) else 'missed'})")
-    rates = sorted({run["rate"] for runs in results.values() for run in runs})
+    rates = measured_rates(results)
     lines += ["", "unified's ratios at every rate:", "",
               "| rate (req/s) | p99 TBT / monolithic | mean TTFT / split | goodput / better baseline |",
               "|---|---|---|---|"]
@@ -237,7 +242,7 @@ def merge(runs: list[Path], out: Path) -> int:
             results[policy] = sorted(results.get(policy, []) + policy_runs, key=lambda r: r["rate"])
     order = {p: i for i, p in enumerate(POLICIES)}
     results = dict(sorted(results.items(), key=lambda item: order.get(item[0], len(order))))
-    rates = sorted({r["rate"] for policy_runs in results.values() for r in policy_runs})
+    rates = measured_rates(results)
     if not rates:
         raise ValueError("--merge: the runs hold no finished rate")
     slo = parse_goodput(first["goodput"])
@@ -326,7 +331,7 @@ def main(argv=None) -> int:
                 (a.out / "results.json").write_text(json.dumps(meta | {"partial": True, "results": results},
                                                                indent=1, default=str))
     results = {policy: runs for policy, runs in results.items() if runs}
-    done = sorted({r["rate"] for policy_runs in results.values() for r in policy_runs})
+    done = measured_rates(results)
     if not done:
         print("bench_policies.py: error: no rate fits --time-budget-s", file=sys.stderr)
         return 1

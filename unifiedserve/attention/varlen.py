@@ -28,9 +28,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from unifiedserve.attention.flashinfer_backend import SUPPORTED_HEAD_DIMS
+
 VARLEN_IMPLS = ("auto", "grouped", "padded", "flashinfer")
 _HALF = (torch.float16, torch.bfloat16)
-_KERNEL_HEAD_DIMS = (64, 128, 256)
 #: planned ragged wrappers kept per (segments, device, dtype, heads, head_dim): the tower uses two
 #: segmentations per forward (windows and frames), so a few entries cover the current grids.
 _MAX_PLANS = 4
@@ -118,10 +119,15 @@ def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: tuple[i
     return o.transpose(1, 2).reshape(-1, h, d)[rows]  # [N, H, D]
 
 
+def kernel_head_dim(head_dim: int) -> int | None:
+    """The head dim flashinfer's kernel runs for ``head_dim`` (zero-padded up to it), or None past 256."""
+    return next((d for d in SUPPORTED_HEAD_DIMS if d >= head_dim), None)
+
+
 def _ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: tuple[int, ...],
             scale: float) -> torch.Tensor:
     head_dim = q.shape[2]
-    kernel_dim = next((d for d in _KERNEL_HEAD_DIMS if d >= head_dim), None)
+    kernel_dim = kernel_head_dim(head_dim)
     if kernel_dim is None:
         raise ValueError(f"flashinfer vision attention supports head dims up to 256, got {head_dim}")
     if kernel_dim != head_dim:

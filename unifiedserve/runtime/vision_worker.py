@@ -256,8 +256,10 @@ class VisionWorker(Worker):
                     continue
                 options = SamplingOptions(fps=ref.fps, max_frames=ref.max_frames, min_pixels=ref.min_pixels,
                                           max_pixels=ref.max_pixels)
-                analysis = self.engine.analyse_bitstream(Source.of(source), options, info=self.probes.get(ref.key))
-                self.probes.put(ref.key, analysis.info)
+                known = self.probes.get(ref.key)
+                analysis = self.engine.analyse_bitstream(Source.of(source), options, info=known)
+                if known is None:
+                    self.probes.put(ref.key, analysis.info)
                 duration = analysis.info.duration_s
                 if duration > self.config.max_video_seconds:
                     raise ValueError(f"video {index} is {duration:.0f} s long; this server accepts at most "

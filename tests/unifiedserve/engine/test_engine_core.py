@@ -4,14 +4,14 @@ decode-only one (the decode process's) decodes exactly the tokens the in-process
 import flashcodec
 import pytest
 
-from unifiedserve.engine.core import EngineCore, SequenceState
+from unifiedserve.engine.core import SequenceState
 from unifiedserve.engine.inputs import VisionInput
 from unifiedserve.engine.llm import LLM, EngineConfig
 from unifiedserve.engine.params import SamplingParams
 from unifiedserve.engine.request import Request
-from unifiedserve.engine.runner import ModelRunner
 from unifiedserve.engine.sampling import SamplerState
-from unifiedserve.engine.scheduler import Scheduler, SchedulerConfig
+
+from engine_helpers import decode_side
 
 
 @pytest.fixture(scope="module")
@@ -29,15 +29,6 @@ def prompts(llm, image_factory):
     return [(*with_image, SamplingParams(max_tokens=9, ignore_eos=True)),
             (*text, SamplingParams(max_tokens=5, ignore_eos=True)),
             (*text, SamplingParams(max_tokens=7, ignore_eos=True, logprobs=2))]
-
-
-def decode_side(llm, max_decode_batch):
-    """The decode process's engine core: a runner without embedding buffers over the same KV cache."""
-    cfg = llm.config
-    runner = ModelRunner(llm.model, num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size, num_patch_pages=0,
-                         num_visual_pages=0, page_size=cfg.page_size, kv_storage=llm.runner.kv_cache.tensor)
-    assert runner.patch_buffer is None and runner.visual_buffer is None
-    return EngineCore(Scheduler.decode_only(SchedulerConfig(max_decode_batch=max_decode_batch)), runner)
 
 
 def test_handed_off_requests_decode_the_llms_tokens(llm, prompts):

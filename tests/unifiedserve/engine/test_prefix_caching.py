@@ -125,10 +125,9 @@ def test_a_later_turn_reuses_the_blocks_the_answer_filled(demo_path, video):
 
 
 def test_a_handed_off_requests_answer_is_cached_when_decode_releases_it(demo_path, video):
-    from unifiedserve.engine.core import EngineCore, SequenceState
-    from unifiedserve.engine.runner import ModelRunner
+    from engine_helpers import decode_side
+    from unifiedserve.engine.core import SequenceState
     from unifiedserve.engine.sampling import SamplerState
-    from unifiedserve.engine.scheduler import Scheduler
 
     engine = _engine(demo_path, True)
     params = SamplingParams(max_tokens=11, ignore_eos=True)
@@ -138,11 +137,7 @@ def test_a_handed_off_requests_answer_is_cached_when_decode_releases_it(demo_pat
         engine.core.step()
     request, seq, table, delta = engine.core.hand_off(rid)
     del engine._live[rid]
-    cfg = engine.config  # the decode process's core on the same KV cache, as in the runtime
-    runner = ModelRunner(engine.model, num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size,
-                         num_patch_pages=0, num_visual_pages=0, page_size=cfg.page_size,
-                         kv_storage=engine.runner.kv_cache.tensor)
-    decode = EngineCore(Scheduler.decode_only(SchedulerConfig()), runner)
+    decode = decode_side(engine)  # the decode process's core on the same KV cache, as in the runtime
     decode.adopt(rid, SequenceState(params, SamplerState.from_bytes(seq.sampler.to_bytes()), seq.stop_ids,
                                     list(seq.output_token_ids)), request.prompt_len, delta, table)
     answer = None
