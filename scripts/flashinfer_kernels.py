@@ -420,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("build", "configs", "check"):
             presets = tuple(p for p in args.presets.split(",") if p)
+            if not presets:
+                raise ValueError("--presets names no model")
             configs = kernel_configs(presets, args.dtype)
             if args.command == "check":
                 asked = requested_configs(presets, args.dtype)

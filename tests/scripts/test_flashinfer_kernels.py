@@ -43,6 +43,8 @@ def test_kernel_configs_follow_the_models():
     assert proc.returncode == 0 and proc.stdout.splitlines() == ["fa2 bfloat16 head_dim 128", "fa3 bfloat16 head_dim 128"]
     proc = tool("configs", "--presets", "nope")
     assert proc.returncode == 1 and proc.stderr.strip().startswith("flashinfer_kernels: error: unknown preset")
+    proc = tool("build", "out.tar.xz", "--presets", ",")
+    assert proc.returncode == 1 and proc.stderr.strip() == "flashinfer_kernels: error: --presets names no model"
 
 
 def test_slim_wheel_drops_cutlass_and_its_record_lines(tmp_path):
