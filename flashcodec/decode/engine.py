@@ -126,8 +126,10 @@ class _Request:
 
     def __init__(self, analysis: BitstreamAnalysis, output: str, on_corrupt: str, patch_spec,
                  progress: Callable[[int, int], None] | None, done: Callable[["_Request"], None],
-                 device: torch.device = torch.device("cpu"), stream: bool = False):
+                 device: torch.device = torch.device("cpu"), stream: bool = False,
+                 patch_dtype: torch.dtype = torch.float32):
         self.analysis = analysis
+        self.patch_dtype = patch_dtype
         self.stream = stream
         self.device = device  # where the output lives; GPU ranks' frames never leave their GPU
         self.output = output
@@ -272,10 +274,9 @@ class _Request:
                 frames = frames.permute(0, 3, 1, 2)  # [T, 3, H, W], channels-last strides
                 patches = None
                 if self.output == "patches":
-                    from flashcodec.patches import frames_to_patches
+                    from flashcodec.patches import PatchSpec, frames_to_patches
 
-                    patches, grid = frames_to_patches(frames, self.patch_spec) if self.patch_spec else \
-                        frames_to_patches(frames)
+                    patches, grid = frames_to_patches(frames, self.patch_spec or PatchSpec(), dtype=self.patch_dtype)
                     frames = None
                 self.result = DecodedVideo(
                     key_id=a.key_id, frames=frames, patches=patches, grid_thw=tuple(grid),
@@ -407,7 +408,8 @@ class DecodeEngine:
 
     def add_decoding_request(self, key_id: int, *, output: str = "rgb", on_corrupt: str = "error",
                              patch_spec=None, progress: Callable[[int, int], None] | None = None,
-                             resize: str = DEFAULT_RESIZE_MODE, stream: bool = False) -> None:
+                             resize: str = DEFAULT_RESIZE_MODE, stream: bool = False,
+                             patch_dtype: torch.dtype = torch.float32) -> None:
         """Queue the decode of an analysed video. Returns at once.
 
         Args:
@@ -422,8 +424,13 @@ class DecodeEngine:
                 docs/flashcodec.md). Other values raise ``ValueError``.
             stream: deliver the output in parts through :meth:`stream_decoding_output` (no whole
                 output is assembled; :meth:`get_decoding_output` refuses the key).
+            patch_dtype: the patches' dtype (``output="patches"``): a floating type. The values are
+                computed in float32 and rounded once to it, as a model casting float32 patches to its
+                own dtype would (a bfloat16 server asks for bfloat16 and holds half the memory).
         """
         check_resize_mode(resize)
+        if not isinstance(patch_dtype, torch.dtype) or not patch_dtype.is_floating_point:
+            raise ValueError(f"patch_dtype must be a floating torch dtype, got {patch_dtype!r}")
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
         if on_corrupt not in ON_CORRUPT:
@@ -434,7 +441,7 @@ class DecodeEngine:
                 raise KeyError(f"unknown or already queued key id {key_id}")
             self._in_flight.add(key_id)
         request = _Request(analysis, output, on_corrupt, patch_spec, progress, self._request_done, self.output_device,
-                           stream=stream)
+                           stream=stream, patch_dtype=patch_dtype)
         if stream:
             with self._done:
                 self._streams[key_id] = request
@@ -574,7 +581,7 @@ class DecodeEngine:
                 if request.output == "patches":
                     from flashcodec.patches import frames_to_patches
 
-                    patches, _ = frames_to_patches(frames, spec)
+                    patches, _ = frames_to_patches(frames, spec, dtype=request.patch_dtype)
                     frames = None
                 yield DecodedSlice(key_id, delivered // unit * rows_per_unit, ready // unit * rows_per_unit,
                                    request.num_frames // unit * rows_per_unit, frames, patches, tuple(grid),

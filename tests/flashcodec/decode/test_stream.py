@@ -54,6 +54,24 @@ def test_streamed_parts_are_in_order_and_equal_the_whole_output(gop_clip, output
         assert parts[-1].num_rows == whole.patches.shape[0] and parts[0].grid_thw == whole.grid_thw
 
 
+def test_patches_come_in_the_asked_dtype_rounded_once(gop_clip):
+    """``patch_dtype``: whole and streamed patches in bfloat16, each the float32 value rounded once."""
+    with DecodeEngine("pyav", 2) as engine:
+        reference = engine.decode_video(gop_clip, fps=12.0, output="patches").patches.to(torch.bfloat16)
+        a = engine.analyse_bitstream(gop_clip, fps=12.0)
+        engine.add_decoding_request(a.key_id, output="patches", patch_dtype=torch.bfloat16)
+        whole = engine.get_decoding_output(a.key_id).patches
+        b = engine.analyse_bitstream(gop_clip, fps=12.0)
+        engine.add_decoding_request(b.key_id, output="patches", stream=True, patch_dtype=torch.bfloat16)
+        streamed = torch.cat([p.patches for p in read_all(engine, b.key_id)])
+        assert whole.dtype == streamed.dtype == torch.bfloat16
+        assert torch.equal(whole, reference) and torch.equal(streamed, reference)
+        c = engine.analyse_bitstream(gop_clip, fps=12.0)
+        for bad in (torch.uint8, "bfloat16"):
+            with pytest.raises(ValueError, match="patch_dtype must be a floating torch dtype"):
+                engine.add_decoding_request(c.key_id, output="patches", patch_dtype=bad)
+
+
 def test_the_first_part_arrives_long_before_the_video_is_done(gop_clip):
     with DecodeEngine(SlowBackend(0.08), 2) as engine:  # 8 segments on 2 slots: >= 0.32 s in all
         a = engine.analyse_bitstream(gop_clip, fps=12.0)
