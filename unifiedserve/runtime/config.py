@@ -19,6 +19,8 @@ from unifiedserve.runtime.shm import PoolSpec
 
 PROCESSES = ("vision", "core", "decode")
 POLICIES = ("unified", "monolithic", "split")
+#: where the vision process decodes (``RuntimeConfig.vision_device``, ``serve --vision-device``)
+VISION_DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,10 @@ class RuntimeConfig:
     tbt_slo_ms: float | None = None  # derive the budgets from this (core profiles at start)
     budget_overrides: dict[str, int] = field(default_factory=dict)  # explicit flags win over the derived values
     vision_threads: int = 0  # decoder threads; 0: one per core
+    #: the vision process's decoders on a CUDA server: "auto" its GPU's NVDEC sessions and the CPU decoders
+    #: together, "cuda" NVDEC (the CPU only for what NVDEC cannot take), "cpu" the CPU decoders; patches are
+    #: made on the GPU in every case. A CPU server decodes on the CPU ("cuda" is refused there).
+    vision_device: str = "auto"
     #: vision writes and announces each video's temporal slices as they are decoded (MediaReady.num_rows);
     #: False (serve --ingest whole): whole-video hand-off, a video's patches announced once all are decoded
     streaming_ingest: bool = True
@@ -92,6 +98,11 @@ class RuntimeConfig:
         for name in ("vision_threads", "core_threads_shared", "gpu"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.vision_device not in VISION_DEVICES:
+            raise ValueError(f"vision_device must be one of {', '.join(VISION_DEVICES)}, got {self.vision_device!r}")
+        if self.vision_device == "cuda" and self.engine.device == "cpu":
+            raise ValueError("vision_device cuda (NVDEC) needs the server on CUDA (--device cuda); this one runs on "
+                             "the CPU")
         if not self.max_video_seconds > 0:
             raise ValueError(f"max_video_seconds must be positive, got {self.max_video_seconds!r}")
         if self.tbt_slo_ms is not None and not self.tbt_slo_ms > 0:

@@ -30,7 +30,7 @@ from unifiedserve.memory.pages import PageAllocator
 from unifiedserve.model.loader import load_model
 from unifiedserve.runtime import protocol
 from unifiedserve.runtime.shm import open_pool
-from unifiedserve.runtime.worker import Worker, device_memory_gauges, memory_info, weight_gauges
+from unifiedserve.runtime.worker import Worker, device_memory_gauges, memory_info, pool_barrier, weight_gauges
 
 log = logging.getLogger("unifiedserve")
 
@@ -47,6 +47,7 @@ class CoreWorker(Worker):
         self.model.eval()
         self._weight_gauges = weight_gauges(self.model, weights)
         kv, patch = open_pool(cfg.pools["kv"]), open_pool(cfg.pools["patch"])
+        self._pages_barrier = pool_barrier(patch.device)  # before vision may write pages this process read
         self.runner = ModelRunner(self.model, num_kv_blocks=eng.num_kv_blocks, block_size=eng.block_size,
                                   num_patch_pages=eng.num_patch_pages, num_visual_pages=eng.num_visual_pages,
                                   page_size=eng.page_size, device=eng.device, kv_storage=kv, patch_storage=patch,
@@ -173,6 +174,8 @@ class CoreWorker(Worker):
         # rows of patch_write are the admitted requests with patches to write, in order; a request whose
         # media the caches hold entirely has none: vision forgets it
         index, b = out.patch_write, 0
+        if index is not None and any(self.scheduler.requests[rid].num_patch_rows_needed for rid in out.admitted):
+            self._pages_barrier()  # the pages may have been read by an encode step still running (CUDA)
         for rid in out.admitted:
             req = self.scheduler.requests[rid]
             if req.num_patch_rows_needed:

@@ -40,13 +40,50 @@ from unifiedserve.memory.pages import RaggedIndex
 from unifiedserve.model.processor import load_processor
 from unifiedserve.runtime import protocol
 from unifiedserve.runtime.shm import open_pool
-from unifiedserve.runtime.worker import Worker
+from unifiedserve.runtime.worker import Worker, pool_barrier
 
 log = logging.getLogger("unifiedserve")
 
 BUSY_POLL_MS = 5  # inbox poll while probes or decodes are in flight (their results arrive on a queue)
 #: what the probes kept may hold: an hour of 30-fps video's probe is about 1.7 MB (two int64 per frame)
 PROBE_CACHE_BYTES = 64 << 20
+
+
+def decode_devices(vision_device: str, pool_device: torch.device) -> str:
+    """FlashCodec's ``devices`` for the vision process (``RuntimeConfig.vision_device``).
+
+    With the patch buffer on a GPU, ``"auto"`` decodes on that GPU's NVDEC sessions and the CPU decoders
+    together (FlashCodec's ``auto``: NVDEC only where it works here, one log line otherwise), ``"cuda"`` on
+    NVDEC with the CPU decoders only for what NVDEC cannot take, ``"cpu"`` on the CPU decoders. The
+    process sees one GPU, the server's. With the buffer on the CPU, the CPU decodes.
+    """
+    if pool_device.type != "cuda":
+        if vision_device == "cuda":
+            raise ValueError("vision_device cuda (NVDEC) needs the patch buffer on a GPU")
+        return "cpu"
+    return vision_device
+
+
+def describe_decoders(engine: DecodeEngine) -> str:
+    """The engine's ranks for the start-up line, e.g. ``nvdec cuda:0 x 14 sessions + pyav x 16 threads``."""
+    layout = engine.layout
+    ranks = [f"nvdec cuda:{gpu} x {layout.nvdec_sessions} sessions" for gpu in layout.gpus]
+    if layout.cpu_threads:
+        role = "" if layout.cpu_shares or not layout.gpus else " (only for what NVDEC cannot decode)"
+        ranks.append(f"{engine.backend.name} x {layout.cpu_threads} threads{role}")
+    return " + ".join(ranks) + f", output on {engine.output_device}"
+
+
+def warm_gpu_kernels(spec, device: torch.device, dtype: torch.dtype) -> None:
+    """Run the GPU resize and patchify once at start-up, so their first compile (Triton: about a second
+    each) and the CUDA context are not paid by the first request."""
+    from flashcodec.patches import frames_to_patches
+    from flashcodec.resize import resize_frames_on_device
+
+    frames = torch.zeros((spec.temporal_patch_size, 3, 2 * spec.factor, 2 * spec.factor), dtype=torch.uint8,
+                         device=device)  # [T, 3, H, W]
+    frames_to_patches(resize_frames_on_device(frames, spec.factor, spec.factor), spec, dtype=dtype)
+    torch.cuda.synchronize(device)
 
 
 class ProbeCache:
@@ -122,15 +159,21 @@ class VisionWorker(Worker):
         self.image_pixels = (processor.image_min_pixels, processor.image_max_pixels)
         storage = open_pool(cfg.pools["patch"])
         self.patch_buffer = PagedBuffer(*storage.shape, dtype=storage.dtype, storage=storage)
-        self.engine = DecodeEngine("auto", cfg.vision_threads or None)
+        device = self.patch_buffer.device  # cuda:0 on a CUDA server (its GPU is the only one this process sees)
+        # decoded frames live where the patch buffer does, and are cut into patches of its dtype there
+        self.engine = DecodeEngine("auto", cfg.vision_threads or None,
+                                   devices=decode_devices(cfg.vision_device, device), output_device=device)
+        self._published = pool_barrier(device)
+        if device.type == "cuda":
+            warm_gpu_kernels(self.spec, device, self.patch_buffer.dtype)
         self.probe_pool = ThreadPoolExecutor(2, thread_name_prefix="probe")
         self.probes = ProbeCache()
         self.events: queue.Queue = queue.Queue()
         self.jobs: dict[str, _Job] = {}
         self.in_flight = 0  # probes and decodes running on other threads
         self._lock = threading.Lock()
-        return {"decoder": f"{self.engine.backend.name} x {self.engine.num_threads} threads",
-                "patch_buffer": f"{storage.shape[0]} pages x {storage.shape[1]} rows x {storage.shape[2]}"}
+        return {"decoder": describe_decoders(self.engine),
+                "patch_buffer": f"{storage.shape[0]} pages x {storage.shape[1]} rows x {storage.shape[2]} on {device}"}
 
     def has_work(self) -> bool:
         return not self.events.empty()
@@ -284,7 +327,8 @@ class VisionWorker(Worker):
     def _decode(self, job: _Job, index: int, analysis) -> None:
         start = time.perf_counter()
         try:
-            self.engine.add_decoding_request(analysis.key_id, output="patches", patch_spec=self.spec)
+            self.engine.add_decoding_request(analysis.key_id, output="patches", patch_spec=self.spec,
+                                             patch_dtype=self.patch_buffer.dtype)
             decoded = self.engine.get_decoding_output(analysis.key_id)
         except DecodeCancelledError:  # the request went away, or core already has this media
             self.events.put(("cancelled", job.request_id))
@@ -299,7 +343,8 @@ class VisionWorker(Worker):
         event (its patch rows), the last one marked so."""
         ended = False  # the last part went out: that ended this decode for the loop (a late cancel is moot)
         try:
-            self.engine.add_decoding_request(analysis.key_id, output="patches", patch_spec=self.spec, stream=True)
+            self.engine.add_decoding_request(analysis.key_id, output="patches", patch_spec=self.spec, stream=True,
+                                             patch_dtype=self.patch_buffer.dtype)
             for part in self.engine.stream_decoding_output(analysis.key_id):
                 self.events.put(("part", job.request_id, index, part.start, part.patches, part.decode_s, part.is_last))
                 ended = part.is_last
@@ -338,6 +383,7 @@ class VisionWorker(Worker):
             whole = job.rows_written[index] == rows
             if whole:
                 job.written.add(index)
+            self._published()  # core reads the rows as soon as it hears of them: they must have landed
             self.send("core", protocol.MediaReady(job.request_id, index, job.decode_s.get(index, 0.0),
                                                   None if whole else job.rows_written[index],
                                                   job.decode_start.get(index, 0.0)))
@@ -349,7 +395,8 @@ class VisionWorker(Worker):
         page_size, rows = self.patch_buffer.page_size, patches.shape[0]
         first, last = offset // page_size, -(-(offset + rows) // page_size)
         index = RaggedIndex.build([(rows, offset, job.pages[first:last])], page_size)
-        self.patch_buffer.write(patches.to(self.patch_buffer.tensor.dtype), index)
+        # videos arrive on the buffer's device in its dtype (no copy here); images are decoded on the CPU
+        self.patch_buffer.write(patches.to(device=self.patch_buffer.device, dtype=self.patch_buffer.dtype), index)
 
     def close(self) -> None:
         if hasattr(self, "engine"):

@@ -217,6 +217,24 @@ def device_memory_gauges(device) -> dict[str, float]:
             "mem_device_peak_bytes": float(torch.cuda.max_memory_allocated(device))}
 
 
+def pool_barrier(device):
+    """A call that returns once the work this process has queued on ``device`` so far is done; a no-op
+    on the CPU.
+
+    Shared pools cross processes with nothing ordering one process's CUDA stream after another's: a
+    message that says "these rows are written" (vision's ``MediaReady``) or "these pages are yours
+    to write" (core's ``WritePatches``: its encoder may still be reading them) must follow that
+    work's end, not its launch. Kernels run on the current stream (the legacy default stream, which
+    every thread of a worker shares), so waiting for it covers the writes and reads before the call.
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return lambda: None
+    return lambda: torch.cuda.current_stream(device).synchronize()
+
+
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from unifiedserve.engine.config import EngineConfig
 from unifiedserve.engine.scheduler import SchedulerConfig
-from unifiedserve.runtime.config import POLICIES, PoolBudgets, RuntimeConfig
+from unifiedserve.runtime.config import POLICIES, VISION_DEVICES, PoolBudgets, RuntimeConfig
 from unifiedserve.runtime.shm import DEFAULT_SHM_DIR
 from unifiedserve.runtime.worker import setup_logging
 from unifiedserve.server.limits import QWEN_MAX_FRAMES, QWEN_MAX_PIXELS, BodySizeLimit, RequestLimits
@@ -91,6 +91,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="refuse longer videos (default %(default)g)")
     g.add_argument("--vision-threads", type=int, default=RuntimeConfig.vision_threads,
                    help="FlashCodec decoder threads shared by all requests (default: one per core)")
+    g.add_argument("--vision-device", choices=VISION_DEVICES, default=RuntimeConfig.vision_device,
+                   help="where the vision process decodes videos on a CUDA server. auto (default): the GPU's NVDEC "
+                        "sessions and --vision-threads CPU decoders together (NVDEC where it works, with one log line "
+                        "when it does not); cuda: NVDEC only (the CPU decoders take only what NVDEC cannot, e.g. "
+                        "AV1 on an H100); cpu: the CPU decoders only. Frames are resized and cut into patches on the "
+                        "GPU, straight into the shared patch buffer, in every case. A CPU server decodes on the CPU "
+                        "(cuda is refused there)")
     g.add_argument("--ingest", choices=("streaming", "whole"),
                    default="streaming" if RuntimeConfig.streaming_ingest else "whole",
                    help="streaming: vision writes each video's temporal slices into the patch buffer as they are "
@@ -358,7 +365,7 @@ def build_runtime(args: argparse.Namespace):
         config = build_config(
             model, engine, pools, served_model_name=args.served_model_name, max_model_len=args.max_model_len,
             policy=args.policy, default_max_tokens=args.default_max_tokens, tbt_slo_ms=args.tbt_slo_ms,
-            vision_threads=args.vision_threads, decode_threads=args.decode_threads,
+            vision_threads=args.vision_threads, vision_device=args.vision_device, decode_threads=args.decode_threads,
             max_video_seconds=args.max_video_seconds, streaming_ingest=args.ingest == "streaming",
             budget_overrides=budgets, **placement)
     except ValueError as e:

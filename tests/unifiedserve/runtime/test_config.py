@@ -25,6 +25,8 @@ BASE = dict(model="m", served_model_name="m")
     (dict(tbt_slo_ms=0), "tbt_slo_ms must be positive"),
     (dict(nice={"cor": 5}), "unknown processes"),
     (dict(engine={"block_size": 4}), "engine must be an EngineConfig"),
+    (dict(vision_device="gpu"), "vision_device must be one of auto, cpu, cuda"),
+    (dict(vision_device="cuda"), "vision_device cuda \\(NVDEC\\) needs the server on CUDA"),
 ])
 def test_bad_values_fail_at_construction(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -17,7 +17,7 @@ from unifiedserve.runtime import protocol
 from unifiedserve.engine.config import EngineConfig
 from unifiedserve.runtime.config import RuntimeConfig
 from unifiedserve.runtime.shm import create_cpu_pool
-from unifiedserve.runtime.vision_worker import VisionWorker
+from unifiedserve.runtime.vision_worker import VisionWorker, decode_devices, describe_decoders
 
 PAGE_SIZE = 16  # small pages: slices and media cross page boundaries
 NUM_PAGES = 64
@@ -48,8 +48,8 @@ def clips(video_factory, image_factory):
             protocol.MediaRef("video", path=str(b), **small)]
 
 
-def make_worker(tmp_path, model, streaming: bool, delay_s: float = 0.06):
-    spec = create_cpu_pool(str(tmp_path), "t", "patch", (NUM_PAGES, PAGE_SIZE, 1176), torch.float32)
+def make_worker(tmp_path, model, streaming: bool, delay_s: float = 0.06, dtype: torch.dtype = torch.float32):
+    spec = create_cpu_pool(str(tmp_path), "t", "patch", (NUM_PAGES, PAGE_SIZE, 1176), dtype)
     config = RuntimeConfig(model=model, served_model_name="demo", ipc_dir=str(tmp_path), instance="t",
                            engine=EngineConfig(page_size=PAGE_SIZE, num_patch_pages=NUM_PAGES), pools={"patch": spec},
                            streaming_ingest=streaming, vision_threads=2)
@@ -219,3 +219,97 @@ def test_probe_cache_keeps_recent_probes_within_its_bytes():
     cache.put("", Info(1))  # no key: never kept
     cache.put("huge", Info(10_000))  # larger than the whole cache: not kept, nothing evicted for it
     assert len(cache) == 2 and cache.get("") is None and cache.get("huge") is None
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "whole"])
+def test_rows_have_landed_before_core_hears_of_them(tmp_path, demo_model, clips, streaming):
+    """Core reads the pool from another process with nothing ordering its CUDA stream after this one's:
+    every MediaReady follows a barrier, and no write comes between that barrier and the message."""
+    worker = make_worker(tmp_path, demo_model, streaming)
+    events = []
+    write, send = worker.patch_buffer.write, worker.send
+    worker.patch_buffer.write = lambda src, index: (events.append("write"), write(src, index))
+    worker._published = lambda: events.append("barrier")
+    worker.send = lambda peer, message: (events.append(type(message).__name__), send(peer, message))
+    try:
+        run_request(worker, clips, pages=list(range(30)))
+        ready = [i for i, e in enumerate(events) if e == "MediaReady"]
+        assert len(ready) >= 3  # one per media at least
+        for i in ready:
+            last = [e for e in events[:i] if e in ("write", "barrier")][-1]
+            assert last == "barrier", events[:i + 1]
+    finally:
+        worker.close()
+
+
+def test_patches_are_made_in_the_buffers_dtype(tmp_path, demo_model, clips):
+    """A bfloat16 pool gets bfloat16 patches from the decoder (no float32 copy of a whole video), each the
+    float32 reference value rounded once, as the model's own cast would."""
+    worker = make_worker(tmp_path, demo_model, streaming=False, dtype=torch.bfloat16)
+    try:
+        produced = []
+        real = worker.engine.get_decoding_output
+        worker.engine.get_decoding_output = lambda key: produced.append(real(key)) or produced[-1]
+        pages = list(range(30))
+        plans = run_request(worker, clips[:1], pages=pages)
+        assert [d.patches.dtype for d in produced] == [torch.bfloat16]
+        rows = plans[0].grid_thw[0] * plans[0].grid_thw[1] * plans[0].grid_thw[2]
+        want = reference_patches(worker, clips[:1])[0].to(torch.bfloat16)
+        assert torch.equal(stream_rows(worker, pages)[:rows], want)
+    finally:
+        worker.close()
+
+
+def test_decoders_follow_the_patch_buffer(tmp_path, demo_model):
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert [decode_devices(v, cpu) for v in ("auto", "cpu")] == ["cpu", "cpu"]
+    assert [decode_devices(v, gpu) for v in ("auto", "cpu", "cuda")] == ["auto", "cpu", "cuda"]
+    with pytest.raises(ValueError, match="needs the patch buffer on a GPU"):
+        decode_devices("cuda", cpu)
+    spec = create_cpu_pool(str(tmp_path), "d", "patch", (NUM_PAGES, PAGE_SIZE, 1176), torch.float32)
+    config = RuntimeConfig(model=demo_model, served_model_name="demo", ipc_dir=str(tmp_path), instance="d",
+                           engine=EngineConfig(page_size=PAGE_SIZE, num_patch_pages=NUM_PAGES), pools={"patch": spec},
+                           vision_threads=2)
+    worker = RecordingVision(config)
+    worker.sent = []
+    info = worker.setup()
+    try:  # a CPU server: the CPU decoders only, frames and patches on the CPU
+        assert not worker.engine.layout.gpus and worker.engine.output_device == cpu
+        assert info["decoder"] == describe_decoders(worker.engine)
+        assert info["decoder"].endswith("x 2 threads, output on cpu") and "nvdec" not in info["decoder"]
+    finally:
+        worker.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "whole"])
+def test_on_a_gpu_patches_are_made_and_written_there(tmp_path, demo_model, clips, streaming):
+    """A CUDA server's vision process: NVDEC (when it works here) and CPU decoders put frames on the GPU,
+    patches are cut there in the pool's bfloat16 and written GPU to GPU; the rows equal the CPU path's
+    within a pixel level on average (NVDEC's colour conversion and the GPU resize round differently)."""
+    from flashcodec.devices import nvdec_unavailable_reason
+    from flashcodec.patches import OPENAI_CLIP_STD
+    from unifiedserve.memory.buffers import PagedBuffer
+    from unifiedserve.runtime.worker import pool_barrier
+
+    device = torch.device("cuda", 0)
+    worker = make_worker(tmp_path, demo_model, streaming)
+    worker.engine.close()
+    worker.patch_buffer = PagedBuffer(NUM_PAGES, PAGE_SIZE, 1176, dtype=torch.bfloat16, device=device)
+    worker.patch_buffer.tensor.fill_(SENTINEL)
+    worker.engine = DecodeEngine("pyav", 2, devices="auto", output_device=device, nvdec_sessions=4)
+    worker._published = pool_barrier(device)
+    try:
+        assert worker.engine.layout.gpus == (() if nvdec_unavailable_reason(0) else (0,))
+        pages = list(range(30))
+        plans = run_request(worker, clips, pages=pages)
+        rows = [p.grid_thw[0] * p.grid_thw[1] * p.grid_thw[2] for p in plans]
+        written = stream_rows(worker, pages).float().cpu()
+        level = 1.0 / 255 / min(OPENAI_CLIP_STD)  # one pixel level in patch units, at its largest
+        offset = 0
+        for want, n in zip(reference_patches(worker, clips), rows):
+            assert (written[offset:offset + n] - want).abs().mean().item() <= level
+            offset += n
+        assert torch.all(written[offset:] == SENTINEL)
+    finally:
+        worker.close()

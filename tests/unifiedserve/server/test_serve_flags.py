@@ -32,6 +32,7 @@ from unifiedserve.cli import main
     (["--gpus", "0,x"], "argument --gpus: must be GPU ordinals"),
     (["--decode-sm-percent", "100"], "argument --decode-sm-percent: must be a percentage in 1..99"),
     (["--mps", "maybe"], "argument --mps: invalid choice"),
+    (["--vision-device", "nvdec"], "argument --vision-device: invalid choice"),
 ])
 def test_bad_values_are_one_line_before_anything_starts(args, needle, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -47,6 +48,7 @@ def test_bad_values_are_one_line_before_anything_starts(args, needle, capsys):
     (["--gpus", "0"], "--gpus applies to CUDA only"),
     (["--model", "/nonexistent/folder"], "no config.json there"),
     (["--vision-threads", "-1"], "--vision-threads must be >= 0"),
+    (["--vision-device", "cuda"], "--vision-device: vision_device cuda (NVDEC) needs the server on CUDA"),
     (["--decode-threads", "-2"], "--decode-threads and --vision-threads must be >= 0"),
     (["--num-kv-blocks", "4", "--max-model-len", "4096"], "--max-model-len 4096 needs more KV cache"),
     (["--visual-buffer-gb", "1e-9"], "the visual-token buffer budget holds no page at all; raise --visual-buffer-gb"),

@@ -1,0 +1,71 @@
+"""The core process in-process: patch pages go to vision only after the work that may still read them.
+
+On CUDA, vision writes into the pages from another process with nothing ordering its stream after core's,
+so core waits for its own queued work (an encode step reading pages freed a moment ago) before it names
+pages in ``WritePatches``. Here the barrier is recorded instead of waited for.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from unifiedserve.engine.config import EngineConfig
+from unifiedserve.engine.params import SamplingParams
+from unifiedserve.engine.scheduler import SchedulerConfig
+from unifiedserve.model.demo import write_demo_model
+from unifiedserve.runtime import protocol
+from unifiedserve.runtime.config import PoolBudgets
+from unifiedserve.runtime.core_worker import CoreWorker
+from unifiedserve.runtime.launcher import Runtime, build_config
+
+
+class RecordingCore(CoreWorker):
+    """Core with its outgoing messages recorded (by type) instead of sent."""
+
+    def send(self, peer, message):
+        self.events.append(type(message).__name__)
+
+
+@pytest.fixture
+def core(tmp_path):
+    model = write_demo_model(tmp_path / "demo", seed=1)
+    engine = EngineConfig(device="cpu", scheduler=SchedulerConfig(patches_ready_on_admit=False))  # as serve's
+    config = build_config(str(model), engine,
+                          PoolBudgets(kv_cache_gb=0.02, patch_buffer_gb=0.02, visual_buffer_gb=0.01),
+                          served_model_name="demo", policy="unified")
+    runtime = Runtime(config, shm_dir=str(tmp_path))
+    runtime.create_pools()
+    worker = RecordingCore(runtime.config)
+    worker.events = []
+    try:
+        worker.setup()
+        worker._pages_barrier = lambda: worker.events.append("barrier")
+        yield worker
+    finally:
+        worker.close()
+        runtime.stop()
+
+
+def add(core, rid: str, num_images: int) -> None:
+    cfg = core.model_config
+    ids = [11, 12]
+    for _ in range(num_images):  # a 4x4-patch image is 4 visual tokens
+        ids += [cfg.image_token_id] * 4 + [13]
+    core.handle(protocol.AddRequest(rid, ids, [protocol.MediaPlan("image", (1, 4, 4))] * num_images,
+                                    SamplingParams(max_tokens=2), []))
+
+
+def test_pages_are_named_to_vision_only_after_a_barrier(core):
+    add(core, "r1", 1)
+    add(core, "r2", 2)
+    core.step()  # admits both: one barrier, then their pages
+    assert core.events == ["barrier", "WritePatches", "WritePatches"]
+    core.events.clear()
+    core.step()  # nothing admitted (media not written yet): no barrier, no pages
+    assert "WritePatches" not in core.events and "barrier" not in core.events
+
+
+def test_a_text_only_request_needs_no_barrier(core):
+    core.handle(protocol.AddRequest("t", [11, 12, 13], [], SamplingParams(max_tokens=2), []))
+    core.step()
+    assert "barrier" not in core.events and "WritePatches" not in core.events
