@@ -40,7 +40,7 @@ from unifiedserve.memory.pages import RaggedIndex
 from unifiedserve.model.processor import load_processor
 from unifiedserve.runtime import protocol
 from unifiedserve.runtime.shm import open_pool
-from unifiedserve.runtime.worker import Worker, pool_barrier
+from unifiedserve.runtime.worker import Worker, device_memory_gauges, pool_barrier
 
 log = logging.getLogger("unifiedserve")
 
@@ -182,7 +182,8 @@ class VisionWorker(Worker):
         super()._drain(min(timeout_ms, BUSY_POLL_MS) if self.in_flight else timeout_ms)
 
     def stats(self) -> dict[str, float]:
-        return {"vision_requests": len(self.jobs), "vision_in_flight": self.in_flight}
+        return {"vision_requests": len(self.jobs), "vision_in_flight": self.in_flight,
+                **device_memory_gauges(self.patch_buffer.device)}  # on CUDA: decoded frames and patches in flight
 
     # -- messages ----------------------------------------------------------------------------------
     def handle(self, message) -> None:
