@@ -47,9 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="launch each decode-only step before reading the previous one's tokens back, so the host's "
                         "per-step work overlaps the GPU's (tokens come out one step later; the same tokens)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
-                   help="CUDA only: share of the GPU's memory for weights, activations and the KV cache, which "
-                        "gets what the weights and a profiled peak step leave (default 0.9; --num-kv-blocks wins). "
-                        "Refused on CPU")
+                   help="refused by the server, with an error saying so: its pools (KV cache, patch and visual-"
+                        "token buffers) are created before any worker loads the model, from --kv-cache-gb / "
+                        "--num-kv-blocks, on every device. The in-process engine (unifiedserve.LLM, bench/engine) "
+                        "sizes its KV cache on CUDA from this share and a profiled peak step, as vLLM does")
     g.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="longest prompt + completion in tokens, visual tokens included (default: the model's, "
                         "capped by the KV cache)")
