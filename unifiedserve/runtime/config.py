@@ -65,6 +65,9 @@ class RuntimeConfig:
     #: together, "cuda" NVDEC (the CPU only for what NVDEC cannot take), "cpu" the CPU decoders; patches are
     #: made on the GPU in every case. A CPU server decodes on the CPU ("cuda" is refused there).
     vision_device: str = "auto"
+    #: decoded patches (GiB) vision may hold for requests core has not admitted yet; more videos wait to be
+    #: decoded until memory frees or their request is admitted (runtime/vision_worker.py: _start_decodes)
+    vision_ahead_gb: float = 2.0
     #: vision writes and announces each video's temporal slices as they are decoded (MediaReady.num_rows);
     #: False (serve --ingest whole): whole-video hand-off, a video's patches announced once all are decoded
     streaming_ingest: bool = True
@@ -98,6 +101,9 @@ class RuntimeConfig:
         for name in ("vision_threads", "core_threads_shared", "gpu"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not (isinstance(self.vision_ahead_gb, (int, float)) and self.vision_ahead_gb > 0
+                and math.isfinite(self.vision_ahead_gb)):
+            raise ValueError(f"vision_ahead_gb must be a positive finite number, got {self.vision_ahead_gb!r}")
         if self.vision_device not in VISION_DEVICES:
             raise ValueError(f"vision_device must be one of {', '.join(VISION_DEVICES)}, got {self.vision_device!r}")
         if self.vision_device == "cuda" and self.engine.device == "cpu":

@@ -3,7 +3,8 @@
 For a request (``ProbeMedia``) it probes every video (a demux scan) and decodes every image on a
 small thread pool, and answers api at once with the patch grids (``MediaProbed``), so the prompt
 length is known before a frame is decoded. Video decoding starts right after the probe, on
-FlashCodec's shared decoder threads. When core has admitted the request (``WritePatches``, the
+FlashCodec's shared decoder threads, within the decode-ahead bound (``--vision-ahead-gb``, see
+:meth:`VisionWorker._start_decodes`). When core has admitted the request (``WritePatches``, the
 pages of its patch stream) and a media's patches are ready, this process copies them into those
 pages and tells core (``MediaReady``). Writes happen on the loop thread, in the order of core's
 messages, so a ``CancelMedia`` from core is always seen before its pages are handed to anyone else.
@@ -26,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -142,6 +143,8 @@ class _Job:
     skip: frozenset[int] = frozenset()  # media core already has (WritePatches.skip_media)
     offsets: dict[int, int] = field(default_factory=dict)  # first row of each written media in the pages
     key_ids: dict[int, int] = field(default_factory=dict)  # media index -> FlashCodec request decoding it
+    #: bytes of decoded patches charged to the decode-ahead bound, per video not yet written (see _start_decodes)
+    charged: dict[int, int] = field(default_factory=dict)
 
     @property
     def is_done(self) -> bool:
@@ -172,6 +175,10 @@ class VisionWorker(Worker):
         self.jobs: dict[str, _Job] = {}
         self.in_flight = 0  # probes and decodes running on other threads
         self._lock = threading.Lock()
+        #: videos probed and not yet decoding, in arrival order: (job, media index, analysis, patch bytes)
+        self.waiting: deque[tuple[_Job, int, object, int]] = deque()
+        self.held_bytes = 0  # decoded (or decoding) patches not yet written into the pool
+        self.ahead_limit = int(cfg.vision_ahead_gb * 2**30)
         return {"decoder": describe_decoders(self.engine),
                 "patch_buffer": f"{storage.shape[0]} pages x {storage.shape[1]} rows x {storage.shape[2]} on {device}"}
 
@@ -183,10 +190,16 @@ class VisionWorker(Worker):
 
     def stats(self) -> dict[str, float]:
         return {"vision_requests": len(self.jobs), "vision_in_flight": self.in_flight,
+                "vision_waiting": len(self.waiting), "vision_ahead_bytes": self.held_bytes,
                 **device_memory_gauges(self.patch_buffer.device)}  # on CUDA: decoded frames and patches in flight
 
     # -- messages ----------------------------------------------------------------------------------
     def handle(self, message) -> None:
+        self._handle(message)
+        if self.waiting:
+            self._start_decodes()
+
+    def _handle(self, message) -> None:
         if isinstance(message, protocol.ProbeMedia):
             job = _Job(message.request_id, message.media)
             self.jobs[job.request_id] = job
@@ -199,6 +212,8 @@ class VisionWorker(Worker):
                 self._write_ready(job)
         elif isinstance(message, protocol.CancelMedia):
             job = self.jobs.pop(message.request_id, None)
+            if job is not None:
+                self._release(job)
             for key_id in job.key_ids.values() if job is not None else ():
                 self.engine.cancel(key_id)  # its decoder slots go to the next request at once
 
@@ -214,6 +229,7 @@ class VisionWorker(Worker):
                 key_id = job.key_ids.get(index)
                 if key_id is not None:
                     self.engine.cancel(key_id)
+                self._release(job, index)
                 job.patches.pop(index, None)
                 job.parts.pop(index, None)
                 continue
@@ -228,8 +244,10 @@ class VisionWorker(Worker):
             try:
                 event = self.events.get_nowait()
             except queue.Empty:
-                return
+                break
             self._event(*event)
+        if self.waiting:
+            self._start_decodes()
 
     def _event(self, kind: str, request_id: str, *payload) -> None:
         if kind != "part" or payload[-1]:  # a probe or decode ended (a stream with its last part)
@@ -245,6 +263,7 @@ class VisionWorker(Worker):
             if index in job.skip:  # core does not need this media any more
                 return
             self.jobs.pop(request_id)
+            self._release(job)
             for key_id in job.key_ids.values():  # the request fails: its other videos stop too
                 self.engine.cancel(key_id)
             self.send("api", protocol.MediaFailed(request_id, message))
@@ -253,12 +272,10 @@ class VisionWorker(Worker):
             job.plans = plans
             self.send("api", protocol.MediaProbed(request_id, plans, probe_s))
             job.key_ids = {index: analysis.key_id for index, analysis in analyses}
-            decode = self._decode_streamed if self.config.streaming_ingest else self._decode
+            row_bytes = self.patch_buffer.dim * self.patch_buffer.dtype.itemsize
             for index, analysis in analyses:
-                self._started()
-                job.decode_start[index] = time.time()
-                threading.Thread(target=decode, args=(job, index, analysis), daemon=True,
-                                 name=f"decode-{request_id}").start()
+                t, h, w = plans[index].grid_thw
+                self.waiting.append((job, index, analysis, t * h * w * row_bytes))
         elif kind == "decoded":
             index, patches, decode_s = payload
             if index not in job.skip:
@@ -276,6 +293,50 @@ class VisionWorker(Worker):
 
     def _started(self) -> None:
         self.in_flight += 1
+
+    # -- the decode-ahead bound ------------------------------------------------------------------------
+    def _start_decodes(self) -> None:
+        """Start the waiting videos that may start now, in arrival order.
+
+        Vision decodes a video as soon as it is probed, before core admits its request, so that it is
+        ready when pages free up. Held in this process's memory (on the GPU on a CUDA server, where NVDEC
+        outruns prefill), those patches would grow without bound under a queue, so a video of a request
+        core has not admitted starts only while the patches held ahead (``held_bytes``: decoding or
+        decoded, not yet written) stay within ``--vision-ahead-gb`` (or when nothing is held: a video
+        larger than the bound still goes, alone). A video of an admitted request starts at once: its
+        rows go into its pages, and core waits for them.
+        """
+        keep: deque = deque()
+        blocked = False  # a request not admitted did not fit: later ones wait behind it, admitted ones go
+        while self.waiting:
+            job, index, analysis, size = entry = self.waiting.popleft()
+            if self.jobs.get(job.request_id) is not job or index in job.skip:
+                continue  # cancelled, failed or skipped meanwhile (its analysis is cancelled there)
+            admitted = job.pages is not None
+            if not admitted and (blocked or (self.held_bytes and self.held_bytes + size > self.ahead_limit)):
+                blocked = True
+                keep.append(entry)
+                continue
+            job.charged[index] = size
+            self.held_bytes += size
+            self._started()
+            job.decode_start[index] = time.time()
+            decode = self._decode_streamed if self.config.streaming_ingest else self._decode
+            threading.Thread(target=decode, args=(job, index, analysis), daemon=True,
+                             name=f"decode-{job.request_id}").start()
+        self.waiting = keep
+
+    def _release(self, job: _Job, index: int | None = None, num_bytes: int | None = None) -> None:
+        """Give back what ``job`` holds ahead: ``num_bytes`` of media ``index`` (rows written), all of that
+        media (``num_bytes`` None), or all of the job's (``index`` None)."""
+        for i in list(job.charged) if index is None else [index]:
+            charge = job.charged.get(i, 0)
+            give = charge if num_bytes is None else min(charge, num_bytes)
+            self.held_bytes -= give
+            if give == charge:
+                job.charged.pop(i, None)
+            else:
+                job.charged[i] = charge - give
 
     # -- work on other threads -----------------------------------------------------------------------
     def _probe(self, job: _Job) -> None:
@@ -373,12 +434,14 @@ class VisionWorker(Worker):
                     raise AssertionError(f"media {index} decoded {patches.shape[0]} patch rows, planned {rows}")
                 self._write_rows(job, job.offsets[index], patches)
                 job.rows_written[index] = rows
+                self._release(job, index)
             elif index in job.parts:
                 for start, patches in job.parts.pop(index):
                     assert start == job.rows_written.get(index, 0) and start + patches.shape[0] <= rows, \
                         f"media {index}: part [{start}, {start + patches.shape[0]}) of {rows} rows out of order"
                     self._write_rows(job, job.offsets[index] + start, patches)
                     job.rows_written[index] = start + patches.shape[0]
+                    self._release(job, index, patches.shape[0] * patches.shape[1] * self.patch_buffer.dtype.itemsize)
             else:
                 continue
             whole = job.rows_written[index] == rows
@@ -390,6 +453,7 @@ class VisionWorker(Worker):
                                                   job.decode_start.get(index, 0.0)))
         if job.is_done:
             self.jobs.pop(job.request_id, None)
+            self._release(job)
 
     def _write_rows(self, job: _Job, offset: int, patches: torch.Tensor) -> None:
         """Copy ``patches`` [rows, patch_dim] into the request's patch stream from its row ``offset``."""

@@ -69,6 +69,13 @@ class Metrics:
             self._caches[cache] = (queried, hits, rate)
         self.media_cache_bytes = Gauge("unifiedserve_media_cache_bytes", "Bytes of encoded visual tokens the media "
                                        "cache holds.", ["model_name"], registry=r).labels(**labels)
+        self.vision_ahead_bytes = Gauge("unifiedserve_vision_ahead_bytes", "Decoded patches the vision process holds "
+                                        "(decoding or decoded) that are not yet in the patch buffer; bounded by "
+                                        "--vision-ahead-gb for requests not yet admitted.", ["model_name"],
+                                        registry=r).labels(**labels)
+        self.vision_waiting = Gauge("unifiedserve_vision_videos_waiting", "Probed videos whose decode waits for the "
+                                    "--vision-ahead-gb bound or for their request's admission.", ["model_name"],
+                                    registry=r).labels(**labels)
         self._pool_bytes = Gauge("unifiedserve_pool_bytes", "Bytes of each shared pool, allocated once at start "
                                  "(kv: the KV cache; patch: the patch buffer; weights: the LLM weights core and "
                                  "decode share), and where it lives (cpu: shared memory; cuda:N: the GPU).",
@@ -125,6 +132,9 @@ class Metrics:
                 rate.set(h / q if q else 0.0)
         if "media_cache_bytes" in gauges:
             self.media_cache_bytes.set(gauges["media_cache_bytes"])
+        if "vision_ahead_bytes" in gauges:
+            self.vision_ahead_bytes.set(gauges["vision_ahead_bytes"])
+            self.vision_waiting.set(gauges["vision_waiting"])
         self.waiting.set(gauges.get("num_waiting", 0) + num_in_api)
         self.running.set(gauges.get("num_prefilling", 0) + gauges.get("num_decoding", 0))
 

@@ -99,6 +99,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "AV1 on an H100); cpu: the CPU decoders only. Frames are resized and cut into patches on the "
                         "GPU, straight into the shared patch buffer, in every case. A CPU server decodes on the CPU "
                         "(cuda is refused there)")
+    g.add_argument("--vision-ahead-gb", type=_positive_float, default=RuntimeConfig.vision_ahead_gb, metavar="GB",
+                   help="decoded patches the vision process may hold for requests that wait to be admitted (on the "
+                        "GPU on a CUDA server); further videos are decoded when memory frees or their request is "
+                        "admitted, so a queue of long videos cannot exhaust memory (default %(default)g)")
     g.add_argument("--ingest", choices=("streaming", "whole"),
                    default="streaming" if RuntimeConfig.streaming_ingest else "whole",
                    help="streaming: vision writes each video's temporal slices into the patch buffer as they are "
@@ -366,7 +370,8 @@ def build_runtime(args: argparse.Namespace):
         config = build_config(
             model, engine, pools, served_model_name=args.served_model_name, max_model_len=args.max_model_len,
             policy=args.policy, default_max_tokens=args.default_max_tokens, tbt_slo_ms=args.tbt_slo_ms,
-            vision_threads=args.vision_threads, vision_device=args.vision_device, decode_threads=args.decode_threads,
+            vision_threads=args.vision_threads, vision_device=args.vision_device,
+            vision_ahead_gb=args.vision_ahead_gb, decode_threads=args.decode_threads,
             max_video_seconds=args.max_video_seconds, streaming_ingest=args.ingest == "streaming",
             budget_overrides=budgets, **placement)
     except ValueError as e:

@@ -26,6 +26,7 @@ BASE = dict(model="m", served_model_name="m")
     (dict(nice={"cor": 5}), "unknown processes"),
     (dict(engine={"block_size": 4}), "engine must be an EngineConfig"),
     (dict(vision_device="gpu"), "vision_device must be one of auto, cpu, cuda"),
+    (dict(vision_ahead_gb=float("nan")), "vision_ahead_gb must be a positive finite number"),
     (dict(vision_device="cuda"), "vision_device cuda \\(NVDEC\\) needs the server on CUDA"),
 ])
 def test_bad_values_fail_at_construction(bad, match):

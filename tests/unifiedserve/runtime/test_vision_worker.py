@@ -281,6 +281,68 @@ def test_decoders_follow_the_patch_buffer(tmp_path, demo_model):
         worker.close()
 
 
+def video_bytes(worker, rid):
+    plan = next(m for m in messages(worker, protocol.MediaProbed) if m.request_id == rid).plans[0]
+    t, h, w = plan.grid_thw
+    return t * h * w * worker.patch_buffer.dim * worker.patch_buffer.dtype.itemsize
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "whole"])
+def test_videos_waiting_for_admission_decode_within_the_ahead_bound(tmp_path, demo_model, clips, streaming):
+    """With a bound below one video, one waiting request's video decodes at a time (alone past the bound);
+    an admitted request's video starts at once; writes give the memory back and the next one starts."""
+    worker = make_worker(tmp_path, demo_model, streaming, delay_s=0.03)
+    worker.ahead_limit = 1  # bytes: less than any video
+    a, b = clips[0], clips[2]
+    try:
+        for n, (rid, media) in enumerate((("r1", a), ("r2", a), ("r3", b))):  # probed in this order
+            worker.handle(protocol.ProbeMedia(rid, [media]))
+            pump(worker, lambda: len(messages(worker, protocol.MediaProbed)) == n + 1)
+        size = {rid: video_bytes(worker, rid) for rid in ("r1", "r2", "r3")}
+        assert [(j.request_id, i) for j, i, _, _ in worker.waiting] == [("r2", 0), ("r3", 0)]
+        assert worker.held_bytes == size["r1"]  # decoding or decoded, held until written
+        pump(worker, lambda: worker.in_flight == 0)  # r1 decoded; nobody took its patches yet
+        assert worker.held_bytes == size["r1"] and len(worker.waiting) == 2
+        worker.handle(protocol.WritePatches("r3", list(range(32, 48)), []))  # admitted: starts past the bound
+        assert [j.request_id for j, *_ in worker.waiting] == ["r2"]
+        assert worker.held_bytes == size["r1"] + size["r3"]
+        worker.handle(protocol.WritePatches("r1", list(range(0, 16)), []))  # written: r2 may start now
+        pump(worker, lambda: "r1" not in worker.jobs and not worker.waiting)
+        worker.handle(protocol.WritePatches("r2", list(range(16, 32)), []))
+        pump(worker, lambda: not worker.jobs and worker.in_flight == 0)
+        assert worker.held_bytes == 0 and not worker.waiting
+        assert not messages(worker, protocol.MediaFailed)
+        want_a, want_b = reference_patches(worker, [a, b])
+        rows = worker.patch_buffer.tensor.view(-1, worker.patch_buffer.dim)
+        assert torch.equal(rows[16 * PAGE_SIZE:16 * PAGE_SIZE + want_a.shape[0]], want_a)  # r2, decoded late
+        assert torch.equal(rows[32 * PAGE_SIZE:32 * PAGE_SIZE + want_b.shape[0]], want_b)
+        done = {m.request_id for m in messages(worker, protocol.MediaReady) if m.num_rows is None}
+        assert done == {"r1", "r2", "r3"}
+    finally:
+        worker.close()
+
+
+def test_a_cancelled_request_gives_its_share_back_and_leaves_the_queue(tmp_path, demo_model, clips):
+    worker = make_worker(tmp_path, demo_model, streaming=True, delay_s=0.05)
+    worker.ahead_limit = 1
+    try:
+        for n, rid in enumerate(("r1", "r2", "r3")):  # probed in this order
+            worker.handle(protocol.ProbeMedia(rid, [clips[0]]))
+            pump(worker, lambda: len(messages(worker, protocol.MediaProbed)) == n + 1)
+        key3 = worker.jobs["r3"].key_ids[0]
+        worker.handle(protocol.CancelMedia("r3"))  # waiting: dropped, its analysis forgotten
+        worker.handle(protocol.CancelMedia("r1"))  # decoding: its share comes back, r2 starts
+        assert not worker.waiting and set(worker.jobs) == {"r2"}
+        assert worker.held_bytes == video_bytes(worker, "r2")
+        assert key3 not in worker.engine._analyses
+        worker.handle(protocol.WritePatches("r2", list(range(16)), []))
+        pump(worker, lambda: not worker.jobs and worker.in_flight == 0)
+        assert worker.held_bytes == 0
+        assert {m.request_id for m in messages(worker, protocol.MediaReady)} == {"r2"}
+    finally:
+        worker.close()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "whole"])
 def test_on_a_gpu_patches_are_made_and_written_there(tmp_path, demo_model, clips, streaming):

@@ -33,6 +33,7 @@ from unifiedserve.cli import main
     (["--decode-sm-percent", "100"], "argument --decode-sm-percent: must be a percentage in 1..99"),
     (["--mps", "maybe"], "argument --mps: invalid choice"),
     (["--vision-device", "nvdec"], "argument --vision-device: invalid choice"),
+    (["--vision-ahead-gb", "0"], "argument --vision-ahead-gb: must be a positive finite number"),
 ])
 def test_bad_values_are_one_line_before_anything_starts(args, needle, capsys):
     with pytest.raises(SystemExit) as exit_:
