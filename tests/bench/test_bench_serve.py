@@ -295,3 +295,23 @@ def test_bad_server_flag_is_one_error_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("ttft_breakdown.py: error: the server exited (2): ")
     assert sp.run_main(lambda: 0, "x") == 0
+
+
+# ---------------------------------------------------------------------------
+# bench_vision_ahead.py: its helpers and its argument errors (a full run takes minutes: see docs/benchmarks.md)
+# ---------------------------------------------------------------------------
+
+
+def test_vision_ahead_helpers_and_bad_arguments(capsys):
+    import os
+
+    import bench_vision_ahead as va
+
+    own = int(open(f"/proc/{os.getpid()}/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    assert va.tree_rss(os.getpid()) >= own * 0.9  # this process and its children, if any
+    metrics = {'unifiedserve_vision_ahead_bytes{model_name="m"}': 7.0, "unifiedserve_vision_ahead_bytes_x": 1.0}
+    assert va.gauge(metrics, "unifiedserve_vision_ahead_bytes") == 7.0 and va.gauge({}, "absent") == 0.0
+    for bad in (["--bounds", "0"], ["--num-videos", "0"]):
+        with pytest.raises(SystemExit) as exit_:
+            va.main(bad)
+        assert exit_.value.code == 2 and "must be positive" in capsys.readouterr().err

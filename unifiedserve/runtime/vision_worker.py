@@ -143,7 +143,7 @@ class _Job:
     skip: frozenset[int] = frozenset()  # media core already has (WritePatches.skip_media)
     offsets: dict[int, int] = field(default_factory=dict)  # first row of each written media in the pages
     key_ids: dict[int, int] = field(default_factory=dict)  # media index -> FlashCodec request decoding it
-    #: bytes of decoded patches charged to the decode-ahead bound, per video not yet written (see _start_decodes)
+    #: bytes charged to the decode-ahead bound per video started before admission (see _start_decodes)
     charged: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -223,13 +223,13 @@ class VisionWorker(Worker):
         bad = sorted(i for i in skip if not 0 <= i < len(job.plans))
         assert not bad, f"request {job.request_id}: skip_media {bad} out of range for {len(job.plans)} media"
         job.pages, job.skip = message.pages, skip
+        self._release(job)  # its patches go into its pages now: they no longer count as held ahead
         offset = 0
         for index, plan in enumerate(job.plans):
             if index in skip:
                 key_id = job.key_ids.get(index)
                 if key_id is not None:
                     self.engine.cancel(key_id)
-                self._release(job, index)
                 job.patches.pop(index, None)
                 job.parts.pop(index, None)
                 continue
@@ -301,10 +301,11 @@ class VisionWorker(Worker):
         Vision decodes a video as soon as it is probed, before core admits its request, so that it is
         ready when pages free up. Held in this process's memory (on the GPU on a CUDA server, where NVDEC
         outruns prefill), those patches would grow without bound under a queue, so a video of a request
-        core has not admitted starts only while the patches held ahead (``held_bytes``: decoding or
-        decoded, not yet written) stay within ``--vision-ahead-gb`` (or when nothing is held: a video
-        larger than the bound still goes, alone). A video of an admitted request starts at once: its
-        rows go into its pages, and core waits for them.
+        core has not admitted starts only while the patches held ahead of admission (``held_bytes``: the
+        planned patches of such videos, decoding or decoded) stay within ``--vision-ahead-gb`` (or when
+        nothing is held: a video larger than the bound still goes, alone). A video of an admitted request
+        starts at once and is not counted: its rows go into its pages (the patch buffer bounds them), and
+        core waits for them. Admission, writes and cancels give the counted bytes back.
         """
         keep: deque = deque()
         blocked = False  # a request not admitted did not fit: later ones wait behind it, admitted ones go
@@ -317,8 +318,9 @@ class VisionWorker(Worker):
                 blocked = True
                 keep.append(entry)
                 continue
-            job.charged[index] = size
-            self.held_bytes += size
+            if not admitted:
+                job.charged[index] = size
+                self.held_bytes += size
             self._started()
             job.decode_start[index] = time.time()
             decode = self._decode_streamed if self.config.streaming_ingest else self._decode
@@ -326,17 +328,10 @@ class VisionWorker(Worker):
                              name=f"decode-{job.request_id}").start()
         self.waiting = keep
 
-    def _release(self, job: _Job, index: int | None = None, num_bytes: int | None = None) -> None:
-        """Give back what ``job`` holds ahead: ``num_bytes`` of media ``index`` (rows written), all of that
-        media (``num_bytes`` None), or all of the job's (``index`` None)."""
-        for i in list(job.charged) if index is None else [index]:
-            charge = job.charged.get(i, 0)
-            give = charge if num_bytes is None else min(charge, num_bytes)
-            self.held_bytes -= give
-            if give == charge:
-                job.charged.pop(i, None)
-            else:
-                job.charged[i] = charge - give
+    def _release(self, job: _Job) -> None:
+        """``job`` no longer holds anything ahead of admission (admitted, cancelled or failed)."""
+        self.held_bytes -= sum(job.charged.values())
+        job.charged.clear()
 
     # -- work on other threads -----------------------------------------------------------------------
     def _probe(self, job: _Job) -> None:
@@ -434,14 +429,12 @@ class VisionWorker(Worker):
                     raise AssertionError(f"media {index} decoded {patches.shape[0]} patch rows, planned {rows}")
                 self._write_rows(job, job.offsets[index], patches)
                 job.rows_written[index] = rows
-                self._release(job, index)
             elif index in job.parts:
                 for start, patches in job.parts.pop(index):
                     assert start == job.rows_written.get(index, 0) and start + patches.shape[0] <= rows, \
                         f"media {index}: part [{start}, {start + patches.shape[0]}) of {rows} rows out of order"
                     self._write_rows(job, job.offsets[index] + start, patches)
                     job.rows_written[index] = start + patches.shape[0]
-                    self._release(job, index, patches.shape[0] * patches.shape[1] * self.patch_buffer.dtype.itemsize)
             else:
                 continue
             whole = job.rows_written[index] == rows
@@ -453,7 +446,6 @@ class VisionWorker(Worker):
                                                   job.decode_start.get(index, 0.0)))
         if job.is_done:
             self.jobs.pop(job.request_id, None)
-            self._release(job)
 
     def _write_rows(self, job: _Job, offset: int, patches: torch.Tensor) -> None:
         """Copy ``patches`` [rows, patch_dim] into the request's patch stream from its row ``offset``."""

@@ -69,9 +69,9 @@ class Metrics:
             self._caches[cache] = (queried, hits, rate)
         self.media_cache_bytes = Gauge("unifiedserve_media_cache_bytes", "Bytes of encoded visual tokens the media "
                                        "cache holds.", ["model_name"], registry=r).labels(**labels)
-        self.vision_ahead_bytes = Gauge("unifiedserve_vision_ahead_bytes", "Decoded patches the vision process holds "
-                                        "(decoding or decoded) that are not yet in the patch buffer; bounded by "
-                                        "--vision-ahead-gb for requests not yet admitted.", ["model_name"],
+        self.vision_ahead_bytes = Gauge("unifiedserve_vision_ahead_bytes", "Patches of the videos the vision process "
+                                        "decodes ahead of their request's admission (decoding or decoded; as "
+                                        "planned), bounded by --vision-ahead-gb.", ["model_name"],
                                         registry=r).labels(**labels)
         self.vision_waiting = Gauge("unifiedserve_vision_videos_waiting", "Probed videos whose decode waits for the "
                                     "--vision-ahead-gb bound or for their request's admission.", ["model_name"],

@@ -101,8 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(cuda is refused there)")
     g.add_argument("--vision-ahead-gb", type=_positive_float, default=RuntimeConfig.vision_ahead_gb, metavar="GB",
                    help="decoded patches the vision process may hold for requests that wait to be admitted (on the "
-                        "GPU on a CUDA server); further videos are decoded when memory frees or their request is "
-                        "admitted, so a queue of long videos cannot exhaust memory (default %(default)g)")
+                        "GPU on a CUDA server); further videos are decoded when an earlier one is admitted or "
+                        "cancelled, or their own request is admitted, so a queue of long videos cannot exhaust "
+                        "memory (default %(default)g)")
     g.add_argument("--ingest", choices=("streaming", "whole"),
                    default="streaming" if RuntimeConfig.streaming_ingest else "whole",
                    help="streaming: vision writes each video's temporal slices into the patch buffer as they are "

@@ -290,7 +290,8 @@ def video_bytes(worker, rid):
 @pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "whole"])
 def test_videos_waiting_for_admission_decode_within_the_ahead_bound(tmp_path, demo_model, clips, streaming):
     """With a bound below one video, one waiting request's video decodes at a time (alone past the bound);
-    an admitted request's video starts at once; writes give the memory back and the next one starts."""
+    an admitted request's video starts at once and is not counted; admission gives the bytes back and the
+    next one starts."""
     worker = make_worker(tmp_path, demo_model, streaming, delay_s=0.03)
     worker.ahead_limit = 1  # bytes: less than any video
     a, b = clips[0], clips[2]
@@ -303,11 +304,12 @@ def test_videos_waiting_for_admission_decode_within_the_ahead_bound(tmp_path, de
         assert worker.held_bytes == size["r1"]  # decoding or decoded, held until written
         pump(worker, lambda: worker.in_flight == 0)  # r1 decoded; nobody took its patches yet
         assert worker.held_bytes == size["r1"] and len(worker.waiting) == 2
-        worker.handle(protocol.WritePatches("r3", list(range(32, 48)), []))  # admitted: starts past the bound
-        assert [j.request_id for j, *_ in worker.waiting] == ["r2"]
-        assert worker.held_bytes == size["r1"] + size["r3"]
-        worker.handle(protocol.WritePatches("r1", list(range(0, 16)), []))  # written: r2 may start now
-        pump(worker, lambda: "r1" not in worker.jobs and not worker.waiting)
+        worker.handle(protocol.WritePatches("r3", list(range(32, 48)), []))  # admitted: starts past the bound,
+        assert [j.request_id for j, *_ in worker.waiting] == ["r2"]       # and its pages, not vision, hold it
+        assert worker.held_bytes == size["r1"]
+        worker.handle(protocol.WritePatches("r1", list(range(0, 16)), []))  # admitted: r2 may start now
+        assert not worker.waiting and worker.held_bytes == size["r2"]
+        pump(worker, lambda: "r1" not in worker.jobs)
         worker.handle(protocol.WritePatches("r2", list(range(16, 32)), []))
         pump(worker, lambda: not worker.jobs and worker.in_flight == 0)
         assert worker.held_bytes == 0 and not worker.waiting
