@@ -177,7 +177,7 @@ class VisionWorker(Worker):
         self._lock = threading.Lock()
         #: videos probed and not yet decoding, in arrival order: (job, media index, analysis, patch bytes)
         self.waiting: deque[tuple[_Job, int, object, int]] = deque()
-        self.held_bytes = 0  # decoded (or decoding) patches not yet written into the pool
+        self.held_bytes = 0  # planned patches of the videos decoding (or decoded) ahead of their admission
         self.ahead_limit = int(cfg.vision_ahead_gb * 2**30)
         return {"decoder": describe_decoders(self.engine),
                 "patch_buffer": f"{storage.shape[0]} pages x {storage.shape[1]} rows x {storage.shape[2]} on {device}"}
@@ -305,7 +305,7 @@ class VisionWorker(Worker):
         planned patches of such videos, decoding or decoded) stay within ``--vision-ahead-gb`` (or when
         nothing is held: a video larger than the bound still goes, alone). A video of an admitted request
         starts at once and is not counted: its rows go into its pages (the patch buffer bounds them), and
-        core waits for them. Admission, writes and cancels give the counted bytes back.
+        core waits for them. Admission, a cancel or a failure gives the counted bytes back.
         """
         keep: deque = deque()
         blocked = False  # a request not admitted did not fit: later ones wait behind it, admitted ones go
