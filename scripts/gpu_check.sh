@@ -11,7 +11,8 @@
 #              fused resize kernel) and bench/decode/bench_gpu.py; then bench/kernels/bench_sm_shares.py
 #              (issue 14: green contexts vs MPS shares; pure torch, so it rides with this group)
 #   attention  the engine on flashinfer: a random-weight Qwen2.5-VL-7B preset, flashinfer's kernels (carried
-#              prebuilt by scripts/gpu_wheels.sh, else JIT-compiled) warmed (and the csrc/ build beside it), the unifiedserve cuda tests, the MPS launcher test,
+#              prebuilt by scripts/gpu_wheels.sh, else JIT-compiled) warmed (and the csrc/ build beside it), the unifiedserve cuda tests, the
+#              whole server on the GPU with the demo model (its own step), the MPS launcher test,
 #              bench/kernels (paged copy, fused layer ops)
 #   engine     (attention's wheels) bench/engine on the 7B preset (decode timed sync and with async scheduling,
 #              and split into graph replay and host time), then its decode with the fused ops off
@@ -158,7 +159,11 @@ decode)
 attention)
   prepare_7b
   step "cuda tests (unifiedserve) and the MPS launcher"
-  run 180 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/unifiedserve
+  run 180 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/unifiedserve \
+    --deselect tests/unifiedserve/server/test_server_cuda.py
+  step "the whole server on the GPU (demo model): serve --device cuda against the engine's own output"
+  run 150 pytest-cuda-server python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda-server.xml" \
+    tests/unifiedserve/server/test_server_cuda.py
   run 90 pytest-launch python3 -m pytest -q -p no:cacheprovider -m "not slow" -k "not cuda_fault" tests/launch  # MPS cycle, serve-node under MPS
   step "bench/kernels (paged copy and fused layer ops on CUDA)"
   run 40 bench-kernels python3 bench/kernels/bench_paged_copy.py --device cuda --quick --out "$out/bench_kernels.json"
