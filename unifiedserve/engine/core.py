@@ -156,10 +156,12 @@ class EngineCore:
         An empty output ran nothing (it may still carry a pending step's tokens).
 
         With ``async_scheduling``, a step that only decodes (nothing waiting, every running request past
-        its prompt, no row under a grammar) is launched with each row's last token
+        its prompt) is launched with each row's last token
         taken on the device from the previous step's samples, and only then is the previous step read back
         (its ids and asked-for logprobs, copied to the host behind its sampler, then stop checks): the host work of one step
-        overlaps the kernels of the next, and its tokens come out one call later. A request that ended in
+        overlaps the kernels of the next, and its tokens come out one call later. When a row samples under a
+        grammar, the read-back comes between the forward's launch and the sampling, since the grammar's mask
+        needs the previous token: the host's grammar work then overlaps the forward only. A request that ended in
         the step read back has had one more row computed for it in the step just launched (its last token
         fed, the K/V slot inside its blocks); that row is dropped. Tokens are those of the synchronous
         step, seeded ones included.
@@ -180,9 +182,18 @@ class EngineCore:
             ids = list(logits)
             rows = torch.stack([logits[r] for r in ids])  # [B, vocab]
             params = [self.seqs[r].params for r in ids]
-            tokens = sample_tensor(rows, params, [self.seqs[r].sampler for r in ids])  # stays on the device
+            samplers = [self.seqs[r].sampler for r in ids]
+            previous = None
+            if any(s.grammar is not None for s in samplers):
+                # a grammar's mask needs the token before: read the previous step back first (its grammars
+                # advance), while the forward just launched runs; a row whose request ended there is dropped,
+                # so its finished grammar masks nothing
+                previous = self._read_back()
+                samplers = [SamplerState(s.generator) if r in self._ended else s for r, s in zip(ids, samplers)]
+            tokens = sample_tensor(rows, params, samplers)  # stays on the device
             launched = PendingStep.launch(ids, tokens, rows, params)  # copies queued before the next step
-            previous = self._read_back()
+            if previous is None:
+                previous = self._read_back()
             self._pending = launched
             return out, flushed + previous
         if self._pending is not None:  # not only decode rows after all: read back first, drop who ended
@@ -202,12 +213,9 @@ class EngineCore:
             out.decode = [r for r in out.decode if r not in self._ended]
 
     def _only_decoding(self) -> bool:
-        """Whether the next step can only be decode rows, none under a grammar (whose mask needs the previous
-        token on the host): the async condition."""
+        """Whether the next step can only be decode rows: the async condition."""
         s = self.scheduler
-        if s.waiting or not s.running or not all(r.is_prefill_done and r.output_token_ids for r in s.running):
-            return False
-        return all(self.seqs[r].sampler.grammar is None for r in s.next_decode_rows())
+        return not s.waiting and bool(s.running) and all(r.is_prefill_done and r.output_token_ids for r in s.running)
 
     def _read_back(self) -> list[tuple[str, SampledToken]]:
         """The pending step's tokens, to the host and into their sequences (rows of ended requests dropped)."""
@@ -219,7 +227,11 @@ class EngineCore:
         if not live:
             return []
         ids = [pending.request_ids[i] for i in live]
-        results = record_tokens([tokens[i] for i in live], [self.seqs[r] for r in ids], [logprobs[i] for i in live])
+        seqs = [self.seqs[r] for r in ids]
+        for i, seq in zip(live, seqs):  # as sample() does on the synchronous path, before the stop checks
+            if seq.sampler.grammar is not None:
+                seq.sampler.grammar.accept(tokens[i])
+        results = record_tokens([tokens[i] for i in live], seqs, [logprobs[i] for i in live])
         return self._note_ended(list(zip(ids, results)))
 
     def _note_ended(self, results: list[tuple[str, SampledToken]]) -> list[tuple[str, SampledToken]]:

@@ -133,13 +133,30 @@ def test_stop_tokens_end_requests_the_same_way(engines, prompts):
     assert summary(overlapped.generate(batch)) == expected
 
 
-def test_grammar_requests_run_synchronously(engines):
+def test_grammar_rows_overlap_too_and_match(engines, prompts, monkeypatch):
+    """A grammar row beside free ones (greedy and seeded): the same outputs, and its decode steps are launched
+    from the device before the previous step is read back (the read-back then comes before the sampling)."""
     import json
 
     sync, overlapped = engines
     p, v = sync.build_prompt([{"role": "user", "content": "A person as JSON."}])
     params = SamplingParams(max_tokens=40, response_format="json_schema", json_schema=json.dumps(PERSON))
-    assert summary(overlapped.generate([(p, v, params)])) == summary(sync.generate([(p, v, params)]))
+    alone = [(p, v, params)]
+    assert summary(overlapped.generate(alone)) == summary(sync.generate(alone))
+    batch = [(p, v, params), prompts[1], prompts[3]]
+    expected = summary(sync.generate(batch))
+    fed = []
+    execute = overlapped.runner.execute
+
+    def spy_execute(out, requests, pending=None):
+        fed.append(pending is not None)
+        return execute(out, requests, pending)
+
+    monkeypatch.setattr(overlapped.runner, "execute", spy_execute)
+    assert summary(overlapped.generate(batch)) == expected
+    assert sum(fed) >= len(expected[0][0]) - 2  # every decode step of the grammar row but the first
+    if expected[0][1] == "stop":  # the grammar closed: valid JSON
+        json.loads(expected[0][2])
 
 
 def test_decode_only_core_overlaps_and_matches(engines, prompts):

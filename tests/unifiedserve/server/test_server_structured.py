@@ -37,9 +37,11 @@ def reference():
     return {"greedy": greedy.text, "sampled": sampled.text, "json_object": obj.text}
 
 
-@pytest.fixture(scope="module", params=["unified", "monolithic"])
+@pytest.fixture(scope="module", params=[("unified",), ("monolithic",), ("unified", "--async-scheduling")],
+                ids=["unified", "monolithic", "unified-async"])  # async: grammar rows fed from the device too
 def server(request, tmp_path_factory):
-    srv = Server("--policy", request.param, media_dir=tmp_path_factory.mktemp("structured"))
+    policy, *flags = request.param
+    srv = Server("--policy", policy, *flags, media_dir=tmp_path_factory.mktemp("structured"))
     yield srv
     assert srv.stop(signal.SIGTERM) == 0, srv.log()
 
