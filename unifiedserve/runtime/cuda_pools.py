@@ -34,16 +34,35 @@ IPC_HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
 _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 
 
-class DriverApi:
-    """The few CUDA driver calls pools need (``libcuda.so.1`` through ctypes)."""
+class CUipcMemHandle(ctypes.Structure):
+    """``CUipcMemHandle``: 64 opaque bytes, passed *by value* to ``cuIpcOpenMemHandle`` (a ctypes array
+    argument would pass a pointer to them instead)."""
 
-    def __init__(self) -> None:
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+class DriverApi:
+    """The few CUDA driver calls pools need (``libcuda.so.1`` through ctypes).
+
+    Each device's primary context is retained on first use and kept until :meth:`close`: the driver resets
+    a primary context, freeing every allocation and unmapping every IPC mapping made in it, when its last
+    reference is released, and the process may hold no other reference yet (torch creates its own only
+    when it first needs the device). torch later uses that same primary context, so the pointers stay valid
+    in its streams.
+
+    Args:
+        library: the driver library to load (tests load a stand-in with the same ABI).
+    """
+
+    def __init__(self, library: str = "libcuda.so.1") -> None:
         try:
-            self._cuda = ctypes.CDLL("libcuda.so.1")
+            self._cuda = ctypes.CDLL(library)
         except OSError as e:
-            raise RuntimeError(f"CUDA pools need the NVIDIA driver (libcuda.so.1): {e}") from None
+            raise RuntimeError(f"CUDA pools need the NVIDIA driver ({library}): {e}") from None
+        self._cuda.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), CUipcMemHandle, ctypes.c_uint]
         self._check(self._cuda.cuInit(0), "cuInit")
         self._lock = threading.Lock()
+        self._contexts: dict[int, tuple[ctypes.c_int, ctypes.c_void_p]] = {}  # ordinal -> (CUdevice, its context)
 
     def _check(self, status: int, call: str) -> None:
         if status != 0:
@@ -52,17 +71,25 @@ class DriverApi:
             raise RuntimeError(f"{call} failed: {name.value.decode() if name.value else status}")
 
     def _in_context(self, device: int, call):
-        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
         with self._lock:
-            self._check(self._cuda.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
-            self._check(self._cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-            self._check(self._cuda.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
+            if device not in self._contexts:
+                dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+                self._check(self._cuda.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+                self._check(self._cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+                self._contexts[device] = (dev, ctx)
+            self._check(self._cuda.cuCtxPushCurrent_v2(self._contexts[device][1]), "cuCtxPushCurrent")
             try:
                 return call()
             finally:
                 popped = ctypes.c_void_p()
                 self._cuda.cuCtxPopCurrent_v2(ctypes.byref(popped))
+
+    def close(self) -> None:
+        """Release the primary contexts retained here (once nothing allocated or mapped through them is used)."""
+        with self._lock:
+            for dev, _ in self._contexts.values():
                 self._cuda.cuDevicePrimaryCtxRelease_v2(dev)
+            self._contexts.clear()
 
     def alloc(self, device: int, num_bytes: int) -> int:
         ptr = ctypes.c_uint64()
@@ -74,14 +101,14 @@ class DriverApi:
         self._in_context(device, lambda: self._check(self._cuda.cuMemFree_v2(ctypes.c_uint64(ptr)), "cuMemFree"))
 
     def ipc_handle(self, device: int, ptr: int) -> bytes:
-        handle = (ctypes.c_char * IPC_HANDLE_BYTES)()
+        handle = CUipcMemHandle()
         self._in_context(device, lambda: self._check(
             self._cuda.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(ptr)), "cuIpcGetMemHandle"))
         return bytes(handle)
 
     def ipc_open(self, device: int, handle: bytes) -> int:
         ptr = ctypes.c_uint64()
-        raw = (ctypes.c_char * IPC_HANDLE_BYTES).from_buffer_copy(handle)
+        raw = CUipcMemHandle.from_buffer_copy(handle)
         self._in_context(device, lambda: self._check(self._cuda.cuIpcOpenMemHandle_v2(
             ctypes.byref(ptr), raw, ctypes.c_uint(_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)), "cuIpcOpenMemHandle"))
         return ptr.value
@@ -89,6 +116,19 @@ class DriverApi:
     def ipc_close(self, device: int, ptr: int) -> None:
         self._in_context(device, lambda: self._check(self._cuda.cuIpcCloseMemHandle(ctypes.c_uint64(ptr)),
                                                      "cuIpcCloseMemHandle"))
+
+
+_process_api: DriverApi | None = None
+_process_api_lock = threading.Lock()
+
+
+def process_driver() -> DriverApi:
+    """This process's :class:`DriverApi`, whose retained contexts keep its mappings alive for the process's life."""
+    global _process_api
+    with _process_api_lock:
+        if _process_api is None:
+            _process_api = DriverApi()
+        return _process_api
 
 
 class _DeviceArray:
@@ -168,6 +208,9 @@ class CudaPoolOwner:
             if not a.freed:
                 a.freed = True
                 self.api.free(a.device, a.ptr)
+        close = getattr(self.api, "close", None)  # the contexts that held the pools
+        if close is not None:
+            close()
 
 
 class OpenedPool:
@@ -197,4 +240,4 @@ class OpenedPool:
 
 def open_cuda_pool(spec: PoolSpec, api: DriverApi | None = None) -> torch.Tensor:
     """Map a CUDA pool in this process; the mapping lives as long as the returned tensor's process."""
-    return OpenedPool(spec, api if api is not None else DriverApi()).tensor()
+    return OpenedPool(spec, api if api is not None else process_driver()).tensor()

@@ -155,3 +155,77 @@ def test_runtime_owns_cuda_pools_and_frees_them_after_its_workers(monkeypatch, c
     runtime.processes = {"decode": _FakeProcess(alive=False)}
     runtime.stop(timeout=0)
     assert not driver.live and [e[0] for e in driver.events] == ["alloc", "alloc", "free", "free"]
+
+
+# A stand-in for libcuda.so.1 with the driver's ABI and two of its rules that no Python fake can check: a
+# primary context is reset (its allocations and IPC mappings gone) when its last reference is released,
+# and cuIpcOpenMemHandle takes the 64-byte handle by value.
+STUB_DRIVER = r"""
+#include <stdint.h>
+#include <string.h>
+typedef struct { char reserved[64]; } CUipcMemHandle;
+static int refs = 0, generation = 0;
+static uint64_t live[16]; static int live_gen[16]; static int n_live = 0;
+static uint64_t maps[16]; static int map_gen[16]; static int n_maps = 0;
+static int current = 0;
+int cuInit(unsigned f) { return 0; }
+int cuGetErrorName(int e, const char **s) { *s = "CUDA_ERROR_STUB"; return 0; }
+int cuDeviceGet(int *d, int ordinal) { *d = ordinal; return 0; }
+int cuDevicePrimaryCtxRetain(void **c, int d) { refs++; *c = (void *)(uintptr_t)(0x100 + d); return 0; }
+int cuDevicePrimaryCtxRelease_v2(int d) { if (--refs == 0) generation++; return 0; }  /* reset: all gone */
+int cuCtxPushCurrent_v2(void *c) { if (refs <= 0) return 201; current = 1; return 0; }
+int cuCtxPopCurrent_v2(void **c) { current = 0; return 0; }
+static int valid(uint64_t *a, int *g, int n, uint64_t p) {
+  for (int i = 0; i < n; i++) if (a[i] == p && g[i] == generation) return i;
+  return -1;
+}
+int cuMemAlloc_v2(uint64_t *p, size_t n) {
+  if (!current) return 201;
+  *p = 0x7000000 + 0x1000 * (uint64_t)n_live; live[n_live] = *p; live_gen[n_live++] = generation; return 0;
+}
+int cuMemFree_v2(uint64_t p) { int i = valid(live, live_gen, n_live, p); if (i < 0) return 1; live_gen[i] = -1; return 0; }
+int cuIpcGetMemHandle(CUipcMemHandle *h, uint64_t p) {
+  if (!current || valid(live, live_gen, n_live, p) < 0) return 1;
+  memset(h->reserved, 0xAB, 64); memcpy(h->reserved, &p, 8); return 0;
+}
+int cuIpcOpenMemHandle_v2(uint64_t *out, CUipcMemHandle h, unsigned flags) {
+  uint64_t p; memcpy(&p, h.reserved, 8);
+  if (!current || flags != 1 || (unsigned char)h.reserved[63] != 0xAB || valid(live, live_gen, n_live, p) < 0) return 1;
+  *out = p + 0x100000000ull; maps[n_maps] = *out; map_gen[n_maps++] = generation; return 0;
+}
+int cuIpcCloseMemHandle(uint64_t p) { int i = valid(maps, map_gen, n_maps, p); if (i < 0) return 1; map_gen[i] = -1; return 0; }
+int stub_live_allocations(void) { int k = 0; for (int i = 0; i < n_live; i++) k += live_gen[i] == generation; return k; }
+int stub_live_mappings(void) { int k = 0; for (int i = 0; i < n_maps; i++) k += map_gen[i] == generation; return k; }
+int stub_context_refs(void) { return refs; }
+"""
+
+
+@pytest.fixture
+def stub_driver(tmp_path):
+    import ctypes
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler for the driver stand-in")
+    (tmp_path / "stub.c").write_text(STUB_DRIVER)
+    lib = tmp_path / "libcuda_stub.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(lib), str(tmp_path / "stub.c")], check=True)
+    return str(lib), ctypes.CDLL(str(lib))
+
+
+def test_the_driver_calls_keep_pools_alive_and_pass_handles_by_value(stub_driver):
+    """Against the driver's ABI: pools outlive the calls that made them (the primary context is kept), the
+    handle reaches cuIpcOpenMemHandle by value with its flags, and closing releases the contexts."""
+    path, stub = stub_driver
+    owner = CudaPoolOwner(cuda_pools.DriverApi(path))
+    spec = owner.create("kv", (4, 256), torch.bfloat16, device=0)  # alloc, then a handle in a later call
+    assert stub.stub_live_allocations() == 1 and len(spec.cuda_handle) == IPC_HANDLE_BYTES
+    opener = cuda_pools.DriverApi(path)  # a worker's (here: the same process, so the same stub state)
+    pool = OpenedPool(spec, opener)
+    assert pool.ptr and stub.stub_live_mappings() == 1  # still mapped after the call returned
+    pool.close()
+    opener.close()
+    owner.free_all()
+    assert stub.stub_live_allocations() == 0 and stub.stub_context_refs() == 0
