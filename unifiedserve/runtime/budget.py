@@ -55,12 +55,17 @@ def largest_within(measure, limit_s: float, lo: int, hi: int, step: int, probes:
     return ok
 
 
-def _time(fn, repeats: int = 2) -> float:
+def _time(fn, device: torch.device, repeats: int = 2) -> float:
+    """Best wall time of ``fn`` over ``repeats`` runs after a warm-up; on CUDA until its kernels have run (they
+    are only launched when ``fn`` returns)."""
+    wait = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda _: None)
     fn()  # warm-up
     best = math.inf
     for _ in range(repeats):
+        wait(device)
         start = time.perf_counter()
         fn()
+        wait(device)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -75,7 +80,7 @@ def prefill_seconds(runner, num_tokens: int) -> float:
     ids = torch.randint(0, 1000, (num_tokens,))
     positions = torch.arange(num_tokens).expand(3, -1)
     return _time(lambda: forward_tokens(runner.model, runner.attn, ids, positions, [(0, num_tokens, blocks)],
-                                        None, [num_tokens - 1], rope=runner.rope))
+                                        None, [num_tokens - 1], rope=runner.rope), runner.device)
 
 
 @torch.inference_mode()
@@ -84,8 +89,8 @@ def encode_seconds(runner, num_patches: int) -> float:
     side = max(2, int(math.sqrt(num_patches)) // 2 * 2)
     h, w = side, max(2, num_patches // side // 2 * 2)
     dim = runner.patch_buffer.dim
-    patches = torch.zeros(h * w, dim, dtype=runner.dtype)
-    return _time(lambda: runner.model.encode_vision(patches, [(1, h, w)]))
+    patches = torch.zeros(h * w, dim, dtype=runner.dtype, device=runner.device)
+    return _time(lambda: runner.model.encode_vision(patches, [(1, h, w)]), runner.device)
 
 
 def _cache_key(cfg) -> str:

@@ -26,3 +26,35 @@ def test_nothing_fits_gives_the_minimum():
 
 def test_everything_fits_gives_the_maximum():
     assert largest_within(lambda n: 0.0, 0.01, 16, 1024, step=16) == 1024
+
+
+def test_the_profile_builds_its_inputs_on_the_runners_device():
+    """encode_seconds' patches are made where the runner's weights are (a CUDA runner got CPU patches)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from unifiedserve.runtime.budget import encode_seconds
+
+    seen = []
+    model = SimpleNamespace(encode_vision=lambda patches, grids: seen.append((patches.device, patches.dtype, grids)))
+    runner = SimpleNamespace(model=model, device=torch.device("meta"), dtype=torch.bfloat16,
+                             patch_buffer=SimpleNamespace(dim=1176))
+    encode_seconds(runner, 64)
+    assert seen and all(d == torch.device("meta") and t == torch.bfloat16 for d, t, _ in seen)
+
+
+def test_timing_on_cuda_waits_for_the_kernels(monkeypatch):
+    """On CUDA a step's functions return once its kernels are launched: the timer waits for them before and
+    after each run, else it measures launch time and derives budgets far over the SLO."""
+    import torch
+
+    from unifiedserve.runtime import budget
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+    budget._time(lambda: events.append("run"), torch.device("cuda", 0), repeats=2)
+    assert events == ["run", "sync", "run", "sync", "sync", "run", "sync"]
+    events.clear()
+    budget._time(lambda: events.append("run"), torch.device("cpu"), repeats=2)
+    assert events == ["run"] * 3
