@@ -213,3 +213,18 @@ class AttentionBackend(ABC):
 
     def warmup(self) -> None:
         """Compile/load this backend's kernels for its shapes once, before serving (no-op when none)."""
+
+
+def copy_host_ints(dst: torch.Tensor, values: Sequence[int]) -> None:
+    """Write host ints into a fixed device buffer (a CUDA graph's input) without waiting for the device.
+
+    A plain ``copy_`` from host memory into a CUDA tensor ends in a stream synchronize: the host would wait
+    for every step already queued, on every graph replay, and async scheduling would overlap nothing. The
+    values go through pinned memory and the copy is queued on the stream instead (torch keeps the pinned
+    block until the copy has run).
+    """
+    src = torch.tensor(values, dtype=dst.dtype)
+    if dst.is_cuda:
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from unifiedserve import ops
-from unifiedserve.attention.base import AttentionBackend, KVCache
+from unifiedserve.attention.base import AttentionBackend, KVCache, copy_host_ints
 from unifiedserve.attention.metadata import PagedBatch, SeqSpec, build_paged_batch, pad_decode_batch
 
 #: flashinfer's recommended float workspace (split-KV partial results); shared by all wrappers,
@@ -196,8 +196,8 @@ class FlashInferAttention(AttentionBackend):
                      **self._plan_kwargs())
         n = graph_batch_size
         slot_mapping, write_rows = self._graph_bufs["slot_mapping"][:n], self._graph_bufs["write_rows"][:n]
-        slot_mapping.copy_(torch.tensor(padded.slot_mapping, dtype=torch.int64))
-        write_rows.copy_(torch.tensor(padded.write_rows, dtype=torch.int64))
+        copy_host_ints(slot_mapping, padded.slot_mapping)  # queued, not waited for: no host sync per replay
+        copy_host_ints(write_rows, padded.write_rows)
         return _Step(wrapper, n, slot_mapping, write_rows)
 
     # -- per layer (inside the forward; no host syncs) --------------------------------------------

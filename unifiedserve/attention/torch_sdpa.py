@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from unifiedserve import ops
-from unifiedserve.attention.base import AttentionBackend, KVCache
+from unifiedserve.attention.base import AttentionBackend, KVCache, copy_host_ints
 from unifiedserve.attention.metadata import PagedBatch, SeqSpec, build_paged_batch, pad_decode_batch
 
 
@@ -85,7 +85,8 @@ class TorchPagedAttention(AttentionBackend):
             self._plan = self._plan_graph(batch, graph_batch_size)
             return
         slot_mapping = torch.tensor(batch.slot_mapping, dtype=torch.int64).to(device, non_blocking=True)
-        indptr, pages = batch.paged_kv_indptr, torch.tensor(batch.paged_kv_indices, dtype=torch.int64).to(device)
+        indptr, pages = batch.paged_kv_indptr, torch.tensor(batch.paged_kv_indices, dtype=torch.int64).to(device,
+                                                                                                     non_blocking=True)
         if batch.is_decode:
             slots, valid = self._decode_maps(batch, max_len=batch.max_kv_len)
             self._plan = _TorchPlan(batch, slot_mapping, None, slots, valid, [])
@@ -114,8 +115,8 @@ class TorchPagedAttention(AttentionBackend):
         n = graph_batch_size
         views = {name: buf[:n] for name, buf in bufs.items()}
         # copy_ into the fixed buffers: captured kernels keep reading these addresses
-        views["slot_mapping"].copy_(torch.tensor(padded.slot_mapping, dtype=torch.int64))
-        views["write_rows"].copy_(torch.tensor(padded.write_rows, dtype=torch.int64))
+        copy_host_ints(views["slot_mapping"], padded.slot_mapping)  # queued, not waited for: no host sync
+        copy_host_ints(views["write_rows"], padded.write_rows)
         views["decode_slots"].copy_(slots)
         views["decode_valid"].copy_(valid)
         return _TorchPlan(padded, views["slot_mapping"], views["write_rows"], views["decode_slots"],

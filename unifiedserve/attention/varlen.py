@@ -106,7 +106,8 @@ def padded_layout(seq_lens: tuple[int, ...], device: torch.device) -> tuple[torc
     valid = offsets[None, :] < lens[:, None]  # [S, L]
     gather = torch.where(valid, starts[:, None] + offsets[None, :], torch.zeros((), dtype=torch.int64))
     rows = torch.nonzero(valid.flatten()).flatten()  # [N], in row order because segments are consecutive
-    return gather.to(device), valid.to(device), rows.to(device)
+    # queued copies (host tensors built here): the encode step does not wait for the device
+    return gather.to(device, non_blocking=True), valid.to(device, non_blocking=True), rows.to(device, non_blocking=True)
 
 
 def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: tuple[int, ...],

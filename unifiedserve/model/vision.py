@@ -215,9 +215,9 @@ class VisionTower(nn.Module):
         unit = cfg.merge_unit
 
         x = self.patch_embed(patches.to(dtype))  # [N, hidden]
-        window_index = layout.window_index.to(device)
+        window_index = layout.window_index.to(device, non_blocking=True)  # queued: no host sync
         x = x.view(-1, unit, cfg.hidden_size)[window_index].view(-1, cfg.hidden_size)  # [N, hidden], window order
-        cos, sin = self._rotary(layout.patch_hw.to(device))  # [N, head_dim] float32, window order
+        cos, sin = self._rotary(layout.patch_hw.to(device, non_blocking=True))  # [N, head_dim] float32, window order
 
         for i, block in enumerate(self.blocks):
             seq_lens = layout.frame_lens if i in cfg.fullatt_block_indexes else layout.window_lens

@@ -122,6 +122,13 @@ def test_cuda_graph_replay_equals_eager(demo_path, dtype):
                                torch.zeros(len(reqs), dtype=torch.bool), engine.runner.rope)
     assert replayed.shape == (3, engine.model_config.text.vocab_size)
     assert torch.equal(replayed, eager)  # the graph is exactly its kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a replay queues its inputs and its plan: the host never waits
+    try:
+        with torch.inference_mode():
+            graphs.run(seqs, ids, positions)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
     with torch.inference_mode():
         graphs.run(seqs, ids, positions)  # the graph's metadata is this step's again (the plain forward planned)
     kv = engine.runner.kv_cache.tensor.clone()
