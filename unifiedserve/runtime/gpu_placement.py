@@ -31,9 +31,16 @@ class ProcessPlacement:
     gpu: int
     sm_percent: int | None
 
-    def env(self, use_mps: bool) -> dict[str, str]:
-        """Environment the process must start with (before its CUDA context exists)."""
-        env = {"CUDA_VISIBLE_DEVICES": str(self.gpu)}
+    def env(self, use_mps: bool, visible: str | None = None) -> dict[str, str]:
+        """Environment the process must start with (before its CUDA context exists).
+
+        ``gpu`` is an ordinal among the GPUs the server itself sees, so when the server was started with a
+        ``CUDA_VISIBLE_DEVICES`` of its own (``visible``, default the environment's; a scheduler such as
+        SLURM or Ray sets one), the worker gets that list's entry (an index or a UUID), not the ordinal.
+        """
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+        entries = [e.strip() for e in visible.split(",")] if visible else []
+        env = {"CUDA_VISIBLE_DEVICES": entries[self.gpu] if self.gpu < len(entries) else str(self.gpu)}
         if use_mps and self.sm_percent is not None:
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.sm_percent)
         return env
@@ -46,8 +53,8 @@ class GpuPlacement:
     processes: dict[str, ProcessPlacement]  # "vision", "core", "decode" (monolithic: no "decode")
     notes: tuple[str, ...] = ()  # one-line facts to log once at start (e.g. time-slicing without MPS)
 
-    def env(self, process: str) -> dict[str, str]:
-        return self.processes[process].env(self.use_mps)
+    def env(self, process: str, visible: str | None = None) -> dict[str, str]:
+        return self.processes[process].env(self.use_mps, visible)
 
 
 def plan_gpu_placement(policy: str, num_visible_gpus: int, gpus: list[int] | None = None,

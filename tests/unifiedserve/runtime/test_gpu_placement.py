@@ -7,6 +7,21 @@ import pytest
 from unifiedserve.runtime.gpu_placement import plan_gpu_placement
 
 
+@pytest.fixture(autouse=True)
+def _no_parent_gpu_list(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the ordinals below are the machine's own
+
+
+def test_a_parent_gpu_list_is_translated_for_the_workers(monkeypatch):
+    """A server started with CUDA_VISIBLE_DEVICES=2,5 sees those as its GPUs 0 and 1 (and allocates its pools
+    there): its workers must get the same physical GPU, not the ordinal."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    p = plan_gpu_placement("unified", 2, gpus=[1])
+    assert {n: p.env(n)["CUDA_VISIBLE_DEVICES"] for n in p.processes} == {"vision": "5", "core": "5", "decode": "5"}
+    uuid = "GPU-8e3c1a2b-0000-4000-8000-000000000001"
+    assert plan_gpu_placement("unified", 1).env("core", visible=f"{uuid}")["CUDA_VISIBLE_DEVICES"] == uuid
+
+
 def test_unified_caps_everyone_but_decode():
     p = plan_gpu_placement("unified", num_visible_gpus=1, decode_sm_percent=30)
     assert p.env("decode") == {"CUDA_VISIBLE_DEVICES": "0"}

@@ -12,6 +12,11 @@ from unifiedserve.runtime.gpu_placement import mps_running
 from unifiedserve.server.serve import add_arguments, gpu_placement_fields
 
 
+@pytest.fixture(autouse=True)
+def _no_parent_gpu_list(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the ordinals below are the machine's own
+
+
 def flags(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_arguments(p)
