@@ -271,12 +271,28 @@ def test_cuda_public_ops_use_the_kernel(cuda_native, monkeypatch):
     assert torch.equal(ops.paged_gather(buffer, read)[100:], src[3000:3010])
 
 
-@pytest.mark.cuda
-def test_cuda_bad_input_raises_and_writes_nothing(cuda_native):
-    check_bad_inputs(lambda b, s, ix: cuda_native.paged_scatter(b, s, *ix), "cuda")
+def check_cuda_bad_inputs() -> None:
+    native = torch.ops.unifiedserve
+    check_bad_inputs(lambda b, s, ix: native.paged_scatter(b, s, *ix), "cuda")
     buffer, good, _ = bad_inputs("cuda")
     with pytest.raises(RuntimeError):
-        cuda_native.paged_gather(buffer, *good._replace(pv_page_indices=torch.tensor([1, 9], device="cuda")))
+        native.paged_gather(buffer, *good._replace(pv_page_indices=torch.tensor([1, 9], device="cuda")))
+
+
+@pytest.mark.cuda
+def test_cuda_bad_input_raises_and_writes_nothing(cuda_native):
+    """In a child process, as the CPU kernels' test: a crash in an error path (the device once saw a
+    segfault there) fails this test with its trace instead of ending the whole GPU pytest run."""
+    code = ("from unifiedserve import ops; import test_paged_copy_ops as t\n"
+            "assert ops.native_available() and ops.build_info()['cuda'], ops.build_info()\n"
+            "t.check_cuda_bad_inputs()\n"
+            "print('all bad inputs raised')")
+    here = pathlib.Path(__file__).resolve()
+    path = os.pathsep.join([str(here.parent), str(here.parents[3]), os.environ.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": path}, timeout=240)
+    assert run.returncode == 0 and "all bad inputs raised" in run.stdout, (
+        f"exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
 
 
 @pytest.mark.slow
