@@ -24,9 +24,19 @@ class RaggedIndexTensors(NamedTuple):
     @classmethod
     def from_index(cls, index: RaggedIndex | "RaggedIndexTensors",
                    device: str | torch.device = "cpu") -> "RaggedIndexTensors":
-        """Tensors for ``index`` on ``device`` (tensors already there are passed through)."""
-        return cls(*(torch.as_tensor(a, dtype=torch.int64, device=device)
-                     for a in (index.pv_indptr, index.pv_page_indptr, index.pv_page_indices, index.pv_cu_page_len)))
+        """Tensors for ``index`` on ``device`` (tensors already there are passed through).
+
+        Host values go to a GPU through pinned memory as queued copies: ``torch.as_tensor(values, device=cuda)``
+        would synchronize the stream once per tensor.
+        """
+        device = torch.device(device)
+        out = []
+        for a in (index.pv_indptr, index.pv_page_indptr, index.pv_page_indices, index.pv_cu_page_len):
+            t = torch.as_tensor(a, dtype=torch.int64)  # host values stay on the host here
+            if t.device.type == "cpu" and device.type == "cuda":
+                t = t.pin_memory().to(device, non_blocking=True)
+            out.append(t.to(device))
+        return cls(*out)
 
 
 def token_slots(index: RaggedIndexTensors, page_size: int, num_pages: int) -> torch.Tensor:
