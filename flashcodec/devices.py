@@ -118,6 +118,10 @@ def _torchcodec_cuda_reason() -> str | None:
     version = getattr(torchcodec, "__version__", "")
     if "+cpu" in version:
         return f"torchcodec {version} is a CPU-only build"
+    # torchcodec >= 0.16 imports without FFmpeg (its image decoders need none) and stubs its FFmpeg ops, which
+    # then raise when called: an NVDEC session would fail at its first call instead of here
+    if hasattr(torchcodec, "ffmpeg_major_version") and torchcodec.ffmpeg_major_version is None:
+        return f"torchcodec {version} finds no FFmpeg libraries it can load (it decodes video through them)"
     return None
 
 

@@ -189,8 +189,12 @@ class _Request:
                 continue
             if isinstance(frame, np.ndarray) and buffer.device.type == "cpu":
                 buffer.numpy()[row] = frame
+            elif isinstance(frame, np.ndarray):
+                # a CPU rank's frame into a GPU output: queued, not waited for (a blocking copy synchronizes the
+                # stream, once per frame and decoder thread); the driver has staged the host pages on return
+                buffer[row].copy_(torch.from_numpy(frame), non_blocking=True)
             else:
-                buffer[row].copy_(torch.from_numpy(frame) if isinstance(frame, np.ndarray) else frame)
+                buffer[row].copy_(frame)
         self.produced.add(display)
         if self.stream:
             self._mark_final([self.rank_start[rank] + row for rank, row in places])
@@ -327,7 +331,9 @@ class DecodeEngine:
             videos NVDEC cannot (AV1 on H100, H.264 4:4:4, ...); name ``"cpu"`` too to decode with both.
         cpu_threads: decoder slots of the CPU rank; default one per core; 0: no CPU rank.
         nvdec_sessions: NVDEC sessions per GPU (default 14: two per engine of an H100).
-        output_device: where outputs live; default the first GPU of ``devices``, else the CPU.
+        output_device: where outputs live; default the first GPU of ``devices``, else the CPU. GPU outputs
+            are written on that device's default stream (every decoder thread's current stream) and handed
+            out as soon as the writes are queued: read them on that stream, or make your stream wait for it.
         rank_speeds: frames/s per rank name (``"cpu"``, ``"cuda:0"``), replacing the cost model's
             defaults (:mod:`flashcodec.devices`).
 

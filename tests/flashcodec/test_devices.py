@@ -113,6 +113,23 @@ def test_nvdec_unusable_here_has_a_reason():
     assert reason and ("CPU-only" in reason or "no CUDA GPU" in reason)
 
 
+def test_a_torchcodec_without_ffmpeg_is_a_reason_not_a_late_failure(monkeypatch):
+    """torchcodec >= 0.16 imports without FFmpeg and stubs its FFmpeg ops: that must read as "NVDEC unusable"
+    (so ``auto`` decodes on the CPU with one log line), not pass and fail at the first NVDEC call."""
+    import sys
+    import types
+
+    fake = types.ModuleType("torchcodec")
+    fake.__version__, fake.ffmpeg_major_version = "0.16.0", None
+    monkeypatch.setitem(sys.modules, "torchcodec", fake)
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", types.ModuleType("torchcodec.decoders"))
+    assert "finds no FFmpeg libraries" in devices._torchcodec_cuda_reason()
+    fake.ffmpeg_major_version = 8
+    assert devices._torchcodec_cuda_reason() is None
+    fake.__version__ = "0.16.0+cpu"
+    assert "CPU-only build" in devices._torchcodec_cuda_reason()
+
+
 def test_layout_ranks_speeds_and_who_takes_which_video(fake_probes):
     gpu_only = make_layout("cuda", 4, 14, **fake_probes(2))
     assert gpu_only.names == ("cuda:0", "cuda:1", "cpu") and gpu_only.speeds == (NVDEC_RANK_FPS, NVDEC_RANK_FPS,
