@@ -251,7 +251,9 @@ def worker(args) -> dict:
 
         decode_sms, prefill_sms = green_split(info["sms"], args.green)
         index = torch.device(args.device).index or 0
-        greens = (GreenContext.create(decode_sms, index), GreenContext.create(prefill_sms, index))
+        # keywords: torch 2.11 measured create(num_sms=, device_id=); from 2.12 they are keyword-only
+        greens = (GreenContext.create(num_sms=decode_sms, device_id=index),
+                  GreenContext.create(num_sms=prefill_sms, device_id=index))
         info |= {"green_sms": [decode_sms, prefill_sms]}
     return info | run_together(work, args.seconds, args.warmup, greens)
 

@@ -34,7 +34,9 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host tensor -> ``device`` without blocking the host (pinned staging copy on CUDA)."""
     if device.type == "cpu":
         return t
-    return t.pin_memory().to(device, non_blocking=True)
+    # contiguous first: pin_memory keeps the strides, and an expanded tensor (positions as arange(n).expand(3, -1),
+    # stride 0) would be copied into itself
+    return t.contiguous().pin_memory().to(device, non_blocking=True)
 
 
 class RopeTables:

@@ -34,7 +34,7 @@ class RaggedIndexTensors(NamedTuple):
         for a in (index.pv_indptr, index.pv_page_indptr, index.pv_page_indices, index.pv_cu_page_len):
             t = torch.as_tensor(a, dtype=torch.int64)  # host values stay on the host here
             if t.device.type == "cpu" and device.type == "cuda":
-                t = t.pin_memory().to(device, non_blocking=True)
+                t = t.contiguous().pin_memory().to(device, non_blocking=True)
             out.append(t.to(device))
         return cls(*out)
 
