@@ -127,6 +127,13 @@ def missing(folder: Path) -> list[str]:
     return lines
 
 
+def absent(folder: Path, group: str) -> list[str]:
+    """One line per wheel ``group`` lists that the folder lacks (a download that failed)."""
+    have = {wheel_name(w) for w in folder.glob("*.whl")}
+    return [f"no wheel for {r} (scripts/gpu_wheels.txt, group {group})" for r in group_requirements(group)
+            if canonicalize_name(Requirement(r).name) not in have]
+
+
 def blocked_modules(group: str) -> list[str]:
     """Top-level modules installed here whose distributions a run of ``group`` does not have there."""
     have = DEVICE_BASE | {canonicalize_name(Requirement(r).name) for r in group_requirements(group)}
@@ -160,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list", help="a group's wheels, one requirement per line").add_argument("group")
     closure = sub.add_parser("closure", help="check a folder of wheels against the machine")
     closure.add_argument("folder", type=Path, help="a folder of .whl files (scripts/gpu_wheels.sh fills .whl/)")
+    closure.add_argument("--group", default=None, help="also check that every wheel this group lists is there")
     run = sub.add_parser("run", help="run a command with only the device's packages importable")
     run.add_argument("group")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
@@ -181,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.folder.is_dir() or not any(args.folder.glob("*.whl")):
         print(f"{prog}: error: no .whl files in {args.folder}", file=sys.stderr)
         return 2
-    lines = missing(args.folder)
+    try:
+        lines = (absent(args.folder, args.group) if args.group else []) + missing(args.folder)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     for line in lines:
         print(f"{prog}: missing: {line}", file=sys.stderr)
     if not lines:

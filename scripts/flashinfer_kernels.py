@@ -270,16 +270,18 @@ def pack(out: Path, manifest: dict, libraries: list[Path]) -> None:
 
 # -- install (GPU machine) -------------------------------------------------------------------------------
 
-#: run in a child process, so that a library that does not load cannot take the caller down; one line per path
+#: run in a child process, so that a library that does not load cannot take the caller down; one marked line per
+#: path (anything else a library prints at load time is not a result)
+_MARK = "flashinfer_kernels.load: "
 _LOAD_CHECK = """
 import sys, torch, tvm_ffi
 for path in sys.argv[1:]:
     try:
         tvm_ffi.load_module(path)
-        print("ok", flush=True)
+        print("%sok", flush=True)
     except Exception as exc:
-        print(f"{type(exc).__name__}: {exc}".replace(chr(10), " "), flush=True)
-"""
+        print("%s" + f"{type(exc).__name__}: {exc}".replace(chr(10), " "), flush=True)
+""" % (_MARK, _MARK)
 
 
 def load_errors(paths: list[Path], timeout: float = 180.0) -> list[str | None]:
@@ -290,7 +292,7 @@ def load_errors(paths: list[Path], timeout: float = 180.0) -> list[str | None]:
     try:
         proc = subprocess.run([sys.executable, "-c", _LOAD_CHECK, *map(str, paths)], capture_output=True,
                               text=True, timeout=timeout)
-        lines = proc.stdout.splitlines()
+        lines = [line[len(_MARK):] for line in proc.stdout.splitlines() if line.startswith(_MARK)]
         if proc.returncode == 0 and len(lines) == len(paths):
             return [None if line == "ok" else line for line in lines]
         why = next((ln for ln in reversed(proc.stderr.splitlines()) if ln.strip()), f"exit status {proc.returncode}")

@@ -43,9 +43,19 @@ cd "$(dirname "$0")/.."
 mkdir -p "$out"
 exec > >(tee -a "$out/gpu_check.log") 2>&1
 start=$(date +%s)
+# The whole run's limit (the device tool's limit_s: 600, or less when the session's device time runs low). No
+# step may outlast it: a run killed mid-step keeps only that step's log, so each step's limit is cut to the
+# time left (less a margin for the steps after it to be written up) and a step with no time left is skipped.
+deadline=$(( start + ${GPU_CHECK_LIMIT_S:-600} - 20 ))
 step() { echo; echo "== [$(( $(date +%s) - start )) s] $*"; }
 run() {  # run LIMIT_S NAME CMD...: time-limited, output to OUTDIR/NAME.log and the console, status recorded
   local limit=$1 name=$2; shift 2
+  local left=$(( deadline - $(date +%s) ))
+  if [ "$left" -lt 15 ]; then
+    echo "$name: skipped (no time left in this run)" | tee -a "$out/status.txt"
+    return 0
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$out/$name.log"
   local rc=${PIPESTATUS[0]}
   echo "$name: rc=$rc" | tee -a "$out/status.txt"
@@ -64,8 +74,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   if [ "$(cat "$site/.installed" 2>/dev/null)" = "$wanted" ]; then
     echo "already installed in $site (a warm machine)"
   else
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
-    echo "$wanted" > "$site/.installed"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl &&
+      echo "$wanted" > "$site/.installed"  # only a complete install is reused by the next run
   fi
 else
   echo "no .whl/ here: run scripts/gpu_wheels.sh $group first and carry .whl"
@@ -82,8 +92,10 @@ if [ -d "$site/av.libs" ]; then
   done
   export LD_LIBRARY_PATH=$site/av.libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
-nvrtc=$(find / -xdev -name 'libnvrtc.so.13*' 2>/dev/null | head -1)
-[ -n "$nvrtc" ] && export LD_LIBRARY_PATH=$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}
+# torchcodec's libraries link libnvrtc.so.13; put the one found last on the path, so that it never shadows the
+# CUDA libraries torch brings (the search is bounded: an unusual filesystem must not eat the run)
+nvrtc=$(timeout 20 find / -xdev -name 'libnvrtc.so.13*' 2>/dev/null | head -1 || true)
+[ -n "$nvrtc" ] && export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$(dirname "$nvrtc")
 export UNIFIEDSERVE_CACHE_DIR=/tmp/unifiedserve-cache
 # the wheels go in with --target (no console scripts): launch/serve-node.sh runs the CLI through this
 mkdir -p "$site/bin"
@@ -116,11 +128,13 @@ run 60 probe python3 scripts/gpu_probe.py --out "$out/probe.json"
 # (the device tool keeps it about 30 s) skips what is already there.
 prepare_7b() {
   step "a random-weight Qwen2.5-VL-7B (bf16, drawn on the GPU; real architecture, no download)"
-  if [ -f /tmp/qwen2.5-vl-7b/config.json ]; then
+  if [ -f /tmp/qwen2.5-vl-7b/.complete ]; then  # written only once demo-model returned 0
     echo "reusing /tmp/qwen2.5-vl-7b"
   else
+    rm -rf /tmp/qwen2.5-vl-7b  # a checkpoint a killed run left half-written is never reused
     run 150 demo-model python3 -m unifiedserve.cli demo-model /tmp/qwen2.5-vl-7b --preset qwen2.5-vl-7b \
       --dtype bfloat16
+    grep -q "demo-model: rc=0" "$out/status.txt" && touch /tmp/qwen2.5-vl-7b/.complete
   fi
   step "flashinfer warm-up (prebuilt kernels load, others JIT once per machine; nothing is timed before it)"
   # one model only: a head size whose kernels were not carried compiles here (about 130 s)
@@ -140,15 +154,21 @@ prepare_7b() {
 serve_under_mps() {
   export UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER=1 UNIFIEDSERVE_MPS_DIR=/tmp/unifiedserve-mps-check
   prepare_7b
-  step "MPS daemon (private folders; stopped at the end)"
+  step "MPS daemon (private folders; stopped at the end, or on any exit)"
+  trap 'launch/mps.sh stop >/dev/null 2>&1 || true' EXIT
   run 30 mps-start launch/mps.sh start
   eval "$(launch/mps.sh env)"
+}
+stop_mps() {  # stop the group's daemon; later steps must not see its (now gone) folders
+  run 30 mps-stop launch/mps.sh stop
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  trap - EXIT
 }
 
 case $group in
 decode)
   step "cuda tests (flashcodec)"
-  run 150 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/flashcodec tests/bench
+  run 150 pytest-cuda python3 -m pytest -v --timeout=90 -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/flashcodec tests/bench
   step "bench/decode/bench_resize.py --quick (fused Triton resize vs the torch reference)"
   run 90 bench-resize python3 bench/decode/bench_resize.py --quick --out "$out/bench_resize.json"
   step "bench/decode/bench_gpu.py --short"
@@ -159,12 +179,12 @@ decode)
 attention)
   prepare_7b
   step "cuda tests (unifiedserve) and the MPS launcher"
-  run 180 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/unifiedserve \
+  run 180 pytest-cuda python3 -m pytest -v --timeout=120 -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/unifiedserve \
     --deselect tests/unifiedserve/server/test_server_cuda.py
   step "the whole server on the GPU (demo model): serve --device cuda against the engine's own output"
-  run 150 pytest-cuda-server python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda-server.xml" \
+  run 150 pytest-cuda-server python3 -m pytest -v --timeout=140 -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda-server.xml" \
     tests/unifiedserve/server/test_server_cuda.py
-  run 90 pytest-launch python3 -m pytest -q -p no:cacheprovider -m "not slow" -k "not cuda_fault" tests/launch  # MPS cycle, serve-node under MPS
+  run 90 pytest-launch python3 -m pytest -v --timeout=80 -p no:cacheprovider -m "not slow" -k "not cuda_fault" tests/launch  # MPS cycle, serve-node under MPS
   step "bench/kernels (paged copy and fused layer ops on CUDA)"
   run 40 bench-kernels python3 bench/kernels/bench_paged_copy.py --device cuda --quick --out "$out/bench_kernels.json"
   run 40 bench-fused-ops python3 bench/kernels/bench_fused_ops.py --device cuda --quick --out "$out/bench_fused_ops.json"
@@ -184,9 +204,9 @@ serve)
   run 240 serve-7b python3 bench/serve/ttft_breakdown.py --ingest both --num-decoding 4 \
     --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16" --result-json "$out/ttft_cuda_7b.json"
   cp bench/results/ttft_breakdown_server_*.log "$out/" 2>/dev/null
-  run 30 mps-stop launch/mps.sh stop
+  stop_mps
   step "issue 14's fault: a device-side assert in decode under serve-node's own MPS daemon, then its restart"
-  run 240 pytest-fault python3 -m pytest -q -p no:cacheprovider -m cuda -k cuda_fault tests/launch
+  run 240 pytest-fault python3 -m pytest -v --timeout=225 -p no:cacheprovider -m cuda -k cuda_fault tests/launch
   ;;
 policies)
   serve_under_mps
@@ -199,13 +219,13 @@ policies)
   # rates whose arrivals would outlast the device's 10 minutes are skipped (run them in another run: --merge
   # joins a policy's rates across runs); each finished rate is in results.json at once
   budget=$(( 600 - ($(date +%s) - start) - 60 ))
-  run 500 policies python3 bench/policies/bench_policies.py --policies "$policy" --rates "${RATES:-0.2,0.4,0.8}" \
+  run 500 policies python3 bench/policies/bench_policies.py --policies "$policy" --rates "${RATES:-0.3,0.5,0.8}" \
     --time-budget-s "$budget" \
     --workload long-video --video-seconds "${VIDEO_SECONDS:-60,300}" --scale 1 --num-videos 4 \
     --num-requests "${NUM_REQUESTS:-64}" --output-len 128 --goodput ttft:10000 tbt:100 \
     --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16 --patch-buffer-gb 4 --no-prefix-caching --media-cache-gb 0" \
     --out "$out/policies-$policy"
-  run 30 mps-stop launch/mps.sh stop
+  stop_mps
   ;;
 esac
 

@@ -53,4 +53,4 @@ du -sh "$dest"
 total=$(( $(cat "$dest"/* | wc -c) + $(git ls-files -co --exclude-standard -z | xargs -0 cat 2>/dev/null | wc -c) ))
 echo "with the working tree: $(( total / 1048576 )) MiB of the 64 MiB a run may carry"
 [ "$total" -le $(( 64 * 1048576 )) ] || { echo "gpu_wheels.sh: error: over 64 MiB" >&2; exit 1; }
-"$py" scripts/device_packages.py closure "$dest"
+"$py" scripts/device_packages.py closure "$dest" --group "$group"  # a failed download, too, stops here

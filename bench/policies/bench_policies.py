@@ -66,6 +66,11 @@ def _at(results: dict, rate: float) -> dict[str, dict | None]:
     return {p: next((r["metrics"] for r in runs if r["rate"] == rate), None) for p, runs in results.items()}
 
 
+#: --time-budget-s: after a rate's last arrival its queue still drains; a rate is started only if its arrivals,
+#: a sixth more and 20 s fit what is left (a run stopped mid-rate keeps nothing of that rate)
+DRAIN_SHARE, DRAIN_S = 1 / 6, 20.0
+
+
 def measured_rates(results: dict) -> list[float]:
     """Every rate any policy in ``results`` was run at, ascending."""
     return sorted({run["rate"] for runs in results.values() for run in runs})
@@ -282,8 +287,9 @@ def main(argv=None) -> int:
     p.add_argument("--server-args", default="", help="extra flags for every server (same for all policies)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "policies")
     p.add_argument("--time-budget-s", type=float, default=None, metavar="S",
-                   help="skip a rate whose arrivals (num_requests / rate) would end more than S s after the first "
-                        "server is started (a device run's time limit); finished rates are kept")
+                   help="skip a rate whose arrivals (num_requests / rate) and the drain after them (a sixth of "
+                        "the arrivals and 20 s) would end more than S s after the first server is started (a device "
+                        "run's time limit); finished rates are kept")
     p.add_argument("--merge", nargs="+", type=Path, metavar="RUN",
                    help="no server: merge the results.json of these runs (one policy or some rates of one each, same "
                         "workload and SLOs) into one summary and plots in --out")
@@ -312,8 +318,9 @@ def main(argv=None) -> int:
             asyncio.run(warm_up(server.url, base))  # first-call costs (thread pools, allocator) stay out
             for rate in rates:
                 span = a.num_requests / rate  # the arrivals alone, before the last request is served
-                if deadline is not None and time.monotonic() + span > deadline:
-                    print(f"{policy} @ {rate} req/s: skipped: its arrivals alone take {span:.0f} s, "
+                need = span * (1 + DRAIN_SHARE) + DRAIN_S  # and the queue's drain after the last arrival
+                if deadline is not None and time.monotonic() + need > deadline:
+                    print(f"{policy} @ {rate} req/s: skipped: its arrivals and their drain take about {need:.0f} s, "
                           f"{max(0.0, deadline - time.monotonic()):.0f} s of --time-budget-s are left", flush=True)
                     continue
                 reqs = workloads.with_arrivals(base, rate, arrival="gamma" if a.burstiness != 1 else "poisson",

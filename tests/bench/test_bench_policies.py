@@ -161,11 +161,14 @@ def test_time_budget_skips_rates_and_results_survive_each_rate(tmp_path, monkeyp
     monkeypatch.setattr(bp.workloads, "generate_workload", lambda cfg, progress=False: [
         {"id": f"q{i}", "media": [], "prompt": "hi", "output_len": 5} for i in range(4)])
     monkeypatch.setattr(bp.workloads, "with_arrivals", lambda base, rate, **kw: base)
-    # 4 requests: 8 s of arrivals at 0.5 req/s, 2 s at 2 req/s, 400 s at 0.01 req/s (over the 60-s budget)
-    argv = ["--policies", "unified", "--rates", "0.5,0.01,2", "--num-requests", "4", "--time-budget-s", "60",
+    # 4 requests: 8 s of arrivals at 0.5 req/s, 2 s at 2 req/s, 400 s at 0.01 req/s (over the 60-s budget), and
+    # 40 s at 0.1 req/s, which fit alone but not with the drain after them (40 + 40/6 + 20 s)
+    argv = ["--policies", "unified", "--rates", "0.5,0.01,0.1,2", "--num-requests", "4", "--time-budget-s", "60",
             "--goodput", "ttft:1000", "tbt:100", "--out", str(tmp_path / "out")]
     assert bp.main(argv) == 0
-    assert "unified @ 0.01 req/s: skipped: its arrivals alone take 400 s" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "unified @ 0.01 req/s: skipped: its arrivals and their drain take about 487 s" in out
+    assert "unified @ 0.1 req/s: skipped: its arrivals and their drain take about 67 s" in out
     assert seen[0] is None and [r["rate"] for r in seen[1]] == [0.5]  # rate 0.5 was on disk before rate 2 ran
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     assert "partial" not in data and [r["rate"] for r in data["results"]["unified"]] == [0.5, 2.0]

@@ -51,6 +51,19 @@ def test_missing_requirement_is_named(tmp_path):
     ]
 
 
+def test_a_listed_wheel_that_did_not_download_is_named(tmp_path):
+    """gpu_wheels.sh ignores pip's errors per package: closure --group catches a wheel the group lists but
+    the folder lacks (its own requirements could not name it)."""
+    make_wheel(tmp_path, "fastapi", "0.165.0")
+    done = tool("closure", str(tmp_path), "--group", "decode")
+    assert done.returncode == 1
+    named = [line for line in done.stderr.splitlines() if "no wheel for" in line]
+    assert any("no wheel for av==" in line for line in named) and any("torchcodec==" in line for line in named)
+    assert not any("fastapi" in line for line in named)
+    bad = tool("closure", str(tmp_path), "--group", "bogus")
+    assert bad.returncode == 2 and "group must be one of" in bad.stderr
+
+
 def test_bad_arguments(tmp_path):
     empty = tool("closure", str(tmp_path))
     assert empty.returncode == 2 and empty.stderr.startswith("device_packages.py: error: no .whl files")

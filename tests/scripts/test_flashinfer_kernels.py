@@ -171,3 +171,14 @@ def test_a_library_that_kills_the_loader_costs_only_itself(tmp_path, device_site
     out = capsys.readouterr().out
     assert "fa3 bfloat16 head_dim 64: not installed: exit status 3" in out
     assert out.count(": installed (prebuilt") == 2
+
+
+def test_load_check_reads_only_its_own_lines(tmp_path, monkeypatch):
+    """A library that prints at load time must not turn every module into "not installed": only the marked
+    lines are results."""
+    mark = fk._MARK
+    monkeypatch.setattr(fk, "_LOAD_CHECK", "import sys\nprint('a banner from some library')\n"
+                                           f"for p in sys.argv[1:]:\n    print({mark!r} + ('ok' if 'good' in p "
+                                           "else 'OSError: cannot open'))\n    print('more noise')\n")
+    paths = [tmp_path / "good.so", tmp_path / "bad.so"]
+    assert fk.load_errors(paths) == [None, "OSError: cannot open"]
