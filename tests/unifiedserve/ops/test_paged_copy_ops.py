@@ -165,18 +165,22 @@ def test_bad_input_raises_and_writes_nothing_reference():
     check_bad_inputs(reference.paged_scatter, native=False)
 
 
-def test_bad_input_raises_and_writes_nothing_native(native):
-    """In a child process: a native crash then fails this test with its trace instead of killing the run."""
-    code = ("import torch; from unifiedserve import ops; import test_paged_copy_ops as t\n"
-            "assert ops.native_available(), ops.build_info()\n"
-            "t.check_bad_inputs(lambda b, s, ix: torch.ops.unifiedserve.paged_scatter(b, s, *ix))\n"
-            "print('all bad inputs raised')")
+def check_in_child(code: str) -> None:
+    """Run ``code`` (ending in a print of 'all bad inputs raised') in a child process: a native crash then fails
+    the calling test with its trace instead of killing the whole pytest run."""
     here = pathlib.Path(__file__).resolve()
     path = os.pathsep.join([str(here.parent), str(here.parents[3]), os.environ.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": path}, timeout=240)
     assert run.returncode == 0 and "all bad inputs raised" in run.stdout, (
         f"exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
+
+
+def test_bad_input_raises_and_writes_nothing_native(native):
+    check_in_child("import torch; from unifiedserve import ops; import test_paged_copy_ops as t\n"
+                   "assert ops.native_available(), ops.build_info()\n"
+                   "t.check_bad_inputs(lambda b, s, ix: torch.ops.unifiedserve.paged_scatter(b, s, *ix))\n"
+                   "print('all bad inputs raised')")
 
 
 def test_no_native_env_forces_reference():
@@ -283,16 +287,10 @@ def check_cuda_bad_inputs() -> None:
 def test_cuda_bad_input_raises_and_writes_nothing(cuda_native):
     """In a child process, as the CPU kernels' test: a crash in an error path (the device once saw a
     segfault there) fails this test with its trace instead of ending the whole GPU pytest run."""
-    code = ("from unifiedserve import ops; import test_paged_copy_ops as t\n"
-            "assert ops.native_available() and ops.build_info()['cuda'], ops.build_info()\n"
-            "t.check_cuda_bad_inputs()\n"
-            "print('all bad inputs raised')")
-    here = pathlib.Path(__file__).resolve()
-    path = os.pathsep.join([str(here.parent), str(here.parents[3]), os.environ.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": path}, timeout=240)
-    assert run.returncode == 0 and "all bad inputs raised" in run.stdout, (
-        f"exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
+    check_in_child("from unifiedserve import ops; import test_paged_copy_ops as t\n"
+                   "assert ops.native_available() and ops.build_info()['cuda'], ops.build_info()\n"
+                   "t.check_cuda_bad_inputs()\n"
+                   "print('all bad inputs raised')")
 
 
 @pytest.mark.slow
