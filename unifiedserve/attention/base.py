@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from unifiedserve.attention.metadata import SeqSpec
+from unifiedserve.memory.transfer import to_device
 
 
 class KVCache:
@@ -216,15 +217,6 @@ class AttentionBackend(ABC):
 
 
 def copy_host_ints(dst: torch.Tensor, values: Sequence[int]) -> None:
-    """Write host ints into a fixed device buffer (a CUDA graph's input) without waiting for the device.
-
-    A plain ``copy_`` from host memory into a CUDA tensor ends in a stream synchronize: the host would wait
-    for every step already queued, on every graph replay, and async scheduling would overlap nothing. The
-    values go through pinned memory and the copy is queued on the stream instead (torch keeps the pinned
-    block until the copy has run).
-    """
-    src = torch.tensor(values, dtype=dst.dtype)
-    if dst.is_cuda:
-        dst.copy_(src.pin_memory(), non_blocking=True)
-    else:
-        dst.copy_(src)
+    """Write host ints into a fixed device buffer (a CUDA graph's input) without waiting for the device: on every
+    graph replay a blocking copy would wait for every step already queued (:func:`to_device`)."""
+    dst.copy_(to_device(torch.tensor(values, dtype=dst.dtype), dst.device), non_blocking=True)

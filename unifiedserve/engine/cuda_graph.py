@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from unifiedserve.engine.runner import RopeTables, run_decoder, to_device
+from unifiedserve.engine.runner import RopeTables, run_decoder
+from unifiedserve.memory.transfer import to_device
 
 #: The dummy decode step planned for capture: nothing cached, one new token in block 0.
 _CAPTURE_SEQ = (0, 1, [0])

@@ -21,6 +21,7 @@ from unifiedserve.engine.media_cache import MediaCache
 from unifiedserve.engine.request import Request
 from unifiedserve.engine.scheduler import SchedulerOutput
 from unifiedserve.memory.buffers import PagedBuffer
+from unifiedserve.memory.transfer import to_device
 from unifiedserve.model.rope import decode_positions, get_rope_index
 
 log = logging.getLogger(__name__)
@@ -28,15 +29,6 @@ log = logging.getLogger(__name__)
 #: Longest sequence a torch-SDPA CUDA graph serves: its decode gathers ``max_seq_len`` keys per
 #: sequence whatever the real lengths, so longer steps run eagerly instead.
 TORCH_GRAPH_MAX_SEQ_LEN = 4096
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor -> ``device`` without blocking the host (pinned staging copy on CUDA)."""
-    if device.type == "cpu":
-        return t
-    # contiguous first: pin_memory keeps the strides, and an expanded tensor (positions as arange(n).expand(3, -1),
-    # stride 0) would be copied into itself
-    return t.contiguous().pin_memory().to(device, non_blocking=True)
 
 
 class RopeTables:

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from unifiedserve.memory.pages import RaggedIndex
+from unifiedserve.memory.transfer import to_device
 
 
 class RaggedIndexTensors(NamedTuple):
@@ -26,16 +27,14 @@ class RaggedIndexTensors(NamedTuple):
                    device: str | torch.device = "cpu") -> "RaggedIndexTensors":
         """Tensors for ``index`` on ``device`` (tensors already there are passed through).
 
-        Host values go to a GPU through pinned memory as queued copies: ``torch.as_tensor(values, device=cuda)``
-        would synchronize the stream once per tensor.
+        Host values go up as queued copies (:func:`~unifiedserve.memory.transfer.to_device`):
+        ``torch.as_tensor(values, device=cuda)`` would synchronize the stream once per tensor.
         """
         device = torch.device(device)
         out = []
         for a in (index.pv_indptr, index.pv_page_indptr, index.pv_page_indices, index.pv_cu_page_len):
             t = torch.as_tensor(a, dtype=torch.int64)  # host values stay on the host here
-            if t.device.type == "cpu" and device.type == "cuda":
-                t = t.contiguous().pin_memory().to(device, non_blocking=True)
-            out.append(t.to(device))
+            out.append(to_device(t, device) if t.device.type == "cpu" else t.to(device))
         return cls(*out)
 
 

@@ -19,6 +19,7 @@ uses, so pointers are valid in torch's streams.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import threading
 from collections.abc import Iterable
@@ -118,17 +119,10 @@ class DriverApi:
                                                      "cuIpcCloseMemHandle"))
 
 
-_process_api: DriverApi | None = None
-_process_api_lock = threading.Lock()
-
-
+@functools.cache
 def process_driver() -> DriverApi:
     """This process's :class:`DriverApi`, whose retained contexts keep its mappings alive for the process's life."""
-    global _process_api
-    with _process_api_lock:
-        if _process_api is None:
-            _process_api = DriverApi()
-        return _process_api
+    return DriverApi()
 
 
 class _DeviceArray:

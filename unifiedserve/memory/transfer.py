@@ -1,0 +1,20 @@
+"""Host tensors to a device without making the host wait: the one way the engine sends host-built values up.
+
+A plain ``tensor.to("cuda")`` or ``copy_`` from pageable host memory ends in a stream synchronize: the host
+waits for every kernel already queued (a decode step, a graph replay), which undoes any overlap of host and
+device work. :func:`to_device` stages through pinned memory and queues the copy instead (torch keeps the
+pinned block until the copy has run).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor -> ``device`` without blocking the host (pinned staging copy on CUDA); the CPU: ``t`` itself."""
+    if device.type == "cpu":
+        return t
+    # contiguous first: pin_memory keeps the strides, and an expanded tensor (positions as arange(n).expand(3, -1),
+    # stride 0) would be copied into itself
+    return t.contiguous().pin_memory().to(device, non_blocking=True)
