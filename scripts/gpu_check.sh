@@ -39,6 +39,8 @@ case $group in decode|attention|engine|serve|policies) ;;
 policy=${POLICY:-unified}
 case $policy in unified|monolithic|split) ;;
   *) echo "gpu_check.sh: error: POLICY must be unified, monolithic or split" >&2; exit 2 ;; esac
+case ${GPU_CHECK_LIMIT_S:-600} in ''|*[!0-9]*)
+  echo "gpu_check.sh: error: GPU_CHECK_LIMIT_S must be whole seconds, got '${GPU_CHECK_LIMIT_S}'" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 exec > >(tee -a "$out/gpu_check.log") 2>&1

@@ -29,6 +29,7 @@ def test_script_parses(script):
     ([], {}, "usage: scripts/gpu_check.sh OUTDIR"),
     (["OUT", "benchmarks"], {}, "gpu_check.sh: error: group must be decode, attention, engine, serve or policies"),
     (["OUT", "policies"], {"POLICY": "fast"}, "gpu_check.sh: error: POLICY must be unified, monolithic or split"),
+    (["OUT", "decode"], {"GPU_CHECK_LIMIT_S": "9.5"}, "gpu_check.sh: error: GPU_CHECK_LIMIT_S must be whole seconds"),
 ])
 def test_gpu_check_refuses_bad_arguments_before_doing_anything(tmp_path, args, env, needle):
     out = [str(tmp_path / a) if a == "OUT" else a for a in args]
