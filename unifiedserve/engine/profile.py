@@ -1,15 +1,21 @@
-"""Size the KV pool on CUDA from ``gpu_memory_utilization`` and a profiled maximum-size step (as vLLM does).
+"""Size the KV pool on CUDA from ``gpu_memory_utilization`` and profiled maximum-size steps (as vLLM does).
 
 After the weights are loaded, a throw-away runner with just enough KV blocks runs one dummy step
 of the largest work a step may hold: a vision encode of ``encode_token_budget`` patches and a
 prefill of ``prefill_token_budget`` tokens. Its peak allocation above the runner's own tensors is
 the activation figure; :func:`~unifiedserve.engine.device.size_kv_pool` does the arithmetic.
+
+:func:`profile_memory` returns the figures themselves, and optionally those of a decode-only
+process (its runner's attention workspace, its CUDA graphs and one eager decode step), for the
+multi-process server, which sizes its shared pools before any worker starts
+(``unifiedserve/runtime/memory_plan.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -31,19 +37,34 @@ def encode_grid(num_patches: int, merge: int) -> tuple[int, int, int]:
     return 1, h, w
 
 
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What one engine process holds on its GPU beside the KV cache, in bytes (:func:`profile_memory`)."""
+
+    total: int  # the GPU's memory
+    used: int  # memory in use on the GPU at the end of the profile (every process, this one included)
+    non_torch: int  # in use but not reserved by this process's torch: CUDA contexts, loaded kernels, others
+    weights: int  # the model's parameters (everything torch held right after loading them)
+    activations: int  # peak of a maximum-size encode and prefill step
+    buffers: int  # the engine's patch and visual-token buffers and attention workspace
+    bytes_per_block: int  # one KV block, all layers
+    decode: int | None = None  # a decode-only runner: attention workspace, CUDA graphs, one eager decode step
+
+
 @torch.inference_mode()
-def profile_kv_sizing(model, config) -> KVSizing:
-    """Measure and size the KV pool for ``model`` (loaded on ``config.device``) under ``config``.
+def profile_memory(model, config, decode_batch: int | None = None, decode_graph_batch: int | None = None
+                   ) -> MemoryProfile:
+    """Measure what ``model`` (loaded on ``config.device``, nothing else of the engine allocated yet) needs
+    beside its KV cache under ``config``.
 
     Args:
-        model: the loaded model, nothing else of the engine allocated yet.
-        config: the :class:`~unifiedserve.engine.llm.EngineConfig` (CUDA device, utilization set).
-
-    Returns:
-        The sizing, every figure logged.
+        decode_batch: also measure a decode-only runner, as the server's decode process builds one (no patch
+            or visual buffer), and one eager step of this many sequences on it.
+        decode_graph_batch: capture its decode CUDA graphs up to this batch first (None: eager only), for
+            sequences as long as the model's positions allow (the longest the decode process may capture).
 
     Raises:
-        ValueError: not on CUDA, or not even one KV block fits.
+        ValueError: not on CUDA.
     """
     from unifiedserve.engine.runner import ModelRunner, forward_tokens
 
@@ -53,9 +74,7 @@ def profile_kv_sizing(model, config) -> KVSizing:
     text = model.config.text
     dtype = next(model.parameters()).dtype
     torch.cuda.synchronize(device)
-    free, total = torch.cuda.mem_get_info(device)
     weights = torch.cuda.memory_allocated(device)
-    non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))  # CUDA context, other processes
     budget = config.scheduler.prefill_token_budget
     bs = config.block_size
     probe_blocks = -(-budget // bs)
@@ -80,12 +99,72 @@ def profile_kv_sizing(model, config) -> KVSizing:
                    [budget - 1], torch.zeros(budget, dtype=torch.bool), probe.rope)
     torch.cuda.synchronize(device)
     activations = torch.cuda.max_memory_allocated(device) - base
+    log.info("profiled a step of %d prefill tokens and a %dx%d-patch encode: peak activations %.2f GiB",
+             budget, grid[1], grid[2], activations / 2**30)
     del probe
     torch.cuda.empty_cache()
+    decode = None
+    if decode_batch is not None:
+        decode = _profile_decode(model, config, probe_blocks, per_block, decode_batch, decode_graph_batch)
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))  # contexts, kernels, other processes
+    return MemoryProfile(total, total - free, non_torch, weights, activations, buffers, per_block, decode)
+
+
+def _profile_decode(model, config, probe_blocks: int, per_block: int, batch: int, graph_batch: int | None) -> int:
+    """Bytes a decode-only runner adds beside its KV blocks: workspace, graphs (reserved, so their pools
+    count whole), and the peak of one eager step of ``batch`` one-token sequences."""
+    from unifiedserve.engine.device import graph_batch_sizes
+    from unifiedserve.attention import TorchPagedAttention
+    from unifiedserve.engine.runner import TORCH_GRAPH_MAX_SEQ_LEN, ModelRunner, forward_tokens
+
+    device = torch.device(config.device)
+    text = model.config.text
+    before = torch.cuda.memory_reserved(device)
+    probe = ModelRunner(model, num_kv_blocks=probe_blocks, block_size=config.block_size, num_patch_pages=0,
+                        num_visual_pages=0, page_size=config.page_size, device=device, attention=config.attention)
+    probe.attn.warmup()
+    if graph_batch is not None and probe.attn.supports_cuda_graph:
+        longest = text.max_position_embeddings  # the decode process's graphs serve up to its KV capacity
+        if isinstance(probe.attn, TorchPagedAttention):
+            longest = min(longest, TORCH_GRAPH_MAX_SEQ_LEN)
+        probe.capture_decode_graphs(graph_batch_sizes(graph_batch), max_seq_len=longest)
+    torch.cuda.synchronize(device)
+    held = torch.cuda.memory_reserved(device) - before - probe_blocks * per_block
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    ids = torch.zeros(batch, dtype=torch.int64)
+    positions = torch.zeros(3, batch, dtype=torch.int64)
+    seqs = [(0, 1, [i % probe_blocks]) for i in range(batch)]  # dummy rows: overlapping writes are harmless
+    forward_tokens(model, probe.attn, ids, positions, seqs, None, list(range(batch)),
+                   torch.zeros(batch, dtype=torch.bool), probe.rope)
+    torch.cuda.synchronize(device)
+    step = torch.cuda.max_memory_allocated(device) - base
+    log.info("profiled a decode-only runner: %.2f GiB beside its KV (workspace and CUDA graphs %.2f, a %d-sequence "
+             "eager step %.2f)", (max(held, 0) + step) / 2**30, max(held, 0) / 2**30, batch, step / 2**30)
+    del probe
+    torch.cuda.empty_cache()
+    return max(held, 0) + step
+
+
+def profile_kv_sizing(model, config) -> KVSizing:
+    """Measure and size the KV pool for ``model`` (loaded on ``config.device``) under ``config``.
+
+    Args:
+        model: the loaded model, nothing else of the engine allocated yet.
+        config: the :class:`~unifiedserve.engine.llm.EngineConfig` (CUDA device, utilization set).
+
+    Returns:
+        The sizing, every figure logged.
+
+    Raises:
+        ValueError: not on CUDA, or not even one KV block fits.
+    """
+    p = profile_memory(model, config)
     # the media cache (encoded visual tokens, on this device) fills up to its bound as media arrive
     media_cache = int(config.media_cache_gb * 2**30)
-    sizing = size_kv_pool(total, config.gpu_memory_utilization, weights, activations,
-                          non_torch + buffers + media_cache, per_block)
-    log.info("%s; profiled a step of %d prefill tokens and a %dx%d-patch encode", sizing.describe(), budget,
-             grid[1], grid[2])
+    sizing = size_kv_pool(p.total, config.gpu_memory_utilization, p.weights, p.activations,
+                          p.non_torch + p.buffers + media_cache, p.bytes_per_block)
+    log.info("%s", sizing.describe())
     return sizing

@@ -29,7 +29,7 @@ from unifiedserve.model.config import ModelConfig
 from unifiedserve.model.qwen2_5_vl import Qwen2_5_VL
 from unifiedserve.model.weight_pool import bind_parameters
 
-__all__ = ["CheckpointError", "checkpoint_names", "checkpoint_shapes", "load_model", "weight_bytes"]
+__all__ = ["CheckpointError", "checkpoint_names", "checkpoint_shapes", "load_model", "weight_bytes", "zero_model"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LIST_LIMIT = 8  # names shown per kind of problem
@@ -207,6 +207,26 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
                 rows = value.shape[0]
                 param[row:row + rows].copy_(value.reshape(rows, *param.shape[1:]))  # casts dtype, moves device
                 row += rows
+    model.eval().requires_grad_(False)
+    return model, config
+
+
+def zero_model(path: str | Path, dtype: torch.dtype, device: str | torch.device) -> tuple[Qwen2_5_VL, ModelConfig]:
+    """The model of ``path``'s ``config.json`` with every parameter zero, on ``device``: the checkpoint is not
+    read. For measuring memory (the server's start-up profile), where only shapes and dtypes matter.
+
+    Raises:
+        ValueError: a dtype outside the supported ones, or a folder without a valid ``config.json``.
+    """
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype}")
+    config = ModelConfig.from_json(Path(path).expanduser())
+    with torch.device("meta"):
+        model = Qwen2_5_VL(config)
+    model.to(dtype).to_empty(device=device)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
     model.eval().requires_grad_(False)
     return model, config
 

@@ -101,6 +101,13 @@ class DriverApi:
     def free(self, device: int, ptr: int) -> None:
         self._in_context(device, lambda: self._check(self._cuda.cuMemFree_v2(ctypes.c_uint64(ptr)), "cuMemFree"))
 
+    def mem_info(self, device: int) -> tuple[int, int]:
+        """``(free, total)`` bytes of ``device``'s memory, as the driver counts them (every process's use)."""
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        self._in_context(device, lambda: self._check(self._cuda.cuMemGetInfo_v2(ctypes.byref(free),
+                                                                                ctypes.byref(total)), "cuMemGetInfo"))
+        return free.value, total.value
+
     def ipc_handle(self, device: int, ptr: int) -> bytes:
         handle = CUipcMemHandle()
         self._in_context(device, lambda: self._check(

@@ -62,8 +62,7 @@ def build_config(model: str, engine: EngineConfig, budgets: PoolBudgets = PoolBu
     if num_kv_blocks is None:
         num_kv_blocks = int(budgets.kv_cache_gb * GiB) // (kv_token_bytes * block_size)
     patch_dim = 3 * vision.temporal_patch_size * vision.patch_size ** 2
-    num_patch_pages = int(budgets.patch_buffer_gb * GiB) // (page_size * patch_dim * itemsize)
-    num_visual_pages = int(budgets.visual_buffer_gb * GiB) // (page_size * vision.out_hidden_size * itemsize)
+    num_patch_pages, num_visual_pages = buffer_pages(cfg, engine, budgets)
     for name, value, flag in (("KV cache", num_kv_blocks, "--kv-cache-gb / --num-kv-blocks"),
                               ("patch buffer", num_patch_pages, "--patch-buffer-gb"),
                               ("visual-token buffer", num_visual_pages, "--visual-buffer-gb")):
@@ -88,6 +87,17 @@ def build_config(model: str, engine: EngineConfig, budgets: PoolBudgets = PoolBu
                      num_visual_pages=num_visual_pages)
     return RuntimeConfig(model=model, served_model_name=served_name(model, served_model_name),
                          engine=engine, max_model_len=max_model_len, pool_shapes=pool_shapes, **kwargs)
+
+
+def buffer_pages(cfg: ModelConfig, engine: EngineConfig, budgets: PoolBudgets) -> tuple[int, int]:
+    """``(patch pages, visual-token pages)`` that ``budgets`` give for the model of ``cfg`` in ``engine``'s dtype."""
+    from unifiedserve.engine.llm import DTYPES
+
+    itemsize = DTYPES[engine.dtype].itemsize
+    vision, page_size = cfg.vision, engine.page_size
+    patch_dim = 3 * vision.temporal_patch_size * vision.patch_size ** 2
+    return (int(budgets.patch_buffer_gb * GiB) // (page_size * patch_dim * itemsize),
+            int(budgets.visual_buffer_gb * GiB) // (page_size * vision.out_hidden_size * itemsize))
 
 
 #: Pools of raw bytes (views of several dtypes live in them), not of the model's dtype.

@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 from unifiedserve.engine.config import EngineConfig
@@ -47,10 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="launch each decode-only step before reading the previous one's tokens back, so the host's "
                         "per-step work overlaps the GPU's (tokens come out one step later; the same tokens)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
-                   help="refused by the server, with an error saying so: its pools (KV cache, patch and visual-"
-                        "token buffers) are created before any worker loads the model, from --kv-cache-gb / "
-                        "--num-kv-blocks, on every device. The in-process engine (unifiedserve.LLM, bench/engine) "
-                        "sizes its KV cache on CUDA from this share and a profiled peak step, as vLLM does")
+                   help="CUDA: size the KV cache to fill this share of the GPU's memory (e.g. 0.9, as in vLLM), "
+                        "after what every process of the server holds there: measured at start-up by a profile "
+                        "process (weights, buffers, peak prefill/encode and decode steps, CUDA graphs, contexts), "
+                        "plus --vision-ahead-gb and a decoder allowance. Instead of --kv-cache-gb / --num-kv-blocks")
     g.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="longest prompt + completion in tokens, visual tokens included (default: the model's, "
                         "capped by the KV cache)")
@@ -132,8 +133,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests decoded together at most (default %(default)s)")
 
     g = p.add_argument_group("memory pools")
-    g.add_argument("--kv-cache-gb", type=_positive_float, default=PoolBudgets.kv_cache_gb,
-                   help="KV cache size in GiB (default %(default)g)")
+    g.add_argument("--kv-cache-gb", type=_positive_float, default=None,
+                   help=f"KV cache size in GiB (default {PoolBudgets.kv_cache_gb:g}; on CUDA see also "
+                        f"--gpu-memory-utilization)")
     g.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="KV cache size in blocks (overrides --kv-cache-gb)")
     g.add_argument("--block-size", type=_positive_int, default=EngineConfig.block_size,
                    help="tokens per KV block (default %(default)s)")
@@ -341,9 +343,16 @@ def build_runtime(args: argparse.Namespace):
 
     parse_fault(os.environ.get(FAULT_ENV), "decode")  # a malformed testing hook: one error line, before any worker
     device = _resolve_device(args.device)
-    if args.gpu_memory_utilization is not None:
-        raise ValueError(f"--gpu-memory-utilization: the server sizes its pools from --kv-cache-gb / --num-kv-blocks "
-                         f"on every device (it runs on {device}); give those instead")
+    utilization = args.gpu_memory_utilization
+    if utilization is not None:
+        if device == "cpu":
+            raise ValueError("--gpu-memory-utilization applies to a CUDA server; on the CPU size the KV cache with "
+                             "--kv-cache-gb or --num-kv-blocks")
+        if args.kv_cache_gb is not None or args.num_kv_blocks is not None:
+            raise ValueError("--gpu-memory-utilization sizes the KV cache itself; give it or --kv-cache-gb / "
+                             "--num-kv-blocks, not both")
+        if not 0.0 < utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization:g}")
     if device == "cpu":
         placement = gpu_placement_fields(args, device, 0, False)  # GPU flags on the CPU are refused
     else:
@@ -366,8 +375,17 @@ def build_runtime(args: argparse.Namespace):
                               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                               scheduler=sched,
                               enable_prefix_caching=args.prefix_caching, media_cache_gb=args.media_cache_gb)
-        pools = PoolBudgets(kv_cache_gb=args.kv_cache_gb, num_kv_blocks=args.num_kv_blocks,
-                            patch_buffer_gb=args.patch_buffer_gb, visual_buffer_gb=args.visual_buffer_gb)
+        pools = PoolBudgets(kv_cache_gb=PoolBudgets.kv_cache_gb if args.kv_cache_gb is None else args.kv_cache_gb,
+                            num_kv_blocks=args.num_kv_blocks, patch_buffer_gb=args.patch_buffer_gb,
+                            visual_buffer_gb=args.visual_buffer_gb)
+        if utilization is not None:  # a profile process on the GPU first (runtime/memory_plan.py)
+            from unifiedserve.runtime.memory_plan import size_server_kv
+
+            sizing = size_server_kv(model, engine, pools, utilization=utilization, gpu=placement["gpu"],
+                                    process_env=placement["process_env"], vision_ahead_gb=args.vision_ahead_gb,
+                                    tbt_slo_ms=args.tbt_slo_ms, budget_overrides=budgets,
+                                    timeout=args.startup_timeout)
+            pools = replace(pools, num_kv_blocks=sizing.num_blocks)
         config = build_config(
             model, engine, pools, served_model_name=args.served_model_name, max_model_len=args.max_model_len,
             policy=args.policy, default_max_tokens=args.default_max_tokens, tbt_slo_ms=args.tbt_slo_ms,

@@ -114,7 +114,7 @@ def test_encode_grid():
 
 @pytest.mark.parametrize("argv, message", [
     (["--device", "cuda"], "does not run on CUDA yet"), (["--device", "cuda:1"], "does not run on CUDA yet"),
-    (["--device", "cpu", "--gpu-memory-utilization", "0.5"], "the server sizes its pools from --kv-cache-gb"),
+    (["--device", "cpu", "--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization applies to a CUDA server"),
     (["--device", "cpu", "--decode-sm-percent", "40"], "--decode-sm-percent applies to CUDA only"),
 ])
 def test_serve_refuses_cuda_flags_in_one_line_before_spawning(argv, message, capsys, monkeypatch):

@@ -193,6 +193,10 @@ int cuIpcOpenMemHandle_v2(uint64_t *out, CUipcMemHandle h, unsigned flags) {
   if (!current || flags != 1 || (unsigned char)h.reserved[63] != 0xAB || valid(live, live_gen, n_live, p) < 0) return 1;
   *out = p + 0x100000000ull; maps[n_maps] = *out; map_gen[n_maps++] = generation; return 0;
 }
+int cuMemGetInfo_v2(size_t *free, size_t *total) {
+  if (!current) return 201;
+  *total = (size_t)80 << 30; *free = *total - ((size_t)n_live << 20); return 0;
+}
 int cuIpcCloseMemHandle(uint64_t p) { int i = valid(maps, map_gen, n_maps, p); if (i < 0) return 1; map_gen[i] = -1; return 0; }
 int stub_live_allocations(void) { int k = 0; for (int i = 0; i < n_live; i++) k += live_gen[i] == generation; return k; }
 int stub_live_mappings(void) { int k = 0; for (int i = 0; i < n_maps; i++) k += map_gen[i] == generation; return k; }
@@ -227,5 +231,7 @@ def test_the_driver_calls_keep_pools_alive_and_pass_handles_by_value(stub_driver
     assert pool.ptr and stub.stub_live_mappings() == 1  # still mapped after the call returned
     pool.close()
     opener.close()
+    free, total = owner.api.mem_info(0)  # in the device's context (the stand-in refuses a call outside one)
+    assert total == 80 << 30 and free == total - (1 << 20)
     owner.free_all()
     assert stub.stub_live_allocations() == 0 and stub.stub_context_refs() == 0

@@ -45,7 +45,7 @@ def test_bad_values_are_one_line_before_anything_starts(args, needle, capsys):
 
 @pytest.mark.parametrize("args, needle", [
     (["--max-frames", "1"], "--max-frames must be at least 2"),
-    (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization: the server sizes its pools from --kv-cache-gb"),
+    (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization applies to a CUDA server"),
     (["--gpus", "0"], "--gpus applies to CUDA only"),
     (["--model", "/nonexistent/folder"], "no config.json there"),
     (["--vision-threads", "-1"], "--vision-threads must be >= 0"),

@@ -96,3 +96,32 @@ def test_a_cuda_server_serves_what_the_engine_computes(server, media):
     assert pools and all('device="cuda:' in k for k in pools), pools  # the shared pools are on the GPU
     log = server.log()
     assert "output on cuda:0" in log and "on cuda:0" in log, log[-3000:]  # vision's decoders feed the GPU
+
+
+def test_a_server_sized_by_gpu_memory_utilization_stays_inside_its_share(media):
+    """``--gpu-memory-utilization 0.4``: the KV pool is sized from the start-up profile, requests run, and the
+    whole GPU's memory in use (this test process and any other server included) stays within 0.4 of it."""
+    import torch
+
+    d, files = media
+    share = 0.4
+    saved = os.environ.get(UNVERIFIED_CUDA_ENV)
+    os.environ[UNVERIFIED_CUDA_ENV] = "1"
+    try:
+        srv = Server("--device", "cuda", "--gpu-memory-utilization", str(share), media_dir=d, startup_timeout=400.0)
+    finally:
+        if saved is None:
+            os.environ.pop(UNVERIFIED_CUDA_ENV, None)
+        else:
+            os.environ[UNVERIFIED_CUDA_ENV] = saved
+    try:
+        assert "KV pool:" in srv.log() and "x --gpu-memory-utilization 0.40" in srv.log(), srv.log()[-3000:]
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        for name in ("video", "image", "text"):
+            got = client.chat.completions.create(model="demo-model", messages=messages(files, name), **GREEDY)
+            assert got.usage.completion_tokens == 12, name
+        free, total = torch.cuda.mem_get_info()  # the caching allocators keep their peaks reserved
+        assert total - free <= share * total + 2**29, f"{(total - free) / 2**30:.2f} GiB in use of {total / 2**30:.2f}"
+    finally:
+        assert srv.stop(signal.SIGTERM) == 0, srv.log()[-3000:]
+    assert leftovers(srv.instance) == []
