@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-__all__ = ["GpuReading", "GpuSummary", "Nvml", "TelemetrySampler", "TelemetryUnavailable", "open_nvml",
-           "register_prometheus", "summarize"]
+__all__ = ["GpuReading", "GpuSummary", "Nvml", "TelemetrySampler", "TelemetryUnavailable", "nvml_index",
+           "open_nvml", "register_prometheus", "summarize"]
 
 #: GPM metric ids of engine 0 (``pynvml.NVML_GPM_METRIC_NVDEC_0_UTIL``, ``..._NVJPG_0_UTIL``);
 #: engine ``i`` is the base plus ``i``.
@@ -199,6 +199,41 @@ def open_nvml(gpus: Sequence[int] | None = None, **engines) -> Nvml:
     except ImportError as e:
         raise TelemetryUnavailable("nvidia-ml-py is not installed (pip install nvidia-ml-py)") from e
     return Nvml(pynvml, gpus, **engines)
+
+
+def nvml_index(cuda_device: int, nvml: Any = None, uuid: str | None = None) -> int:
+    """NVML's index of the GPU that this process calls ``cuda:<cuda_device>``.
+
+    The two numberings differ whenever ``CUDA_VISIBLE_DEVICES`` or ``CUDA_DEVICE_ORDER`` (CUDA's default
+    order is fastest first, NVML's is PCI bus order) picks or reorders GPUs: NVML ignores both. The
+    GPU's UUID is the same in both, so it is matched by UUID.
+
+    Args:
+        nvml: the ``pynvml`` module or a stand-in (default: nvidia-ml-py's).
+        uuid: the device's UUID (default: torch's ``get_device_properties(cuda_device).uuid``).
+    Raises:
+        TelemetryUnavailable: no NVML, or NVML does not know the UUID.
+    """
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError as e:
+            raise TelemetryUnavailable("nvidia-ml-py is not installed (pip install nvidia-ml-py)") from e
+    if uuid is None:
+        import torch
+
+        uuid = str(torch.cuda.get_device_properties(cuda_device).uuid)
+    name = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+    try:
+        nvml.nvmlInit()
+    except Exception as e:
+        raise TelemetryUnavailable(f"NVML cannot start ({_reason(e)})") from e
+    try:
+        return int(nvml.nvmlDeviceGetIndex(nvml.nvmlDeviceGetHandleByUUID(name)))
+    except Exception as e:
+        raise TelemetryUnavailable(f"NVML does not know cuda:{cuda_device} ({name}: {_reason(e)})") from e
+    finally:
+        nvml.nvmlShutdown()
 
 
 @dataclass(frozen=True)

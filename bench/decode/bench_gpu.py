@@ -46,7 +46,7 @@ from flashcodec.devices import DEFAULT_NVDEC_SESSIONS, nvdec_unavailable_reason 
 from flashcodec.image_batch import ImageBatchDecoder, nvjpeg_unavailable_reason  # noqa: E402
 from flashcodec.plan.video import floor_cost  # noqa: E402
 from flashcodec.resize import resize_frames  # noqa: E402
-from flashcodec.telemetry import TelemetrySampler, open_nvml  # noqa: E402
+from flashcodec.telemetry import TelemetrySampler, TelemetryUnavailable, nvml_index, open_nvml  # noqa: E402
 from gpu_media import ClipSpec, make_clip, make_jpegs  # noqa: E402
 from gpu_report import check_targets, markdown, ratios  # noqa: E402
 
@@ -176,15 +176,20 @@ def _engine(gpu, sessions, cpu_threads, *, use_gpu: bool, use_cpu: bool, speeds=
 
 
 def _sampler(gpu: int, codec: str) -> TelemetrySampler:
-    """An NVML sampler of GPU ``gpu`` (assumed to be NVML's index too), its NVDEC count from the driver."""
+    """An NVML sampler of CUDA device ``gpu`` (NVML's own index of it, matched by UUID), its NVDEC count from
+    the driver."""
     try:
         from flashcodec.nvcuvid import decoder_caps
 
         engines = decoder_caps(codec, "420", 8, gpu).num_engines or None
     except Exception:  # engine count unknown: NVML's own list is used
         engines = None
+    try:
+        index = nvml_index(gpu)
+    except TelemetryUnavailable:  # the sampler reports NVML's absence itself
+        index = gpu
     # 0.2 s between GPM samples: NVML's metrics are computed over the interval of two samples
-    return TelemetrySampler(0.2, lambda: open_nvml([gpu], num_nvdec_engines=engines))
+    return TelemetrySampler(0.2, lambda: open_nvml([index], num_nvdec_engines=engines))
 
 
 def _telemetry(sampler: TelemetrySampler, seconds: float) -> dict:

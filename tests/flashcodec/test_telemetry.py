@@ -228,3 +228,28 @@ def test_bench_prints_engine_use_when_a_gpu_is_present(monkeypatch, capsys, tiny
     (gpu,) = summary["gpu_telemetry"]["gpus"]
     assert gpu["num_samples"] >= 2 and gpu["num_nvdec_busy"] == 7
     assert "7 of 7 engines busy" in capsys.readouterr().out
+
+
+def test_nvml_index_matches_the_cuda_device_by_uuid():
+    """CUDA numbers GPUs as CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER say, NVML by PCI bus: the UUID links them."""
+    from flashcodec.telemetry import nvml_index
+
+    module, state = fake_nvml(num_gpus=4)
+    uuids = {"GPU-aaaa": 0, "GPU-bbbb": 1, "GPU-cccc": 2, "GPU-dddd": 3}
+
+    def by_uuid(name):
+        if name not in uuids:
+            raise FakeNvmlError("Not Found")
+        return f"handle{uuids[name]}"
+
+    module.nvmlDeviceGetHandleByUUID = by_uuid
+    module.nvmlDeviceGetIndex = lambda handle: int(handle[len("handle"):])
+    assert nvml_index(0, module, uuid="cccc") == 2  # cuda:0 of CUDA_VISIBLE_DEVICES=2 is NVML's GPU 2
+    assert nvml_index(1, module, uuid="GPU-dddd") == 3  # torch may give the prefix too
+    assert state.inits == state.shutdown == 2  # each lookup closes its NVML session
+    with pytest.raises(TelemetryUnavailable, match="NVML does not know cuda:5 .*GPU-eeee"):
+        nvml_index(5, module, uuid="eeee")
+    assert state.shutdown == 3
+    broken, _ = fake_nvml(init_error="Driver Not Loaded")
+    with pytest.raises(TelemetryUnavailable, match="NVML cannot start"):
+        nvml_index(0, broken, uuid="aaaa")
