@@ -5,7 +5,8 @@ profiled step (``engine/profile.py``). The server cannot wait that long: the lau
 pools, the KV pool among them, before any worker loads the model. So the launcher profiles first:
 
 1. It reads the memory in use on the pool GPU, as the driver counts it: other processes' and its own
-   CUDA context (it owns the pools, so it holds one anyway).
+   CUDA context (it owns the pools, so it holds one anyway; it keeps it through step 2, so that the
+   child's figure for a context is the child's own).
 2. One short-lived child process, placed on that GPU like the core worker (same ``CUDA_VISIBLE_DEVICES``
    and MPS share), builds the model with zero weights (the checkpoint is not read), and measures what the
    engine's profile measures: the weights, the patch and visual-token buffers with the attention
@@ -121,11 +122,18 @@ def size_server_kv(model: str, engine, budgets, *, utilization: float, gpu: int,
     patch_pages, visual_pages = buffer_pages(ModelConfig.from_json(model), engine, budgets)
     probe = replace(engine, num_patch_pages=patch_pages, num_visual_pages=visual_pages,
                     scheduler=profile_budgets(engine.scheduler, tbt_slo_ms, budget_overrides or {}))
-    used_before = measure_used(gpu)
-    profile = profile_in_child(model, probe, process_env.get("core", {}),
-                               decode_batch=engine.scheduler.max_decode_batch,
-                               graph_batch=None if engine.enforce_eager else engine.max_cuda_graph_batch,
-                               timeout=timeout)
+    from unifiedserve.runtime.cuda_pools import DriverApi
+
+    api = DriverApi()  # its context lives through the profile: the child's figure must not include it
+    try:
+        free, total = api.mem_info(gpu)
+        used_before = total - free
+        profile = profile_in_child(model, probe, process_env.get("core", {}),
+                                   decode_batch=engine.scheduler.max_decode_batch,
+                                   graph_batch=None if engine.enforce_eager else engine.max_cuda_graph_batch,
+                                   timeout=timeout)
+    finally:
+        api.close()
     # every worker runs on this GPU (the server refuses a second one), and a decode runner with it: the decode
     # process's, or under monolithic core's own
     sizing = plan_server_kv(profile, utilization, used_before, media_cache_bytes=engine.media_cache_bytes,
@@ -145,18 +153,6 @@ def profile_budgets(scheduler, tbt_slo_ms: float | None, overrides: dict[str, in
     largest = {"prefill_token_budget": TAU_RANGE[1], "encode_token_budget": ALPHA_RANGE[1]}
     largest.update(overrides)
     return replace(scheduler, **largest)
-
-
-def measure_used(gpu: int) -> int:
-    """Bytes in use on physical GPU ``gpu`` (of this process's visible ones), as the driver counts them."""
-    from unifiedserve.runtime.cuda_pools import DriverApi
-
-    api = DriverApi()
-    try:
-        free, total = api.mem_info(gpu)
-    finally:
-        api.close()
-    return total - free
 
 
 def profile_in_child(model: str, engine, env: dict[str, str], *, decode_batch: int, graph_batch: int | None,
