@@ -63,7 +63,8 @@ class RuntimeConfig:
     vision_threads: int = 0  # decoder threads; 0: one per core
     #: the vision process's decoders on a CUDA server: "auto" its GPU's NVDEC sessions and the CPU decoders
     #: together, "cuda" NVDEC (the CPU only for what NVDEC cannot take), "cpu" the CPU decoders; patches are
-    #: made on the GPU in every case. A CPU server decodes on the CPU ("cuda" is refused there).
+    #: made on the GPU in every case; images go to nvJPEG batches on the GPU under "auto" and "cuda" where it works.
+    #: A CPU server decodes on the CPU ("cuda" is refused there).
     vision_device: str = "auto"
     #: decoded patches (GiB) vision may hold for requests core has not admitted yet; more videos wait to be
     #: decoded until memory frees or their request is admitted (runtime/vision_worker.py: _start_decodes)

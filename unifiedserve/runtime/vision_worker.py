@@ -2,11 +2,13 @@
 
 For a request (``ProbeMedia``) it probes every video (a demux scan) and decodes every image on a
 small thread pool, and answers api at once with the patch grids (``MediaProbed``), so the prompt
-length is known before a frame is decoded. Video decoding starts right after the probe, on
-FlashCodec's shared decoder threads, within the decode-ahead bound (``--vision-ahead-gb``, see
-:meth:`VisionWorker._start_decodes`). When core has admitted the request (``WritePatches``, the
-pages of its patch stream) and a media's patches are ready, this process copies them into those
-pages and tells core (``MediaReady``). Writes happen on the loop thread, in the order of core's
+length is known before a frame is decoded. On a GPU (:func:`image_decode_gpu`) a request's images
+are decoded as one batch per pixel budget (JPEGs on nvJPEG, the rest on CPU threads) and cut into
+patches there; on the CPU the probe thread decodes them one after another. Video decoding starts
+right after the probe, on FlashCodec's shared decoder threads, within the decode-ahead bound
+(``--vision-ahead-gb``, see :meth:`VisionWorker._start_decodes`). When core has admitted the request
+(``WritePatches``, the pages of its patch stream) and a media's patches are ready, this process
+copies them into those pages and tells core (``MediaReady``). Writes happen on the loop thread, in the order of core's
 messages, so a ``CancelMedia`` from core is always seen before its pages are handed to anyone else.
 
 Streaming ingest (``RuntimeConfig.streaming_ingest``, ``--ingest streaming``): a video is decoded
@@ -34,7 +36,9 @@ from dataclasses import dataclass, field
 import torch
 
 from flashcodec import DecodeCancelledError, DecodeEngine, FlashCodecError, SamplingOptions
+from flashcodec.devices import log_once
 from flashcodec.image import decode_image
+from flashcodec.image_batch import ImageBatchDecoder, nvjpeg_unavailable_reason
 from flashcodec.source import Source
 from unifiedserve.memory.buffers import PagedBuffer
 from unifiedserve.memory.pages import RaggedIndex
@@ -63,6 +67,29 @@ def decode_devices(vision_device: str, pool_device: torch.device) -> str:
             raise ValueError("vision_device cuda (NVDEC) needs the patch buffer on a GPU")
         return "cpu"
     return vision_device
+
+
+def image_decode_gpu(vision_device: str, pool_device: torch.device,
+                     unavailable_reason=nvjpeg_unavailable_reason) -> torch.device | None:
+    """The GPU whose nvJPEG decodes the vision process's images, or None where they decode on the CPU.
+
+    Decided as for videos (:func:`decode_devices`): ``"cpu"``, or the patch buffer on the CPU, decodes
+    on the CPU; ``"auto"`` and ``"cuda"`` use the buffer's GPU when nvJPEG works there, else the CPU with
+    one log line saying why (``"cuda"`` asks for NVDEC; it does not make images fail).
+
+    Args:
+        unavailable_reason: ``gpu_index -> why nvJPEG cannot run there, or None`` (tests replace it).
+    """
+    if decode_devices(vision_device, pool_device) == "cpu":
+        return None
+    gpu = torch.device("cuda", pool_device.index or 0)  # the process sees one GPU, the server's
+    reason = unavailable_reason(gpu.index)
+    if reason is None:
+        return gpu
+    # a fallback, not a refusal, for "cuda" too: that choice is about NVDEC, and images decode fine on the CPU
+    log_once(f"vision_device {vision_device} decodes images on the CPU: nvJPEG is not usable on {gpu} ({reason})",
+             logging.INFO if vision_device == "auto" else logging.WARNING)
+    return None
 
 
 def describe_decoders(engine: DecodeEngine) -> str:
@@ -169,6 +196,11 @@ class VisionWorker(Worker):
         self._published = pool_barrier(device)
         if device.type == "cuda":
             warm_gpu_kernels(self.spec, device, self.patch_buffer.dtype)
+        image_gpu = image_decode_gpu(cfg.vision_device, device)
+        #: a request's images in batches (nvJPEG, CPU threads for the rest), results on the buffer's GPU;
+        #: None: each image is decoded on the CPU by the probe thread
+        self.image_decoder = None if image_gpu is None else \
+            ImageBatchDecoder(str(image_gpu), cpu_threads=cfg.vision_threads or None, output_device=device)
         self.probe_pool = ThreadPoolExecutor(2, thread_name_prefix="probe")
         self.probes = ProbeCache()
         self.events: queue.Queue = queue.Queue()
@@ -179,7 +211,8 @@ class VisionWorker(Worker):
         self.waiting: deque[tuple[_Job, int, object, int]] = deque()
         self.held_bytes = 0  # planned patches of the videos decoding (or decoded) ahead of their admission
         self.ahead_limit = int(cfg.vision_ahead_gb * 2**30)
-        return {"decoder": describe_decoders(self.engine),
+        images = "cpu" if self.image_decoder is None else f"nvjpeg {image_gpu} + cpu threads"
+        return {"decoder": describe_decoders(self.engine), "image_decoder": images,
                 "patch_buffer": f"{storage.shape[0]} pages x {storage.shape[1]} rows x {storage.shape[2]} on {device}"}
 
     def has_work(self) -> bool:
@@ -338,16 +371,20 @@ class VisionWorker(Worker):
         start = time.perf_counter()
         plans, analyses = [], []
         try:
+            batched = self._decode_image_batches(job) if self.image_decoder is not None else {}
             for index, ref in enumerate(job.media):
                 source = ref.path if ref.path is not None else ref.data
+                if ref.kind == "image" and self.image_decoder is not None:
+                    outcome = batched[index]
+                    if isinstance(outcome, BaseException):
+                        raise outcome  # reported below as this media's error, in input order
+                    grid, job.patches[index], job.decode_s[index], job.decode_start[index] = outcome
+                    plans.append(protocol.MediaPlan("image", tuple(grid)))
+                    continue
                 if ref.kind == "image":
                     t0 = time.perf_counter()
-                    min_pixels = ref.min_pixels or self.image_pixels[0]
-                    max_pixels = ref.max_pixels or self.image_pixels[1]
-                    if ref.pixel_ceiling is not None:  # the model's defaults may exceed the server's cap
-                        max_pixels = min(max_pixels, ref.pixel_ceiling)
-                        min_pixels = min(min_pixels, max_pixels)
-                    image = decode_image(source, min_pixels=min_pixels, max_pixels=max(min_pixels, max_pixels))
+                    min_pixels, max_pixels = self._image_pixels(ref)
+                    image = decode_image(source, min_pixels=min_pixels, max_pixels=max_pixels)
                     patches, grid = image.to_patches(self.spec)
                     job.patches[index] = patches
                     job.decode_s[index] = time.perf_counter() - t0
@@ -380,6 +417,52 @@ class VisionWorker(Worker):
                              None))
             return
         self.events.put(("probed", job.request_id, plans, time.perf_counter() - start, analyses))
+
+    def _image_pixels(self, ref: protocol.MediaRef) -> tuple[int, int]:
+        """``(min_pixels, max_pixels)`` of an image: the request's, else the model's, within the server's cap."""
+        min_pixels = ref.min_pixels or self.image_pixels[0]
+        max_pixels = ref.max_pixels or self.image_pixels[1]
+        if ref.pixel_ceiling is not None:  # the model's defaults may exceed the server's cap
+            max_pixels = min(max_pixels, ref.pixel_ceiling)
+            min_pixels = min(min_pixels, max_pixels)
+        return min_pixels, max(min_pixels, max_pixels)
+
+    def _decode_image_batches(self, job: _Job) -> dict[int, tuple | BaseException]:
+        """Decode the request's images on :attr:`image_decoder`, one batch per pixel budget, and cut them
+        into patches of the buffer's dtype where they were decoded (the buffer's GPU).
+
+        Returns, per image index, ``(grid, patches, decode_s, decode_start)`` or the exception its decode
+        raised. ``decode_s`` runs from its batch's start until its patches were made, ``decode_start`` is
+        that start (``time.time()``). A batch that fails is decoded again one image at a time, up to its
+        first failing image, which names the failure; its images after that one are left out (the
+        request fails at or before it).
+        """
+        groups: dict[tuple[int, int], list[int]] = {}  # (min_pixels, max_pixels) -> image indices, in order
+        for index, ref in enumerate(job.media):
+            if ref.kind == "image":
+                groups.setdefault(self._image_pixels(ref), []).append(index)
+        out: dict[int, tuple | BaseException] = {}
+        for (min_pixels, max_pixels), indices in groups.items():
+            sources = [job.media[i].path if job.media[i].path is not None else job.media[i].data for i in indices]
+            t0, wall_start = time.perf_counter(), time.time()
+            try:
+                images = self.image_decoder.decode(sources, min_pixels=min_pixels, max_pixels=max_pixels)
+            except Exception:  # the batch names its first bad image by its source, not its index
+                images = []
+                for index, source in zip(indices, sources):
+                    try:
+                        images += self.image_decoder.decode([source], min_pixels=min_pixels, max_pixels=max_pixels)
+                    except Exception as e:
+                        out[index] = e
+                        break
+            for index, image in zip(indices, images):
+                try:
+                    patches, grid = image.to_patches(self.spec, dtype=self.patch_buffer.dtype)
+                except Exception as e:
+                    out[index] = e
+                    break
+                out[index] = (grid, patches, time.perf_counter() - t0, wall_start)
+        return out
 
     def _decode(self, job: _Job, index: int, analysis) -> None:
         start = time.perf_counter()
@@ -452,13 +535,16 @@ class VisionWorker(Worker):
         page_size, rows = self.patch_buffer.page_size, patches.shape[0]
         first, last = offset // page_size, -(-(offset + rows) // page_size)
         index = RaggedIndex.build([(rows, offset, job.pages[first:last])], page_size)
-        # videos arrive on the buffer's device in its dtype (no copy here); images are decoded on the CPU
+        # videos, and images decoded on the GPU, arrive on the buffer's device in its dtype (no copy here);
+        # images decoded on the CPU come as float32 CPU tensors and are copied over here
         self.patch_buffer.write(patches.to(device=self.patch_buffer.device, dtype=self.patch_buffer.dtype), index)
 
     def close(self) -> None:
         if hasattr(self, "engine"):
             self.engine.close()
             self.probe_pool.shutdown(wait=False, cancel_futures=True)
+            if getattr(self, "image_decoder", None) is not None:
+                self.image_decoder.close()
         super().close()
 
 

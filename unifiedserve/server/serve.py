@@ -98,8 +98,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sessions and --vision-threads CPU decoders together (NVDEC where it works, with one log line "
                         "when it does not); cuda: NVDEC only (the CPU decoders take only what NVDEC cannot, e.g. "
                         "AV1 on an H100); cpu: the CPU decoders only. Frames are resized and cut into patches on the "
-                        "GPU, straight into the shared patch buffer, in every case. A CPU server decodes on the CPU "
-                        "(cuda is refused there)")
+                        "GPU, straight into the shared patch buffer, in every case. Images: nvJPEG batches on the GPU "
+                        "(other formats on CPU threads) under auto and cuda where nvJPEG works, else the CPU with "
+                        "one log line; cpu decodes them on the CPU. A CPU server decodes on the CPU (cuda is "
+                        "refused there)")
     g.add_argument("--vision-ahead-gb", type=_positive_float, default=RuntimeConfig.vision_ahead_gb, metavar="GB",
                    help="decoded patches the vision process may hold for requests that wait to be admitted (on the "
                         "GPU on a CUDA server); further videos are decoded when an earlier one is admitted or "

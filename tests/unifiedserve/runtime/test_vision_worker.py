@@ -377,3 +377,189 @@ def test_on_a_gpu_patches_are_made_and_written_there(tmp_path, demo_model, clips
         assert torch.all(written[offset:] == SENTINEL)
     finally:
         worker.close()
+
+
+# -- images decoded as a batch (the GPU branch; nvJPEG faked on the CPU) --------------------------------
+class FakeNvjpeg:
+    """A stand-in for the nvJPEG batch call: decodes with PIL on the CPU and records each call's JPEGs."""
+
+    def __init__(self):
+        self.calls: list[list[bytes]] = []
+
+    def __call__(self, encoded, device):
+        import io
+
+        import numpy as np
+        from PIL import Image
+
+        assert device == torch.device("cuda", 0)
+        self.calls.append([bytes(t.numpy()) for t in encoded])
+        out = []
+        for data in self.calls[-1]:
+            with Image.open(io.BytesIO(data)) as im:  # stored orientation, as nvJPEG gives; raises on bad data
+                out.append(torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1).contiguous())
+        return out
+
+
+def batch_worker(tmp_path, model, fake):
+    """A CPU worker whose images take the GPU branch: a batch decoder with a fake nvJPEG, results on the CPU."""
+    from flashcodec.image_batch import ImageBatchDecoder
+
+    worker = make_worker(tmp_path, model, streaming=False, delay_s=0.0)
+    assert worker.image_decoder is None  # a CPU server decodes images one by one, as before
+    worker.image_decoder = ImageBatchDecoder("cuda:0", jpeg_batch=fake, output_device="cpu", cpu_threads=2)
+    return worker
+
+
+def image_reference(worker, ref):
+    """An image's patches as the one-by-one CPU path makes them (float32, on the CPU)."""
+    min_pixels, max_pixels = worker._image_pixels(ref)
+    source = ref.path if ref.path is not None else ref.data
+    return decode_image(source, min_pixels=min_pixels, max_pixels=max_pixels).to_patches(worker.spec)[0]
+
+
+def test_images_decode_on_a_gpu_where_videos_would(monkeypatch, caplog):
+    import logging
+
+    import flashcodec.devices as devices
+    from unifiedserve.runtime.vision_worker import image_decode_gpu
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    asked = []
+    works = lambda index: asked.append(index)  # noqa: E731  (None: nvJPEG works there)
+    broken = lambda index: "torchvision is not installed"  # noqa: E731
+    assert [image_decode_gpu(v, cpu, works) for v in ("auto", "cpu")] == [None, None]
+    with pytest.raises(ValueError, match="needs the patch buffer on a GPU"):
+        image_decode_gpu("cuda", cpu, works)
+    assert asked == []  # nothing is probed for a CPU server
+    assert [image_decode_gpu(v, gpu, works) for v in ("auto", "cuda", "cpu")] == [gpu, gpu, None]
+    assert image_decode_gpu("auto", torch.device("cuda"), works) == gpu and asked == [0, 0, 0]
+    monkeypatch.setattr(devices, "_logged", set())
+    with caplog.at_level(logging.INFO, logger="flashcodec.devices"):
+        assert image_decode_gpu("auto", gpu, broken) is None and image_decode_gpu("auto", gpu, broken) is None
+    lines = [r.getMessage() for r in caplog.records if "nvJPEG is not usable" in r.getMessage()]
+    assert len(lines) == 1 and "decodes images on the CPU" in lines[0] and "torchvision is not installed" in lines[0]
+    with caplog.at_level(logging.INFO, logger="flashcodec.devices"):  # "cuda" is about NVDEC: images fall back too
+        assert image_decode_gpu("cuda", gpu, broken) is None
+    warned = [r for r in caplog.records if "vision_device cuda decodes images on the CPU" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+
+
+def test_a_requests_images_decode_as_batches_per_pixel_budget(tmp_path, demo_model, clips, image_factory):
+    """JPEGs of one pixel budget go to nvJPEG in one call, in input order; other images to the CPU threads;
+    every media's patches land at its rows, sized as the one-by-one CPU path sizes them."""
+    from flashcodec.patches import OPENAI_CLIP_STD
+
+    small = dict(min_pixels=3136, max_pixels=56 * 56)
+    jpegs = [image_factory(".jpg", width=w, height=h, seed=30 + n) for n, (w, h) in
+             enumerate([(120, 90), (64, 200), (90, 60), (150, 110)])]
+    media = [protocol.MediaRef("image", path=str(jpegs[0])), clips[0],
+             protocol.MediaRef("image", path=str(jpegs[1]), **small), clips[1],  # a PNG
+             protocol.MediaRef("image", data=jpegs[2].read_bytes()),
+             protocol.MediaRef("image", path=str(jpegs[3]), **small)]
+    fake = FakeNvjpeg()
+    worker = batch_worker(tmp_path, demo_model, fake)
+    try:
+        started = time.time()
+        pages = list(range(40))
+        plans = run_request(worker, media, pages=pages)
+        # two pixel budgets: two nvJPEG calls, each with its JPEGs in input order; the PNG never went there
+        assert fake.calls == [[jpegs[0].read_bytes(), jpegs[2].read_bytes()],
+                              [jpegs[1].read_bytes(), jpegs[3].read_bytes()]]
+        expected = [image_reference(worker, m) if m.kind == "image" else reference_patches(worker, [m])[0]
+                    for m in media]
+        rows = [p.grid_thw[0] * p.grid_thw[1] * p.grid_thw[2] for p in plans]
+        assert [e.shape[0] for e in expected] == rows  # each image sized by its own budget
+        assert rows[2] < image_reference(worker, msgspec.structs.replace(media[2], min_pixels=None,
+                                                                         max_pixels=None)).shape[0]
+        written = stream_rows(worker, pages)
+        level = 1.0 / 255 / min(OPENAI_CLIP_STD)  # one pixel level in patch units, at its largest
+        offset = 0
+        for index, (want, n) in enumerate(zip(expected, rows)):
+            got = written[offset:offset + n]
+            if index in (0, 2, 4, 5):  # "nvJPEG" + the GPU reference resize vs PIL's bicubic: rounded apart
+                assert (got - want).abs().mean().item() <= level
+            else:  # videos, and the PNG (CPU threads: decode_image itself)
+                assert torch.equal(got, want)
+            offset += n
+        assert torch.all(written[offset:] == SENTINEL)
+        ready = {m.media_index: m for m in messages(worker, protocol.MediaReady)}
+        assert set(ready) == set(range(len(media)))
+        for index in (0, 2, 3, 4, 5):
+            assert ready[index].video_decode_s > 0 and started <= ready[index].decode_start <= time.time()
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("bad_at", [1, 2, 3])
+def test_a_bad_image_in_a_batch_fails_with_its_own_index(tmp_path, demo_model, image_factory, bad_at):
+    """The failing image is named by its index, in the one-by-one path's words, even when its batch holds
+    others and another budget's batch comes first; a later bad image does not hide an earlier one."""
+    small = dict(min_pixels=3136, max_pixels=56 * 56)
+    good = [protocol.MediaRef("image", path=str(image_factory(".jpg", width=80, height=60, seed=40 + n)),
+                              **(small if n % 2 else {})) for n in range(4)]
+    whole = image_factory(".jpg", width=80, height=60, seed=50).read_bytes()
+    truncated = whole[:len(whole) // 2]  # its header reads: it goes to "nvJPEG", which fails on it
+    media = list(good)
+    media[bad_at] = protocol.MediaRef("image", data=truncated, **(small if bad_at % 2 else {}))
+    media.append(protocol.MediaRef("image", data=b"not an image at all"))  # also bad, but later
+    failures = []
+    for fake in (FakeNvjpeg(), None):  # the batch branch, then the one-by-one CPU path
+        ipc_dir = tmp_path / ("batch" if fake else "one-by-one")
+        ipc_dir.mkdir()
+        worker = batch_worker(ipc_dir, demo_model, fake) if fake else \
+            make_worker(ipc_dir, demo_model, streaming=False, delay_s=0.0)
+        try:
+            worker.handle(protocol.ProbeMedia("r1", media))
+            pump(worker, lambda: messages(worker, protocol.MediaFailed))
+            failures.append(messages(worker, protocol.MediaFailed)[0].message)
+            assert "r1" not in worker.jobs and not messages(worker, protocol.MediaProbed)
+        finally:
+            worker.close()
+        if fake:  # the batch branch ran, and looked for the bad JPEG one by one
+            assert fake.calls and (bad_at == 3 or [truncated] in fake.calls)
+    assert failures[0] == failures[1] and failures[0].startswith(f"media {bad_at}: ")
+    assert "truncated or corrupt" in failures[0]
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_images_are_decoded_and_cut_there(tmp_path, demo_model, image_factory):
+    """A CUDA server's images: JPEGs on nvJPEG (the PNG on CPU threads), patches cut on the GPU in the pool's
+    bfloat16 and written GPU to GPU; the rows equal the CPU path's within a pixel level on average."""
+    from flashcodec.image_batch import ImageBatchDecoder, nvjpeg_unavailable_reason
+    from flashcodec.patches import OPENAI_CLIP_STD
+    from unifiedserve.memory.buffers import PagedBuffer
+    from unifiedserve.runtime.vision_worker import image_decode_gpu
+    from unifiedserve.runtime.worker import pool_barrier
+
+    device = torch.device("cuda", 0)
+    if image_decode_gpu("auto", device) is None:
+        pytest.skip(f"nvJPEG is not usable here: {nvjpeg_unavailable_reason(0)}")
+    small = dict(min_pixels=3136, max_pixels=112 * 112)
+    paths = [image_factory(suffix, width=w, height=h, seed=60 + n) for n, (suffix, w, h) in
+             enumerate([(".jpg", 320, 240), (".png", 90, 60), (".jpg", 160, 256), (".jpg", 200, 150)])]  # 684 rows
+    media = [protocol.MediaRef("image", path=str(p), **(small if n == 3 else {})) for n, p in enumerate(paths)]
+    worker = make_worker(tmp_path, demo_model, streaming=False, delay_s=0.0)
+    worker.patch_buffer = PagedBuffer(NUM_PAGES, PAGE_SIZE, 1176, dtype=torch.bfloat16, device=device)
+    worker.patch_buffer.tensor.fill_(SENTINEL)
+    worker._published = pool_barrier(device)
+    worker.image_decoder = ImageBatchDecoder("cuda:0", cpu_threads=2, output_device=device)
+    made = []  # every image the batch decoder returned
+    decode = worker.image_decoder.decode
+    worker.image_decoder.decode = lambda sources, **kw: made.extend(out := decode(sources, **kw)) or out
+    try:
+        pages = list(range(NUM_PAGES))
+        plans = run_request(worker, media, pages=pages)
+        assert made and all(image.pixels.device == device for image in made)
+        rows = [p.grid_thw[0] * p.grid_thw[1] * p.grid_thw[2] for p in plans]
+        written = stream_rows(worker, pages).float().cpu()
+        level = 1.0 / 255 / min(OPENAI_CLIP_STD)
+        offset = 0
+        for ref, n in zip(media, rows):
+            want = image_reference(worker, ref)
+            assert want.shape[0] == n
+            assert (written[offset:offset + n] - want).abs().mean().item() <= level
+            offset += n
+        assert torch.all(written[offset:] == SENTINEL)
+    finally:
+        worker.close()
