@@ -51,6 +51,20 @@ class MemoryProfile:
     decode: int | None = None  # a decode-only runner: attention workspace, CUDA graphs, one eager decode step
 
 
+def _sample_rows(logits: torch.Tensor) -> None:
+    """Sample every row of ``logits`` ``[B, vocab]`` the most memory-hungry way a request may ask: temperature,
+    top-k, top-p and the most logprobs (fp32 copies, sorts and indices of ``[B, vocab]``), inside the caller's
+    peak window."""
+    from unifiedserve.engine.params import MAX_LOGPROBS, SamplingParams
+    from unifiedserve.engine.sampling import SamplerState, logprob_tensors, sample_tensor
+
+    rows = logits.shape[0]
+    params = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=i, logprobs=MAX_LOGPROBS) for i in range(rows)]
+    states = [SamplerState.for_params(p, logits.device) for p in params]
+    tokens = sample_tensor(logits, params, states)
+    logprob_tensors(logits, tokens, params)
+
+
 @torch.inference_mode()
 def profile_memory(model, config, decode_batch: int | None = None, decode_graph_batch: int | None = None
                    ) -> MemoryProfile:
@@ -97,6 +111,9 @@ def profile_memory(model, config, decode_batch: int | None = None, decode_graph_
     positions = torch.arange(budget).expand(3, -1)
     forward_tokens(model, probe.attn, ids, positions, [(0, budget, list(range(probe_blocks)))], None,
                    [budget - 1], torch.zeros(budget, dtype=torch.bool), probe.rope)
+    # a step may also sample the first token of up to max_num_seqs requests: their logits and sampling
+    first = min(config.scheduler.max_num_seqs, budget)
+    _sample_rows(model.compute_logits(torch.zeros(first, text.hidden_size, dtype=dtype, device=device)))
     torch.cuda.synchronize(device)
     activations = torch.cuda.max_memory_allocated(device) - base
     log.info("profiled a step of %d prefill tokens and a %dx%d-patch encode: peak activations %.2f GiB",
@@ -125,6 +142,11 @@ def _profile_decode(model, config, probe_blocks: int, per_block: int, batch: int
     probe = ModelRunner(model, num_kv_blocks=probe_blocks, block_size=config.block_size, num_patch_pages=0,
                         num_visual_pages=0, page_size=config.page_size, device=device, attention=config.attention)
     probe.attn.warmup()
+    if isinstance(probe.attn, TorchPagedAttention):
+        log.warning("the torch attention backend's eager decode steps gather every sequence's keys, so their memory "
+                    "grows with sequence length; the profile measures one-token sequences (steps above the CUDA-graph "
+                    "batch, or past %d tokens, may need more than --gpu-memory-utilization leaves)",
+                    TORCH_GRAPH_MAX_SEQ_LEN)
     if graph_batch is not None and probe.attn.supports_cuda_graph:
         longest = text.max_position_embeddings  # the decode process's graphs serve up to its KV capacity
         if isinstance(probe.attn, TorchPagedAttention):
@@ -137,8 +159,10 @@ def _profile_decode(model, config, probe_blocks: int, per_block: int, batch: int
     ids = torch.zeros(batch, dtype=torch.int64)
     positions = torch.zeros(3, batch, dtype=torch.int64)
     seqs = [(0, 1, [i % probe_blocks]) for i in range(batch)]  # dummy rows: overlapping writes are harmless
-    forward_tokens(model, probe.attn, ids, positions, seqs, None, list(range(batch)),
-                   torch.zeros(batch, dtype=torch.bool), probe.rope)
+    logits = forward_tokens(model, probe.attn, ids, positions, seqs, None, list(range(batch)),
+                            torch.zeros(batch, dtype=torch.bool), probe.rope)
+    _sample_rows(logits)
+    del logits
     torch.cuda.synchronize(device)
     step = torch.cuda.max_memory_allocated(device) - base
     log.info("profiled a decode-only runner: %.2f GiB beside its KV (workspace and CUDA graphs %.2f, a %d-sequence "

@@ -383,10 +383,13 @@ def build_runtime(args: argparse.Namespace):
         if utilization is not None:  # a profile process on the GPU first (runtime/memory_plan.py)
             from unifiedserve.runtime.memory_plan import size_server_kv
 
-            sizing = size_server_kv(model, engine, pools, utilization=utilization, gpu=placement["gpu"],
-                                    process_env=placement["process_env"], vision_ahead_gb=args.vision_ahead_gb,
-                                    tbt_slo_ms=args.tbt_slo_ms, budget_overrides=budgets,
-                                    timeout=args.startup_timeout)
+            try:
+                sizing = size_server_kv(model, engine, pools, utilization=utilization, gpu=placement["gpu"],
+                                        process_env=placement["process_env"], vision_ahead_gb=args.vision_ahead_gb,
+                                        tbt_slo_ms=args.tbt_slo_ms, budget_overrides=budgets,
+                                        timeout=args.startup_timeout)
+            except RuntimeError as e:  # the profile failed, died or timed out: one error line, as for a bad flag
+                raise ValueError(str(e)) from None
             pools = replace(pools, num_kv_blocks=sizing.num_blocks)
         config = build_config(
             model, engine, pools, served_model_name=args.served_model_name, max_model_len=args.max_model_len,

@@ -53,13 +53,13 @@ def http(method: str, url: str, body=None, headers=None, timeout: float = 60.0):
 class Server:
     """One server instance; ``stop()`` sends a signal and returns the exit code."""
 
-    def __init__(self, *args: str, media_dir: Path, startup_timeout: float = 180.0):
+    def __init__(self, *args: str, media_dir: Path, startup_timeout: float = 180.0, pools: list[str] = SMALL_POOLS):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = media_dir / f"server-{self.port}.log"
         self._log = open(self.log_path, "w")
         cmd = [sys.executable, "-m", "unifiedserve.cli", "serve", "--port", str(self.port),
-               "--allowed-local-media-path", str(media_dir), *SMALL_POOLS, *args]
+               "--allowed-local-media-path", str(media_dir), *pools, *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + startup_timeout
