@@ -28,15 +28,19 @@ case ${1:-} in
   start)
     need_binary
     if is_running; then echo "MPS already running ($dir)"; exit 0; fi
+    # not running: a control socket left by a killed daemon would pass for a live one (here and in every
+    # client's check), so the folders start empty
+    rm -rf "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     nvidia-cuda-mps-control -d || die "nvidia-cuda-mps-control -d failed; see $CUDA_MPS_LOG_DIRECTORY/control.log"
-    for _ in $(seq 50); do [ -S "$CUDA_MPS_PIPE_DIRECTORY/control" ] && break; sleep 0.1; done
-    [ -S "$CUDA_MPS_PIPE_DIRECTORY/control" ] || die "the MPS daemon did not open its control pipe in 5 s"
+    for _ in $(seq 50); do is_running && break; sleep 0.1; done
+    is_running || die "the MPS daemon did not answer on its control pipe in 5 s; see $CUDA_MPS_LOG_DIRECTORY/control.log"
     echo "MPS started ($dir)"
     ;;
   stop)
     if ! is_running; then rm -rf "$dir"; echo "MPS not running"; exit 0; fi
-    echo quit | nvidia-cuda-mps-control
+    # quit waits for the daemon's servers and clients; a faulted server may never finish: the wait below decides
+    echo quit | timeout 10 nvidia-cuda-mps-control >/dev/null 2>&1 || true
     for _ in $(seq 100); do is_running || break; sleep 0.1; done
     is_running && die "the MPS daemon did not quit in 10 s"
     rm -rf "$dir"

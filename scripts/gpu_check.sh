@@ -161,6 +161,12 @@ serve_under_mps() {
   run 30 mps-start launch/mps.sh start
   eval "$(launch/mps.sh env)"
 }
+stop_leftover_nodes() {  # a launch test killed by its limit runs no teardown: its node (own session) and MPS
+  local d                 # daemon would outlive it and share the GPU with every later step
+  for d in /tmp/pytest-of-*/pytest-*/test_*/node; do
+    if [ -f "$d/server.pid" ]; then UNIFIEDSERVE_NODE_DIR="$d" launch/serve-node.sh stop || true; fi
+  done
+}
 stop_mps() {  # stop the group's daemon; later steps must not see its (now gone) folders
   run 30 mps-stop launch/mps.sh stop
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
@@ -183,10 +189,11 @@ attention)
   step "cuda tests (unifiedserve) and the MPS launcher"
   run 180 pytest-cuda python3 -m pytest -v --timeout=120 -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/unifiedserve \
     --deselect tests/unifiedserve/server/test_server_cuda.py
-  step "the whole server on the GPU (demo model): serve --device cuda against the engine's own output"
-  run 150 pytest-cuda-server python3 -m pytest -v --timeout=140 -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda-server.xml" \
+  step "the whole server on the GPU (demo model): serve --device cuda against the engine's own output, and sized by --gpu-memory-utilization"
+  run 260 pytest-cuda-server python3 -m pytest -v --timeout=200 -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda-server.xml" \
     tests/unifiedserve/server/test_server_cuda.py
   run 90 pytest-launch python3 -m pytest -v --timeout=80 -p no:cacheprovider -m "not slow" -k "not cuda_fault" tests/launch  # MPS cycle, serve-node under MPS
+  stop_leftover_nodes
   step "bench/kernels (paged copy and fused layer ops on CUDA)"
   run 40 bench-kernels python3 bench/kernels/bench_paged_copy.py --device cuda --quick --out "$out/bench_kernels.json"
   run 40 bench-fused-ops python3 bench/kernels/bench_fused_ops.py --device cuda --quick --out "$out/bench_fused_ops.json"
@@ -208,7 +215,12 @@ serve)
   cp bench/results/ttft_breakdown_server_*.log "$out/" 2>/dev/null
   stop_mps
   step "issue 14's fault: a device-side assert in decode under serve-node's own MPS daemon, then its restart"
-  run 240 pytest-fault python3 -m pytest -v --timeout=225 -p no:cacheprovider -m cuda -k cuda_fault tests/launch
+  if [ $(( deadline - $(date +%s) )) -lt 200 ]; then  # two 7B server starts: cut short, it proves nothing
+    echo "pytest-fault: skipped (under 200 s left; it starts the 7B server twice)" | tee -a "$out/status.txt"
+  else
+    run 240 pytest-fault python3 -m pytest -v --timeout=225 -p no:cacheprovider -m cuda -k cuda_fault tests/launch
+  fi
+  stop_leftover_nodes
   ;;
 policies)
   serve_under_mps

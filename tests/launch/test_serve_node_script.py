@@ -77,8 +77,9 @@ def test_start_status_stop_leaves_nothing_behind(tmp_path):
     demo_path = write_demo_model(tmp_path / "demo-model")
     port = free_port()
     folder = tmp_path / "node"
-    start = node("start", "--model", str(demo_path), "--port", str(port), *SMALL_POOLS, folder=folder, timeout=300)
-    try:
+    pid = None
+    try:  # start inside: a start cut short (a timeout) must still be stopped, or its server would outlive the test
+        start = node("start", "--model", str(demo_path), "--port", str(port), *SMALL_POOLS, folder=folder, timeout=300)
         assert start.returncode == 0, start.stderr + (folder / "server.log").read_text()
         assert "no NVIDIA GPU on this node: the server runs on the CPU" in start.stdout or "MPS" in start.stdout
         pid = int((folder / "server.pid").read_text())
@@ -103,9 +104,10 @@ def restarting_node(tmp_path, serve_args: list[str], startup_s: float, **env: st
     with nothing left behind. Yields ``(folder, port, health url, first api pid)``."""
     port, folder = free_port(), tmp_path / "node"
     health = f"http://127.0.0.1:{port}/health"
-    start = node("start", "--restart", "1", "--port", str(port), *serve_args, folder=folder, timeout=startup_s, **env)
     session = None
-    try:
+    try:  # start inside: a start cut short must still be stopped (the server runs in its own session)
+        start = node("start", "--restart", "1", "--port", str(port), *serve_args, folder=folder, timeout=startup_s,
+                     **env)
         assert start.returncode == 0, start.stderr + (folder / "server.log").read_text()
         session = int((folder / "server.pid").read_text())
         first_api = int((folder / "api.pid").read_text())
@@ -150,24 +152,28 @@ def test_restart_after_a_worker_dies(tmp_path):
         assert status.returncode == 0 and "restarted 1 times" in status.stdout
 
 
-def _fault_and_restart(tmp_path, serve_args: list[str], env: dict[str, str], startup_s: float):
-    """Start a node with --restart 1 and an injected fault in decode's 3rd step; the request in flight gets an
-    error, the server exits with one, the node restarts it (the marker file stops a second fault), and the
-    new server answers."""
+def _fault_and_restart(tmp_path, serve_args: list[str], env: dict[str, str], startup_s: float, cuda: bool = False):
+    """Start a node with --restart 1 and an injected fault in decode's 3rd step; the request in flight gets the
+    server's error, the server exits with one, the node restarts it (the marker file stops a second fault), and
+    the new server answers. ``cuda``: the fault must be a CUDA one, under MPS, and MPS must be restarted too."""
     import openai
 
     marker = tmp_path / "fault.fired"
     with restarting_node(tmp_path, serve_args, startup_s, UNIFIEDSERVE_INJECT_FAULT=f"decode:3:{marker}",
                          **env) as (folder, port, health, first_api):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
-        with pytest.raises(openai.APIError):  # the fault ends it mid-decode
-            client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=40,
+        model = client.models.list().data[0].id
+        with pytest.raises(openai.InternalServerError):  # the server's own error for it, not a lost connection
+            client.chat.completions.create(model=model, max_tokens=40,
                                            messages=[{"role": "user", "content": "Count to forty."}],
                                            extra_body={"ignore_eos": True})
         assert marker.exists()
         log = wait_for_restart(folder, health, first_api, startup_s)
         assert "injecting a fatal fault" in log and "decode worker process exited unexpectedly" in log, log[-3000:]
         assert "restart 1 of 1" in log
+        if cuda:
+            assert "device-side assert" in log, log[-3000:]  # a CUDA fault, not the host-side abort after it
+            assert "no MPS daemon" not in log and "MPS started" in log and "MPS stopped" in log, log[-3000:]
         out = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=4,
                                              messages=[{"role": "user", "content": "Hello"}])
         assert out.choices[0].finish_reason in ("length", "stop")
@@ -190,4 +196,4 @@ def test_cuda_fault_under_mps_fails_the_request_and_the_node_restarts(tmp_path):
     if not (model / "config.json").exists():
         pytest.skip(f"no model at {model} (scripts/gpu_check.sh writes the 7B preset there)")
     _fault_and_restart(tmp_path, ["--device", "cuda", "--model", str(model), "--kv-cache-gb", "8"],
-                       {"UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER": "1"}, startup_s=400)
+                       {"UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER": "1"}, startup_s=400, cuda=True)

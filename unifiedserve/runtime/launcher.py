@@ -237,10 +237,13 @@ class Runtime:
                     proc.join(2.0)
         for spec in self.config.pools.values():
             unlink_pool(spec)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
         if self.cuda_pools is not None:  # only once no worker can still map them
             still = [name for name, p in self.processes.items() if p.is_alive()]
             if still:
                 log.error("not freeing the CUDA pools: %s still alive", ", ".join(still))
             else:
-                self.cuda_pools.free_all()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+                try:
+                    self.cuda_pools.free_all()
+                except RuntimeError as e:  # e.g. after a fatal fault under MPS, which reaches every client
+                    log.error("could not free the CUDA pools (%s); they go with this process", e)

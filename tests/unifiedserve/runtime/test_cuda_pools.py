@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 
 import pytest
 import torch
@@ -155,6 +156,31 @@ def test_runtime_owns_cuda_pools_and_frees_them_after_its_workers(monkeypatch, c
     runtime.processes = {"decode": _FakeProcess(alive=False)}
     runtime.stop(timeout=0)
     assert not driver.live and [e[0] for e in driver.events] == ["alloc", "alloc", "free", "free"]
+
+
+def test_a_failed_free_after_a_fault_still_cleans_up(monkeypatch, caplog, tmp_path):
+    """After a fatal fault under MPS the driver refuses every call, cuMemFree too: stop logs it and still
+    removes the sockets' folder (the memory goes with the process)."""
+    from unifiedserve.engine.config import EngineConfig
+    from unifiedserve.runtime.config import RuntimeConfig
+    from unifiedserve.runtime.launcher import Runtime
+
+    driver = FakeDriver()
+    monkeypatch.setattr(cuda_pools, "DriverApi", lambda: driver)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    engine = EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=8)
+    runtime = Runtime(RuntimeConfig(model="m", served_model_name="m", engine=engine,
+                                    pool_shapes={"kv": (2, 2, 8, 16, 2, 64)}))
+    runtime.create_pools()
+
+    def refuse(device, ptr):
+        raise RuntimeError("cuMemFree failed: CUDA_ERROR_ILLEGAL_ADDRESS")
+
+    driver.free = refuse
+    runtime.processes = {"decode": _FakeProcess(alive=False)}
+    runtime.stop(timeout=0)
+    assert "could not free the CUDA pools (cuMemFree failed: CUDA_ERROR_ILLEGAL_ADDRESS)" in caplog.text
+    assert not os.path.exists(runtime.ipc_dir)
 
 
 # A stand-in for libcuda.so.1 with the driver's ABI and two of its rules that no Python fake can check: a
