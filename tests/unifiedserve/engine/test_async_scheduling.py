@@ -48,10 +48,30 @@ def summary(outputs):
             for o in outputs]
 
 
+def same(got, want) -> bool:
+    """The same tokens, finish reasons, texts and top-logprob ids; log-probabilities equal up to float
+    rounding: the overlapped schedule's batches hold other rows (fed ones), and a CPU GEMM of another
+    shape may round the last bit differently (seen: 5e-7 on one machine, exact on another)."""
+    def close(a, b):
+        return abs(a - b) <= 1e-5
+
+    if len(got) != len(want):
+        return False
+    for (ids, reason, text, lps), (ids2, reason2, text2, lps2) in zip(got, want):
+        if (ids, reason, text) != (ids2, reason2, text2) or len(lps) != len(lps2):
+            return False
+        for (lp, top), (lp2, top2) in zip(lps, lps2):
+            if not close(lp, lp2) or [t for t, _ in top] != [t for t, _ in top2]:
+                return False
+            if not all(close(v, v2) for (_, v), (_, v2) in zip(top, top2)):
+                return False
+    return True
+
+
 def test_same_outputs_as_the_synchronous_engine(engines, prompts):
     sync, overlapped = engines
     expected = summary(sync.generate(prompts))
-    assert summary(overlapped.generate(prompts)) == expected
+    assert same(summary(overlapped.generate(prompts)), expected)
     assert overlapped.pool_usage() == {"kv_blocks_used": 0, "patch_pages_used": 0, "visual_pages_used": 0}
     assert overlapped.core._pending is None or not overlapped.scheduler.has_work
     assert not overlapped.core._ended
@@ -98,7 +118,7 @@ def test_a_new_request_reads_back_first_then_joins(engines, prompts):
             outs[o.request_id] = o
         if added is None and len(outs.get(first).token_ids if first in outs else []) >= 3:
             added = overlapped.add_request(*prompts[1])  # arrives while the first decodes: a prefill step
-    assert summary([outs[first], outs[added]]) == expected
+    assert same(summary([outs[first], outs[added]]), expected)
 
 
 def test_abort_while_a_step_is_pending(engines, prompts):
@@ -115,7 +135,7 @@ def test_abort_while_a_step_is_pending(engines, prompts):
         if steps == 4:
             assert overlapped.core._pending is not None and drop in overlapped.core._pending.request_ids
             overlapped.abort(drop)
-    assert summary([outs[keep]]) == keep_expected
+    assert same(summary([outs[keep]]), keep_expected)
     assert outs[drop].finish_reason is None and len(outs[drop].token_ids) < 11  # never finished: aborted
     assert overlapped.pool_usage()["kv_blocks_used"] == 0
 
@@ -130,7 +150,7 @@ def test_stop_tokens_end_requests_the_same_way(engines, prompts):
     batch = [(p, v, stop), prompts[0]]
     expected = summary(sync.generate(batch))
     assert expected[0][1] == "stop" and len(expected[0][0]) <= 5
-    assert summary(overlapped.generate(batch)) == expected
+    assert same(summary(overlapped.generate(batch)), expected)
 
 
 def test_grammar_rows_overlap_too_and_match(engines, prompts, monkeypatch):
@@ -142,7 +162,7 @@ def test_grammar_rows_overlap_too_and_match(engines, prompts, monkeypatch):
     p, v = sync.build_prompt([{"role": "user", "content": "A person as JSON."}])
     params = SamplingParams(max_tokens=40, response_format="json_schema", json_schema=json.dumps(PERSON))
     alone = [(p, v, params)]
-    assert summary(overlapped.generate(alone)) == summary(sync.generate(alone))
+    assert same(summary(overlapped.generate(alone)), summary(sync.generate(alone)))
     batch = [(p, v, params), prompts[1], prompts[3]]
     expected = summary(sync.generate(batch))
     fed = []
@@ -153,7 +173,7 @@ def test_grammar_rows_overlap_too_and_match(engines, prompts, monkeypatch):
         return execute(out, requests, pending)
 
     monkeypatch.setattr(overlapped.runner, "execute", spy_execute)
-    assert summary(overlapped.generate(batch)) == expected
+    assert same(summary(overlapped.generate(batch)), expected)
     assert sum(fed) >= len(expected[0][0]) - 2  # every decode step of the grammar row but the first
     if expected[0][1] == "stop":  # the grammar closed: valid JSON
         json.loads(expected[0][2])
@@ -209,7 +229,7 @@ def test_logprobs_rows_overlap_too(engines, prompts):
         got = overlapped.generate(batch)
     finally:
         del overlapped.runner.execute
-    assert summary(got) == summary(sync.generate(batch))
+    assert same(summary(got), summary(sync.generate(batch)))
     assert sum(launched) >= 5
     assert len(got[0].logprobs) == 7 and all(len(lp.top) == 2 for lp in got[0].logprobs)
 
