@@ -132,8 +132,8 @@ def profile_memory(model, config, decode_batch: int | None = None, decode_graph_
 def _profile_decode(model, config, probe_blocks: int, per_block: int, batch: int, graph_batch: int | None) -> int:
     """Bytes a decode-only runner adds beside its KV blocks: workspace, graphs (reserved, so their pools
     count whole), and the peak of one eager step of ``batch`` one-token sequences."""
-    from unifiedserve.engine.device import graph_batch_sizes
     from unifiedserve.attention import TorchPagedAttention
+    from unifiedserve.engine.device import graph_batch_sizes
     from unifiedserve.engine.runner import TORCH_GRAPH_MAX_SEQ_LEN, ModelRunner, forward_tokens
 
     device = torch.device(config.device)
