@@ -42,7 +42,6 @@ class MemoryProfile:
     """What one engine process holds on its GPU beside the KV cache, in bytes (:func:`profile_memory`)."""
 
     total: int  # the GPU's memory
-    used: int  # memory in use on the GPU at the end of the profile (every process, this one included)
     non_torch: int  # in use but not reserved by this process's torch: CUDA contexts, loaded kernels, others
     weights: int  # the model's parameters (everything torch held right after loading them)
     activations: int  # peak of a maximum-size encode and prefill step
@@ -126,7 +125,7 @@ def profile_memory(model, config, decode_batch: int | None = None, decode_graph_
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))  # contexts, kernels, other processes
-    return MemoryProfile(total, total - free, non_torch, weights, activations, buffers, per_block, decode)
+    return MemoryProfile(total, non_torch, weights, activations, buffers, per_block, decode)
 
 
 def _profile_decode(model, config, probe_blocks: int, per_block: int, batch: int, graph_batch: int | None) -> int:
@@ -153,7 +152,7 @@ def _profile_decode(model, config, probe_blocks: int, per_block: int, batch: int
             longest = min(longest, TORCH_GRAPH_MAX_SEQ_LEN)
         probe.capture_decode_graphs(graph_batch_sizes(graph_batch), max_seq_len=longest)
     torch.cuda.synchronize(device)
-    held = torch.cuda.memory_reserved(device) - before - probe_blocks * per_block
+    held = max(0, torch.cuda.memory_reserved(device) - before - probe_blocks * per_block)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     ids = torch.zeros(batch, dtype=torch.int64)
@@ -166,10 +165,10 @@ def _profile_decode(model, config, probe_blocks: int, per_block: int, batch: int
     torch.cuda.synchronize(device)
     step = torch.cuda.max_memory_allocated(device) - base
     log.info("profiled a decode-only runner: %.2f GiB beside its KV (workspace and CUDA graphs %.2f, a %d-sequence "
-             "eager step %.2f)", (max(held, 0) + step) / 2**30, max(held, 0) / 2**30, batch, step / 2**30)
+             "eager step %.2f)", (held + step) / 2**30, held / 2**30, batch, step / 2**30)
     del probe
     torch.cuda.empty_cache()
-    return max(held, 0) + step
+    return held + step
 
 
 def profile_kv_sizing(model, config) -> KVSizing:

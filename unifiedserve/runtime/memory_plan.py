@@ -117,13 +117,12 @@ def size_server_kv(model: str, engine, budgets, *, utilization: float, gpu: int,
         RuntimeError: the profile failed; ValueError: no KV block fits.
     """
     from unifiedserve.model.config import ModelConfig
+    from unifiedserve.runtime.cuda_pools import DriverApi
     from unifiedserve.runtime.launcher import buffer_pages
 
     patch_pages, visual_pages = buffer_pages(ModelConfig.from_json(model), engine, budgets)
     probe = replace(engine, num_patch_pages=patch_pages, num_visual_pages=visual_pages,
                     scheduler=profile_budgets(engine.scheduler, tbt_slo_ms, budget_overrides or {}))
-    from unifiedserve.runtime.cuda_pools import DriverApi
-
     api = DriverApi()  # its context lives through the profile: the child's figure must not include it
     try:
         free, total = api.mem_info(gpu)

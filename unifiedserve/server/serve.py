@@ -353,8 +353,12 @@ def build_runtime(args: argparse.Namespace):
         if args.kv_cache_gb is not None or args.num_kv_blocks is not None:
             raise ValueError("--gpu-memory-utilization sizes the KV cache itself; give it or --kv-cache-gb / "
                              "--num-kv-blocks, not both")
-        if not 0.0 < utilization <= 1.0:
-            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization:g}")
+        from unifiedserve.engine.device import check_utilization
+
+        try:  # before the profile: a bad share costs no process
+            check_utilization(utilization)
+        except ValueError as e:
+            raise ValueError(f"--gpu-memory-utilization: {e}") from None
     if device == "cpu":
         placement = gpu_placement_fields(args, device, 0, False)  # GPU flags on the CPU are refused
     else:

@@ -18,7 +18,7 @@ MiB = 2**20
 
 
 def _profile(**kw) -> MemoryProfile:
-    figures = dict(total=80 * GiB, used=20 * GiB, non_torch=3 * GiB, weights=16 * GiB, activations=2 * GiB,
+    figures = dict(total=80 * GiB, non_torch=3 * GiB, weights=16 * GiB, activations=2 * GiB,
                    buffers=3 * GiB, bytes_per_block=MiB, decode=GiB)
     figures.update(kw)
     return MemoryProfile(**figures)
