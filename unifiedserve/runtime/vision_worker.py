@@ -6,7 +6,9 @@ length is known before a frame is decoded. On a GPU (:func:`image_decode_gpu`) a
 are decoded as one batch per pixel budget (JPEGs on nvJPEG, the rest on CPU threads) and cut into
 patches there; on the CPU the probe thread decodes them one after another. Video decoding starts
 right after the probe, on FlashCodec's shared decoder threads, within the decode-ahead bound
-(``--vision-ahead-gb``, see :meth:`VisionWorker._start_decodes`). When core has admitted the request
+(``--vision-ahead-gb``, see :meth:`VisionWorker._start_decodes`); a request with images starts its
+probe within the same bound (:meth:`VisionWorker._start_probes`), as its images are held until
+admission too. When core has admitted the request
 (``WritePatches``, the pages of its patch stream) and a media's patches are ready, this process
 copies them into those pages and tells core (``MediaReady``). Writes happen on the loop thread, in the order of core's
 messages, so a ``CancelMedia`` from core is always seen before its pages are handed to anyone else.
@@ -50,6 +52,7 @@ from unifiedserve.runtime.worker import Worker, device_memory_gauges, pool_barri
 log = logging.getLogger("unifiedserve")
 
 BUSY_POLL_MS = 5  # inbox poll while probes or decodes are in flight (their results arrive on a queue)
+PROBE_THREADS = 2  # probes at a time (a video's demux scan; a request's images are decoded there too)
 #: what the probes kept may hold: an hour of 30-fps video's probe is about 1.7 MB (two int64 per frame)
 PROBE_CACHE_BYTES = 64 << 20
 
@@ -201,7 +204,7 @@ class VisionWorker(Worker):
         #: None: each image is decoded on the CPU by the probe thread
         self.image_decoder = None if image_gpu is None else \
             ImageBatchDecoder(str(image_gpu), cpu_threads=cfg.vision_threads or None, output_device=device)
-        self.probe_pool = ThreadPoolExecutor(2, thread_name_prefix="probe")
+        self.probe_pool = ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="probe")
         self.probes = ProbeCache()
         self.events: queue.Queue = queue.Queue()
         self.jobs: dict[str, _Job] = {}
@@ -209,6 +212,8 @@ class VisionWorker(Worker):
         self._lock = threading.Lock()
         #: videos probed and not yet decoding, in arrival order: (job, media index, analysis, patch bytes)
         self.waiting: deque[tuple[_Job, int, object, int]] = deque()
+        self.probe_queue: deque[_Job] = deque()  # requests with images whose probe waits (_start_probes)
+        self.image_probing: set[str] = set()  # requests with images whose probe runs
         self.held_bytes = 0  # planned patches of the videos decoding (or decoded) ahead of their admission
         self.ahead_limit = int(cfg.vision_ahead_gb * 2**30)
         images = "cpu" if self.image_decoder is None else f"nvjpeg {image_gpu} + cpu threads"
@@ -223,21 +228,30 @@ class VisionWorker(Worker):
 
     def stats(self) -> dict[str, float]:
         return {"vision_requests": len(self.jobs), "vision_in_flight": self.in_flight,
-                "vision_waiting": len(self.waiting), "vision_ahead_bytes": self.held_bytes,
+                "vision_waiting": len(self.waiting), "vision_probes_waiting": len(self.probe_queue),
+                "vision_ahead_bytes": self.held_bytes,
                 **device_memory_gauges(self.patch_buffer.device)}  # on CUDA: decoded frames and patches in flight
 
     # -- messages ----------------------------------------------------------------------------------
     def handle(self, message) -> None:
         self._handle(message)
+        self._start_ready()
+
+    def _start_ready(self) -> None:
+        """Start what the decode-ahead bound lets start: waiting videos first (probed earlier), then probes."""
         if self.waiting:
             self._start_decodes()
+        if self.probe_queue:
+            self._start_probes()
 
     def _handle(self, message) -> None:
         if isinstance(message, protocol.ProbeMedia):
             job = _Job(message.request_id, message.media)
             self.jobs[job.request_id] = job
-            self._started()
-            self.probe_pool.submit(self._probe, job)
+            if any(ref.kind == "image" for ref in job.media):
+                self.probe_queue.append(job)  # its probe decodes its images: within the bound (_start_probes)
+            else:
+                self._submit_probe(job)
         elif isinstance(message, protocol.WritePatches):
             job = self.jobs.get(message.request_id)
             if job is not None:
@@ -247,6 +261,7 @@ class VisionWorker(Worker):
             job = self.jobs.pop(message.request_id, None)
             if job is not None:
                 self._release(job)
+                self.probe_queue = deque(j for j in self.probe_queue if j is not job)  # never probed
             for key_id in job.key_ids.values() if job is not None else ():
                 self.engine.cancel(key_id)  # its decoder slots go to the next request at once
 
@@ -279,12 +294,13 @@ class VisionWorker(Worker):
             except queue.Empty:
                 break
             self._event(*event)
-        if self.waiting:
-            self._start_decodes()
+        self._start_ready()
 
     def _event(self, kind: str, request_id: str, *payload) -> None:
         if kind != "part" or payload[-1]:  # a probe or decode ended (a stream with its last part)
             self.in_flight -= 1
+        if kind in ("probed", "failed"):  # (a decode's failure comes after its probe's end: a no-op then)
+            self.image_probing.discard(request_id)
         job = self.jobs.get(request_id)
         if job is None:  # cancelled meanwhile
             if kind == "probed":  # its videos were analysed but will never be decoded: forget them
@@ -303,6 +319,9 @@ class VisionWorker(Worker):
         elif kind == "probed":
             plans, probe_s, analyses = payload
             job.plans = plans
+            for index, patches in job.patches.items():  # images, decoded by the probe: held until admission
+                job.charged[index] = patches.numel() * patches.element_size()
+                self.held_bytes += job.charged[index]
             self.send("api", protocol.MediaProbed(request_id, plans, probe_s))
             job.key_ids = {index: analysis.key_id for index, analysis in analyses}
             row_bytes = self.patch_buffer.dim * self.patch_buffer.dtype.itemsize
@@ -361,8 +380,33 @@ class VisionWorker(Worker):
                              name=f"decode-{job.request_id}").start()
         self.waiting = keep
 
+    def _start_probes(self) -> None:
+        """Start the probes of requests with images that may start now, in arrival order.
+
+        A probe decodes its request's images, and they are held (on the GPU on a CUDA server) until core
+        admits the request, like videos decoded ahead: they count toward the same bound, charged when the
+        probe ends and given back on admission, cancel or failure. Such a probe starts while what is held
+        stays under ``--vision-ahead-gb`` and fewer than :data:`PROBE_THREADS` of them run, or alone when
+        nothing is held or running: vision then holds at most the bound plus the images of the probes that
+        started under it (at most ``--max-media-per-request`` images each). Probes of requests without
+        images (a demux scan) start at once.
+        """
+        while self.probe_queue:  # (a request cancelled while its probe waits has left the queue)
+            job = self.probe_queue[0]
+            idle = not self.held_bytes and not self.image_probing
+            if not idle and (self.held_bytes >= self.ahead_limit or len(self.image_probing) >= PROBE_THREADS):
+                return
+            self.probe_queue.popleft()
+            self.image_probing.add(job.request_id)
+            self._submit_probe(job)
+
+    def _submit_probe(self, job: _Job) -> None:
+        self._started()
+        self.probe_pool.submit(self._probe, job)
+
     def _release(self, job: _Job) -> None:
-        """``job`` no longer holds anything ahead of admission (admitted, cancelled or failed)."""
+        """``job`` no longer holds anything ahead of admission (admitted, cancelled or failed): its videos'
+        planned patches and its images' decoded ones."""
         self.held_bytes -= sum(job.charged.values())
         job.charged.clear()
 

@@ -69,13 +69,16 @@ class Metrics:
             self._caches[cache] = (queried, hits, rate)
         self.media_cache_bytes = Gauge("unifiedserve_media_cache_bytes", "Bytes of encoded visual tokens the media "
                                        "cache holds.", ["model_name"], registry=r).labels(**labels)
-        self.vision_ahead_bytes = Gauge("unifiedserve_vision_ahead_bytes", "Patches of the videos the vision process "
-                                        "decodes ahead of their request's admission (decoding or decoded; as "
-                                        "planned), bounded by --vision-ahead-gb.", ["model_name"],
+        self.vision_ahead_bytes = Gauge("unifiedserve_vision_ahead_bytes", "Patches the vision process holds ahead "
+                                        "of their request's admission (videos decoding or decoded, as planned; "
+                                        "images decoded), bounded by --vision-ahead-gb.", ["model_name"],
                                         registry=r).labels(**labels)
         self.vision_waiting = Gauge("unifiedserve_vision_videos_waiting", "Probed videos whose decode waits for the "
                                     "--vision-ahead-gb bound or for their request's admission.", ["model_name"],
                                     registry=r).labels(**labels)
+        self.vision_probes_waiting = Gauge("unifiedserve_vision_probes_waiting", "Requests with images whose probe "
+                                           "(which decodes the images) waits for the --vision-ahead-gb bound.",
+                                           ["model_name"], registry=r).labels(**labels)
         self._pool_bytes = Gauge("unifiedserve_pool_bytes", "Bytes of each shared pool, allocated once at start "
                                  "(kv: the KV cache; patch: the patch buffer; weights: the LLM weights core and "
                                  "decode share), and where it lives (cpu: shared memory; cuda:N: the GPU).",
@@ -135,6 +138,7 @@ class Metrics:
         if "vision_ahead_bytes" in gauges:
             self.vision_ahead_bytes.set(gauges["vision_ahead_bytes"])
             self.vision_waiting.set(gauges["vision_waiting"])
+            self.vision_probes_waiting.set(gauges["vision_probes_waiting"])
         self.waiting.set(gauges.get("num_waiting", 0) + num_in_api)
         self.running.set(gauges.get("num_prefilling", 0) + gauges.get("num_decoding", 0))
 

@@ -104,9 +104,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "refused there)")
     g.add_argument("--vision-ahead-gb", type=_positive_float, default=RuntimeConfig.vision_ahead_gb, metavar="GB",
                    help="decoded patches the vision process may hold for requests that wait to be admitted (on the "
-                        "GPU on a CUDA server); further videos are decoded when an earlier one is admitted or "
-                        "cancelled, or their own request is admitted, so a queue of long videos cannot exhaust "
-                        "memory (default %(default)g)")
+                        "GPU on a CUDA server); further videos, and further requests' images, are decoded when an "
+                        "earlier request is admitted or cancelled (a video also when its own request is "
+                        "admitted), so a queue of long videos or of large images cannot exhaust memory (default "
+                        "%(default)g)")
     g.add_argument("--ingest", choices=("streaming", "whole"),
                    default="streaming" if RuntimeConfig.streaming_ingest else "whole",
                    help="streaming: vision writes each video's temporal slices into the patch buffer as they are "

@@ -345,6 +345,49 @@ def test_a_cancelled_request_gives_its_share_back_and_leaves_the_queue(tmp_path,
         worker.close()
 
 
+def test_images_decoded_ahead_of_admission_count_toward_the_bound(tmp_path, demo_model, clips):
+    """A request's probe decodes its images, held until admission: they are charged to the decode-ahead bound
+    when the probe ends, so a later image probe (and a waiting video) waits until an admission gives the
+    bytes back. Two image probes may run at once, a third waits; a video-only probe never waits; a request
+    cancelled while its probe waits is never probed."""
+    worker = make_worker(tmp_path, demo_model, streaming=False, delay_s=0.01)
+    worker.ahead_limit = 1  # bytes: less than any image
+    image, video = clips[1], clips[2]
+    try:
+        for rid, media in (("r1", [image]), ("r2", [image]), ("r3", [video]), ("r4", [image]), ("r5", [image])):
+            worker.handle(protocol.ProbeMedia(rid, media))
+        assert worker.image_probing == {"r1", "r2"}  # r1 alone, r2 beside it (nothing held yet)
+        assert [j.request_id for j in worker.probe_queue] == ["r4", "r5"]
+        pump(worker, lambda: len(messages(worker, protocol.MediaProbed)) == 3)
+        probed = [m.request_id for m in messages(worker, protocol.MediaProbed)]
+        assert sorted(probed) == ["r1", "r2", "r3"]
+        rows = {rid: worker.jobs[rid].patches[0].shape[0] for rid in ("r1", "r2")}
+        image_bytes = rows["r1"] * worker.patch_buffer.dim * 4  # float32 patches of the CPU path
+        assert rows["r1"] == rows["r2"] and worker.held_bytes == 2 * image_bytes
+        assert [j.request_id for j, *_ in worker.waiting] == ["r3"]  # its video waits for the bound too
+        assert worker.stats()["vision_probes_waiting"] == 2 and worker.in_flight == 0
+        worker.handle(protocol.CancelMedia("r5"))  # while its probe waits: it never runs
+        worker.handle(protocol.WritePatches("r1", [0, 1], []))
+        assert worker.held_bytes == image_bytes and [j.request_id for j in worker.probe_queue] == ["r4"]
+        worker.handle(protocol.WritePatches("r2", [2, 3], []))  # nothing held: r3's video starts (probed first)
+        video_bytes = worker.jobs["r3"].charged[0]
+        assert worker.held_bytes == video_bytes and worker.image_probing == set()
+        assert [j.request_id for j in worker.probe_queue] == ["r4"]  # and holds the bound: r4 still waits
+        worker.handle(protocol.WritePatches("r3", list(range(4, 20)), []))
+        assert worker.held_bytes == 0 and worker.image_probing == {"r4"} and not worker.probe_queue
+        pump(worker, lambda: len(messages(worker, protocol.MediaProbed)) == 4)
+        assert worker.held_bytes == image_bytes
+        worker.handle(protocol.WritePatches("r4", [20, 21], []))
+        pump(worker, lambda: not worker.jobs and worker.in_flight == 0)
+        assert worker.held_bytes == 0 and not messages(worker, protocol.MediaFailed)
+        assert {m.request_id for m in messages(worker, protocol.MediaProbed)} == {"r1", "r2", "r3", "r4"}
+        want = reference_patches(worker, [image])[0]
+        for first_page in (0, 2, 20):  # each image's rows, from its own pages
+            assert torch.equal(stream_rows(worker, [first_page, first_page + 1])[:want.shape[0]], want)
+    finally:
+        worker.close()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "whole"])
 def test_on_a_gpu_patches_are_made_and_written_there(tmp_path, demo_model, clips, streaming):
