@@ -175,9 +175,10 @@ class EngineClient:
             if self.runtime.stopping:
                 return
             dead = self.runtime.dead_workers()
-            if dead:
-                name, code = next(iter(dead.items()))
-                self._die(f"the {name} worker process exited unexpectedly (exit code {code})")
+            if dead:  # every one found dead: a fatal fault under MPS reaches all clients of the GPU at once,
+                # and which of them went first is not known here (the one that faulted may not be first listed)
+                self._die("; ".join(f"the {name} worker process exited unexpectedly (exit code {code})"
+                                    for name, code in dead.items()))
                 return
 
     def fail_all(self, message: str, status_code: int) -> None:

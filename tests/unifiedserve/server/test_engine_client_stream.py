@@ -34,3 +34,23 @@ def test_failure_while_probing_fails_the_probe():
             return e.message
 
     assert asyncio.run(run()) == "not a video"
+
+
+def test_every_worker_found_dead_is_named():
+    """A fatal fault under MPS can end several workers before the watch looks: each is named, not just the
+    first in start order (a decode fault that also took core down must still say decode)."""
+    from types import SimpleNamespace
+
+    from unifiedserve.server.engine_client import EngineClient
+
+    runtime = SimpleNamespace(config=None, stopping=False, dead_workers=lambda: {"core": -6, "decode": 1})
+    client = EngineClient(runtime)
+    stream = RequestStream("r")
+    client.streams["r"] = stream
+    asyncio.run(asyncio.wait_for(client._watch(), 5))
+    assert client.fatal == ("the core worker process exited unexpectedly (exit code -6); "
+                            "the decode worker process exited unexpectedly (exit code 1)")
+    err = stream.queue.get_nowait()
+    assert err.status_code == 500 and "decode worker process exited unexpectedly" in err.message
+    assert not client.healthy and not client.streams
+    client.ctx.term()
