@@ -75,17 +75,11 @@ def kernel_configs(presets: tuple[str, ...] = DEFAULT_PRESETS, dtype: str = "bfl
     """
     from unifiedserve.attention.flashinfer_backend import SUPPORTED_HEAD_DIMS
     from unifiedserve.attention.varlen import kernel_head_dim
-    from unifiedserve.model.demo import DEMO_VISION, demo_text_config
-    from unifiedserve.model.presets import PRESETS, preset_architecture
+    from unifiedserve.model.demo import preset_shapes
 
     configs = set()
     for name in presets:
-        if name == "tiny":
-            text, vision = demo_text_config(), DEMO_VISION
-        elif name in PRESETS:
-            text, vision, _ = preset_architecture(name)
-        else:
-            raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+        text, vision = preset_shapes(name)
         if text.head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"{name}: flashinfer has no kernels for head dim {text.head_dim}")
         configs.add(KernelConfig("fa2", dtype, text.head_dim))  # decode (tensor cores)
@@ -125,8 +119,7 @@ def requested_configs(presets: tuple[str, ...] = DEFAULT_PRESETS, dtype: str = "
 
         from unifiedserve.attention import flashinfer_backend, varlen
         from unifiedserve.attention.base import KVCache
-        from unifiedserve.model.demo import DEMO_VISION, demo_text_config
-        from unifiedserve.model.presets import preset_architecture
+        from unifiedserve.model.demo import preset_shapes
 
         asked = set()
 
@@ -150,7 +143,7 @@ def requested_configs(presets: tuple[str, ...] = DEFAULT_PRESETS, dtype: str = "
         fi_prefill.get_batch_prefill_module = fi_decode.get_batch_prefill_module = record
         torch_dtype = getattr(torch, dtype)
         for name in presets:
-            text, vision = (demo_text_config(), DEMO_VISION) if name == "tiny" else preset_architecture(name)[:2]
+            text, vision = preset_shapes(name)
             cache = KVCache(1, 8, 16, text.num_key_value_heads, text.head_dim, dtype=torch_dtype)
             attn = _backend_on_cpu(flashinfer_backend, cache, text)
             attn.plan([(0, 5, [0])])  # a prefill chunk

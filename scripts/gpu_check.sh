@@ -10,8 +10,9 @@
 #   decode     flashcodec on NVDEC / nvJPEG / NVML: the decode tests, bench/decode/bench_resize.py (the
 #              fused resize kernel) and bench/decode/bench_gpu.py; then bench/kernels/bench_sm_shares.py
 #              (issue 14: green contexts vs MPS shares; pure torch, so it rides with this group)
-#   attention  the engine on flashinfer: a random-weight Qwen2.5-VL-7B preset, flashinfer's kernels (carried
-#              prebuilt by scripts/gpu_wheels.sh, else JIT-compiled) warmed (and the csrc/ build beside it), the unifiedserve cuda tests, the
+#   attention  the engine on flashinfer: flashinfer's kernels (carried prebuilt by scripts/gpu_wheels.sh, else
+#              JIT-compiled) warmed for the demo model's and the 7B's shapes (and the csrc/ build beside it; no
+#              checkpoint is written: nothing here loads the 7B), the unifiedserve cuda tests, the
 #              whole server on the GPU with the demo model (its own step), the MPS launcher test,
 #              bench/kernels (paged copy, fused layer ops)
 #   engine     (attention's wheels) bench/engine on the 7B preset (decode timed sync and with async scheduling,
@@ -116,7 +117,7 @@ fi
 ops_build=""
 case $group in attention|engine|serve|policies)
   # csrc/ (paged copy, fused layer ops) compiles with the device's nvcc, about a minute on its cores, while the
-  # machine is probed and the 7B preset written; prepare_7b waits for it
+  # machine is probed and the 7B preset written; warm_kernels waits for it
   step "csrc/ ops build started in the background"
   run 300 ops-build python3 -c "from unifiedserve import ops; print(ops.build_info())" &
   ops_build=$! ;;
@@ -129,6 +130,10 @@ run 60 probe python3 scripts/gpu_probe.py --out "$out/probe.json"
 # is kept on the machine (/tmp, ~/.cache): a group run right after another on the still-warm machine
 # (the device tool keeps it about 30 s) skips what is already there.
 prepare_7b() {
+  write_7b
+  warm_kernels
+}
+write_7b() {  # about 15 GB written: only for the groups that load the 7B (engine, serve, policies)
   step "a random-weight Qwen2.5-VL-7B (bf16, drawn on the GPU; real architecture, no download)"
   if [ -f /tmp/qwen2.5-vl-7b/.complete ]; then  # written only once demo-model returned 0
     echo "reusing /tmp/qwen2.5-vl-7b"
@@ -138,17 +143,21 @@ prepare_7b() {
       --dtype bfloat16
     grep -q "demo-model: rc=0" "$out/status.txt" && touch /tmp/qwen2.5-vl-7b/.complete
   fi
+}
+warm_kernels() {  # the demo model's shapes (head dim 64, the cuda tests) and the Qwen2.5-VL presets' (128)
   step "flashinfer warm-up (prebuilt kernels load, others JIT once per machine; nothing is timed before it)"
-  # one model only: a head size whose kernels were not carried compiles here (about 130 s)
-  run 240 flashinfer-warmup python3 -m unifiedserve.attention.warmup --model /tmp/qwen2.5-vl-7b
+  # shapes only (no checkpoint read); a head size whose kernels were not carried compiles here (about 130 s)
+  local shapes="--preset tiny --preset qwen2.5-vl-7b"
+  run 240 flashinfer-warmup python3 -m unifiedserve.attention.warmup $shapes
   if ! grep -q "attention kernels warm" "$out/flashinfer-warmup.log" && [ -z "${UNIFIEDSERVE_FLASHINFER_PREFILL_BACKEND:-}" ]; then
     # e.g. an FA3 module neither carried nor compilable (the slim wheel has no CUTLASS): FA2 for the whole run
     export UNIFIEDSERVE_FLASHINFER_PREFILL_BACKEND=fa2
     step "the warm-up failed: again with UNIFIEDSERVE_FLASHINFER_PREFILL_BACKEND=fa2, kept for the rest of the run"
-    run 240 flashinfer-warmup-fa2 python3 -m unifiedserve.attention.warmup --model /tmp/qwen2.5-vl-7b
+    run 240 flashinfer-warmup-fa2 python3 -m unifiedserve.attention.warmup $shapes
   fi
   step "waiting for the csrc/ ops build"
   [ -n "$ops_build" ] && wait "$ops_build"
+  ops_build=""
 }
 
 # The groups that start the multi-process server on the GPU: past its unverified-CUDA gate, the 7B preset,
@@ -185,7 +194,7 @@ decode)
   run 100 bench-sm-shares python3 bench/kernels/bench_sm_shares.py --quick --out "$out/sm_shares.json"
   ;;
 attention)
-  prepare_7b
+  warm_kernels
   step "cuda tests (unifiedserve) and the MPS launcher"
   run 180 pytest-cuda python3 -m pytest -v --timeout=120 -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/unifiedserve \
     --deselect tests/unifiedserve/server/test_server_cuda.py

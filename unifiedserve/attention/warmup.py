@@ -4,7 +4,9 @@ flashinfer JIT-compiles each kernel configuration on first use (tens of seconds 
 a fresh machine) and caches it in ``~/.cache/flashinfer``. A run that only measures (``scripts/
 gpu_check.sh``) warms them here first, so no timing and no test pays for a compilation.
 
-Usage: ``python -m unifiedserve.attention.warmup --model CHECKPOINT_DIR [--dtype bfloat16]``
+Usage: ``python -m unifiedserve.attention.warmup [--model CHECKPOINT_DIR ...] [--preset NAME ...]
+[--dtype bfloat16]``. A preset (``tiny``, the demo model, or a public one) needs no checkpoint: only
+the shapes matter.
 """
 
 from __future__ import annotations
@@ -19,20 +21,17 @@ from unifiedserve.attention import KVCache, get_attention_backend
 from unifiedserve.attention.varlen import fused_varlen_attention, resolve_varlen_impl
 
 
-def warm_up(model_dir: str, dtype: torch.dtype, device: str = "cuda") -> dict[str, float]:
-    """Warm the LLM's paged decode/prefill kernels and the vision tower's fused attention.
+def warm_up(text, vision, dtype: torch.dtype, device: str = "cuda") -> dict[str, float]:
+    """Warm the LLM's paged decode/prefill kernels for ``text`` (a ``TextConfig``) and the vision tower's
+    fused attention for ``vision`` (a ``VisionConfig``).
 
     Returns:
         Seconds spent per part (``llm``, ``vision``); a part that uses no JIT kernel here costs ~0.
     Raises:
-        ValueError: no CUDA, or a checkpoint folder without ``config.json``.
+        ValueError: no CUDA.
     """
-    from unifiedserve.model.config import ModelConfig
-
     if not torch.cuda.is_available():
         raise ValueError("warming attention kernels needs CUDA")
-    cfg = ModelConfig.from_json(model_dir)
-    text, vision = cfg.text, cfg.vision
     times = {}
     start = time.perf_counter()
     cache = KVCache(1, 4, 16, text.num_key_value_heads, text.head_dim, dtype=dtype, device=device)
@@ -57,16 +56,32 @@ def warm_vision(vision, device: str | torch.device, dtype: torch.dtype) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from unifiedserve.model.config import ModelConfig
+    from unifiedserve.model.demo import preset_shapes
+    from unifiedserve.model.presets import PRESETS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="checkpoint folder (its config.json gives the shapes)")
+    parser.add_argument("--model", action="append", default=[], metavar="DIR",
+                        help="checkpoint folder (its config.json gives the shapes); repeat for several")
+    parser.add_argument("--preset", action="append", default=[], choices=PRESETS,
+                        help="a preset's shapes, no checkpoint needed (tiny: the demo model); repeat for several")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     args = parser.parse_args(argv)
+    if not args.model and not args.preset:
+        parser.error("give at least one --model or --preset")
+    parts = []
     try:
-        times = warm_up(args.model, getattr(torch, args.dtype))
+        shapes = [(name, *preset_shapes(name)) for name in args.preset]
+        for folder in args.model:
+            cfg = ModelConfig.from_json(folder)
+            shapes.append((folder, cfg.text, cfg.vision))
+        for name, text, vision in shapes:
+            times = warm_up(text, vision, getattr(torch, args.dtype))
+            parts.append(f"{name}: " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
     except (ValueError, OSError) as e:
         print(f"warmup: error: {e}", file=sys.stderr)
         return 1
-    print("attention kernels warm: " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
+    print("attention kernels warm: " + "; ".join(parts))
     return 0
 
 

@@ -59,6 +59,18 @@ def demo_text_config(vocab_size: int = 64) -> TextConfig:
     """The demo model's language-model config (its vocabulary is the tokenizer's, padded to 64)."""
     return TextConfig(vocab_size=vocab_size, **_DEMO_TEXT)
 
+
+def preset_shapes(name: str) -> tuple[TextConfig, VisionConfig]:
+    """The text and vision configs of a preset, ``tiny`` (the demo model) or a public one, with no checkpoint.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name == "tiny":
+        return demo_text_config(), DEMO_VISION
+    text, vision, _ = preset_architecture(name)
+    return text, vision
+
 # Qwen2-VL style: a default system turn, one <|vision_start|><|image_pad|><|vision_end|> per image.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
