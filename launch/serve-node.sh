@@ -51,7 +51,17 @@ EOF
 }
 stop_mps() { if [ -f "$dir/mps.started" ]; then "$here/mps.sh" stop; rm -f "$dir/mps.started"; fi; }
 # every process of the server's session (it was started with setsid: api, vision, core, decode)
-session_pids() { local pid; pid=$(server_pid) || return 0; ps -e -o pid=,sid= | awk -v s="$pid" '$2 == s {print $1}'; }
+# (from /proc, not ps: a minimal image has no procps; zombies, already dead, are left out)
+session_pids() {
+  local pid f stat state sid
+  pid=$(server_pid) || return 0
+  for f in /proc/[0-9]*/stat; do
+    { read -r stat < "$f"; } 2>/dev/null || continue
+    read -r state _ _ sid _ <<< "${stat##*) }"  # after "pid (comm) ": state ppid pgrp session
+    [ "$sid" = "$pid" ] && [ "$state" != Z ] && { f=${f#/proc/}; echo "${f%/stat}"; }
+  done
+  return 0
+}
 
 start() {
   local use_mps=1 port=8000 host=127.0.0.1 shm_given=0 restarts=0
@@ -82,8 +92,17 @@ start() {
   fi
   if has_gpu; then
     if [ "$use_mps" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
-      "$here/mps.sh" status >/dev/null 2>&1 || { "$here/mps.sh" start; touch "$dir/mps.started"; }
-      eval "$("$here/mps.sh" env)"
+      # a daemon that will not start, or that a CUDA client cannot use, is not fatal: the GPU is time-sliced
+      if "$here/mps.sh" status >/dev/null 2>&1 || { "$here/mps.sh" start && touch "$dir/mps.started"; }; then
+        if "$here/mps.sh" check; then
+          eval "$("$here/mps.sh" env)"
+        else
+          stop_mps
+          echo "$prog: no MPS (its daemon is not usable, above): the server's processes time-slice the GPU"
+        fi
+      else
+        echo "$prog: no MPS (its daemon did not start, above): the server's processes time-slice the GPU"
+      fi
     else
       local why="--no-mps"
       [ "$use_mps" = 1 ] && why="nvidia-cuda-mps-control not found"

@@ -277,6 +277,10 @@ def collect(proc, what: str, timeout: float) -> dict:
         proc.kill()
         proc.communicate()
         raise RuntimeError(f"{what}: no result within {timeout:.0f} s") from None
+    except BaseException:  # SIGTERM's SystemExit, ^C: the worker must not outlive this process on the GPU
+        proc.kill()
+        proc.communicate()
+        raise
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed (exit {proc.returncode}): {err.strip().splitlines()[-1:] or ''}")
     return json.loads(out.strip().splitlines()[-1])
@@ -392,7 +396,15 @@ def main(argv=None) -> int:
         print(json.dumps(worker(args)))
         return 0
     import shutil
+    import signal
 
+    # a time limit's SIGTERM (scripts/gpu_check.sh) unwinds: the MPS daemon and the workers are stopped in
+    # measure_mps's finally, and the modes measured so far are already in the JSON
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    out = args.out if args.out.suffix == ".json" else args.out / "sm_shares.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in vars(args).items() if k not in ("worker", "green", "barrier", "out")}
+    config["modes"] = [m for m, *_ in args.modes]
     results: dict = {}
     for mode, kind, value in args.modes:
         if kind == "mps" and shutil.which("nvidia-cuda-mps-control") is None:
@@ -404,17 +416,13 @@ def main(argv=None) -> int:
         except (RuntimeError, ValueError, subprocess.SubprocessError) as e:
             results[mode] = {"error": str(e)}
             print(f"{mode}: {e}", file=sys.stderr)
+        out.write_text(json.dumps({"config": config, "results": results}, indent=1, default=str))
     if "error" in results.get("alone", {}):
         print(f"bench_sm_shares.py: error: {results['alone']['error']}", file=sys.stderr)
         return 1
     print(f"\n{args.model} MLP x {args.layers} layers, decode batch {args.batch}, prefill chunk {args.chunk}, "
           f"{args.dtype}, {args.seconds:g} s per mode\n")
     print(table(results))
-    out = args.out if args.out.suffix == ".json" else args.out / "sm_shares.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: v for k, v in vars(args).items() if k not in ("worker", "green", "barrier", "out")}
-    out.write_text(json.dumps({"config": config | {"modes": [m for m, *_ in args.modes]}, "results": results},
-                              indent=1, default=str))
     print(f"\nwrote {out}")
     return 0
 

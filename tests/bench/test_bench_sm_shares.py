@@ -110,6 +110,6 @@ def test_green_and_shared_modes_on_the_gpu(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     results = json.loads(out.read_text())["results"]
-    assert results["green:32"]["green_sms"][0] == 32, results["green:32"]
+    assert "error" not in results["green:32"] and results["green:32"]["green_sms"][0] == 32, results["green:32"]
     for mode in ("alone", "shared", "green:32"):
         assert results[mode]["decode"]["steps"] > 0 and results[mode]["prefill"]["tflops"] > 0

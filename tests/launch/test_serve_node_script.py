@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,8 +28,15 @@ def node(*args: str, folder: pathlib.Path, timeout: float = 120, **env: str) -> 
 
 def session_processes(pid: int) -> list[str]:
     """Processes still in the server's session (it is started with setsid: its pid is the session id)."""
-    out = subprocess.run(["ps", "-e", "-o", "pid=,sid="], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if line.split()[1] == str(pid)]
+    found = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):  # (not ps: the GPU machine's image may lack procps)
+        try:
+            fields = stat.read_text().rsplit(") ", 1)[1].split()  # after "pid (comm) ": state ppid pgrp session
+        except (OSError, IndexError):
+            continue
+        if fields[3] == str(pid) and fields[0] != "Z":
+            found.append(stat.parent.name)
+    return found
 
 
 def shm_folder(folder: pathlib.Path) -> pathlib.Path:
@@ -96,6 +104,30 @@ def test_start_status_stop_leaves_nothing_behind(tmp_path):
     assert session_processes(pid) == []
     assert not (folder / "server.pid").exists() and not shm_folder(folder).exists()
     assert node("status", folder=folder).returncode == 3
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a real driver here: the fakes would meet it")
+def test_a_node_whose_mps_daemon_is_not_usable_time_slices_the_gpu(tmp_path):
+    """On a GPU node (faked: nvidia-smi lists one) whose MPS daemon starts but no CUDA client can use (faked: it
+    answers, and there is no driver), the node stops that daemon, says so once and serves without MPS."""
+    from fake_mps import fake_driver_env
+    from unifiedserve.model.demo import write_demo_model
+
+    demo_path = write_demo_model(tmp_path / "demo-model")
+    port, folder = free_port(), tmp_path / "node"
+    env = fake_driver_env(tmp_path / "bin", socket=True, gpu=True)
+    try:
+        start = node("start", "--model", str(demo_path), "--port", str(port), *SMALL_POOLS, folder=folder, timeout=300,
+                     **env)
+        assert start.returncode == 0, start.stderr + (folder / "server.log").read_text()
+        assert "MPS started" in start.stdout and "a CUDA client could not run under the MPS daemon" in start.stderr
+        assert "no MPS (its daemon is not usable, above): the server's processes time-slice the GPU" in start.stdout
+        assert not (folder / "mps").exists() and not (folder / "mps.started").exists()
+        assert http("GET", f"http://127.0.0.1:{port}/health")[0] == 200
+    finally:
+        stop = node("stop", folder=folder, **env)
+    assert stop.returncode == 0 and "server stopped" in stop.stdout
+    assert not shm_folder(folder).exists()
 
 
 @contextlib.contextmanager
@@ -189,6 +221,7 @@ def test_injected_fault_fails_the_request_and_the_node_restarts(tmp_path):
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(shutil.which("nvidia-cuda-mps-control") is None, reason="nvidia-cuda-mps-control is not installed")
 def test_cuda_fault_under_mps_fails_the_request_and_the_node_restarts(tmp_path):
     """Issue 14's fault test on the GPU: decode trips a device-side assert (a sticky CUDA error) under the
     node's MPS daemon; the in-flight request errors, the server exits, MPS and the server come back."""
