@@ -17,10 +17,14 @@ die() { echo "$prog: error: $*" >&2; exit 1; }
 ray_bin=${RAY_BIN:-ray}
 need_ray() { command -v "$ray_bin" >/dev/null 2>&1 || die "'$ray_bin' not found: pip install 'unifiedserve[ray]' (or set RAY_BIN)"; }
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; }
-start_mps() {
+start_mps() {  # a daemon that will not start, or that no CUDA client can use, is not fatal: time-slicing
   if has_gpu; then
-    "$here/mps.sh" start
-    eval "$("$here/mps.sh" env)"
+    if "$here/mps.sh" start && "$here/mps.sh" check; then
+      eval "$("$here/mps.sh" env)"
+    else
+      "$here/mps.sh" stop >/dev/null 2>&1 || true
+      echo "$prog: no MPS (above): Ray's workers time-slice the GPU"
+    fi
   fi
 }
 
