@@ -221,7 +221,8 @@ engine)
     --async-scheduling both --out "$out/bench_engine.json"
   step "the same decode steps with the fused layer ops off (what the fusion buys inside the CUDA graphs)"
   UNIFIEDSERVE_NO_FUSED_OPS=1 run 200 bench-engine-unfused python3 bench/engine/bench_engine.py \
-    --model /tmp/qwen2.5-vl-7b --device cuda --short --batches 1,8 --out "$out/bench_engine_unfused.json"
+    --model /tmp/qwen2.5-vl-7b --device cuda --short --batches 1,8 --parts decode --agreement-steps 0 \
+    --out "$out/bench_engine_unfused.json"
   ;;
 serve)
   serve_under_mps

@@ -87,6 +87,26 @@ def test_bench_engine_runs_on_cpu(tmp_path):
     assert all(d["async_step_ms"] > 0 and d["graph_replay_ms"] is None for d in r["decode"].values())
     assert r["prefill"]["tokens"] == 32 and r["vision"]["patches"] == 28 * 52
     assert "ours_mfu" not in r["prefill"]  # no peak known for a CPU
+    assert r["correctness_failed"] == []
+
+
+@pytest.mark.slow
+def test_bench_engine_times_only_the_parts_asked_and_a_failed_check_still_times(tmp_path, monkeypatch, capsys):
+    """--parts decode: no prefill or vision timing; a correctness check that fails (here: a cosine bound no
+    model meets) is recorded, the timings still run and are saved, and the exit status is 1."""
+    import bench_engine
+
+    monkeypatch.setattr(bench_engine, "MIN_COSINE", 1.5)
+    out = tmp_path / "engine.json"
+    assert bench_engine.main(["--device", "cpu", "--batches", "1", "--new-tokens", "3", "--slices", "1",
+                              "--prompt-tokens", "8", "--agreement-steps", "0", "--parts", "decode",
+                              "--out", str(out)]) == 1
+    r = json.loads(out.read_text())["results"]
+    assert set(r["decode"]) == {"1"} and "prefill" not in r and "vision" not in r
+    assert [f.split(" ")[0] for f in r["correctness_failed"]] == ["prefill", "vision"]
+    assert "read them as unverified" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_engine.parse_args(["--parts", "decode,training"])
 
 
 @pytest.mark.slow
