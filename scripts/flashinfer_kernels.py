@@ -111,6 +111,7 @@ def requested_configs(presets: tuple[str, ...] = DEFAULT_PRESETS, dtype: str = "
     import torch
 
     empty = torch.empty
+    undo = []
     torch.empty = lambda *a, pin_memory=False, **k: empty(*a, **k)  # no driver here: nothing is pinned
     try:
         import flashinfer.decode as fi_decode
@@ -141,6 +142,9 @@ def requested_configs(presets: tuple[str, ...] = DEFAULT_PRESETS, dtype: str = "
             if hasattr(module, "is_sm90a_supported"):
                 module.is_sm90a_supported = lambda device: True
         fi_prefill.get_batch_prefill_module = fi_decode.get_batch_prefill_module = record
+        undo.append(lambda copy_done=flashinfer_backend._copy_done_event: setattr(
+            flashinfer_backend, "_copy_done_event", copy_done))
+        flashinfer_backend._copy_done_event = lambda device: None  # no CUDA event without a driver
         torch_dtype = getattr(torch, dtype)
         for name in presets:
             text, vision = preset_shapes(name)
@@ -155,6 +159,8 @@ def requested_configs(presets: tuple[str, ...] = DEFAULT_PRESETS, dtype: str = "
         return sorted(asked)
     finally:
         torch.empty = empty
+        for restore in undo:
+            restore()
 
 
 def _backend_on_cpu(flashinfer_backend, cache, text):

@@ -11,6 +11,11 @@
   flashinfer's ``NHD`` paged layout, passed to the kernels as a ``(k, v)`` tuple.
 * CUDA-graph decode: one decode wrapper per captured batch size, all reading fixed indptr/indices/
   last-page-length buffers that ``plan`` overwrites in place (see :class:`AttentionBackend`).
+* A wrapper is planned again only once the host-to-device copy of its previous plan has run
+  (:meth:`FlashInferAttention._plan`): flashinfer's ``plan`` writes its schedule into the wrapper's
+  page-locked host buffer and queues the copy without waiting, so with async scheduling (step N+1
+  planned while step N may still be queued) it would otherwise overwrite what step N's copy has not
+  read yet; mini-sglang saw this as illegal memory accesses (sgl-project/mini-sglang#103).
 * Kernel families: decode runs flashinfer's FA2 tensor-core kernel (its choice for half-precision
   decode); prefill (and the vision tower's ragged attention, :mod:`unifiedserve.attention.varlen`)
   runs what ``UNIFIEDSERVE_FLASHINFER_PREFILL_BACKEND`` names: ``auto`` (default: flashinfer picks,
@@ -39,6 +44,14 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 PREFILL_BACKEND_ENV = "UNIFIEDSERVE_FLASHINFER_PREFILL_BACKEND"
 PREFILL_BACKENDS = ("auto", "fa2", "fa3")
+
+
+def _copy_done_event(device: torch.device) -> Any:
+    """An event recorded on ``device``'s current stream now: it completes when the work queued so far has run
+    (:meth:`FlashInferAttention._plan` waits on it before planning the same wrapper again)."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def prefill_backend() -> str:
@@ -121,6 +134,7 @@ class FlashInferAttention(AttentionBackend):
         self._graph_bufs: dict[str, torch.Tensor] = {}
         self._graph_max_seq_len = 0
         self._step: _Step | None = None
+        self._planned: dict[int, Any] = {}  # id(wrapper) -> event after its last plan's queued copy
 
     @staticmethod
     def _validate_cache(kv_cache: KVCache) -> None:
@@ -129,6 +143,18 @@ class FlashInferAttention(AttentionBackend):
             raise ValueError(f"FlashInferAttention cannot serve this KV cache: {reason} (use the torch backend)")
 
     # -- planning (host side, outside the forward and any graph) ------------------------------------
+
+    def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
+        """``wrapper.plan(*args, **kwargs)`` once the copy its previous plan queued has run (module docstring).
+
+        Waiting costs nothing in the usual case (that copy leads the previous step, behind the step the host
+        has already read back); it matters when the device is late, e.g. time-sliced with another process.
+        """
+        done = self._planned.get(id(wrapper))
+        if done is not None:
+            done.synchronize()
+        wrapper.plan(*args, **kwargs)
+        self._planned[id(wrapper)] = _copy_done_event(self.kv_cache.device)
 
     def _plan_kwargs(self) -> dict[str, Any]:
         dtype = self.kv_cache.dtype
@@ -142,14 +168,14 @@ class FlashInferAttention(AttentionBackend):
         arrays = plan_tensors(batch)
         if batch.is_decode:
             wrapper = self._decode
-            wrapper.plan(arrays["paged_kv_indptr"], arrays["paged_kv_indices"], arrays["paged_kv_last_page_len"],
-                         self.num_q_heads, self.num_kv_heads, self.head_dim, self.kv_cache.block_size,
-                         **self._plan_kwargs())
+            self._plan(wrapper, arrays["paged_kv_indptr"], arrays["paged_kv_indices"],
+                       arrays["paged_kv_last_page_len"], self.num_q_heads, self.num_kv_heads, self.head_dim,
+                       self.kv_cache.block_size, **self._plan_kwargs())
         else:
             wrapper = self._prefill
-            wrapper.plan(arrays["qo_indptr"], arrays["paged_kv_indptr"], arrays["paged_kv_indices"],
-                         arrays["paged_kv_last_page_len"], self.num_q_heads, self.num_kv_heads, self.head_dim,
-                         self.kv_cache.block_size, causal=True, **self._plan_kwargs())
+            self._plan(wrapper, arrays["qo_indptr"], arrays["paged_kv_indptr"], arrays["paged_kv_indices"],
+                       arrays["paged_kv_last_page_len"], self.num_q_heads, self.num_kv_heads, self.head_dim,
+                       self.kv_cache.block_size, causal=True, **self._plan_kwargs())
         slot_mapping = torch.tensor(batch.slot_mapping, dtype=torch.int64).to(self.kv_cache.device,
                                                                                  non_blocking=True)
         self._step = _Step(wrapper, batch.num_tokens, slot_mapping, None)
@@ -191,9 +217,9 @@ class FlashInferAttention(AttentionBackend):
         padded = pad_decode_batch(batch, graph_batch_size)
         arrays = plan_tensors(padded)
         # flashinfer's graph-mode plan copies these into the wrapper's fixed buffers
-        wrapper.plan(arrays["paged_kv_indptr"], arrays["paged_kv_indices"], arrays["paged_kv_last_page_len"],
-                     self.num_q_heads, self.num_kv_heads, self.head_dim, self.kv_cache.block_size,
-                     **self._plan_kwargs())
+        self._plan(wrapper, arrays["paged_kv_indptr"], arrays["paged_kv_indices"], arrays["paged_kv_last_page_len"],
+                   self.num_q_heads, self.num_kv_heads, self.head_dim, self.kv_cache.block_size,
+                   **self._plan_kwargs())
         n = graph_batch_size
         slot_mapping, write_rows = self._graph_bufs["slot_mapping"][:n], self._graph_bufs["write_rows"][:n]
         copy_host_ints(slot_mapping, padded.slot_mapping)  # queued, not waited for: no host sync per replay

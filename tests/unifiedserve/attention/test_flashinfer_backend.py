@@ -95,6 +95,7 @@ def fake_flashinfer(monkeypatch):
     fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=_FakeDecode,
                                  BatchPrefillWithPagedKVCacheWrapper=_FakePrefill)
     monkeypatch.setattr(fib, "import_flashinfer", lambda: fake)
+    monkeypatch.setattr(fib, "_copy_done_event", lambda device: types.SimpleNamespace(synchronize=lambda: None))
     monkeypatch.setattr(fib, "WORKSPACE_BYTES", 1024)
     monkeypatch.setattr(fib.FlashInferAttention, "_validate_cache", staticmethod(lambda cache: None))
     return fake
@@ -136,6 +137,32 @@ def test_graph_decode_pads_and_rewrites_fixed_buffers(fake_flashinfer):
         assert torch.equal(graph.kv_cache.tensor, eager.kv_cache.tensor)  # padding rows changed nothing
         assert graph._graph_bufs["paged_kv_indptr"].data_ptr() == indptr_ptr
         assert graph._graph_bufs["paged_kv_last_page_len"][len(seqs):8].tolist() == [1] * pad
+
+
+def test_a_wrapper_is_planned_again_only_after_its_last_plans_copy(fake_flashinfer, monkeypatch):
+    """flashinfer's plan queues a copy from the wrapper's page-locked buffer: the next plan of the same wrapper
+    first waits for the event recorded after the previous one (async scheduling plans a step while the one
+    before may still be queued); a wrapper's first plan waits for nothing, and wrappers do not wait on each other."""
+    attn = _fi()
+    attn.init_cuda_graph([4], max_seq_len=16)
+    log = []
+    names = {id(attn._decode): "decode", id(attn._prefill): "prefill", id(attn._graph_decode[4]): "graph"}
+    for wrapper in (attn._decode, attn._prefill, attn._graph_decode[4]):
+        monkeypatch.setattr(wrapper, "plan", lambda *a, _w=wrapper, _plan=wrapper.plan, **k: (
+            log.append(("plan", names[id(_w)])), _plan(*a, **k)))
+
+    def event(device):  # numbered by the plan it follows
+        n = sum(entry[0] == "plan" for entry in log)
+        return types.SimpleNamespace(synchronize=lambda: log.append(("wait", n)))
+
+    monkeypatch.setattr(fib, "_copy_done_event", event)
+    attn.plan(DECODE_SEQS)
+    attn.plan(MIXED_SEQS)
+    attn.plan(DECODE_SEQS)
+    attn.plan(DECODE_SEQS, graph_batch_size=4)
+    attn.plan(DECODE_SEQS, graph_batch_size=4)
+    assert log == [("plan", "decode"), ("plan", "prefill"), ("wait", 1), ("plan", "decode"),
+                   ("plan", "graph"), ("wait", 4), ("plan", "graph")]
 
 
 def test_graph_decode_errors(fake_flashinfer):
