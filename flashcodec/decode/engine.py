@@ -190,9 +190,10 @@ class _Request:
             if isinstance(frame, np.ndarray) and buffer.device.type == "cpu":
                 buffer.numpy()[row] = frame
             elif isinstance(frame, np.ndarray):
-                # a CPU rank's frame into a GPU output: queued, not waited for (a blocking copy synchronizes the
-                # stream, once per frame and decoder thread); the driver has staged the host pages on return
-                buffer[row].copy_(torch.from_numpy(frame), non_blocking=True)
+                # a CPU rank's frame into a GPU output: queued, not waited for. Staged in page-locked memory first
+                # (torch's pinned cache keeps the block until the copy has run): from pageable memory the driver
+                # may wait for the stream, i.e. for every NVDEC rank's work queued on it, once per frame
+                buffer[row].copy_(torch.from_numpy(frame).pin_memory(), non_blocking=True)
             else:
                 buffer[row].copy_(frame)
         self.produced.add(display)

@@ -27,7 +27,8 @@ TINY = ["--duration", "1", "--size", "96x64", "--fps", "24", "--gop", "12", "--j
 def test_short_and_defaults(tmp_path):
     assert bench_gpu.parse_args(["--out", str(tmp_path), "--short"]).duration == 60.0
     args = bench_gpu.parse_args(["--out", str(tmp_path)])
-    assert args.duration == 150.0 and (args.width, args.height) == (1920, 1080) and args.gop == 250
+    assert args.duration == 150.0 and (args.width, args.height) == (1920, 1080) and args.gop == 60  # 2 s at 30 fps
+    assert bench_gpu.parse_args(["--out", str(tmp_path), "--fps", "25", "--gop", "100"]).gop == 100
     with pytest.raises(SystemExit):
         bench_gpu.parse_args(["--out", str(tmp_path), "--size", "1920x1082"])  # height not a multiple of 4
 
