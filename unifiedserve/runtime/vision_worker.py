@@ -214,7 +214,7 @@ class VisionWorker(Worker):
         self.waiting: deque[tuple[_Job, int, object, int]] = deque()
         self.probe_queue: deque[_Job] = deque()  # requests with images whose probe waits (_start_probes)
         self.image_probing: set[str] = set()  # requests with images whose probe runs
-        self.held_bytes = 0  # planned patches of the videos decoding (or decoded) ahead of their admission
+        self.held_bytes = 0  # ahead of admission: videos' planned patches (decoding or decoded), images' decoded ones
         self.ahead_limit = int(cfg.vision_ahead_gb * 2**30)
         images = "cpu" if self.image_decoder is None else f"nvjpeg {image_gpu} + cpu threads"
         return {"decoder": describe_decoders(self.engine), "image_decoder": images,
