@@ -76,8 +76,30 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
     return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
+class KVPoolSizing:
+    """What the engine's and the server's KV sizings share: the pool's bytes and their start-up line. A subclass
+    has ``total``, ``utilization``, ``bytes_per_block`` and ``num_blocks``, and names what it subtracted."""
+
+    utilization_name = "utilization"  # how the line names the share
+
+    def deductions(self) -> list[tuple[str, int]]:
+        """``(name, bytes)`` of each figure subtracted from ``total x utilization``, in order."""
+        raise NotImplementedError
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def describe(self) -> str:
+        gib = 2 ** 30
+        terms = "".join(f" - {name} {size / gib:.2f}" for name, size in self.deductions())
+        return (f"KV pool: {self.num_blocks} blocks = {self.kv_bytes / gib:.2f} GiB (total {self.total / gib:.2f} GiB "
+                f"x {self.utilization_name} {self.utilization:.2f}{terms}; "
+                f"{self.bytes_per_block / 2**20:.2f} MiB per block)")
+
+
 @dataclass(frozen=True)
-class KVSizing:
+class KVSizing(KVPoolSizing):
     """How the KV pool was sized from GPU memory; every figure in bytes except the block counts."""
 
     total: int  # the GPU's memory
@@ -88,16 +110,8 @@ class KVSizing:
     bytes_per_block: int
     num_blocks: int
 
-    @property
-    def kv_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
-
-    def describe(self) -> str:
-        gib = 2 ** 30
-        return (f"KV pool: {self.num_blocks} blocks = {self.kv_bytes / gib:.2f} GiB "
-                f"(total {self.total / gib:.2f} GiB x utilization {self.utilization:.2f} "
-                f"- weights {self.weights / gib:.2f} - peak activations {self.activations / gib:.2f} "
-                f"- other {self.other / gib:.2f}; {self.bytes_per_block / 2**20:.2f} MiB per block)")
+    def deductions(self) -> list[tuple[str, int]]:
+        return [("weights", self.weights), ("peak activations", self.activations), ("other", self.other)]
 
 
 def size_kv_pool(total: int, utilization: float, weights: int, activations: int, other: int,

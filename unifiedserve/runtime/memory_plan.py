@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 from dataclasses import dataclass, replace
 
+from unifiedserve.engine.device import KVPoolSizing, check_utilization
 from unifiedserve.engine.profile import MemoryProfile
 
 log = logging.getLogger("unifiedserve")
@@ -43,7 +44,7 @@ VISION_DECODER_GB = 1.0
 
 
 @dataclass(frozen=True)
-class ServerKVSizing:
+class ServerKVSizing(KVPoolSizing):
     """How the server's KV pool was sized; bytes except the counts."""
 
     total: int
@@ -58,16 +59,11 @@ class ServerKVSizing:
     bytes_per_block: int
     num_blocks: int
 
-    @property
-    def kv_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
+    utilization_name = "--gpu-memory-utilization"
 
-    def describe(self) -> str:
-        return (f"KV pool: {self.num_blocks} blocks = {self.kv_bytes / GiB:.2f} GiB (total {self.total / GiB:.2f} GiB "
-                f"x --gpu-memory-utilization {self.utilization:.2f} - in use before {self.used_before / GiB:.2f} "
-                f"- weights {self.weights / GiB:.2f} - core {self.core / GiB:.2f} - decode {self.decode / GiB:.2f} "
-                f"- vision {self.vision / GiB:.2f} - {self.num_contexts} contexts {self.contexts / GiB:.2f}; "
-                f"{self.bytes_per_block / 2**20:.2f} MiB per block)")
+    def deductions(self) -> list[tuple[str, int]]:
+        return [("in use before", self.used_before), ("weights", self.weights), ("core", self.core),
+                ("decode", self.decode), ("vision", self.vision), (f"{self.num_contexts} contexts", self.contexts)]
 
 
 def plan_server_kv(profile: MemoryProfile, utilization: float, used_before: int, *, media_cache_bytes: int,
@@ -82,8 +78,6 @@ def plan_server_kv(profile: MemoryProfile, utilization: float, used_before: int,
     Raises:
         ValueError: a utilization outside (0, 1], or not one block fits (every figure named).
     """
-    from unifiedserve.engine.device import check_utilization
-
     check_utilization(utilization)
     if decode_here and profile.decode is None:
         raise ValueError("the profile has no decode figure, but a decode runner lives on this GPU")
