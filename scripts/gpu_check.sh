@@ -30,7 +30,8 @@
 #              policy's rates may take several runs (RATES=...), which --merge joins
 # The steps' limits add up to more than the device's 10 minutes only where a step usually ends early;
 # what ran is in OUTDIR/status.txt either way.
-# Each step has its own time limit so that a hang in one still leaves the others' results in OUTDIR.
+# Each step has its own time limit so that a hang in one still leaves the others' results in OUTDIR; at the end
+# they are packed into OUTDIR/results.tar.gz (the device tool returns at most 8 files).
 # FULL_SUITE=1 also runs the whole CPU suite on the device's stack (torch 2.11, Python 3.12).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR decode|attention|engine|serve|policies}
@@ -51,6 +52,17 @@ start=$(date +%s)
 # time left (less a margin for the steps after it to be written up) and a step with no time left is skipped.
 deadline=$(( start + ${GPU_CHECK_LIMIT_S:-600} - 20 ))
 step() { echo; echo "== [$(( $(date +%s) - start )) s] $*"; }
+# The device tool brings back at most 8 files from OUTDIR (and none deeper than two folders): every step's log,
+# JUnit XML and JSON go into one archive at the end; the console log and status.txt stay beside it.
+pack_out() {
+  local f files=()
+  for f in "$out"/*; do
+    case ${f##*/} in gpu_check.log|status.txt|results.tar.gz) ;; *) files+=("${f##*/}") ;; esac
+  done
+  [ ${#files[@]} -eq 0 ] && return 0
+  tar -czf "$out/results.tar.gz" -C "$out" "${files[@]}" && (cd "$out" && rm -rf -- "${files[@]}") &&
+    echo "packed ${#files[@]} files into $out/results.tar.gz"
+}
 run() {  # run LIMIT_S NAME CMD...: time-limited, output to OUTDIR/NAME.log and the console, status recorded
   local limit=$1 name=$2; shift 2
   local left=$(( deadline - $(date +%s) ))
@@ -203,7 +215,7 @@ decode)
 attention)
   warm_kernels
   step "cuda tests (unifiedserve) and the MPS launcher"
-  run 180 pytest-cuda python3 -m pytest -v --timeout=120 -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/unifiedserve \
+  run 180 pytest-cuda python3 -m pytest -v --timeout=90 -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/unifiedserve \
     --deselect tests/unifiedserve/server/test_server_cuda.py
   step "the whole server on the GPU (demo model): serve --device cuda against the engine's own output, and sized by --gpu-memory-utilization"
   run 260 pytest-cuda-server python3 -m pytest -v --timeout=200 -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda-server.xml" \
@@ -267,3 +279,4 @@ fi
 
 step "done in $(( $(date +%s) - start )) s"
 cat "$out/status.txt"
+pack_out

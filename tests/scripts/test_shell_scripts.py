@@ -50,3 +50,24 @@ def test_gpu_wheels_needs_a_known_group_and_leaves_the_folder_alone(tmp_path):
                           text=True, timeout=60)
     assert proc.returncode != 0 and "group must be one of attention, decode, got 'foo'" in proc.stderr
     assert (dest / "kept.whl").exists()  # nothing emptied before the group was known
+
+
+def test_gpu_check_packs_its_outputs_into_one_archive(tmp_path):
+    """The device tool brings back at most 8 files from OUTDIR: gpu_check.sh's pack_out leaves the console log,
+    status.txt and one archive holding every other log, XML, JSON and result folder."""
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    body = script[script.index("pack_out() {"):]
+    body = body[:body.index("\n}\n") + 3]
+    out = tmp_path / "out"
+    (out / "policies-unified").mkdir(parents=True)
+    for name in ["gpu_check.log", "status.txt", "probe.json", "pytest-cuda.log", "pytest-cuda.xml",
+                 "policies-unified/results.json"]:
+        (out / name).write_text(name)
+    proc = subprocess.run(["bash", "-c", f'set -uo pipefail; out="$1"\n{body}\npack_out', "_", str(out)],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.log", "results.tar.gz", "status.txt"]
+    listing = subprocess.run(["tar", "-tzf", str(out / "results.tar.gz")], capture_output=True, text=True,
+                             check=True).stdout.split()
+    assert {"probe.json", "pytest-cuda.log", "pytest-cuda.xml", "policies-unified/results.json"} <= set(listing)
+    assert "gpu_check.log" not in listing
