@@ -155,19 +155,21 @@ void launch(void* pages, void* rows, int64_t page_size, int64_t row_bytes, const
 void paged_scatter_cuda(const at::Tensor& buffer, const at::Tensor& src, const at::Tensor& pv_indptr,
                         const at::Tensor& pv_page_indptr, const at::Tensor& pv_page_indices,
                         const at::Tensor& pv_cu_page_len) {
-  check_buffer(buffer, c10::DeviceType::CUDA);  // first: the guard needs a CUDA device
-  const c10::cuda::CUDAGuard guard(buffer.device());
+  // Every check before the device guard, as the fused ops do (the path seen raising cleanly on the device): a
+  // bad input then throws with no guard to unwind. check_cuda's copy sets its own device.
+  check_buffer(buffer, c10::DeviceType::CUDA);
   const DeviceIndex ix = check_cuda(buffer, pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len);
   check_src(buffer, src, ix.num_rows);
+  const c10::cuda::CUDAGuard guard(buffer.device());
   const at::Tensor rows = src.contiguous();  // [N, ...]
   launch<true>(buffer.data_ptr(), rows.data_ptr(), buffer.size(1), row_bytes_of(buffer), ix);
 }
 
 at::Tensor paged_gather_cuda(const at::Tensor& buffer, const at::Tensor& pv_indptr, const at::Tensor& pv_page_indptr,
                              const at::Tensor& pv_page_indices, const at::Tensor& pv_cu_page_len) {
-  check_buffer(buffer, c10::DeviceType::CUDA);  // first: the guard needs a CUDA device
-  const c10::cuda::CUDAGuard guard(buffer.device());
+  check_buffer(buffer, c10::DeviceType::CUDA);  // every check before the guard, as in paged_scatter_cuda
   const DeviceIndex ix = check_cuda(buffer, pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len);
+  const c10::cuda::CUDAGuard guard(buffer.device());
   std::vector<int64_t> shape(buffer.sizes().begin() + 1, buffer.sizes().end());
   shape[0] = ix.num_rows;
   at::Tensor out = at::empty(shape, buffer.options());  // [N, ...]

@@ -35,6 +35,7 @@ import torch
 from unifiedserve import ops
 from unifiedserve.attention.base import AttentionBackend, KVCache, copy_host_ints
 from unifiedserve.attention.metadata import PagedBatch, SeqSpec, build_paged_batch, pad_decode_batch
+from unifiedserve.memory.transfer import to_device
 
 #: flashinfer's recommended float workspace (split-KV partial results); shared by all wrappers,
 #: which is safe because they run one after another on one stream.
@@ -92,10 +93,14 @@ def import_flashinfer() -> Any:
     return flashinfer
 
 
-def plan_tensors(batch: PagedBatch) -> dict[str, torch.Tensor]:
-    """flashinfer's int32 host arrays for a batch (its ``plan`` copies them to the device)."""
-    return {name: torch.tensor(getattr(batch, name), dtype=torch.int32)
-            for name in ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")}
+def plan_tensors(batch: PagedBatch, pin: bool = False) -> dict[str, torch.Tensor]:
+    """flashinfer's int32 host arrays for a batch (its ``plan`` copies them to the device).
+
+    ``pin``: in page-locked memory, so that those copies are queued rather than staged by the host (a CUDA cache).
+    """
+    out = {name: torch.tensor(getattr(batch, name), dtype=torch.int32)
+           for name in ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")}
+    return {name: t.pin_memory() for name, t in out.items()} if pin else out
 
 
 @dataclass
@@ -135,6 +140,7 @@ class FlashInferAttention(AttentionBackend):
         self._graph_max_seq_len = 0
         self._step: _Step | None = None
         self._planned: dict[int, Any] = {}  # id(wrapper) -> event after its last plan's queued copy
+        self._pin = device.type == "cuda"  # plan arrays in page-locked memory (plan_tensors)
 
     @staticmethod
     def _validate_cache(kv_cache: KVCache) -> None:
@@ -165,7 +171,7 @@ class FlashInferAttention(AttentionBackend):
         if graph_batch_size is not None:
             self._step = self._plan_graph(batch, graph_batch_size)
             return
-        arrays = plan_tensors(batch)
+        arrays = plan_tensors(batch, pin=self._pin)
         if batch.is_decode:
             wrapper = self._decode
             self._plan(wrapper, arrays["paged_kv_indptr"], arrays["paged_kv_indices"],
@@ -176,8 +182,7 @@ class FlashInferAttention(AttentionBackend):
             self._plan(wrapper, arrays["qo_indptr"], arrays["paged_kv_indptr"], arrays["paged_kv_indices"],
                        arrays["paged_kv_last_page_len"], self.num_q_heads, self.num_kv_heads, self.head_dim,
                        self.kv_cache.block_size, causal=True, **self._plan_kwargs())
-        slot_mapping = torch.tensor(batch.slot_mapping, dtype=torch.int64).to(self.kv_cache.device,
-                                                                                 non_blocking=True)
+        slot_mapping = to_device(torch.tensor(batch.slot_mapping, dtype=torch.int64), self.kv_cache.device)
         self._step = _Step(wrapper, batch.num_tokens, slot_mapping, None)
 
     def init_cuda_graph(self, batch_sizes: Sequence[int], max_seq_len: int) -> None:
@@ -215,9 +220,14 @@ class FlashInferAttention(AttentionBackend):
             raise ValueError(f"a sequence of {batch.max_kv_len} tokens exceeds the graph's max_seq_len "
                              f"{self._graph_max_seq_len}")
         padded = pad_decode_batch(batch, graph_batch_size)
-        arrays = plan_tensors(padded)
-        # flashinfer's graph-mode plan copies these into the wrapper's fixed buffers
-        self._plan(wrapper, arrays["paged_kv_indptr"], arrays["paged_kv_indices"], arrays["paged_kv_last_page_len"],
+        arrays = plan_tensors(padded, pin=self._pin)
+        # flashinfer's graph-mode plan copies these into the wrapper's fixed buffers. It reads indptr and the
+        # last-page lengths on the host too (keep them there: pinned, their copies are queued), but copies the page
+        # indices with a blocking copy unless they are on the device already (flashinfer 0.6.13, decode.py, plan:
+        # non_blocking=(indices.device == self.device) and non_blocking): a host wait per replay, which the device
+        # caught under torch.cuda.set_sync_debug_mode("error"). So they go up first, queued.
+        indices = to_device(arrays["paged_kv_indices"], self.kv_cache.device)
+        self._plan(wrapper, arrays["paged_kv_indptr"], indices, arrays["paged_kv_last_page_len"],
                    self.num_q_heads, self.num_kv_heads, self.head_dim, self.kv_cache.block_size,
                    **self._plan_kwargs())
         n = graph_batch_size

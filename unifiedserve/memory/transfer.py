@@ -11,10 +11,18 @@ from __future__ import annotations
 import torch
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor -> ``device`` without blocking the host (pinned staging copy on CUDA); the CPU: ``t`` itself."""
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host tensor -> ``device`` without blocking the host (pinned staging copy on CUDA); the CPU: ``t`` itself.
+
+    A tensor already on ``device`` is returned as it is (e.g. patches of a video decoded with
+    ``output_device="cuda"``, which reach the runner on the GPU), one on another GPU is copied device to device
+    (queued), and one asked back to the CPU is copied there (the host waits for it).
+    """
+    device = torch.device(device)
     if device.type == "cpu":
-        return t
+        return t if t.device.type == "cpu" else t.to(device)  # a device tensor read back: the host must wait
+    if t.device.type != "cpu":
+        return t if t.device == device else t.to(device, non_blocking=True)
     # contiguous first: pin_memory keeps the strides, and an expanded tensor (positions as arange(n).expand(3, -1),
     # stride 0) would be copied into itself
     return t.contiguous().pin_memory().to(device, non_blocking=True)

@@ -11,6 +11,7 @@ import torch
 from attention_cases import DECODE_SEQS, MIXED_SEQS, dense_reference, make_step
 from unifiedserve.attention import KVCache, TorchPagedAttention
 from unifiedserve.attention import flashinfer_backend as fib
+from unifiedserve.attention.metadata import build_paged_batch, pad_decode_batch
 
 BS = 4
 
@@ -165,6 +166,26 @@ def test_a_wrapper_is_planned_again_only_after_its_last_plans_copy(fake_flashinf
                    ("plan", "graph"), ("wait", 4), ("plan", "graph")]
 
 
+def test_graph_plan_sends_the_page_indices_up_itself(fake_flashinfer, monkeypatch):
+    """flashinfer 0.6.13's graph-mode plan copies host page indices with a blocking copy (the device caught it under
+    set_sync_debug_mode("error")): the backend queues them to the cache's device first (to_device) and hands
+    flashinfer the device tensor; indptr and last-page lengths stay host arrays, which flashinfer also reads there."""
+    attn = _fi()
+    attn.init_cuda_graph([4], max_seq_len=16)
+    sent = {}
+    monkeypatch.setattr(fib, "to_device", lambda t, device: sent.setdefault(id(t), (t, device))[0])
+    wrapper, seen = attn._graph_decode[4], {}
+    plan = wrapper.plan
+    monkeypatch.setattr(wrapper, "plan", lambda indptr, indices, last, *a, **k: (
+        seen.update(indptr=indptr, indices=indices, last=last), plan(indptr, indices, last, *a, **k)))
+    attn.plan(DECODE_SEQS, graph_batch_size=4)
+    assert id(seen["indices"]) in sent and sent[id(seen["indices"])][1] == attn.kv_cache.device
+    assert id(seen["indptr"]) not in sent and id(seen["last"]) not in sent
+    assert seen["indptr"].device.type == "cpu" and seen["last"].device.type == "cpu"
+    assert seen["indices"].tolist() == fib.plan_tensors(pad_decode_batch(
+        build_paged_batch(DECODE_SEQS, BS), 4))["paged_kv_indices"].tolist()
+
+
 def test_graph_decode_errors(fake_flashinfer):
     attn = _fi()
     with pytest.raises(ValueError, match="not given to init_cuda_graph"):
@@ -208,7 +229,6 @@ def test_constructor_rejects_cpu_and_fp32_caches():
 
 
 def test_plan_tensors_are_int32_host_arrays():
-    from unifiedserve.attention import build_paged_batch
     arrays = fib.plan_tensors(build_paged_batch([(3, 2, [4, 1])], BS))
     assert {k: v.tolist() for k, v in arrays.items()} == {
         "qo_indptr": [0, 2], "paged_kv_indptr": [0, 2], "paged_kv_indices": [4, 1], "paged_kv_last_page_len": [1]}

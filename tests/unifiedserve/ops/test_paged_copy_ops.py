@@ -149,16 +149,19 @@ def bad_inputs(device: str = "cpu", native: bool = True):
     return buffer, good, cases
 
 
-def check_bad_inputs(scatter, device: str = "cpu", native: bool = True) -> None:
+def check_bad_inputs(scatter, device: str = "cpu", native: bool = True, trace: bool = False) -> None:
+    """Each bad case raises and writes nothing. ``trace`` prints each case's number before its call (flushed), so a
+    child process that crashes in one (check_in_child) shows which."""
     buffer, good, cases = bad_inputs(device, native)
-    for i, (ix, src) in enumerate(cases):
+    cases += [(good, None, buffer.transpose(0, 1)),  # buffer not contiguous
+              (good, torch.ones(0, 3, device=device), torch.zeros(4, 0, 3, device=device))]  # page_size 0
+    for i, (ix, src, *other) in enumerate(cases):
+        target = other[0] if other else buffer
+        if trace:
+            print(f"bad case {i}", flush=True)
         with pytest.raises(RuntimeError):
-            scatter(buffer, src, ix)
+            scatter(target, torch.ones(3, 3, device=device) if src is None else src, ix)
         assert not buffer.any(), f"bad case {i} wrote to the buffer"
-    with pytest.raises(RuntimeError):
-        scatter(buffer.transpose(0, 1), torch.ones(3, 3, device=device), good)
-    with pytest.raises(RuntimeError):  # page_size 0
-        scatter(torch.zeros(4, 0, 3, device=device), torch.ones(0, 3, device=device), good)
 
 
 def test_bad_input_raises_and_writes_nothing_reference():
@@ -179,7 +182,7 @@ def check_in_child(code: str) -> None:
 def test_bad_input_raises_and_writes_nothing_native(native):
     check_in_child("import torch; from unifiedserve import ops; import test_paged_copy_ops as t\n"
                    "assert ops.native_available(), ops.build_info()\n"
-                   "t.check_bad_inputs(lambda b, s, ix: torch.ops.unifiedserve.paged_scatter(b, s, *ix))\n"
+                   "t.check_bad_inputs(lambda b, s, ix: torch.ops.unifiedserve.paged_scatter(b, s, *ix), trace=True)\n"
                    "print('all bad inputs raised')")
 
 
@@ -277,8 +280,9 @@ def test_cuda_public_ops_use_the_kernel(cuda_native, monkeypatch):
 
 def check_cuda_bad_inputs() -> None:
     native = torch.ops.unifiedserve
-    check_bad_inputs(lambda b, s, ix: native.paged_scatter(b, s, *ix), "cuda")
+    check_bad_inputs(lambda b, s, ix: native.paged_scatter(b, s, *ix), "cuda", trace=True)
     buffer, good, _ = bad_inputs("cuda")
+    print("bad gather", flush=True)
     with pytest.raises(RuntimeError):
         native.paged_gather(buffer, *good._replace(pv_page_indices=torch.tensor([1, 9], device="cuda")))
 
