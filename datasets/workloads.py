@@ -251,10 +251,14 @@ def image_spec(index: int, *, scale: float = 1.0, seed: int = 0) -> dict:
     return dict(width=width, height=height, seed=int(rng.integers(2**18)), suffix=suffix)
 
 
-def _cached_image(spec: dict, cache_dir: pathlib.Path) -> pathlib.Path:
+def _image_name(spec: dict) -> str:
     # make_image output depends only on these arguments, so they are the content key
-    name = (f"img_{spec['width']}x{spec['height']}_s{spec['seed']}"
+    return (f"img_{spec['width']}x{spec['height']}_s{spec['seed']}"
             f"_v{synthetic_video.GENERATOR_VERSION}{spec['suffix']}")
+
+
+def _cached_image(spec: dict, cache_dir: pathlib.Path) -> pathlib.Path:
+    name = _image_name(spec)
     final = cache_dir / name
     if not final.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -274,6 +278,36 @@ def _media_path(kind: str, index: int, cfg: WorkloadConfig, media_dir: pathlib.P
     return synthetic_video.cached_video(spec, cache_dir=media_dir / "videos")
 
 
+def _media_cached(kind: str, index: int, cfg: WorkloadConfig, media_dir: pathlib.Path) -> bool:
+    if kind == "image":
+        return (media_dir / "images" / _image_name(image_spec(index, scale=cfg.scale, seed=cfg.seed))).exists()
+    spec = video_spec(kind, index, scale=cfg.scale, seed=cfg.seed, seconds=cfg.video_seconds)
+    return (media_dir / "videos" / synthetic_video._spec_name(spec)[0]).exists()
+
+
+def _media_paths(needed: list[tuple[str, int]], cfg: WorkloadConfig, media_dir: pathlib.Path,
+                 progress: bool) -> dict[tuple[str, int], str]:
+    """Each needed media file's path, made first where missing. Files are made in parallel processes when the
+    machine has the cores: drawing a clip's frames is one Python thread per file, so on the GPU machine (16
+    cores) four 1-5 minute 720p clips took 145 s one after another (2026-11-26); in parallel the longest clip
+    bounds it. Each file is written under a temporary name and renamed (cached_video), so workers never clash."""
+    missing = [m for m in needed if not _media_cached(*m, cfg, media_dir)]
+    jobs = min(len(missing), max(1, (os.cpu_count() or 1) // 4))
+    parallel = jobs > 1 and sys.platform == "linux"
+    if parallel:
+        import concurrent.futures
+        import multiprocessing
+
+        # fork: the workers need nothing but this module's functions, and spawn would re-run a caller's __main__
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = [pool.submit(_media_path, kind, index, cfg, media_dir) for kind, index in missing]
+            for f in tqdm(concurrent.futures.as_completed(futures), total=len(futures), desc="media", unit="file",
+                          disable=not progress):
+                f.result()  # a failed file raises here
+    return {(kind, index): str(_media_path(kind, index, cfg, media_dir).resolve())
+            for kind, index in tqdm(needed, desc="media", unit="file", disable=not progress or parallel)}
+
+
 def generate_workload(cfg: WorkloadConfig, *, progress: bool = False) -> list[dict]:
     """Synthetic workload records for ``cfg`` (arrivals included); generates missing media.
 
@@ -290,9 +324,7 @@ def generate_workload(cfg: WorkloadConfig, *, progress: bool = False) -> list[di
 
     media_dir = pathlib.Path(cfg.media_dir) if cfg.media_dir else default_media_dir()
     needed = sorted({(k, i) for k, i, _ in plan if i is not None})
-    paths = {}
-    for kind, index in tqdm(needed, desc="media", unit="file", disable=not progress):
-        paths[kind, index] = str(_media_path(kind, index, cfg, media_dir).resolve())
+    paths = _media_paths(needed, cfg, media_dir, progress)
 
     arrivals = arrival_times(cfg.num_requests, cfg.request_rate, arrival=cfg.arrival,
                              burstiness=cfg.burstiness, seed=cfg.seed)

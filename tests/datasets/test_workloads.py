@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import pathlib
 import json
 import re
 import subprocess
@@ -167,6 +168,33 @@ def test_media_files_exist_and_are_reused(tmp_path):
     images = wl.generate_workload(dataclasses.replace(cfg, workload="image", num_requests=3))
     assert all(p.is_file() for p in tmp_path.rglob("img_*"))
     assert len({r["media"][0]["path"] for r in images}) == 2
+
+
+def test_missing_media_are_made_in_parallel_processes_when_there_are_cores(tmp_path, monkeypatch):
+    import concurrent.futures
+
+    pools = []
+
+    class Recording(concurrent.futures.ProcessPoolExecutor):
+        def __init__(self, jobs, **kw):
+            pools.append(jobs)
+            super().__init__(jobs, **kw)
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Recording)
+    monkeypatch.setattr(wl.os, "cpu_count", lambda: 16)
+    cfg = wl.WorkloadConfig(workload="short-video", num_requests=6, num_videos=3, scale=0.01,
+                            media_dir=str(tmp_path))
+    records = wl.generate_workload(cfg)
+    assert pools == [3]  # three missing clips, up to 16 // 4 workers
+    paths = {r["media"][0]["path"] for r in records}
+    assert len(paths) == 3 and all(pathlib.Path(p).is_file() for p in paths)
+    assert not list(tmp_path.rglob(".tmp-*"))
+    assert wl.generate_workload(cfg) == records and pools == [3]  # all cached: no pool the second time
+    sequential = tmp_path / "sequential"
+    monkeypatch.setattr(wl.os, "cpu_count", lambda: 2)
+    again = wl.generate_workload(dataclasses.replace(cfg, media_dir=str(sequential)))
+    assert pools == [3] and sorted(pathlib.Path(r["media"][0]["path"]).name for r in again) == sorted(
+        pathlib.Path(r["media"][0]["path"]).name for r in records)
 
 
 def test_config_errors_say_what_to_fix():

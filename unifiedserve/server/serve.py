@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CUDA: size the KV cache to fill this share of the GPU's memory (e.g. 0.9, as in vLLM), "
                         "after what every process of the server holds there: measured at start-up by a profile "
                         "process (weights, buffers, peak prefill/encode and decode steps, CUDA graphs, contexts), "
-                        "plus --vision-ahead-gb and a decoder allowance. Instead of --kv-cache-gb / --num-kv-blocks")
+                        "plus --vision-ahead-gb and a decoder allowance. Instead of --kv-cache-gb / --num-kv-blocks "
+                        "(default on CUDA: 0.9 when neither is given)")
     g.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="longest prompt + completion in tokens, visual tokens included (default: the model's, "
                         "capped by the KV cache)")
@@ -369,6 +370,14 @@ def build_runtime(args: argparse.Namespace):
 
         placement = gpu_placement_fields(args, device, torch.cuda.device_count(), mps_running())
         device = "cuda"  # each worker sees only its GPU (CUDA_VISIBLE_DEVICES), as cuda:0
+        if utilization is None and args.kv_cache_gb is None and args.num_kv_blocks is None:
+            # as vLLM: the KV cache fills the GPU's memory up to this share (sized by the profile, as with the flag;
+            # a server sized at 0.4 stayed inside its share on the H200, docs/gpu.md, 2026-11-26)
+            from unifiedserve.engine.device import DEFAULT_GPU_MEMORY_UTILIZATION
+
+            utilization = DEFAULT_GPU_MEMORY_UTILIZATION  # the engine's default too (EngineConfig)
+            log.info("KV cache sized by --gpu-memory-utilization %g (the CUDA default; --kv-cache-gb or "
+                     "--num-kv-blocks to fix it)", utilization)
     dtype = resolve_dtype(args.dtype, device)
     from unifiedserve.runtime.launcher import Runtime, build_config
 

@@ -102,3 +102,33 @@ def test_cuda_is_refused_unless_the_unverified_gate_is_set(monkeypatch):
         assert _resolve_device("auto") == "cpu"
     else:
         assert _resolve_device("auto") == "cuda" and _resolve_device("cuda:0") == "cuda:0"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], 0.9),  # no KV size given: vLLM's default share
+    (["--gpu-memory-utilization", "0.5"], 0.5),
+    (["--kv-cache-gb", "4"], None), (["--num-kv-blocks", "64"], None),  # a fixed size: no profile
+])
+def test_a_cuda_server_sizes_its_kv_cache_by_utilization_unless_given_a_size(monkeypatch, demo_path, argv, expected):
+    import torch
+
+    from unifiedserve.runtime import memory_plan
+    from unifiedserve.server import serve
+
+    monkeypatch.setattr(serve, "_resolve_device", lambda device: "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr("unifiedserve.runtime.gpu_placement.mps_running", lambda: False)
+    monkeypatch.setattr("unifiedserve.engine.device.resolve_dtype", lambda dtype, device: "bfloat16")
+    monkeypatch.setattr("unifiedserve.engine.device.resolve_device", lambda device: device)
+    asked = []
+
+    def profile(model, engine, pools, *, utilization, **kw):  # stands in for the profile process on the GPU
+        asked.append(utilization)
+        raise RuntimeError(f"profiled at {utilization}")
+
+    monkeypatch.setattr(memory_plan, "size_server_kv", profile)
+    try:  # the CPU builds a CUDA config without a GPU only as far as the first thing that needs one
+        serve.build_runtime(flags("--model", str(demo_path), *argv))
+    except ValueError as e:
+        assert expected is None or f"profiled at {expected}" in str(e)
+    assert asked == ([] if expected is None else [expected])
