@@ -5,6 +5,8 @@
 #
 #   on the dev machine:  scripts/gpu_wheels.sh decode        # or attention: fills .whl/ (git-ignored)
 #   on the device:       scripts/gpu_check.sh "$OUT" decode  # run with carry=[".whl"]
+#   two sets, two calls on one warm machine: scripts/gpu_wheels.sh decode .whl-decode, then
+#                        GPU_WHEELS=.whl-decode scripts/gpu_check.sh "$OUT" decode  # carry=[".whl-decode"]
 #
 # Groups (one per run: both wheel sets together exceed what a run may carry):
 #   decode     flashcodec on NVDEC / nvJPEG / NVML: the decode tests, bench/decode/bench_resize.py (the
@@ -83,17 +85,21 @@ ldd --version 2>&1 | head -1  # glibc: llguidance's wheel needs 2.31
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || echo "no nvidia-smi"
 
 step "wheels ($group)"
+# GPU_WHEELS: the carried folder (default .whl). One run may carry 64 MiB, so the decode and attention groups'
+# wheels are built into two folders (scripts/gpu_wheels.sh decode .whl-decode) and each call carries one: on a
+# warm machine the second set goes in beside the first (PyAV is in both, the same version).
+wheels=${GPU_WHEELS:-.whl}
 site=/tmp/site
-if compgen -G ".whl/*.whl" >/dev/null; then
-  wanted=$(cd .whl && ls -- *.whl | sort | tr '\n' ' ')
-  if [ "$(cat "$site/.installed" 2>/dev/null)" = "$wanted" ]; then
+if compgen -G "$wheels/*.whl" >/dev/null; then
+  wanted=$(cd "$wheels" && ls -- *.whl | sort | tr '\n' ' ')
+  if grep -qxF "$wanted" "$site/.installed" 2>/dev/null; then
     echo "already installed in $site (a warm machine)"
   else
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl &&
-      echo "$wanted" > "$site/.installed"  # only a complete install is reused by the next run
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" "$wheels"/*.whl &&
+      echo "$wanted" >> "$site/.installed"  # only a complete install is reused by the next run
   fi
 else
-  echo "no .whl/ here: run scripts/gpu_wheels.sh $group first and carry .whl"
+  echo "no $wheels/ here: run scripts/gpu_wheels.sh $group first and carry $wheels"
 fi
 export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH}
 # torchcodec wants FFmpeg's libraries under their plain names; PyAV's wheel bundles the same majors under
@@ -117,10 +123,10 @@ mkdir -p "$site/bin"
 printf '#!/bin/sh\nexec python3 -m unifiedserve.cli "$@"\n' > "$site/bin/unifiedserve"
 chmod +x "$site/bin/unifiedserve"
 export UNIFIEDSERVE_BIN=$site/bin/unifiedserve
-if [ -f .whl/flashinfer-kernels.tar.xz ] && [ "$group" != decode ]; then
+if [ -f "$wheels/flashinfer-kernels.tar.xz" ] && [ "$group" != decode ]; then
   step "flashinfer's kernels, compiled on the development machine (scripts/flashinfer_kernels.py): no JIT here"
   rm -f /tmp/flashinfer-fallback.env
-  run 150 flashinfer-kernels python3 scripts/flashinfer_kernels.py install .whl/flashinfer-kernels.tar.xz \
+  run 150 flashinfer-kernels python3 scripts/flashinfer_kernels.py install "$wheels/flashinfer-kernels.tar.xz" \
     --env-out /tmp/flashinfer-fallback.env
   # FA3 modules that do not load, with no CUTLASS headers to compile them (slim wheel): prefill runs FA2
   [ -f /tmp/flashinfer-fallback.env ] && . /tmp/flashinfer-fallback.env

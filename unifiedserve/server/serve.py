@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="model id in the API (default: the folder's name)")
     g.add_argument("--device", type=_device_arg, default="auto", metavar="{auto,cpu,cuda,cuda:N}",
                    help="where the model runs (default auto: CUDA when available and supported, else CPU; the "
-                        "multi-process server runs on CPU until its CUDA pools are verified, see issue 14)")
+                        "multi-process server runs on CPU until its output on CUDA is checked against the engine's "
+                        "on a GPU, see docs/gpu.md)")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="weights and activations (default auto: float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("--enforce-eager", action="store_true",
@@ -296,15 +297,16 @@ def _resolve_device(device: str) -> str:
             return "cpu"
         if unverified:
             return "cuda"
-        log.warning("CUDA is available, but the server runs on CPU: the multi-process runtime on CUDA needs "
-                    "its CUDA IPC pools (issue 14), not yet verified on a GPU (--device cpu silences this)")
+        log.warning("CUDA is available, but the server runs on CPU: the multi-process server on CUDA has run on "
+                    "a GPU, but its output is not yet checked against the engine's there (docs/gpu.md; "
+                    "--device cpu silences this)")
         return "cpu"
     if unverified:
         resolve_device(device)  # a clear error without a GPU
         return device
-    raise ValueError(f"--device {device}: the multi-process server does not run on CUDA yet (its shared KV and "
-                     f"patch pools need CUDA IPC, issue 14); use --device cpu, or the in-process engine "
-                     f"unifiedserve.engine.LLM, which runs on CUDA")
+    raise ValueError(f"--device {device}: the multi-process server does not run on CUDA yet (it ran on a GPU, "
+                     f"but its output is not yet checked against the engine's there: docs/gpu.md); use --device "
+                     f"cpu, or the in-process engine unifiedserve.engine.LLM, which runs on CUDA")
 
 
 def run(args: argparse.Namespace) -> int:
