@@ -338,6 +338,9 @@ def main(argv=None) -> int:
         flops = em.vit_flops(engine.model_config.vision, model.visual, grid)
         results["vision"] = _throughput(patches.shape[0], "patches", ours_v, hf_v, flops, peak)
         save()
+        # where the tower's time goes (issue 13's ViT MFU): each attention kernel, and the parts alone
+        results["vision"]["split"] = em.vision_split(model.visual, patches, grid, device, repeats)
+        save()
     usage = engine.pool_usage()
     if usage != {"kv_blocks_used": 0, "patch_pages_used": 0, "visual_pages_used": 0}:
         failed.append(f"pages still in use after every request finished: {usage}")
@@ -484,6 +487,14 @@ def _print(results: dict, device: str, dtype: str) -> None:
         print(f"{name} ({r[unit]} {unit}{chunk}): ours {r[f'ours_{unit}_per_s']:.0f}/s ({r['ours_tflops']:.3g} TFLOP/s), "
               f"transformers {r[f'transformers_{unit}_per_s']:.0f}/s ({r['transformers_tflops']:.3g} TFLOP/s), "
               f"{r['speedup']:.2f}x{mfu}")
+    split = results.get("vision", {}).get("split")
+    if split:
+        towers = ", ".join(f"{impl} {ms:.2f} ms" if isinstance(ms, float) else f"{impl} n/a"
+                           for impl, ms in split["tower_ms"].items())
+        other = f", other {split['other_ms']:.2f}" if "other_ms" in split else ""
+        print(f"vision split: tower with {towers}; parts (default {split['attention_impl']}): MLPs "
+              f"{split['mlp_ms']:.2f}, attention linears {split['attn_linears_ms']:.2f}, attention windows "
+              f"{split['attention_window_ms']:.2f}, full {split['attention_full_ms']:.2f}{other} ms")
 
 
 if __name__ == "__main__":

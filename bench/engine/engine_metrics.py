@@ -144,3 +144,56 @@ def machine_info(device: torch.device) -> dict:
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
                     sms=props.multi_processor_count)
     return info
+
+
+@torch.inference_mode()
+def vision_split(tower: torch.nn.Module, patches: torch.Tensor, grids: list[tuple[int, int, int]],
+                 device: torch.device, repeats: int) -> dict:
+    """Where the vision tower's time goes (milliseconds of one forward over ``patches``).
+
+    ``tower_ms``: the whole tower with each attention kernel of :mod:`unifiedserve.attention.varlen` (a kernel this
+    device or dtype lacks gives its error instead). Then its parts, each timed alone over the same rows and summed
+    over the layers: the MLPs, the attention's linear layers (qkv and proj), and the attention kernel the tower uses
+    by default on the windowed and the full-attention layers' segments; ``other_ms`` is the default tower's time
+    less those (norms, rotary, the window reorder, patch embedding and merger, launches).
+    """
+    from unifiedserve.attention.varlen import VARLEN_IMPLS, resolve_varlen_impl
+    from unifiedserve.model.vision import varlen_attention, vision_layout
+
+    cfg = tower.config
+    dtype = tower.patch_embed.weight.dtype
+    before = tower.blocks[0].attn.attention_impl
+    default = resolve_varlen_impl(before, device, dtype)
+    out: dict = {"attention_impl": default, "tower_ms": {}}
+    try:
+        for impl in (i for i in VARLEN_IMPLS if i != "auto"):
+            tower.set_attention_impl(impl)
+            try:
+                out["tower_ms"][impl] = 1e3 * median_seconds(lambda: tower(patches, grids), device, repeats)
+            except Exception as e:  # e.g. flashinfer on the CPU
+                out["tower_ms"][impl] = f"{type(e).__name__}: {e}"[:200]
+    finally:
+        tower.set_attention_impl(before)
+    n, depth, full = patches.shape[0], len(tower.blocks), len(cfg.fullatt_block_indexes)
+    block = tower.blocks[0]
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(n, cfg.hidden_size, generator=gen, device=device, dtype=dtype)
+    out["mlp_ms"] = 1e3 * depth * median_seconds(lambda: block.mlp(x), device, repeats)
+    out["attn_linears_ms"] = 1e3 * depth * median_seconds(
+        lambda: block.attn.proj(block.attn.qkv(x)[:, :cfg.hidden_size]), device, repeats)
+    layout = vision_layout(tuple(tuple(int(v) for v in g) for g in grids), cfg.spatial_merge_size,
+                           cfg.window_merge_units)
+    q, k, v = (torch.randn(n, cfg.num_heads, cfg.head_dim, generator=gen, device=device, dtype=dtype)
+               for _ in range(3))
+    scale = cfg.head_dim ** -0.5
+
+    def kernel(lens):
+        return median_seconds(lambda: varlen_attention(q, k, v, lens, scale, default), device, repeats)
+
+    out["attention_window_ms"] = 1e3 * (depth - full) * kernel(layout.window_lens)
+    out["attention_full_ms"] = 1e3 * full * kernel(layout.frame_lens)
+    whole = out["tower_ms"].get(default)
+    if isinstance(whole, float):
+        out["other_ms"] = whole - sum(out[k] for k in ("mlp_ms", "attn_linears_ms", "attention_window_ms",
+                                                       "attention_full_ms"))
+    return out

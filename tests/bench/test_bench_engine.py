@@ -86,6 +86,11 @@ def test_bench_engine_runs_on_cpu(tmp_path):
     assert set(r["decode"]) == {"1", "2"} and all(d["ours_tokens_per_s"] > 0 for d in r["decode"].values())
     assert all(d["async_step_ms"] > 0 and d["graph_replay_ms"] is None for d in r["decode"].values())
     assert r["prefill"]["tokens"] == 32 and r["vision"]["patches"] == 28 * 52
+    split = r["vision"]["split"]  # the tower with each attention kernel, and its parts alone
+    assert split["attention_impl"] == "grouped" and isinstance(split["tower_ms"]["grouped"], float)
+    assert isinstance(split["tower_ms"]["padded"], float) and "flashinfer" in split["tower_ms"]["flashinfer"]
+    assert all(split[k] > 0 for k in ("mlp_ms", "attn_linears_ms", "attention_window_ms", "attention_full_ms"))
+    assert "other_ms" in split
     assert "ours_mfu" not in r["prefill"]  # no peak known for a CPU
     assert r["correctness_failed"] == []
 
