@@ -144,4 +144,4 @@ def test_serve_auto_on_a_cuda_machine_says_once_it_runs_on_cpu(monkeypatch, capl
     with caplog.at_level("WARNING", logger="unifiedserve"):
         assert serve._resolve_device("auto") == "cpu"
     lines = [r.getMessage() for r in caplog.records if "runs on CPU" in r.getMessage()]
-    assert len(lines) == 1 and "issue 14" in lines[0]
+    assert len(lines) == 1 and "docs/gpu.md" in lines[0]
