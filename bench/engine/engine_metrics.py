@@ -89,10 +89,9 @@ def vit_flops(vision_config, visual: torch.nn.Module, grids: list[tuple[int, int
     v = vision_config
     patches = sum(t * h * w for t, h, w in grids)
     merge = v.spatial_merge_size ** 2
-    patch_dim = 3 * v.temporal_patch_size * v.patch_size ** 2
     merger = linear_params(visual.merger)
     blocks = linear_params(visual.blocks)
-    flops = 2.0 * (blocks * patches + patch_dim * v.hidden_size * patches + merger * patches / merge)
+    flops = 2.0 * (blocks * patches + v.patch_dim * v.hidden_size * patches + merger * patches / merge)
     window = (v.window_size // v.patch_size) ** 2  # patches per attention window
     full = len(v.fullatt_block_indexes)
     per_key = 4 * v.num_heads * (v.hidden_size // v.num_heads)

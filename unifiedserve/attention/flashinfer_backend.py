@@ -93,14 +93,10 @@ def import_flashinfer() -> Any:
     return flashinfer
 
 
-def plan_tensors(batch: PagedBatch, pin: bool = False) -> dict[str, torch.Tensor]:
-    """flashinfer's int32 host arrays for a batch (its ``plan`` copies them to the device).
-
-    ``pin``: in page-locked memory, so that those copies are queued rather than staged by the host (a CUDA cache).
-    """
-    out = {name: torch.tensor(getattr(batch, name), dtype=torch.int32)
-           for name in ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")}
-    return {name: t.pin_memory() for name, t in out.items()} if pin else out
+def plan_tensors(batch: PagedBatch) -> dict[str, torch.Tensor]:
+    """flashinfer's int32 host arrays for a batch (its ``plan`` copies them to the device)."""
+    return {name: torch.tensor(getattr(batch, name), dtype=torch.int32)
+            for name in ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")}
 
 
 @dataclass
@@ -140,7 +136,6 @@ class FlashInferAttention(AttentionBackend):
         self._graph_max_seq_len = 0
         self._step: _Step | None = None
         self._planned: dict[int, Any] = {}  # id(wrapper) -> event after its last plan's queued copy
-        self._pin = device.type == "cuda"  # plan arrays in page-locked memory (plan_tensors)
 
     @staticmethod
     def _validate_cache(kv_cache: KVCache) -> None:
@@ -162,6 +157,11 @@ class FlashInferAttention(AttentionBackend):
         wrapper.plan(*args, **kwargs)
         self._planned[id(wrapper)] = _copy_done_event(self.kv_cache.device)
 
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        """A plan array flashinfer copies up: page-locked on CUDA, so that the copy is queued rather than staged
+        by the host."""
+        return t.pin_memory() if self.kv_cache.device.type == "cuda" else t
+
     def _plan_kwargs(self) -> dict[str, Any]:
         dtype = self.kv_cache.dtype
         return dict(pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=dtype, kv_data_type=dtype)
@@ -171,17 +171,17 @@ class FlashInferAttention(AttentionBackend):
         if graph_batch_size is not None:
             self._step = self._plan_graph(batch, graph_batch_size)
             return
-        arrays = plan_tensors(batch, pin=self._pin)
+        arrays = plan_tensors(batch)
+        paged = [self._host(arrays[name]) for name in ("paged_kv_indptr", "paged_kv_indices",
+                                                          "paged_kv_last_page_len")]
         if batch.is_decode:
             wrapper = self._decode
-            self._plan(wrapper, arrays["paged_kv_indptr"], arrays["paged_kv_indices"],
-                       arrays["paged_kv_last_page_len"], self.num_q_heads, self.num_kv_heads, self.head_dim,
+            self._plan(wrapper, *paged, self.num_q_heads, self.num_kv_heads, self.head_dim,
                        self.kv_cache.block_size, **self._plan_kwargs())
         else:
             wrapper = self._prefill
-            self._plan(wrapper, arrays["qo_indptr"], arrays["paged_kv_indptr"], arrays["paged_kv_indices"],
-                       arrays["paged_kv_last_page_len"], self.num_q_heads, self.num_kv_heads, self.head_dim,
-                       self.kv_cache.block_size, causal=True, **self._plan_kwargs())
+            self._plan(wrapper, self._host(arrays["qo_indptr"]), *paged, self.num_q_heads, self.num_kv_heads,
+                       self.head_dim, self.kv_cache.block_size, causal=True, **self._plan_kwargs())
         slot_mapping = to_device(torch.tensor(batch.slot_mapping, dtype=torch.int64), self.kv_cache.device)
         self._step = _Step(wrapper, batch.num_tokens, slot_mapping, None)
 
@@ -220,16 +220,16 @@ class FlashInferAttention(AttentionBackend):
             raise ValueError(f"a sequence of {batch.max_kv_len} tokens exceeds the graph's max_seq_len "
                              f"{self._graph_max_seq_len}")
         padded = pad_decode_batch(batch, graph_batch_size)
-        arrays = plan_tensors(padded, pin=self._pin)
+        arrays = plan_tensors(padded)
         # flashinfer's graph-mode plan copies these into the wrapper's fixed buffers. It reads indptr and the
         # last-page lengths on the host too (keep them there: pinned, their copies are queued), but copies the page
         # indices with a blocking copy unless they are on the device already (flashinfer 0.6.13, decode.py, plan:
         # non_blocking=(indices.device == self.device) and non_blocking): a host wait per replay, which the device
         # caught under torch.cuda.set_sync_debug_mode("error"). So they go up first, queued.
         indices = to_device(arrays["paged_kv_indices"], self.kv_cache.device)
-        self._plan(wrapper, arrays["paged_kv_indptr"], indices, arrays["paged_kv_last_page_len"],
-                   self.num_q_heads, self.num_kv_heads, self.head_dim, self.kv_cache.block_size,
-                   **self._plan_kwargs())
+        indptr, last = (self._host(arrays[name]) for name in ("paged_kv_indptr", "paged_kv_last_page_len"))
+        self._plan(wrapper, indptr, indices, last, self.num_q_heads, self.num_kv_heads, self.head_dim,
+                   self.kv_cache.block_size, **self._plan_kwargs())
         n = graph_batch_size
         slot_mapping, write_rows = self._graph_bufs["slot_mapping"][:n], self._graph_bufs["write_rows"][:n]
         copy_host_ints(slot_mapping, padded.slot_mapping)  # queued, not waited for: no host sync per replay

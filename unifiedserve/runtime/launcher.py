@@ -61,7 +61,6 @@ def build_config(model: str, engine: EngineConfig, budgets: PoolBudgets = PoolBu
     num_kv_blocks = budgets.num_kv_blocks
     if num_kv_blocks is None:
         num_kv_blocks = int(budgets.kv_cache_gb * GiB) // (kv_token_bytes * block_size)
-    patch_dim = 3 * vision.temporal_patch_size * vision.patch_size ** 2
     num_patch_pages, num_visual_pages = buffer_pages(cfg, engine, budgets)
     for name, value, flag in (("KV cache", num_kv_blocks, "--kv-cache-gb / --num-kv-blocks"),
                               ("patch buffer", num_patch_pages, "--patch-buffer-gb"),
@@ -79,7 +78,7 @@ def build_config(model: str, engine: EngineConfig, budgets: PoolBudgets = PoolBu
                                     decode_threads=decode_threads, vision_threads=kwargs.get("vision_threads", 0)))
     pool_shapes = {
         "kv": (text.num_hidden_layers, 2, num_kv_blocks, block_size, text.num_key_value_heads, text.head_dim),
-        "patch": (num_patch_pages, page_size, patch_dim),
+        "patch": (num_patch_pages, page_size, vision.patch_dim),
         # one copy of the LLM's weights for core and decode (bytes: the parameters keep their dtypes)
         "weights": (llm_weight_bytes(cfg, DTYPES[engine.dtype]),),
     }
@@ -95,8 +94,7 @@ def buffer_pages(cfg: ModelConfig, engine: EngineConfig, budgets: PoolBudgets) -
 
     itemsize = DTYPES[engine.dtype].itemsize
     vision, page_size = cfg.vision, engine.page_size
-    patch_dim = 3 * vision.temporal_patch_size * vision.patch_size ** 2
-    return (int(budgets.patch_buffer_gb * GiB) // (page_size * patch_dim * itemsize),
+    return (int(budgets.patch_buffer_gb * GiB) // (page_size * vision.patch_dim * itemsize),
             int(budgets.visual_buffer_gb * GiB) // (page_size * vision.out_hidden_size * itemsize))
 
 
