@@ -219,4 +219,4 @@ class AttentionBackend(ABC):
 def copy_host_ints(dst: torch.Tensor, values: Sequence[int]) -> None:
     """Write host ints into a fixed device buffer (a CUDA graph's input) without waiting for the device: on every
     graph replay a blocking copy would wait for every step already queued (:func:`to_device`)."""
-    dst.copy_(to_device(torch.tensor(values, dtype=dst.dtype), dst.device), non_blocking=True)
+    dst.copy_(to_device(torch.as_tensor(values, dtype=dst.dtype), dst.device), non_blocking=True)

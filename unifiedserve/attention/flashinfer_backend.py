@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from unifiedserve import ops
@@ -95,7 +96,7 @@ def import_flashinfer() -> Any:
 
 def plan_tensors(batch: PagedBatch) -> dict[str, torch.Tensor]:
     """flashinfer's int32 host arrays for a batch (its ``plan`` copies them to the device)."""
-    return {name: torch.tensor(getattr(batch, name), dtype=torch.int32)
+    return {name: torch.from_numpy(getattr(batch, name))  # int32 already: shares the array's memory
             for name in ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")}
 
 
@@ -182,7 +183,7 @@ class FlashInferAttention(AttentionBackend):
             wrapper = self._prefill
             self._plan(wrapper, self._host(arrays["qo_indptr"]), *paged, self.num_q_heads, self.num_kv_heads,
                        self.head_dim, self.kv_cache.block_size, causal=True, **self._plan_kwargs())
-        slot_mapping = to_device(torch.tensor(batch.slot_mapping, dtype=torch.int64), self.kv_cache.device)
+        slot_mapping = to_device(torch.from_numpy(batch.slot_mapping), self.kv_cache.device)
         self._step = _Step(wrapper, batch.num_tokens, slot_mapping, None)
 
     def init_cuda_graph(self, batch_sizes: Sequence[int], max_seq_len: int) -> None:
@@ -198,8 +199,8 @@ class FlashInferAttention(AttentionBackend):
             "paged_kv_indptr": torch.zeros(max_batch + 1, dtype=torch.int32, device=device),
             "paged_kv_indices": torch.zeros(max_pages, dtype=torch.int32, device=device),
             "paged_kv_last_page_len": torch.zeros(max_batch, dtype=torch.int32, device=device),
-            "slot_mapping": torch.zeros(max_batch, dtype=torch.int64, device=device),
-            "write_rows": torch.zeros(max_batch, dtype=torch.int64, device=device),
+            # slot map (row 0) and write rows (row 1) of a step: one buffer, so one copy sends both up
+            "rows": torch.zeros((2, max_batch), dtype=torch.int64, device=device),
         }
         self._graph_bufs = bufs
         self._graph_max_seq_len = max_seq_len
@@ -231,10 +232,9 @@ class FlashInferAttention(AttentionBackend):
         self._plan(wrapper, indptr, indices, last, self.num_q_heads, self.num_kv_heads, self.head_dim,
                    self.kv_cache.block_size, **self._plan_kwargs())
         n = graph_batch_size
-        slot_mapping, write_rows = self._graph_bufs["slot_mapping"][:n], self._graph_bufs["write_rows"][:n]
-        copy_host_ints(slot_mapping, padded.slot_mapping)  # queued, not waited for: no host sync per replay
-        copy_host_ints(write_rows, padded.write_rows)
-        return _Step(wrapper, n, slot_mapping, write_rows)
+        rows = self._graph_bufs["rows"][:, :n]
+        copy_host_ints(rows, np.stack((padded.slot_mapping, padded.write_rows)))  # queued: no host sync per replay
+        return _Step(wrapper, n, rows[0], rows[1])  # each a contiguous row: what the fused K/V write takes
 
     # -- per layer (inside the forward; no host syncs) --------------------------------------------
 

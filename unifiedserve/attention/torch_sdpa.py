@@ -9,12 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from unifiedserve import ops
 from unifiedserve.attention.base import AttentionBackend, KVCache, copy_host_ints
 from unifiedserve.attention.metadata import PagedBatch, SeqSpec, build_paged_batch, pad_decode_batch
+from unifiedserve.memory.transfer import to_device
 
 
 @dataclass
@@ -84,18 +86,18 @@ class TorchPagedAttention(AttentionBackend):
         if graph_batch_size is not None:
             self._plan = self._plan_graph(batch, graph_batch_size)
             return
-        slot_mapping = torch.tensor(batch.slot_mapping, dtype=torch.int64).to(device, non_blocking=True)
-        indptr, pages = batch.paged_kv_indptr, torch.tensor(batch.paged_kv_indices, dtype=torch.int64).to(device,
-                                                                                                     non_blocking=True)
+        slot_mapping = to_device(torch.from_numpy(batch.slot_mapping), device)
         if batch.is_decode:
             slots, valid = self._decode_maps(batch, max_len=batch.max_kv_len)
             self._plan = _TorchPlan(batch, slot_mapping, None, slots, valid, [])
             return
         block_size = self.kv_cache.block_size
+        indptr = batch.paged_kv_indptr.tolist()
+        pages = to_device(torch.from_numpy(batch.paged_kv_indices).long(), device)
         offsets = torch.arange(block_size, device=device)
         prefill = []
-        for b, (num_cached, kv_len) in enumerate(zip(batch.cached_lens, batch.kv_lens)):
-            rows = (batch.qo_indptr[b], batch.qo_indptr[b + 1])
+        for b, (num_cached, kv_len) in enumerate(zip(batch.cached_lens.tolist(), batch.kv_lens.tolist())):
+            rows = (int(batch.qo_indptr[b]), int(batch.qo_indptr[b + 1]))
             seq_pages = pages[indptr[b]:indptr[b + 1]]  # [P]
             slots = (seq_pages[:, None] * block_size + offsets).flatten()[:kv_len]  # [kv_len]
             # row i sits at absolute position num_cached + i and sees keys 0..num_cached + i
@@ -127,12 +129,20 @@ class TorchPagedAttention(AttentionBackend):
         block_size = self.kv_cache.block_size
         device = self.kv_cache.device
         num_pages = -(-max_len // block_size)
-        table = torch.zeros((batch.num_seqs, num_pages), dtype=torch.int64)  # [B, P], 0-padded
-        for b in range(batch.num_seqs):
-            pages = batch.paged_kv_indices[batch.paged_kv_indptr[b]:batch.paged_kv_indptr[b + 1]]
-            table[b, :len(pages)] = torch.tensor(pages, dtype=torch.int64)
-        table = table.to(device, non_blocking=True)
-        kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int64).to(device, non_blocking=True)  # [B]
+        # [B, P] page table, 0-padded: row by row for a few sequences, else every page scattered at once (a
+        # handful of numpy calls, whatever the batch, against one per row)
+        table = np.zeros((batch.num_seqs, num_pages), dtype=np.int64)
+        if batch.num_seqs <= 8:
+            for b in range(batch.num_seqs):
+                pages = batch.pages(b)
+                table[b, :len(pages)] = pages
+        else:
+            counts = np.diff(batch.paged_kv_indptr)
+            rows = np.repeat(np.arange(batch.num_seqs), counts)
+            cols = np.arange(len(batch.paged_kv_indices)) - np.repeat(batch.paged_kv_indptr[:-1], counts)
+            table[rows, cols] = batch.paged_kv_indices
+        table = to_device(torch.from_numpy(table), device)
+        kv_lens = to_device(torch.from_numpy(batch.kv_lens), device)  # [B]
         positions = torch.arange(max_len, device=device)  # [L]
         slots = table[:, positions // block_size] * block_size + positions % block_size  # [B, L]
         valid = positions[None, :] < kv_lens[:, None]  # [B, L]

@@ -179,8 +179,7 @@ class EngineCore:
         if overlap and not (out.admitted or out.encode or out.prefill):
             logits = self.runner.execute(out, self.scheduler.requests, self._pending)
             self.scheduler.commit(out)
-            ids = list(logits)
-            rows = torch.stack([logits[r] for r in ids])  # [B, vocab]
+            ids, rows = logits.request_ids, logits.rows  # [B, vocab]
             params = [self.seqs[r].params for r in ids]
             samplers = [self.seqs[r].sampler for r in ids]
             previous = None
@@ -203,8 +202,7 @@ class EngineCore:
         self.scheduler.commit(out)
         if not logits:
             return out, flushed
-        ids = list(logits)
-        rows = torch.stack([logits[r] for r in ids])  # [B, vocab]
+        ids, rows = logits.request_ids, logits.rows  # [B, vocab]
         return out, flushed + self._note_ended(list(zip(ids, process_logits(rows, [self.seqs[r] for r in ids]))))
 
     def _drop_ended(self, out) -> None:

@@ -51,8 +51,10 @@ class DecodeGraphs:
         self.device = device
         self.max_seq_len = max_seq_len
         largest = self.batch_sizes[-1]
-        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)  # [B_max]
-        self.positions = torch.zeros((3, largest), dtype=torch.int64, device=device)  # [3, B_max]
+        # token ids and M-RoPE positions in one buffer, so that a step sends both up in one copy
+        self._inputs = torch.zeros((4, largest), dtype=torch.int64, device=device)  # [1 + 3, B_max]
+        self.input_ids = self._inputs[0]  # [B_max]
+        self.positions = self._inputs[1:]  # [3, B_max]
         attn.init_cuda_graph(self.batch_sizes, max_seq_len)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}  # [B, vocab] logits each graph writes
@@ -112,14 +114,12 @@ class DecodeGraphs:
             raise ValueError(f"expected input_ids [{n}] and positions [3, {n}], got {list(input_ids.shape)} "
                              f"and {list(positions.shape)}")
         self.attn.plan(seqs, graph_batch_size=size)
-        ids = torch.zeros(size, dtype=torch.int64)  # padding rows: token 0 at position 0
-        ids[:n] = input_ids
-        pos = torch.zeros((3, size), dtype=torch.int64)
-        pos[:, :n] = positions
-        self.input_ids[:size].copy_(to_device(ids, self.device), non_blocking=True)
+        host = torch.zeros((4, size), dtype=torch.int64)  # padding rows: token 0 at position 0
+        host[0, :n] = input_ids
+        host[1:, :n] = positions
+        self._inputs[:, :size].copy_(to_device(host, self.device), non_blocking=True)
         if fed is not None:  # rows whose token is still on the device (async scheduling)
             self.input_ids.index_copy_(0, *fed)
-        self.positions[:, :size].copy_(to_device(pos, self.device), non_blocking=True)
         return size
 
     def run(self, seqs, input_ids: torch.Tensor, positions: torch.Tensor, fed=None) -> torch.Tensor:

@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from unifiedserve import ops
 from unifiedserve.attention import KVCache, TorchPagedAttention, get_attention_backend
+from unifiedserve.attention.metadata import as_block_table
 from unifiedserve.engine.inputs import MediaGrid, VisionInput
 from unifiedserve.engine.media_cache import MediaCache
 from unifiedserve.engine.request import Request
 from unifiedserve.engine.scheduler import SchedulerOutput
 from unifiedserve.memory.buffers import PagedBuffer
 from unifiedserve.memory.transfer import to_device
-from unifiedserve.model.rope import decode_positions, get_rope_index
+from unifiedserve.model.rope import get_rope_index
 
 log = logging.getLogger(__name__)
 
@@ -116,14 +119,31 @@ def forward_tokens(model, attn, input_ids: torch.Tensor, positions: torch.Tensor
     return model.compute_logits(hidden.index_select(0, picked))  # [S, vocab]
 
 
-def decode_row(num_cached: int, last_token: int, mrope_delta: int, block_table: list[int]):
-    """The model inputs of one sequence's next decode token: ``(ids [1], positions [3, 1], seq)``.
+class StepLogits(Mapping):
+    """A step's logits: ``rows`` ``[S, vocab]`` on the device, row ``i`` that of ``request_ids[i]``.
 
-    ``num_cached`` tokens are in the KV cache (prompt + outputs but the last, which is fed now); a
-    generated token's M-RoPE position is the same on all three axes (``num_cached + mrope_delta``).
+    Also a mapping request id -> its ``[vocab]`` row; the engine core samples ``rows`` as they are (no
+    per-row views stacked again: host time per step, issue 13).
     """
-    return (torch.tensor([last_token], dtype=torch.int64), decode_positions(num_cached, mrope_delta),
-            (num_cached, 1, block_table))
+
+    __slots__ = ("request_ids", "rows", "_index")
+
+    def __init__(self, request_ids: list[str], rows: torch.Tensor | None):
+        self.request_ids = request_ids
+        self.rows = rows
+        self._index = {r: i for i, r in enumerate(request_ids)}
+
+    def __getitem__(self, request_id: str) -> torch.Tensor:
+        return self.rows[self._index[request_id]]
+
+    def __iter__(self):
+        return iter(self.request_ids)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+
+_NO_LOGITS = StepLogits([], None)
 
 
 @dataclass
@@ -134,7 +154,7 @@ class _RequestTensors:
     mrope_delta: int  # decode position of output token i is L + delta + i on all three axes
     patches: list[torch.Tensor] | None  # per media [P_m, patch_dim] (host) until written into the patch buffer
     grids: list[tuple[int, int, int]]  # encode items' grids, in encode order
-    block_table: list[int] | None = None  # KV blocks, set at admission
+    block_table: np.ndarray | None = None  # int32 KV block ids, set at admission
     #: media being encoded for the media cache: media index -> visual tokens of its items so far
     encoded: dict[int, list[torch.Tensor]] | None = None
 
@@ -280,15 +300,15 @@ class ModelRunner:
         (shared with the runner that prefilled it); only its decode rows run here."""
         self._tensors[request_id] = _RequestTensors(
             num_prompt_tokens, torch.empty(0, dtype=torch.int64), torch.empty(3, 0, dtype=torch.int64), mrope_delta,
-            None, [], list(block_table))
+            None, [], as_block_table(block_table))
 
     def release(self, request_id: str) -> None:
         self._tensors.pop(request_id, None)
 
     # -- steps ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, requests: dict[str, Request], pending=None) -> dict[str, torch.Tensor]:
-        """Run one step; returns the logits ``[vocab]`` (on the device) of each request that samples now.
+    def execute(self, out: SchedulerOutput, requests: dict[str, Request], pending=None) -> StepLogits:
+        """Run one step; returns the logits (on the device) of the requests that sample now.
 
         ``pending`` (an :class:`~unifiedserve.engine.core.PendingStep`, async scheduling): a decode row of a
         request in it feeds that step's sampled token, still on the device, which its output list does not
@@ -302,8 +322,8 @@ class ModelRunner:
             self._tensors[r].patches = None  # now only in the patch buffer
         if rows:
             self.patch_buffer.write(to_device(torch.cat(rows).to(self.dtype), self.device), out.patch_write)  # [P, patch_dim]
-        for r, table in out.block_tables.items():
-            self._tensors[r].block_table = table
+        for r, table in out.block_tables.items():  # int32 once, sliced at every step (attention.metadata)
+            self._tensors[r].block_table = as_block_table(table)
         self._encode_s, self._encode_events = 0.0, None
         if out.encode:
             events = None
@@ -317,7 +337,7 @@ class ModelRunner:
                 self._encode_events = events
             self._encode_s = time.perf_counter() - start
         if not (out.prefill or out.decode):
-            return {}
+            return _NO_LOGITS
         return self._forward(out, requests, pending)
 
     def _encode(self, works, patch_read, requests: dict[str, Request]) -> torch.Tensor:
@@ -349,7 +369,7 @@ class ModelRunner:
                     self.media_cache.put(req.media_keys[media], torch.cat(t.encoded.pop(media)))
         return torch.cat(out) if len(out) > 1 else out[0]
 
-    def _forward(self, out: SchedulerOutput, requests: dict[str, Request], pending=None) -> dict[str, torch.Tensor]:
+    def _forward(self, out: SchedulerOutput, requests: dict[str, Request], pending=None) -> StepLogits:
         ids, positions, seqs, sample_rows, sample_ids = [], [], [], [], []
         num_rows = 0
         waiting_rows = pending.rows if pending is not None else {}
@@ -364,21 +384,28 @@ class ModelRunner:
             if chunk.is_last:
                 sample_rows.append(num_rows - 1)
                 sample_ids.append(chunk.request_id)
-        for rid in out.decode:
-            req, t = requests[rid], self._tensors[rid]
-            behind = rid in waiting_rows  # its newest token is the pending step's, not in its list yet
-            if behind:
-                from_device[0].append(num_rows)
-                from_device[1].append(waiting_rows[rid])
-            row = decode_row(t.num_prompt_tokens + len(req.output_token_ids) - 1 + behind,
-                             0 if behind else req.output_token_ids[-1], t.mrope_delta, t.block_table)
-            for dest, value in zip((ids, positions, seqs), row):
-                dest.append(value)
-            num_rows += 1
-            sample_rows.append(num_rows - 1)
-            sample_ids.append(rid)
-        input_ids = torch.cat(ids)  # [N] (host)
-        positions = torch.cat(positions, dim=1)  # [3, N] (host)
+        if out.decode:  # one row per request: its last token, fed at the position after its cached tokens
+            last, at = [], []
+            for rid in out.decode:
+                req, t = requests[rid], self._tensors[rid]
+                behind = rid in waiting_rows  # its newest token is the pending step's, not in its list yet
+                if behind:
+                    from_device[0].append(num_rows)
+                    from_device[1].append(waiting_rows[rid])
+                # prompt + outputs but the last are cached; a generated token's M-RoPE position is the same on
+                # all three axes (rope.decode_positions): num_cached + delta
+                num_cached = t.num_prompt_tokens + len(req.output_token_ids) - 1 + behind
+                last.append(0 if behind else req.output_token_ids[-1])
+                at.append(num_cached + t.mrope_delta)
+                seqs.append((num_cached, 1, t.block_table))
+                sample_rows.append(num_rows)
+                sample_ids.append(rid)
+                num_rows += 1
+            # two host tensors for the whole batch, not two per row (host time per step, issue 13)
+            ids.append(torch.tensor(last, dtype=torch.int64))  # [D]
+            positions.append(torch.tensor(at, dtype=torch.int64).expand(3, -1))  # [3, D]
+        input_ids = torch.cat(ids) if len(ids) > 1 else ids[0]  # [N] (host)
+        positions = torch.cat(positions, dim=1) if len(positions) > 1 else positions[0]  # [3, N] (host)
         fed = None
         if from_device[0]:  # rows whose token is on the device: (rows [F], tokens [F]) to write after the copy
             index = to_device(torch.tensor(from_device, dtype=torch.int64), self.device)  # [2, F]: one copy
@@ -392,14 +419,14 @@ class ModelRunner:
             visual_mask[num_rows - len(out.decode):] = False  # generated tokens are text, whatever their id
             logits = forward_tokens(self.model, self.attn, input_ids, positions, seqs, visual, sample_rows,
                                     visual_mask, self.rope, fed)
-        return dict(zip(sample_ids, logits))
+        return StepLogits(sample_ids, logits)
 
-    def _blocks(self, req: Request) -> list[int]:
+    def _blocks(self, req: Request) -> np.ndarray:
         return self._tensors[req.request_id].block_table
 
     def block_table(self, request_id: str) -> list[int]:
         """The request's KV block table (prompt + max_tokens), set when its prefill started."""
-        return list(self._tensors[request_id].block_table)
+        return self._tensors[request_id].block_table.tolist()
 
     def mrope_delta(self, request_id: str) -> int:
         return self._tensors[request_id].mrope_delta

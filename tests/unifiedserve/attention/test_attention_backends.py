@@ -55,9 +55,13 @@ def test_head_counts_must_group():
 
 # -- the torch backend vs the dense reference ----------------------------------------------------
 
-@pytest.mark.parametrize("seqs", [MIXED_SEQS, DECODE_SEQS], ids=["mixed", "decode"])
+# more than 8 decode sequences: the plan scatters every page table at once instead of row by row
+WIDE_DECODE_SEQS = [(3 * i % 7, 1, [2 * i + 1, 2 * i]) for i in range(12)]
+
+
+@pytest.mark.parametrize("seqs", [MIXED_SEQS, DECODE_SEQS, WIDE_DECODE_SEQS], ids=["mixed", "decode", "wide_decode"])
 def test_torch_backend_matches_dense_reference(seqs):
-    attn = _torch_backend()
+    attn = _torch_backend(blocks=32)
     step = make_step(seqs, attn.kv_cache, attn.num_q_heads, seed=1, layer=1)
     attn.plan(seqs)
     out = attn.forward(1, step.q, step.k, step.v)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from unifiedserve.attention import AttentionMetadata, build_paged_batch, pad_decode_batch
+from unifiedserve.attention.metadata import as_block_table
 
 BS = 4
 
@@ -20,30 +22,30 @@ def test_mixed_batch_against_hand_made_reference():
         (6, 1, [0, 8, 11, 12]),   # decode; blocks past the used ones are ignored
     ]
     b = build_paged_batch(seqs, BS)
-    assert b.qo_indptr == [0, 5, 6, 11, 12]
-    assert b.paged_kv_indptr == [0, 2, 5, 7, 9]
-    assert b.paged_kv_indices == [7, 2, 3, 5, 6, 1, 4, 0, 8]
-    assert b.paged_kv_last_page_len == [1, 1, 4, 3]
-    assert b.slot_mapping == [28, 29, 30, 31, 8, 24, 7, 16, 17, 18, 19, 34]
-    assert b.cached_lens == [0, 8, 3, 6] and b.kv_lens == [5, 9, 8, 7]
-    assert b.write_rows == list(range(12)) and b.num_real_seqs == 4
+    assert b.qo_indptr.tolist() == [0, 5, 6, 11, 12]
+    assert b.paged_kv_indptr.tolist() == [0, 2, 5, 7, 9]
+    assert b.paged_kv_indices.tolist() == [7, 2, 3, 5, 6, 1, 4, 0, 8]
+    assert b.paged_kv_last_page_len.tolist() == [1, 1, 4, 3]
+    assert b.slot_mapping.tolist() == [28, 29, 30, 31, 8, 24, 7, 16, 17, 18, 19, 34]
+    assert b.cached_lens.tolist() == [0, 8, 3, 6] and b.kv_lens.tolist() == [5, 9, 8, 7]
+    assert b.write_rows.tolist() == list(range(12)) and b.num_real_seqs == 4
     assert (b.num_seqs, b.num_tokens, b.is_decode, b.max_kv_len) == (4, 12, False, 9)
 
 
 def test_one_token_decode_batch():
     b = build_paged_batch([(4, 1, [2, 6]), (0, 1, [5]), (6, 1, [1, 3])], BS)
     assert b.is_decode
-    assert b.qo_indptr == [0, 1, 2, 3]
-    assert b.paged_kv_indptr == [0, 2, 3, 5] and b.paged_kv_indices == [2, 6, 5, 1, 3]
-    assert b.paged_kv_last_page_len == [1, 1, 3]
-    assert b.slot_mapping == [24, 20, 14]
+    assert b.qo_indptr.tolist() == [0, 1, 2, 3]
+    assert b.paged_kv_indptr.tolist() == [0, 2, 3, 5] and b.paged_kv_indices.tolist() == [2, 6, 5, 1, 3]
+    assert b.paged_kv_last_page_len.tolist() == [1, 1, 3]
+    assert b.slot_mapping.tolist() == [24, 20, 14]
 
 
 def test_exact_multiples_of_the_block_size():
     b = build_paged_batch([(4, 4, [9, 1, 2]), (0, 4, [3])], BS)
-    assert b.paged_kv_indices == [9, 1, 3]
-    assert b.paged_kv_last_page_len == [4, 4]
-    assert b.slot_mapping == [4, 5, 6, 7, 12, 13, 14, 15]
+    assert b.paged_kv_indices.tolist() == [9, 1, 3]
+    assert b.paged_kv_last_page_len.tolist() == [4, 4]
+    assert b.slot_mapping.tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
 
 
 def test_slots_match_attention_metadata_on_random_tables():
@@ -56,24 +58,24 @@ def test_slots_match_attention_metadata_on_random_tables():
             seqs.append((cached, new, blocks))
         b = build_paged_batch(seqs, BS)
         meta = AttentionMetadata.build(seqs, BS)
-        assert b.slot_mapping == meta.slot_mapping.tolist()
-        assert b.qo_indptr == meta.query_start_loc.tolist()
-        assert b.kv_lens == meta.seq_lens.tolist()
+        assert b.slot_mapping.tolist() == meta.slot_mapping.tolist()
+        assert b.qo_indptr.tolist() == meta.query_start_loc.tolist()
+        assert b.kv_lens.tolist() == meta.seq_lens.tolist()
         # flashinfer's own identity: kv_len = (pages - 1) * page_size + last_page_len
-        pages = [e - s for s, e in zip(b.paged_kv_indptr, b.paged_kv_indptr[1:])]
-        assert [(p - 1) * BS + last for p, last in zip(pages, b.paged_kv_last_page_len)] == b.kv_lens
+        pages = [e - s for s, e in zip(b.paged_kv_indptr.tolist(), b.paged_kv_indptr.tolist()[1:])]
+        assert [(p - 1) * BS + last for p, last in zip(pages, b.paged_kv_last_page_len.tolist())] == b.kv_lens.tolist()
         assert meta.to_seqs(BS) == [(c, n, list(bl[:p])) for (c, n, bl), p in zip(seqs, pages)]
 
 
 def test_pad_decode_batch_repeats_row_zero_writes():
     b = pad_decode_batch(build_paged_batch([(5, 1, [3, 9]), (2, 1, [4])], BS), 4)
     assert b.num_seqs == 4 and b.num_real_seqs == 2 and b.num_tokens == 4 and b.is_decode
-    assert b.qo_indptr == [0, 1, 2, 3, 4]
-    assert b.paged_kv_indptr == [0, 2, 3, 4, 5]
-    assert b.paged_kv_indices == [3, 9, 4, 3, 3]
-    assert b.paged_kv_last_page_len == [2, 3, 1, 1]
-    assert b.slot_mapping == [37, 18, 37, 37]
-    assert b.write_rows == [0, 1, 0, 0]
+    assert b.qo_indptr.tolist() == [0, 1, 2, 3, 4]
+    assert b.paged_kv_indptr.tolist() == [0, 2, 3, 4, 5]
+    assert b.paged_kv_indices.tolist() == [3, 9, 4, 3, 3]
+    assert b.paged_kv_last_page_len.tolist() == [2, 3, 1, 1]
+    assert b.slot_mapping.tolist() == [37, 18, 37, 37]
+    assert b.write_rows.tolist() == [0, 1, 0, 0]
 
 
 @pytest.mark.parametrize("seqs, match", [
@@ -96,8 +98,33 @@ def test_bad_padding_raises():
         pad_decode_batch(decode, 1)
 
 
-def test_metadata_needs_no_torch_tensors():
+def test_metadata_is_numpy_of_fixed_dtypes():
+    """flashinfer's four plan arrays are int32 (shared with torch without a copy), the rest int64."""
     b = build_paged_batch([(2, 3, (5, 6))], BS)
-    arrays = (b.qo_indptr, b.paged_kv_indptr, b.paged_kv_indices, b.paged_kv_last_page_len, b.slot_mapping)
-    assert all(isinstance(x, list) and all(type(i) is int for i in x) for x in arrays)
-    assert not any(isinstance(x, torch.Tensor) for x in arrays)
+    for name in ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"):
+        assert isinstance(getattr(b, name), np.ndarray) and getattr(b, name).dtype == np.int32, name
+    for name in ("slot_mapping", "cached_lens", "kv_lens", "write_rows"):
+        assert isinstance(getattr(b, name), np.ndarray) and getattr(b, name).dtype == np.int64, name
+    assert not any(isinstance(getattr(b, f), torch.Tensor) for f in ("qo_indptr", "slot_mapping"))
+
+
+def test_int32_block_tables_are_sliced_as_they_are():
+    """A request's table kept as an int32 array (as the runner keeps it) gives the same batch as a list."""
+    rng = random.Random(5)
+    seqs = [(c, n, rng.sample(range(500), -(-(c + n) // BS) + 3)) for c, n in ((30, 1), (0, 9), (17, 4), (5, 1))]
+    as_lists, as_arrays = (build_paged_batch([(c, n, conv(bl)) for c, n, bl in seqs], BS)
+                           for conv in (list, as_block_table))
+    for f in ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len", "slot_mapping",
+              "cached_lens", "kv_lens", "write_rows"):
+        assert getattr(as_lists, f).tolist() == getattr(as_arrays, f).tolist(), f
+    assert as_block_table([3, 1]).dtype == np.int32
+
+
+def test_pages_of_a_sequence():
+    b = build_paged_batch([(4, 1, [2, 6]), (0, 1, [5])], BS)
+    assert b.pages(0).tolist() == [2, 6] and b.pages(1).tolist() == [5]
+
+
+def test_padding_a_full_batch_returns_it():
+    b = build_paged_batch([(4, 1, [2, 6]), (0, 1, [5])], BS)
+    assert pad_decode_batch(b, 2) is b
