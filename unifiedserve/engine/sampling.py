@@ -21,6 +21,7 @@ import torch
 
 from unifiedserve.engine.params import SamplingParams
 from unifiedserve.engine.structured import Grammar, apply_grammars
+from unifiedserve.memory.transfer import to_device
 
 
 @dataclass
@@ -88,10 +89,11 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: li
     device = logits.device
     vocab = logits.shape[-1]
     sub = [params[i] for i in random_rows]
-    rows = torch.tensor(random_rows, dtype=torch.int64).to(device, non_blocking=True)
+    rows = to_device(torch.tensor(random_rows, dtype=torch.int64), device)  # queued: no host wait
     # per-row knobs as one host-built tensor copied once: [R] each
     knobs = torch.tensor([[p.temperature, p.top_k if p.top_k and p.top_k < vocab else vocab, p.top_p] for p in sub],
-                         dtype=torch.float64).to(device, non_blocking=True)
+                         dtype=torch.float64)
+    knobs = to_device(knobs, device)
     temperature, top_k, top_p = knobs[:, 0:1].float(), knobs[:, 1:2].long(), knobs[:, 2:3].float()
     scaled = logits[rows] / temperature  # [R, vocab]
     if any(p.top_k and p.top_k < vocab for p in sub):
@@ -163,7 +165,7 @@ def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor,
         logits: ``[B, vocab]``; tokens: int64 ``[B]`` on the logits' device; params: one per row.
     """
     asking = [i for i, p in enumerate(params) if p.logprobs is not None]
-    rows = torch.tensor(asking, dtype=torch.int64).to(logits.device, non_blocking=True)
+    rows = to_device(torch.tensor(asking, dtype=torch.int64), logits.device)
     logprobs = torch.log_softmax(logits[rows].float(), dim=-1)  # [A, vocab]
     chosen = logprobs.gather(1, tokens[rows].unsqueeze(1))[:, 0]  # [A]
     k = max((params[i].logprobs for i in asking), default=0)

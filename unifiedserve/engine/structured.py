@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from unifiedserve.engine.params import SamplingParams
+from unifiedserve.memory.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -162,10 +163,10 @@ def apply_grammars(logits: torch.Tensor, grammars: Sequence[Grammar | None]) -> 
     for r, i in enumerate(rows):
         grammars[i].fill_bitmask(words[r])
     device = logits.device
-    bits = torch.from_numpy(words.view(np.int32)).to(device, non_blocking=True)  # [R, W]
+    bits = to_device(torch.from_numpy(words.view(np.int32)), device)  # [R, W], queued: no host wait
     shifts = torch.arange(32, dtype=torch.int32, device=device)
     allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]  # [R, vocab]
-    index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    index = to_device(torch.tensor(rows, dtype=torch.int64), device)
     masked = logits.clone()
     masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return masked

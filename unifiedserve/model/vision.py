@@ -30,6 +30,7 @@ from torch import nn
 from unifiedserve.attention.varlen import check_varlen_impl, fused_varlen_attention, resolve_varlen_impl
 from unifiedserve.model.config import VisionConfig
 from unifiedserve import ops
+from unifiedserve.memory.transfer import to_device
 from unifiedserve.model.llm import MLP, RMSNorm
 
 __all__ = ["VisionLayout", "VisionTower", "vision_layout"]
@@ -215,16 +216,16 @@ class VisionTower(nn.Module):
         unit = cfg.merge_unit
 
         x = self.patch_embed(patches.to(dtype))  # [N, hidden]
-        window_index = layout.window_index.to(device, non_blocking=True)  # queued: no host sync
+        window_index = to_device(layout.window_index, device)  # queued: no host sync
         x = x.view(-1, unit, cfg.hidden_size)[window_index].view(-1, cfg.hidden_size)  # [N, hidden], window order
-        cos, sin = self._rotary(layout.patch_hw.to(device, non_blocking=True))  # [N, head_dim] float32, window order
+        cos, sin = self._rotary(to_device(layout.patch_hw, device))  # [N, head_dim] float32, window order
 
         for i, block in enumerate(self.blocks):
             seq_lens = layout.frame_lens if i in cfg.fullatt_block_indexes else layout.window_lens
             x = block(x, cos, sin, seq_lens)  # [N, hidden]
 
         tokens = self.merger(x)  # [N / 4, out_hidden], window order
-        return tokens[layout.reverse_index.to(device)]  # [N / 4, out_hidden], row-major per frame
+        return tokens[to_device(layout.reverse_index, device)]  # [N / 4, out_hidden], row-major per frame
 
     def set_attention_impl(self, impl: str) -> None:
         """Choose the window/full attention kernel: ``auto`` (default), ``grouped``, ``padded`` or

@@ -155,6 +155,25 @@ def test_sampler_on_cuda_greedy_equals_cpu_and_seeds_reproduce():
     assert gpu == again
 
 
+@pytest.mark.cuda
+def test_cuda_sampling_queues_its_host_values():
+    """Random rows' indices and knobs, and the logprob rows, go up queued (to_device): a pageable copy would
+    make the host wait for the step still running, every step an async-scheduled server samples randomly."""
+    from unifiedserve.engine.sampling import logprob_tensors, sample_tensor
+
+    params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=3, logprobs=2), SamplingParams()]
+    states = [SamplerState.for_params(p, "cuda") for p in params]
+    logits = torch.randn(2, 500, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = sample_tensor(logits, params, states)
+        logprob_tensors(logits, tokens, params)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert tokens.shape == (2,) and tokens[1].item() == logits[1].argmax().item()
+
+
 def test_logprobs_are_the_log_softmax_of_the_model_logits(record_logits):
     """Each token's logprob and its top-k equal log_softmax of the raw logits it was sampled from."""
     engine = LLM()
