@@ -32,6 +32,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import engine_metrics as em  # noqa: E402
 
 from unifiedserve.attention.flashinfer_backend import plan_tensors  # noqa: E402
 from unifiedserve.attention.metadata import build_paged_batch, pad_decode_batch  # noqa: E402
@@ -44,16 +47,6 @@ except ImportError:  # pragma: no cover - older trees
 
 def _ints(values) -> torch.Tensor:
     return torch.as_tensor(values, dtype=torch.int64)
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def metadata_ms(batch: int, context: int, block_size: int = 16, repeats: int = 50) -> float:
@@ -69,7 +62,7 @@ def metadata_ms(batch: int, context: int, block_size: int = 16, repeats: int = 5
         plan_tensors(padded)
         _ints(np.asarray([padded.slot_mapping, padded.write_rows]))  # slot map and write rows: one copy up
 
-    return _median_ms(step, repeats)
+    return em.median_seconds(step, torch.device("cpu"), repeats) * 1e3
 
 
 def step_ms(batch: int, prompt_tokens: int = 64, steps: int = 30) -> float:
