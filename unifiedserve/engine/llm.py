@@ -100,8 +100,8 @@ class LLM:
         from unifiedserve.model.processor import load_processor
 
         if model is None:
-            model = DEFAULT_DEMO_PATH
-            if not (Path(model) / "config.json").exists():
+            model = Path(DEFAULT_DEMO_PATH).expanduser()  # unexpanded, "~" named a folder in the working directory
+            if not (model / "config.json").exists():
                 write_demo_model(model)
         config = config if config is not None else EngineConfig()
         self.model, self.model_config = load_model(model, DTYPES[config.dtype], config.device)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -264,6 +265,10 @@ def write_demo_model(path: str | Path = DEFAULT_DEMO_PATH, *, seed: int = 0, num
         device = "cuda" if preset != "tiny" and torch.cuda.is_available() else "cpu"
     path = Path(path).expanduser()
     path.mkdir(parents=True, exist_ok=True)
+    # config.json goes first and comes back last: callers take its presence to mean a whole checkpoint (LLM() and
+    # `serve` with no --model write the demo model only when it is missing), so a process that starts while this
+    # one writes waits for it or writes its own, and never loads half a checkpoint
+    (path / "config.json").unlink(missing_ok=True)
     for old in list(path.glob("*.safetensors")) + list(path.glob("model.safetensors.index.json")):
         old.unlink()
 
@@ -273,7 +278,6 @@ def write_demo_model(path: str | Path = DEFAULT_DEMO_PATH, *, seed: int = 0, num
     config = demo_config(tokenizer.get_vocab_size(), ids, tie_word_embeddings, preset, **overrides)
     hf = config.to_hf_dict()
     hf["dtype"] = str(dtype).removeprefix("torch.")
-    _write_json(path / "config.json", hf)
     _write_weights(config, path, seed, num_shards, dtype, device)  # no lm_head when tied
 
     _write_json(path / "tokenizer_config.json", {
@@ -304,11 +308,14 @@ def write_demo_model(path: str | Path = DEFAULT_DEMO_PATH, *, seed: int = 0, num
         "pad_token_id": ids["<|endoftext|>"],
         "do_sample": False,
     })
+    _write_json(path / "config.json", hf)  # last (see above), and whole: written aside, then renamed into place
     return path
 
 
 def _write_json(file: Path, obj: dict) -> None:
-    file.write_text(json.dumps(obj, indent=2) + "\n")
+    part = file.with_name(f".{file.name}.{os.getpid()}.part")
+    part.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(part, file)
 
 
 # --- cost of encoding a frame pair vs one decode step -----------------------------------------

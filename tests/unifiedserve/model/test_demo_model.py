@@ -75,3 +75,39 @@ def test_cli_reports_bad_arguments_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["demo-model", "--help"])
     assert info.value.code == 0
+
+
+def test_config_json_is_written_last(tmp_path, monkeypatch):
+    """Its presence means a whole checkpoint: LLM() and `serve` without --model write the demo model only when it is
+    missing, so a process starting while another writes must not find config.json beside half the weights."""
+    from unifiedserve.model import demo
+
+    write_demo_model(tmp_path)  # a checkpoint already there: replaced
+    seen = []
+    real = demo._write_weights
+
+    def watched(config, path, *args):
+        seen.append((path / "config.json").exists())
+        return real(config, path, *args)
+
+    monkeypatch.setattr(demo, "_write_weights", watched)
+    write_demo_model(tmp_path, seed=4)
+    assert seen == [False] and (tmp_path / "config.json").is_file()
+    assert not list(tmp_path.glob(".*.part"))
+
+
+def test_llm_without_a_model_writes_the_default_demo_model_once(tmp_path, monkeypatch):
+    """``LLM()`` looks for the default demo model under the home folder, not under a folder named '~' (before, it
+    rewrote the demo model at every construction, under any other process reading it)."""
+    from unifiedserve.engine import LLM
+    from unifiedserve.model import demo
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    writes = []
+    real = demo.write_demo_model
+    monkeypatch.setattr(demo, "write_demo_model", lambda path, **kw: writes.append(path) or real(path, **kw))
+    LLM()
+    LLM()
+    assert writes == [tmp_path / ".cache" / "unifiedserve" / "demo-model"]
+    assert not (tmp_path / "~").exists()
