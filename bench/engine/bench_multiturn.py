@@ -91,7 +91,7 @@ def main(argv=None) -> int:
             raise ValueError
     except ValueError:
         p.error("--answer-tokens takes positive integers, --repeats and --video-seconds positive values")
-    if a.model == str(DEFAULT_DEMO_PATH) and not (DEFAULT_DEMO_PATH / "config.json").exists():
+    if a.model == str(DEFAULT_DEMO_PATH) and not (DEFAULT_DEMO_PATH.expanduser() / "config.json").exists():
         from unifiedserve.model.demo import write_demo_model
         write_demo_model(DEFAULT_DEMO_PATH)
     with tempfile.TemporaryDirectory() as tmp:
