@@ -13,12 +13,18 @@ float32 result may differ from the CPU reference in its last bit).
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
 from flashcodec._triton import import_triton, interpreting, on_device, triton_usable
 
 __all__ = ["fused_patchify_available", "patches_fused"]
+
+#: the kernel's arguments Triton must not specialise on (see the kernel)
+RUNTIME_ARGS = ("num_frames", "groups_h", "groups_w", "s_t", "s_c", "s_h", "row_stride")
+_compiled: set[tuple] = set()  # (frames' rows dense, output dtype) launched at least once
+_compile_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=2)
@@ -29,7 +35,10 @@ def _kernel(interpret: bool):
         return None
     triton, tl = found
 
-    @triton.jit
+    # the video's sizes and the frame/row strides are runtime values, not specialised: a variant per pattern of
+    # sizes divisible by 16 made the first video of each new size compile (about a second) on its request's
+    # path; the innermost stride stays specialised (1: dense rows)
+    @triton.jit(do_not_specialize=RUNTIME_ARGS)
     def patchify_kernel(src, dst, scale, bias, num_frames, groups_h, groups_w, s_t, s_c, s_h, s_w, row_stride,
                         P: tl.constexpr, TP: tl.constexpr, M: tl.constexpr, COLS: tl.constexpr,
                         BLOCK: tl.constexpr):
@@ -82,6 +91,16 @@ def patches_fused(frames: torch.Tensor, spec, out: torch.Tensor) -> None:
     if rows == 0:
         return
     scale, bias = _scale_bias(spec, out.device)  # [patch_dim] float32 each
-    with on_device(frames.device):  # Triton launches on the current device
-        kernel[(rows,)](frames, out, scale, bias, t, h // p // m, w // p // m, *frames.stride(), out.stride(0),
-                        P=p, TP=tp, M=m, COLS=spec.patch_dim, BLOCK=triton.next_power_of_2(spec.patch_dim))
+
+    def launch():
+        with on_device(frames.device):  # Triton launches on the current device
+            kernel[(rows,)](frames, out, scale, bias, t, h // p // m, w // p // m, *frames.stride(), out.stride(0),
+                            P=p, TP=tp, M=m, COLS=spec.patch_dim, BLOCK=triton.next_power_of_2(spec.patch_dim))
+
+    variant = (frames.stride(3) == 1, out.dtype)
+    if variant in _compiled:
+        launch()
+    else:  # the first launch compiles, once, whichever decode thread gets there first
+        with _compile_lock:
+            launch()
+            _compiled.add(variant)

@@ -36,6 +36,8 @@ from flashcodec._triton import import_triton, interpreting, on_device, triton_us
 
 __all__ = ["aa_bicubic_weights", "fused_resize_available", "resize_frames_fused"]
 
+#: the kernel's arguments Triton must not specialise on (see the kernel)
+RUNTIME_ARGS = ("h_in", "w_in", "h_out", "w_out", "s_n", "s_c", "s_h", "d_n", "d_c", "d_h", "taps_x", "taps_y")
 _F32 = np.float32
 _BLOCK = 128  # output pixels of one row per program
 _CACHE_ENTRIES = 16  # (device, in, out) weight tables kept on devices
@@ -91,10 +93,13 @@ def _kernel(interpret: bool):
         return None
     triton, tl = found
 
-    @triton.jit
+    # Sizes, tap counts and the frame/row strides are plain runtime values (not specialised): Triton would
+    # otherwise compile a variant per tap count and per pattern of sizes divisible by 16, so the first video of
+    # each new size paid a compile (about a second) on its request's path, after the start-up warm-up had
+    # compiled another. The innermost strides stay specialised: 1 (dense rows) lets loads and stores vectorise.
+    @triton.jit(do_not_specialize=RUNTIME_ARGS)
     def resize_aa_kernel(src, dst, x_start, x_weight, y_start, y_weight, h_in, w_in, h_out, w_out,
-                         s_n, s_c, s_h, s_w, d_n, d_c, d_h, d_w,
-                         TAPS_X: tl.constexpr, TAPS_Y: tl.constexpr, BLOCK: tl.constexpr):
+                         s_n, s_c, s_h, s_w, d_n, d_c, d_h, d_w, taps_x, taps_y, BLOCK: tl.constexpr):
         row = tl.program_id(0)  # one output row of one channel of one frame
         oy = row % h_out
         plane = row // h_out
@@ -106,16 +111,22 @@ def _kernel(interpret: bool):
         y0 = tl.load(y_start + oy)
         src_plane = src + frame * s_n + channel * s_c
         acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for j in range(TAPS_Y):  # rows of the support; each row's columns summed first, as torch does
-            wy = tl.load(y_weight + oy * TAPS_Y + j)
+        # while, not range: the same loop compiled, and Triton's interpreter (the CPU tests) cannot take a runtime
+        # argument as a range bound under numpy 2
+        j = 0
+        while j < taps_y:  # rows of the support; each row's columns summed first, as torch does
+            wy = tl.load(y_weight + oy * taps_y + j)
             y = tl.minimum(y0 + j, h_in - 1)  # past the support the weight is 0
             line = tl.zeros([BLOCK], dtype=tl.float32)
-            for i in range(TAPS_X):
-                wx = tl.load(x_weight + ox * TAPS_X + i, mask=inside, other=0.0)
+            i = 0
+            while i < taps_x:
+                wx = tl.load(x_weight + ox * taps_x + i, mask=inside, other=0.0)
                 x = tl.minimum(x0 + i, w_in - 1)
                 pixel = tl.load(src_plane + y * s_h + x * s_w, mask=inside, other=0).to(tl.float32)
                 line += wx * pixel
+                i += 1
             acc += wy * line
+            j += 1
         # round half to even (torch's round), then clamp to the uint8 range
         low = tl.floor(acc)
         frac = acc - low
@@ -135,7 +146,7 @@ def fused_resize_available(device: torch.device | str) -> bool:
 
 _tables: OrderedDict = OrderedDict()
 _tables_lock = threading.Lock()
-_compiled: set[tuple[int, int]] = set()  # (taps_x, taps_y) launched at least once
+_compiled: set[tuple[bool, bool]] = set()  # (frames' rows dense, output's rows dense) launched at least once
 _compile_lock = threading.Lock()
 
 
@@ -192,9 +203,10 @@ def resize_frames_fused(frames: torch.Tensor, height: int, width: int,
     x_start, x_weight = _device_tables(frames.device, w, width)
     y_start, y_weight = _device_tables(frames.device, h, height)
     grid = (n * 3 * height, triton.cdiv(width, _BLOCK))
-    # the tap counts are compile-time constants (loop bounds, not unrolled: a 4K frame has over 20 taps
-    # per axis): one compilation per pair of scale ratios, which a video's frames share. The first launch of a pair compiles under a lock, so the
-    # NVDEC sessions' threads, which all start on the same video at once, compile it once.
+    # one compilation serves every size (see the kernel) for each pattern of innermost strides; the first launch
+    # of a pattern compiles under a lock, so the NVDEC sessions' threads, which all start on the same video at
+    # once, compile it once
+    variant = (frames.stride(3) == 1, out.stride(3) == 1)
     taps = (x_weight.shape[1], y_weight.shape[1])
 
     def launch():
@@ -202,12 +214,12 @@ def resize_frames_fused(frames: torch.Tensor, height: int, width: int,
         # thread whose current device may be 0)
         with on_device(frames.device):
             kernel[grid](frames, out, x_start, x_weight, y_start, y_weight, h, w, height, width, *frames.stride(),
-                         *out.stride(), TAPS_X=taps[0], TAPS_Y=taps[1], BLOCK=_BLOCK)
+                         *out.stride(), *taps, BLOCK=_BLOCK)
 
-    if taps in _compiled:
+    if variant in _compiled:
         launch()
     else:
         with _compile_lock:
             launch()
-            _compiled.add(taps)
+            _compiled.add(variant)
     return out

@@ -202,3 +202,49 @@ def test_cuda_patchify_matches_the_cpu_path(dtype):
     assert got_grid == grid
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-5 if dtype == torch.float32 else 0.016,
                                rtol=0)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_gpu_kernels_compile_for_hopper_once_for_every_size():
+    """flashcodec's two Triton kernels compile for sm_90 here (no GPU needed: Triton's own ptxas), with the video's
+    sizes, tap counts and outer strides as runtime values: one compilation serves every video, so the start-up
+    warm-up (vision_worker.warm_gpu_kernels) leaves no compile for a request's path. Innermost strides stay
+    specialised (1: dense rows)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flashcodec import patch_kernel, resize_kernel
+
+    cases = [
+        (resize_kernel, {"src": "*u8", "dst": "*u8", "x_start": "*i32", "x_weight": "*fp32", "y_start": "*i32",
+                         "y_weight": "*fp32"}, {"s_w": 1, "d_w": 1, "BLOCK": 128}),
+        (patch_kernel, {"src": "*u8", "dst": "*bf16", "scale": "*fp32", "bias": "*fp32"},
+         {"s_w": 1, "P": 14, "TP": 2, "M": 2, "COLS": 1176, "BLOCK": 2048}),
+    ]
+    for module, pointers, constants in cases:
+        kernel = module._kernel(False)[1]
+        runtime = {p.name for p in kernel.params if p.do_not_specialize}
+        assert runtime == set(module.RUNTIME_ARGS)
+        assert {p.name for p in kernel.params} == set(pointers) | runtime | set(constants)
+        signature = {**pointers, **{name: "i32" for name in module.RUNTIME_ARGS},
+                     **{name: "constexpr" for name in constants}}
+        compiled = triton.compile(ASTSource(kernel, signature=signature, constexprs=constants),
+                                  target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"], module.__name__
+
+
+@pytest.mark.cuda
+def test_cuda_one_compilation_serves_every_size():
+    """Videos of other sizes (other tap counts, other divisibility) reuse the kernel the first one compiled."""
+    from flashcodec import resize_kernel
+
+    kernel = resize_kernel._kernel(False)[1]
+    resize_frames_on_device(frames(2, 64, 96).cuda(), 28, 56)  # compiled here, or by an earlier test
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton version keeps its compiled kernels elsewhere")
+    before = sum(len(cache[0]) for cache in caches.values())
+    for (h, w), (oh, ow) in SIZES:
+        resize_frames_on_device(frames(2, h, w, seed=1).cuda(), oh, ow)
+    assert sum(len(cache[0]) for cache in caches.values()) == before
