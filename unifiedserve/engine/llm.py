@@ -33,18 +33,33 @@ __all__ = ["DTYPES", "EngineConfig", "LLM", "RequestOutput"]
 
 @dataclass
 class RequestOutput:
-    """Progress of one request after a step. ``new_token_ids``/``new_text`` are this step's delta."""
+    """Progress of one request after a step. ``new_token_ids``/``new_text`` are this step's delta.
+
+    ``token_ids`` and ``logprobs`` are the output so far, copied when read: a step makes an output for every
+    request that got a token, and copying each request's whole output into it then made a long generation's
+    host time grow with its length (at 64 requests x 1,900 tokens, 0.3 ms of a step on a CPU core).
+    """
 
     request_id: str
     prompt_len: int
-    token_ids: list[int]
     text: str
     new_token_ids: list[int]
     new_text: str
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    #: per output token (parallel to ``token_ids``) when the request asked for ``logprobs``, else None
-    logprobs: list[TokenLogprobs] | None = None
+    _tokens: list[int] = field(default_factory=list, repr=False)  # the request's own list; only ever appended to
+    _logprobs: list[TokenLogprobs] | None = field(default=None, repr=False)  # likewise, when asked for
+    _count: int = field(default=0, repr=False)  # tokens output when this was made
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token generated so far (a copy)."""
+        return self._tokens[:self._count]
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        """Per output token (parallel to ``token_ids``) when the request asked for ``logprobs``, else None."""
+        return None if self._logprobs is None else self._logprobs[:self._count]
 
 
 @dataclass
@@ -194,9 +209,9 @@ class LLM:
             new_text = live.output.append(token)
             if live.output.stopped:
                 reason = "stop"
-        out = RequestOutput(request_id, req.prompt_len, list(req.output_token_ids), live.output.text, [token],
-                            new_text, reason is not None, reason,
-                            list(live.logprobs) if req.params.logprobs is not None else None)
+        out = RequestOutput(request_id, req.prompt_len, live.output.text, [token], new_text, reason is not None, reason,
+                            req.output_token_ids, live.logprobs if req.params.logprobs is not None else None,
+                            len(req.output_token_ids))
         if reason is not None:
             self._finish(request_id, reason)
         return out

@@ -202,3 +202,18 @@ def test_logprobs_bounds():
         SamplingParams(logprobs=21)
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=-1)
+
+
+def test_step_outputs_keep_the_tokens_of_their_step(engine):
+    """An output made at step k says the first k tokens (and logprobs) whatever came later: outputs share the
+    request's list instead of copying it every step, and read it up to their own length."""
+    rid = engine.add_request(prompt(engine), [], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1))
+    seen = []
+    while engine.has_unfinished:
+        seen += [o for o in engine.step() if o.request_id == rid]
+    final = seen[-1]
+    assert final.finished and len(final.token_ids) == 6 and len(final.logprobs) == 6
+    for k, out in enumerate(seen, start=1):
+        assert out.token_ids == final.token_ids[:k] and out.new_token_ids == [final.token_ids[k - 1]]
+        assert out.logprobs == final.logprobs[:k]
+    assert "[" + ", ".join(map(str, final.token_ids[:3])) not in repr(final)  # not the whole output, each time
