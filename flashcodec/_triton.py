@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -42,3 +44,21 @@ def triton_usable(device: torch.device | str) -> bool:
 def on_device(device: torch.device):
     """``torch.cuda.device(device)`` for a CUDA device (Triton launches on the current one), else a no-op."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+class CompileOnce:
+    """Launches of one kernel whose first launch per variant compiles under a lock: the NVDEC sessions' threads
+    all start on the same video at once, and each would otherwise compile the same variant."""
+
+    def __init__(self):
+        self._done: set = set()
+        self._lock = threading.Lock()
+
+    def launch(self, variant: Hashable, launch: Callable[[], None]) -> None:
+        """``launch()``; the first time for ``variant`` (what Triton specialises on), under the lock."""
+        if variant in self._done:
+            launch()
+            return
+        with self._lock:
+            launch()
+            self._done.add(variant)

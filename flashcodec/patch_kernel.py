@@ -13,18 +13,16 @@ float32 result may differ from the CPU reference in its last bit).
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 
-from flashcodec._triton import import_triton, interpreting, on_device, triton_usable
+from flashcodec._triton import CompileOnce, import_triton, interpreting, on_device, triton_usable
 
 __all__ = ["fused_patchify_available", "patches_fused"]
 
 #: the kernel's arguments Triton must not specialise on (see the kernel)
 RUNTIME_ARGS = ("num_frames", "groups_h", "groups_w", "s_t", "s_c", "s_h", "row_stride")
-_compiled: set[tuple] = set()  # (frames' rows dense, output dtype) launched at least once
-_compile_lock = threading.Lock()
+_launches = CompileOnce()  # variants: (frames' rows dense, output dtype)
 
 
 @functools.lru_cache(maxsize=2)
@@ -97,10 +95,4 @@ def patches_fused(frames: torch.Tensor, spec, out: torch.Tensor) -> None:
             kernel[(rows,)](frames, out, scale, bias, t, h // p // m, w // p // m, *frames.stride(), out.stride(0),
                             P=p, TP=tp, M=m, COLS=spec.patch_dim, BLOCK=triton.next_power_of_2(spec.patch_dim))
 
-    variant = (frames.stride(3) == 1, out.dtype)
-    if variant in _compiled:
-        launch()
-    else:  # the first launch compiles, once, whichever decode thread gets there first
-        with _compile_lock:
-            launch()
-            _compiled.add(variant)
+    _launches.launch((frames.stride(3) == 1, out.dtype), launch)  # the first launch compiles, once

@@ -32,7 +32,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from flashcodec._triton import import_triton, interpreting, on_device, triton_usable
+from flashcodec._triton import CompileOnce, import_triton, interpreting, on_device, triton_usable
 
 __all__ = ["aa_bicubic_weights", "fused_resize_available", "resize_frames_fused"]
 
@@ -146,8 +146,7 @@ def fused_resize_available(device: torch.device | str) -> bool:
 
 _tables: OrderedDict = OrderedDict()
 _tables_lock = threading.Lock()
-_compiled: set[tuple[bool, bool]] = set()  # (frames' rows dense, output's rows dense) launched at least once
-_compile_lock = threading.Lock()
+_launches = CompileOnce()  # variants: (frames' rows dense, output's rows dense)
 
 
 def _device_tables(device: torch.device, in_size: int, out_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,10 +215,5 @@ def resize_frames_fused(frames: torch.Tensor, height: int, width: int,
             kernel[grid](frames, out, x_start, x_weight, y_start, y_weight, h, w, height, width, *frames.stride(),
                          *out.stride(), *taps, BLOCK=_BLOCK)
 
-    if variant in _compiled:
-        launch()
-    else:
-        with _compile_lock:
-            launch()
-            _compiled.add(variant)
+    _launches.launch(variant, launch)
     return out
