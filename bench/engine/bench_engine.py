@@ -492,8 +492,10 @@ def _print(results: dict, device: str, dtype: str) -> None:
         towers = ", ".join(f"{impl} {ms:.2f} ms" if isinstance(ms, float) else f"{impl} n/a"
                            for impl, ms in split["tower_ms"].items())
         other = f", other {split['other_ms']:.2f}" if "other_ms" in split else ""
+        unpadded = (f" ({split['mlp_width']} wide; {split['mlp_checkpoint_width_ms']:.2f} at the checkpoint's width)"
+                    if "mlp_checkpoint_width_ms" in split else "")
         print(f"vision split: tower with {towers}; parts (default {split['attention_impl']}): MLPs "
-              f"{split['mlp_ms']:.2f}, attention linears {split['attn_linears_ms']:.2f}, attention windows "
+              f"{split['mlp_ms']:.2f}{unpadded}, attention linears {split['attn_linears_ms']:.2f}, attention windows "
               f"{split['attention_window_ms']:.2f}, full {split['attention_full_ms']:.2f}{other} ms")
 
 

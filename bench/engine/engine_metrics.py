@@ -90,7 +90,9 @@ def vit_flops(vision_config, visual: torch.nn.Module, grids: list[tuple[int, int
     patches = sum(t * h * w for t, h, w in grids)
     merge = v.spatial_merge_size ** 2
     merger = linear_params(visual.merger)
-    blocks = linear_params(visual.blocks)
+    # the blocks' weights at the checkpoint's widths: the zero padding a CUDA model's MLPs carry
+    # (VisionTower.align_mlp) is not work the model asks for
+    blocks = v.depth * (4 * v.hidden_size ** 2 + 3 * v.hidden_size * v.intermediate_size)  # qkv + proj, gate/up/down
     flops = 2.0 * (blocks * patches + v.patch_dim * v.hidden_size * patches + merger * patches / merge)
     window = (v.window_size // v.patch_size) ** 2  # patches per attention window
     full = len(v.fullatt_block_indexes)
@@ -146,6 +148,22 @@ def machine_info(device: torch.device) -> dict:
 
 
 @torch.inference_mode()
+def _unpadded_mlp(mlp: torch.nn.Module, width: int) -> torch.nn.Module:
+    """A copy of a padded MLP (``MLP.pad_intermediate``) cut back to ``width`` units: the same function."""
+    import copy
+
+    out = copy.deepcopy(mlp)
+    pad = mlp.intermediate_size
+    with torch.no_grad():
+        rows = torch.cat([torch.arange(width), pad + torch.arange(width)]).to(mlp.gate_up_proj.weight.device)
+        out.gate_up_proj.weight = torch.nn.Parameter(mlp.gate_up_proj.weight[rows].contiguous(), requires_grad=False)
+        if mlp.gate_up_proj.bias is not None:
+            out.gate_up_proj.bias = torch.nn.Parameter(mlp.gate_up_proj.bias[rows].contiguous(), requires_grad=False)
+        out.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight[:, :width].contiguous(), requires_grad=False)
+    out.gate_up_proj.out_features, out.down_proj.in_features, out.intermediate_size = 2 * width, width, width
+    return out
+
+
 def vision_split(tower: torch.nn.Module, patches: torch.Tensor, grids: list[tuple[int, int, int]],
                  device: torch.device, repeats: int) -> dict:
     """Where the vision tower's time goes (milliseconds of one forward over ``patches``).
@@ -154,7 +172,8 @@ def vision_split(tower: torch.nn.Module, patches: torch.Tensor, grids: list[tupl
     device or dtype lacks gives its error instead). Then its parts, each timed alone over the same rows and summed
     over the layers: the MLPs, the attention's linear layers (qkv and proj), and the attention kernel the tower uses
     by default on the windowed and the full-attention layers' segments; ``other_ms`` is the default tower's time
-    less those (norms, rotary, the window reorder, patch embedding and merger, launches).
+    less those (norms, rotary, the window reorder, patch embedding and merger, launches). When the MLPs were padded
+    to an aligned width on load (``mlp_width``), ``mlp_checkpoint_width_ms`` times them at the checkpoint's width.
     """
     from unifiedserve.attention.varlen import VARLEN_IMPLS, resolve_varlen_impl
     from unifiedserve.model.vision import varlen_attention, vision_layout
@@ -178,6 +197,11 @@ def vision_split(tower: torch.nn.Module, patches: torch.Tensor, grids: list[tupl
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(n, cfg.hidden_size, generator=gen, device=device, dtype=dtype)
     out["mlp_ms"] = 1e3 * depth * median_seconds(lambda: block.mlp(x), device, repeats)
+    out["mlp_width"] = block.mlp.intermediate_size
+    if block.mlp.intermediate_size != cfg.intermediate_size:  # padded on load (align_mlp): time the checkpoint's
+        unpadded = _unpadded_mlp(block.mlp, cfg.intermediate_size)  # width too, what the padding buys
+        out["mlp_checkpoint_width_ms"] = 1e3 * depth * median_seconds(lambda: unpadded(x), device, repeats)
+        del unpadded
     out["attn_linears_ms"] = 1e3 * depth * median_seconds(
         lambda: block.attn.proj(block.attn.qkv(x)[:, :cfg.hidden_size]), device, repeats)
     layout = vision_layout(tuple(tuple(int(v) for v in g) for g in grids), cfg.spatial_merge_size,

@@ -49,6 +49,36 @@ def test_vit_flops(model):
     assert em.vit_flops(v, model.visual, grid) == pytest.approx(expected)
 
 
+def test_vit_flops_count_the_checkpoints_widths_not_the_padding(model):
+    import copy
+
+    padded = copy.deepcopy(model.visual)
+    assert padded.align_mlp(64) != model.config.vision.intermediate_size
+    grid = [(2, 8, 12)]
+    assert em.vit_flops(model.config.vision, padded, grid) == em.vit_flops(model.config.vision, model.visual, grid)
+
+
+def test_vision_split_times_a_padded_mlp_at_both_widths(model):
+    import copy
+
+    tower = copy.deepcopy(model.visual)
+    width = tower.config.intermediate_size
+    x = torch.randn(5, tower.config.hidden_size)
+    with torch.no_grad():
+        before = tower.blocks[0].mlp(x)
+        tower.align_mlp(64)
+        cut = em._unpadded_mlp(tower.blocks[0].mlp, width)  # the checkpoint's function, at its width
+        assert cut.intermediate_size == width and cut.down_proj.weight.shape[1] == width
+        torch.testing.assert_close(cut(x), before, atol=1e-6, rtol=0)
+        grid = [(2, 8, 12)]
+        patches = torch.randn(2 * 8 * 12, tower.config.patch_dim)
+        split = em.vision_split(tower, patches, grid, torch.device("cpu"), repeats=1)
+    assert split["mlp_width"] == tower.blocks[0].mlp.intermediate_size > width
+    assert split["mlp_checkpoint_width_ms"] > 0 and split["mlp_ms"] > 0
+    unpadded = em.vision_split(model.visual, patches, grid, torch.device("cpu"), repeats=1)
+    assert unpadded["mlp_width"] == width and "mlp_checkpoint_width_ms" not in unpadded
+
+
 def test_decode_bytes(model):
     t = model.config.text
     lm = model.language_model

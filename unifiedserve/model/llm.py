@@ -113,6 +113,40 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
+    @torch.no_grad()
+    def pad_intermediate(self, multiple: int) -> int:
+        """Zero-pad the intermediate width up to a multiple of ``multiple``; the output is unchanged.
+
+        The padded gate and up rows (weights and bias) are zero, so each padded unit is
+        ``act(0) * 0 = 0`` (every supported activation is finite at 0), and the padded columns of
+        ``down`` are zero too. What it buys is alignment: Qwen2.5-VL's vision MLP is 3420 wide, which is not a
+        multiple of 8, so its ``[N, 3420]`` activations and ``down`` weight have rows of 6840
+        bytes, off the 16-byte alignment that Hopper's tensor-memory-accelerated GEMM kernels need
+        (NVIDIA's cuBLAS documentation, "Tensor Core usage": leading dimensions that are multiples
+        of 16 bytes). Returns the new width.
+        """
+        if multiple < 1:
+            raise ValueError(f"multiple must be >= 1, got {multiple}")
+        old = self.intermediate_size
+        new = -(-old // multiple) * multiple
+        if new == old:
+            return old
+        gate_up, down = self.gate_up_proj, self.down_proj
+        w = gate_up.weight.new_zeros(2 * new, gate_up.in_features)  # [2I', H]: gate rows, then up rows
+        w[:old], w[new:new + old] = gate_up.weight[:old], gate_up.weight[old:]
+        gate_up.weight = nn.Parameter(w, requires_grad=gate_up.weight.requires_grad)
+        if gate_up.bias is not None:
+            b = gate_up.bias.new_zeros(2 * new)
+            b[:old], b[new:new + old] = gate_up.bias[:old], gate_up.bias[old:]
+            gate_up.bias = nn.Parameter(b, requires_grad=gate_up.bias.requires_grad)
+        gate_up.out_features = 2 * new
+        d = down.weight.new_zeros(down.out_features, new)  # [H, I']
+        d[:, :old] = down.weight
+        down.weight = nn.Parameter(d, requires_grad=down.weight.requires_grad)
+        down.in_features = new
+        self.intermediate_size = new
+        return new
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [N, 2I]
         if self.hidden_act == "silu":

@@ -19,6 +19,7 @@ the checkpoint's in three visible ways:
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -207,8 +208,16 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
                 rows = value.shape[0]
                 param[row:row + rows].copy_(value.reshape(rows, *param.shape[1:]))  # casts dtype, moves device
                 row += rows
+    _align_vision(model, device, load_vision)
     model.eval().requires_grad_(False)
     return model, config
+
+
+def _align_vision(model: Qwen2_5_VL, device: str | torch.device, loaded: bool) -> None:
+    """On CUDA, the vision MLPs padded to aligned widths (same outputs; see ``VisionTower.align_mlp``).
+    ``UNIFIEDSERVE_VISION_MLP_ALIGN=0`` keeps the checkpoint's widths (to measure one against the other)."""
+    if loaded and torch.device(device).type == "cuda" and os.environ.get("UNIFIEDSERVE_VISION_MLP_ALIGN", "1") != "0":
+        model.visual.align_mlp()
 
 
 def zero_model(path: str | Path, dtype: torch.dtype, device: str | torch.device) -> tuple[Qwen2_5_VL, ModelConfig]:
@@ -227,6 +236,7 @@ def zero_model(path: str | Path, dtype: torch.dtype, device: str | torch.device)
     with torch.no_grad():
         for param in model.parameters():
             param.zero_()
+    _align_vision(model, device, True)
     model.eval().requires_grad_(False)
     return model, config
 

@@ -33,9 +33,12 @@ from unifiedserve import ops
 from unifiedserve.memory.transfer import to_device
 from unifiedserve.model.llm import MLP, RMSNorm
 
-__all__ = ["VisionLayout", "VisionTower", "vision_layout"]
+__all__ = ["MLP_MULTIPLE", "VisionLayout", "VisionTower", "vision_layout"]
 
 Grid = tuple[int, int, int]
+#: the vision MLP's intermediate width is padded to a multiple of this on CUDA (VisionTower.align_mlp):
+#: Qwen2.5-VL's 3420 becomes 3456 = 27 x 128.
+MLP_MULTIPLE = 64
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,12 @@ class VisionTower(nn.Module):
 
         tokens = self.merger(x)  # [N / 4, out_hidden], window order
         return tokens[to_device(layout.reverse_index, device)]  # [N / 4, out_hidden], row-major per frame
+
+    def align_mlp(self, multiple: int = MLP_MULTIPLE) -> int:
+        """Zero-pad every block's MLP to an intermediate width that is a multiple of ``multiple``
+        (:meth:`unifiedserve.model.llm.MLP.pad_intermediate`): same outputs, aligned GEMMs.
+        ``config.intermediate_size`` keeps the checkpoint's width. Returns the width now used."""
+        return min((block.mlp.pad_intermediate(multiple) for block in self.blocks), default=0)
 
     def set_attention_impl(self, impl: str) -> None:
         """Choose the window/full attention kernel: ``auto`` (default), ``grouped``, ``padded`` or

@@ -146,3 +146,27 @@ def test_directory_errors(tmp_path, checkpoint):
         load_model(tmp_path)
     with pytest.raises(ValueError, match="dtype"):
         load_model(checkpoint, dtype=torch.int8)
+
+
+def test_vision_mlps_are_aligned_on_cuda_only(reference, monkeypatch):
+    """The loader pads the vision MLPs (432 units in the demo) to a multiple of 64 for CUDA; the CPU keeps the
+    checkpoint's width, and UNIFIEDSERVE_VISION_MLP_ALIGN=0 keeps it on CUDA too (to measure the two)."""
+    import copy
+
+    from unifiedserve.model.loader import _align_vision
+
+    model, config, _ = reference
+    width = config.vision.intermediate_size
+    assert width % 64 and model.visual.blocks[0].mlp.intermediate_size == width  # loaded on the CPU: as stored
+    for device, env, expected in (("cpu", None, width), ("cuda", None, -(-width // 64) * 64),
+                                  ("cuda:0", "0", width), ("cuda", "1", -(-width // 64) * 64)):
+        if env is None:
+            monkeypatch.delenv("UNIFIEDSERVE_VISION_MLP_ALIGN", raising=False)
+        else:
+            monkeypatch.setenv("UNIFIEDSERVE_VISION_MLP_ALIGN", env)
+        copied = copy.deepcopy(model)  # _align_vision pads in place, on whatever device the tensors are
+        _align_vision(copied, device, loaded=True)
+        assert {b.mlp.intermediate_size for b in copied.visual.blocks} == {expected}, (device, env)
+    copied = copy.deepcopy(model)
+    _align_vision(copied, "cuda", loaded=False)  # a decode process's tower is never loaded: left alone
+    assert copied.visual.blocks[0].mlp.intermediate_size == width

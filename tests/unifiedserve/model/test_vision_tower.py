@@ -105,3 +105,63 @@ def test_bad_grids_raise(tower, grids, rows, match):
 def test_bad_patch_width_raises(tower):
     with pytest.raises(ValueError, match="1176"):
         tower(torch.zeros(16, 1000), [(1, 4, 4)])
+
+
+def test_aligned_mlp_gives_the_same_visual_tokens():
+    """align_mlp (done on CUDA at load) pads each MLP's 96 units to 128 with zeros: same outputs, and the
+    config keeps the checkpoint's width (FLOP counts and checkpoint shapes read it)."""
+    torch.manual_seed(1)
+    tower = VisionTower(CONFIG).eval()
+    for block in tower.blocks:  # nonzero biases, so that a misplaced row would change the outputs
+        torch.nn.init.normal_(block.mlp.gate_up_proj.bias)
+        torch.nn.init.normal_(block.mlp.down_proj.bias)
+    grids = [(2, 8, 12), (1, 4, 4)]
+    patches = _patches((1, 2 * 8 * 12 + 16, 1), seed=5)
+    with torch.no_grad():
+        before = tower(patches, grids)
+        assert tower.align_mlp(64) == 128
+        after = tower(patches, grids)
+    for block in tower.blocks:
+        assert block.mlp.gate_up_proj.weight.shape == (256, 64) and block.mlp.gate_up_proj.bias.shape == (256,)
+        assert block.mlp.down_proj.weight.shape == (64, 128) and block.mlp.intermediate_size == 128
+    assert tower.config.intermediate_size == 96
+    torch.testing.assert_close(after, before, atol=ATOL, rtol=0)
+    assert tower.align_mlp(64) == 128 and tower.blocks[0].mlp.down_proj.weight.shape == (64, 128)  # no second pad
+
+
+@pytest.mark.parametrize("act, bias", [("silu", False), ("gelu_pytorch_tanh", True), ("quick_gelu", True)])
+def test_mlp_pad_intermediate_keeps_the_function(act, bias):
+    from unifiedserve.model.llm import MLP
+
+    torch.manual_seed(2)
+    mlp = MLP(24, 20, act, bias=bias).eval().requires_grad_(False)  # as loaded
+    if bias:
+        torch.nn.init.normal_(mlp.gate_up_proj.bias)
+    x = torch.randn(7, 24)
+    with torch.no_grad():
+        before = mlp(x)
+        assert mlp.pad_intermediate(8) == 24 and mlp.pad_intermediate(8) == 24
+        torch.testing.assert_close(mlp(x), before, atol=1e-6, rtol=0)
+    assert mlp.gate_up_proj.weight.shape == (48, 24) and mlp.down_proj.weight.shape == (24, 24)
+    assert not any(p.requires_grad for p in mlp.parameters())
+    with pytest.raises(ValueError, match="multiple"):
+        mlp.pad_intermediate(0)
+
+
+@pytest.mark.cuda
+def test_cuda_load_aligns_the_tower_and_keeps_its_outputs(tmp_path):
+    """On CUDA the loader pads the demo tower's 432-unit MLPs to 448; its visual tokens equal the CPU model's."""
+    from unifiedserve.model.demo import write_demo_model
+    from unifiedserve.model.loader import load_model
+
+    path = write_demo_model(tmp_path / "demo")
+    cpu, config = load_model(path, torch.float32, "cpu")
+    gpu, _ = load_model(path, torch.float32, "cuda")
+    assert config.vision.intermediate_size % 64 and {b.mlp.intermediate_size for b in gpu.visual.blocks} == {
+        -(-config.vision.intermediate_size // 64) * 64}
+    grids = [(2, 8, 12)]
+    patches = torch.randn(2 * 8 * 12, config.vision.patch_dim, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = cpu.encode_vision(patches, grids)
+        got = gpu.encode_vision(patches.cuda(), grids).cpu()
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
