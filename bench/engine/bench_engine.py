@@ -271,8 +271,10 @@ def main(argv=None) -> int:
         steps = new_tokens - 1
         # the same step's device time alone (graph replays back to back): the rest of a step is host work, what
         # overlapping the next step's scheduling with this one's kernels could hide
-        graph_s = runner.graphs.replay_seconds(batch) if runner.graphs is not None and \
-            runner.graphs.graph_size(batch) is not None else None
+        graphed = runner.graphs is not None and runner.graphs.graph_size(batch) is not None
+        graph_s = runner.graphs.replay_seconds(batch) if graphed else None
+        # and what the replay's kernels are: GEMMs against the weights' floor, attention, the small ops, gaps
+        kernels = em.kernel_profile(runner.graphs.graph_for(batch).replay, device) if graphed else None
         hf_generate(prompts, 2)  # warm-up
         em.sync(device)
         t_one = em.median_seconds(lambda: hf_generate(prompts, 1), device, repeats, warmup=0)
@@ -285,6 +287,7 @@ def main(argv=None) -> int:
                          "speedup": hf_s and hf_s / ours_s, "floor_step_ms": floor_s * 1e3, "vs_floor": ours_s / floor_s,
                          "graph_replay_ms": None if graph_s is None else graph_s * 1e3,
                          "host_ms": None if graph_s is None else (ours_s - graph_s) * 1e3,
+                         "graph_kernels": kernels,
                          "async_step_ms": None if async_s is None else async_s * 1e3,
                          "async_vs_floor": None if async_s is None else async_s / floor_s}
         results["decode"] = decode
@@ -341,6 +344,11 @@ def main(argv=None) -> int:
         # where the tower's time goes (issue 13's ViT MFU): each attention kernel, and the parts alone
         results["vision"]["split"] = em.vision_split(model.visual, patches, grid, device, repeats)
         save()
+        if cuda:  # the tower's kernels by kind, one forward
+            with torch.inference_mode():
+                results["vision"]["kernels"] = em.kernel_profile(lambda: model.encode_vision(patches, grid), device,
+                                                                 calls=2)
+            save()
     usage = engine.pool_usage()
     if usage != {"kv_blocks_used": 0, "patch_pages_used": 0, "visual_pages_used": 0}:
         failed.append(f"pages still in use after every request finished: {usage}")
@@ -472,6 +480,10 @@ def _print(results: dict, device: str, dtype: str) -> None:
         print("decode step split: " + "; ".join(
             f"batch {b}: graph replay {r['graph_replay_ms']:.3f} ms ({r['graph_replay_ms'] / r['floor_step_ms']:.2f}x "
             f"floor) + host {r['host_ms']:.3f} ms" for b, r in graphed.items()))
+    for b, r in decode.items():
+        if r.get("graph_kernels"):
+            print(f"decode batch {b} graph kernels per replay (us, count): {em.format_kernels(r['graph_kernels'])}; "
+                  f"floor {r['floor_step_ms'] * 1e3:.0f} us")
     if "json_schema" in results:
         print(f"{'json':<10} {'plain ms':>9} {'json ms':>9} {'ratio':>7} {'+ms/tok':>8} {'steps':>6} {'closed':>7}")
         for batch, r in results["json_schema"].items():
@@ -497,6 +509,8 @@ def _print(results: dict, device: str, dtype: str) -> None:
         print(f"vision split: tower with {towers}; parts (default {split['attention_impl']}): MLPs "
               f"{split['mlp_ms']:.2f}{unpadded}, attention linears {split['attn_linears_ms']:.2f}, attention windows "
               f"{split['attention_window_ms']:.2f}, full {split['attention_full_ms']:.2f}{other} ms")
+    if results.get("vision", {}).get("kernels"):
+        print(f"vision kernels per forward (us, count): {em.format_kernels(results['vision']['kernels'])}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -115,6 +116,94 @@ def decode_bytes(model, batch: int, context: int) -> int:
         weights -= lm.tok_embeddings.weight.numel() * itemsize - batch * t.hidden_size * itemsize
     kv = batch * context * t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * itemsize
     return weights + kv
+
+
+#: kernel name (lower case) -> kind, first match wins; cuBLAS's Hopper GEMMs are ``nvjet_*`` and ``sm90_xmma_*``
+KERNEL_KINDS = (
+    ("attention", re.compile(r"flashinfer|batchdecode|batchprefill|prefill_kernel|decode_kernel|merge_state|"
+                             r"flash_fwd|fmha|attention")),
+    ("gemm", re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|splitk|sm90_|sm80_|ampere_|dot_kernel")),
+    ("norm/rotary/act", re.compile(r"rms_norm|rmsnorm|rotary|silu|gelu|layer_norm|softmax|norm")),
+    ("copy/index", re.compile(r"copy|memcpy|memset|fill|cat|index|gather|scatter|pad|slice")),
+    ("elementwise", re.compile(r"elementwise|vectorized|reduce|unrolled")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The :data:`KERNEL_KINDS` entry a kernel's name falls under, else ``other``."""
+    low = name.lower()
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(low)), "other")
+
+
+def summarize_kernels(kernels: list[tuple[str, float, float]], calls: int, top: int = 12) -> dict:
+    """Per-call device time by kind of kernel, from ``(name, start_us, end_us)`` records of ``calls`` calls.
+
+    ``busy_us`` is the union of the kernels' intervals (overlapping kernels count once) and ``span_us`` the
+    first start to the last end, both per call; their difference is time the device ran nothing (launch gaps,
+    waits). ``kinds`` maps each kind to ``{"us", "count"}`` per call; ``top`` lists the costliest kernels.
+    """
+    if calls < 1:
+        raise ValueError(f"calls must be >= 1, got {calls}")
+    kinds: dict[str, dict] = {}
+    names: dict[str, list] = {}
+    for name, start, end in kernels:
+        entry = kinds.setdefault(kernel_kind(name), {"us": 0.0, "count": 0})
+        entry["us"] += end - start
+        entry["count"] += 1
+        acc = names.setdefault(name, [0.0, 0])
+        acc[0] += end - start
+        acc[1] += 1
+    busy, reach = 0.0, None
+    for _, start, end in sorted(kernels, key=lambda k: k[1]):
+        if reach is None or start >= reach:
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    span = (max(k[2] for k in kernels) - min(k[1] for k in kernels)) if kernels else 0.0
+    ranked = sorted(names.items(), key=lambda item: -item[1][0])[:top]
+    return {
+        "calls": calls,
+        "kernels_per_call": len(kernels) / calls,
+        "busy_us": busy / calls,
+        "span_us": span / calls,
+        "kinds": {kind: {"us": v["us"] / calls, "count": v["count"] / calls}
+                  for kind, v in sorted(kinds.items(), key=lambda item: -item[1]["us"])},
+        "top": [{"name": name[:120], "kind": kernel_kind(name), "us": us / calls, "count": n / calls}
+                for name, (us, n) in ranked],
+    }
+
+
+def kernel_profile(fn, device: torch.device, calls: int = 5) -> dict:
+    """What the device runs for ``fn()`` (a graph replay, a forward): ``calls`` calls under torch's profiler
+    (CUPTI), summarised by :func:`summarize_kernels`. CUDA only; kernels inside a CUDA graph are recorded one
+    by one. Returns ``{"error": ...}`` instead of raising when the profiler records no kernel."""
+    if device.type != "cuda":
+        raise ValueError("kernel_profile needs a CUDA device")
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # warm: nothing first-time inside the window
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        sync(device)
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    if not kernels:
+        return {"error": "the profiler recorded no kernel"}
+    return summarize_kernels(kernels, calls)
+
+
+def format_kernels(summary: dict) -> str:
+    """One line: time per call by kind (kernels per call), busy vs span."""
+    if "error" in summary:
+        return summary["error"]
+    kinds = ", ".join(f"{kind} {v['us']:.1f} ({v['count']:g})" for kind, v in summary["kinds"].items())
+    return (f"{kinds}; busy {summary['busy_us']:.1f} of {summary['span_us']:.1f} us "
+            f"({summary['kernels_per_call']:g} kernels)")
 
 
 def machine_info(device: torch.device) -> dict:

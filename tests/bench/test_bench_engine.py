@@ -79,6 +79,56 @@ def test_vision_split_times_a_padded_mlp_at_both_widths(model):
     assert unpadded["mlp_width"] == width and "mlp_checkpoint_width_ms" not in unpadded
 
 
+def test_summarize_kernels_by_kind_with_overlap_and_gaps():
+    kernels = [  # two calls of: a GEMM, attention overlapping it by 2 us, a norm after a 3 us gap
+        ("nvjet_tst_128x64_64x4_1x1_v_bz_TNT", 0.0, 10.0),
+        ("void flashinfer::BatchDecodeWithPagedKVCacheKernel<...>", 8.0, 12.0),
+        ("void fused_add_rms_norm_kernel<c10::BFloat16>(...)", 15.0, 16.0),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", 100.0, 110.0),
+        ("void flashinfer::BatchDecodeWithPagedKVCacheKernel<...>", 108.0, 112.0),
+        ("void rms_norm_kernel<c10::BFloat16>(...)", 115.0, 116.0),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::direct_copy_kernel_cuda...>", 116.0, 117.0),
+        ("some_unknown_kernel", 117.0, 117.5),
+    ]
+    s = em.summarize_kernels(kernels, calls=2, top=3)
+    assert s["kinds"]["gemm"] == {"us": 10.0, "count": 1.0}
+    assert s["kinds"]["attention"] == {"us": 4.0, "count": 1.0}
+    assert s["kinds"]["norm/rotary/act"] == {"us": 1.0, "count": 1.0}
+    assert s["kinds"]["copy/index"]["us"] == 0.5 and s["kinds"]["other"]["us"] == 0.25
+    assert list(s["kinds"])[0] == "gemm"  # costliest first
+    assert s["busy_us"] == pytest.approx((12 + 1 + 12 + 1 + 1 + 0.5) / 2)  # the overlap counted once
+    assert s["span_us"] == pytest.approx(117.5 / 2) and s["kernels_per_call"] == 4
+    assert [k["kind"] for k in s["top"]] == ["gemm", "gemm", "attention"]  # by name: each GEMM 5 us a call
+    assert s["top"][2]["us"] == 4.0 and s["top"][2]["count"] == 1.0
+    line = em.format_kernels(s)
+    assert line.startswith("gemm 10.0 (1), attention 4.0 (1)") and "copy/index 0.5 (0.5)" in line
+    assert line.endswith("busy 13.8 of 58.8 us (4 kernels)")
+    assert em.format_kernels({"error": "the profiler recorded no kernel"}) == "the profiler recorded no kernel"
+    with pytest.raises(ValueError, match="calls"):
+        em.summarize_kernels(kernels, calls=0)
+    with pytest.raises(ValueError, match="CUDA"):
+        em.kernel_profile(lambda: None, torch.device("cpu"))
+
+
+@pytest.mark.cuda
+def test_cuda_kernel_profile_sees_a_graph_replays_kernels(tmp_path):
+    """CUPTI records the kernels inside a decode graph's replay, and the kinds name the GEMMs and attention."""
+    pytest.importorskip("flashinfer")  # the attention group's run (the decode group's wheels have none)
+    from unifiedserve import LLM, SamplingParams
+    from unifiedserve.engine.config import EngineConfig
+    from unifiedserve.model.demo import write_demo_model
+
+    engine = LLM(write_demo_model(tmp_path / "demo"), EngineConfig(device="cuda", num_kv_blocks=64,
+                                                                    max_cuda_graph_batch=2))
+    engine.generate([([5, 6, 7, 8], [], SamplingParams(max_tokens=3, ignore_eos=True))])  # prepares a 1-seq step
+    with torch.inference_mode():
+        s = em.kernel_profile(engine.runner.graphs.graph_for(1).replay, torch.device("cuda"), calls=3)
+    assert "error" not in s, s
+    assert s["kinds"]["gemm"]["count"] >= engine.model_config.text.num_hidden_layers * 4  # qkv, o, gate_up, down
+    assert s["kinds"]["attention"]["count"] >= engine.model_config.text.num_hidden_layers
+    assert 0 < s["busy_us"] <= s["span_us"]
+
+
 def test_decode_bytes(model):
     t = model.config.text
     lm = model.language_model

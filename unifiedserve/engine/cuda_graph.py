@@ -143,6 +143,20 @@ class DecodeGraphs:
         self._graphs[size].replay()
         return self._outputs[size][:len(seqs)].clone()
 
+    def graph_for(self, num_seqs: int) -> torch.cuda.CUDAGraph:
+        """The captured graph a ``num_seqs``-sequence step replays (benchmarks time or profile its ``replay()``,
+        which reruns the last step prepared; see :meth:`replay_seconds`).
+
+        Raises:
+            ValueError: no captured graph serves ``num_seqs``; RuntimeError: not captured.
+        """
+        if not self.captured:
+            raise RuntimeError("DecodeGraphs used before capture()")
+        size = self.graph_size(num_seqs)
+        if size is None:
+            raise ValueError(f"no captured decode graph serves {num_seqs} sequences (sizes {list(self.batch_sizes)})")
+        return self._graphs[size]
+
     def replay_seconds(self, num_seqs: int, repeats: int = 20) -> float:
         """Device time of one replay of the graph a ``num_seqs``-sequence step uses: ``repeats`` replays back
         to back between two CUDA events, no host work between them (benchmarks: a step's wall time minus
@@ -152,13 +166,9 @@ class DecodeGraphs:
         Raises:
             ValueError: no captured graph serves ``num_seqs``; RuntimeError: not captured.
         """
-        if not self.captured:
-            raise RuntimeError("DecodeGraphs.replay_seconds before capture()")
-        size = self.graph_size(num_seqs)
-        if size is None or repeats < 1:
-            raise ValueError(f"no captured decode graph serves {num_seqs} sequences (sizes {list(self.batch_sizes)})"
-                             if size is None else f"repeats must be >= 1, got {repeats}")
-        graph = self._graphs[size]
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        graph = self.graph_for(num_seqs)
         graph.replay()  # warm
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
