@@ -328,3 +328,37 @@ def test_blocks_go_back_to_core_only_after_the_last_write(engines, prompts):
             overlapped.step()  # what the decode worker's has_work does: a step reads the pending one back
     assert held_after_end == [longer] and sent == [short, longer]
     assert not overlapped.core.writes_pending(longer) and overlapped.core._pending is None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_cuda_async_decode_steps_never_wait_for_the_device(demo_path, graphs):
+    """Issue 13: an async decode step waits for nothing but the event behind its previous step's pinned copy of
+    the sampled ids (an event wait, which torch's sync debug mode does not count). Under
+    ``set_sync_debug_mode("error")`` any other wait (a ``.item()``, a ``.tolist()`` of a device tensor, a blocking
+    copy in an attention plan or the sampler) raises and names itself in the traceback."""
+    engine = LLM(demo_path, EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=256, max_cuda_graph_batch=8,
+                                         enforce_eager=not graphs, async_scheduling=True))
+    texts = ["Tell me a story about the sea.", "What is two plus two?", "Describe a red square."]
+    prompts = [engine.build_prompt([{"role": "user", "content": t}]) for t in texts]
+    params = [SamplingParams(max_tokens=16, ignore_eos=True),
+              SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, top_k=40, seed=5, ignore_eos=True)]
+    engine.generate([(*p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts])  # warm every path
+    for p, sp in zip(prompts, params):
+        engine.add_request(*p, sp)
+    while any(len(r.output_token_ids) < 2 for r in engine.scheduler.requests.values()):
+        engine.step()  # prefills, and the first overlapped decode steps
+    torch.cuda.synchronize()
+    steps = 0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while steps < 8:  # every request still has tokens to make: only decode steps, no finish
+            engine.step()
+            steps += 1
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(len(r.output_token_ids) < 16 for r in engine.scheduler.requests.values())
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.pool_usage()["kv_blocks_used"] == 0
