@@ -56,7 +56,8 @@ def use_released_rope():
 
 def _hf_generate(model, ids, vision, new_tokens: int):
     """transformers' greedy ``generate`` of exactly ``new_tokens`` for one prompt whose placeholders are
-    expanded; ``vision`` as the engine takes it. Returns ``(token ids, logits [new_tokens, vocab])``."""
+    expanded; ``vision`` as the engine takes it, on the model's device. Returns ``(token ids, logits [new_tokens,
+    vocab] on the CPU)``."""
     kwargs = {}
     images = [v for v in vision if v.kind == "image"]
     videos = [v for v in vision if v.kind == "video"]
@@ -71,10 +72,12 @@ def _hf_generate(model, ids, vision, new_tokens: int):
     cfg = model.config
     kwargs["mm_token_type_ids"] = torch.tensor([[1 if t == cfg.image_token_id else 2 if t == cfg.video_token_id
                                                  else 0 for t in ids]])
+    kwargs = {k: v.to(model.device) for k, v in kwargs.items()}
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs)
-    return out.sequences[0, len(ids):].tolist(), torch.cat(out.logits)
+        out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, **kwargs)
+    return out.sequences[0, len(ids):].tolist(), torch.cat(out.logits).cpu()
 
 
 @pytest.fixture(scope="session")

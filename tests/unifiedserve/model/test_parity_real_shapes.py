@@ -6,7 +6,9 @@ blocks at their relative places, the merger into 2048 / 3584 widths, and the 3B'
 Random weights (``unifiedserve demo-model --preset``) with 2 text layers and 8 vision blocks (full attention at
 1, 3, 5, 7 as 7, 15, 23, 31 of 32), and a 2048-token vocabulary: the vocabulary only widens the embedding and
 the output projection, and the public 152k would cost gigabytes here for nothing. transformers is given the
-project's M-RoPE positions (the released rule; see ``unifiedserve/model/rope.py``). fp32, CPU.
+project's M-RoPE positions (the released rule; see ``unifiedserve/model/rope.py``). fp32, on the CPU and, marked
+``cuda``, on the GPU (issue 13's parity target: both models there, TF32 off for transformers' patch-embedding
+convolution too, so that fp32 means fp32).
 """
 
 from __future__ import annotations
@@ -32,18 +34,29 @@ NEW_TOKENS = 4
 LOGITS_ATOL = 1e-3
 
 
-@pytest.fixture(scope="module", params=["qwen2.5-vl-3b", "qwen2.5-vl-7b"])
+@pytest.fixture(scope="module", params=[
+    ("qwen2.5-vl-3b", "cpu"), ("qwen2.5-vl-7b", "cpu"),
+    pytest.param(("qwen2.5-vl-3b", "cuda"), marks=pytest.mark.cuda),
+    pytest.param(("qwen2.5-vl-7b", "cuda"), marks=pytest.mark.cuda),
+], ids=lambda p: "-".join(p))
 def models(request, tmp_path_factory, use_released_rope):
     """One engine (small pools: the default ones are sized for the tiny model's widths) and transformers."""
-    path = write_demo_model(tmp_path_factory.mktemp(request.param), preset=request.param, num_text_layers=2,
+    preset, device = request.param
+    path = write_demo_model(tmp_path_factory.mktemp(preset), preset=preset, num_text_layers=2,
                             num_vision_layers=8, vocab_size=2048, seed=5)
-    engine = LLM(path, EngineConfig(num_kv_blocks=64, num_patch_pages=8, num_visual_pages=8, page_size=64))
+    engine = LLM(path, EngineConfig(device=device, dtype="float32", num_kv_blocks=64, num_patch_pages=8,
+                                    num_visual_pages=8, page_size=64))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    yield engine, use_released_rope(hf)
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # transformers' Conv3d patch embedding would round to TF32 on a GPU
+    yield engine, use_released_rope(hf.to(device))
+    torch.backends.cudnn.allow_tf32 = tf32
     del engine, hf
     gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +91,7 @@ def test_greedy_tokens_and_logits_match_transformers(models, media, case, parts,
                                                      record_logits):
     engine, hf = models
     ids, vision, tokens, logits = _ours(engine, [(kind, media[key]) for kind, key in parts], scheduler, record_logits)
+    logits = logits.cpu()
     ref_tokens, ref_logits = hf_generate(hf, ids, vision, NEW_TOKENS)
     diff = (logits - ref_logits).abs().max().item()
     print(f"\n{engine.model_config.text.hidden_size}-wide {case}: {len(ids)} prompt tokens, logits max |diff| {diff:.2e}")
