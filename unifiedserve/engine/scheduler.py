@@ -45,9 +45,23 @@ from unifiedserve.memory.block_manager import BlockManager
 from unifiedserve.memory.pages import PageAllocator, PagedStream, RaggedIndex, can_plan_write, plan_read, plan_write
 
 
+#: A GPU server's budgets when neither is given nor derived from a TBT SLO: the paper's testbed values for
+#: Qwen2.5-VL (FlashCodec + UnifiedServe, section 7, "Testbed": prefill 2048, encode 10240), instead of the
+#: CPU demo model's defaults below, whose 512-token chunks would each re-read a 7B model's weights for little work.
+GPU_TOKEN_BUDGETS = {"prefill_token_budget": 2048, "encode_token_budget": 10240}
+
+
+def server_token_budgets(device: str, explicit: dict[str, int], tbt_slo_ms: float | None) -> dict[str, int]:
+    """The budgets a server passes on: the ``explicit`` flags, filled on a GPU with :data:`GPU_TOKEN_BUDGETS`
+    unless a TBT SLO derives the others (then only the explicit ones, which win over the derived)."""
+    if device == "cpu" or tbt_slo_ms is not None:
+        return dict(explicit)
+    return {**GPU_TOKEN_BUDGETS, **explicit}
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Per-step budgets. Defaults suit the CPU demo model."""
+    """Per-step budgets. Defaults suit the CPU demo model (a GPU server: :data:`GPU_TOKEN_BUDGETS`)."""
 
     prefill_token_budget: int = 512  # tau: prompt tokens prefilled per step, at most
     encode_token_budget: int = 4096  # alpha: patch tokens encoded per step (a unit may exceed it)

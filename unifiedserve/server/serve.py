@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from unifiedserve.engine.config import EngineConfig
-from unifiedserve.engine.scheduler import SchedulerConfig
+from unifiedserve.engine.scheduler import GPU_TOKEN_BUDGETS, SchedulerConfig, server_token_budgets
 from unifiedserve.runtime.config import POLICIES, VISION_DEVICES, PoolBudgets, RuntimeConfig
 from unifiedserve.runtime.shm import DEFAULT_SHM_DIR
 from unifiedserve.runtime.worker import setup_logging
@@ -124,11 +124,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("scheduling (Algorithm 3)")
     g.add_argument("--prefill-token-budget", type=_positive_int, default=None, metavar="TAU",
-                   help=f"prompt tokens prefilled per core iteration (default {SchedulerConfig.prefill_token_budget}, "
-                        f"or derived from --tbt-slo-ms)")
+                   help=f"prompt tokens prefilled per core iteration (default {SchedulerConfig.prefill_token_budget} "
+                        f"on the CPU, {GPU_TOKEN_BUDGETS['prefill_token_budget']} on a GPU, or derived from "
+                        f"--tbt-slo-ms)")
     g.add_argument("--encode-token-budget", type=_positive_int, default=None, metavar="ALPHA",
-                   help=f"patch tokens encoded per core iteration (default {SchedulerConfig.encode_token_budget}, "
-                        f"or derived from --tbt-slo-ms)")
+                   help=f"patch tokens encoded per core iteration (default {SchedulerConfig.encode_token_budget} "
+                        f"on the CPU, {GPU_TOKEN_BUDGETS['encode_token_budget']} on a GPU, or derived from "
+                        f"--tbt-slo-ms)")
     g.add_argument("--tbt-slo-ms", type=_positive_float, default=None,
                    help="derive both budgets from this time-between-tokens SLO by a short profile at start "
                         "(cached per model, device and dtype); explicit budget flags win")
@@ -384,8 +386,9 @@ def build_runtime(args: argparse.Namespace):
     from unifiedserve.runtime.launcher import Runtime, build_config
 
     model = resolve_model(args.model)
-    budgets = {k: v for k, v in (("prefill_token_budget", args.prefill_token_budget),
-                                 ("encode_token_budget", args.encode_token_budget)) if v is not None}
+    budgets = server_token_budgets(device, {k: v for k, v in (("prefill_token_budget", args.prefill_token_budget),
+                                                              ("encode_token_budget", args.encode_token_budget))
+                                            if v is not None}, args.tbt_slo_ms)
     try:  # the config tree checks every value once; a refusal names the flag it came from
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_decode_batch=args.max_decode_batch,
                                 patches_ready_on_admit=False, **budgets)

@@ -130,3 +130,16 @@ def test_rejects_requests_that_can_never_fit():
         s.add(make_request("x", 10, 0, 0, max_tokens=1))
     with pytest.raises(ValueError, match="patch"):
         s.add(make_request("y", 0, 1, 0, max_tokens=1, patches_per_slice=8))
+
+
+def test_server_token_budgets_take_the_papers_values_on_a_gpu():
+    from unifiedserve.engine.scheduler import GPU_TOKEN_BUDGETS, server_token_budgets
+
+    assert GPU_TOKEN_BUDGETS == {"prefill_token_budget": 2048, "encode_token_budget": 10240}  # paper, section 7
+    assert server_token_budgets("cpu", {}, None) == {}  # SchedulerConfig's CPU defaults apply
+    assert server_token_budgets("cpu", {"prefill_token_budget": 64}, None) == {"prefill_token_budget": 64}
+    assert server_token_budgets("cuda", {}, None) == GPU_TOKEN_BUDGETS
+    assert server_token_budgets("cuda", {"encode_token_budget": 999}, None) == {
+        "prefill_token_budget": 2048, "encode_token_budget": 999}  # a flag wins
+    assert server_token_budgets("cuda", {}, 50.0) == {}  # the SLO's profile derives them
+    assert server_token_budgets("cuda", {"prefill_token_budget": 128}, 50.0) == {"prefill_token_budget": 128}
