@@ -34,6 +34,41 @@ def histogram_totals(metrics: dict[str, float], name: str, label: str | None = N
     return out
 
 
+def engine_counters(metrics: dict[str, float]) -> dict[str, dict[str, float]]:
+    """The ``unifiedserve_engine_*`` gauges of :meth:`ServerProcess.metrics` per process:
+    ``{process: {"iterations", "busy_seconds", "encode_seconds", "encode_tokens", "prefill_tokens", "decode_tokens"}}``,
+    summed over other labels (a Ray replica's)."""
+    out: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        name, _, labels = key.partition("{")
+        if not name.startswith("unifiedserve_engine_"):
+            continue
+        process = re.search(r'process="([^"]*)"', labels)
+        kind = re.search(r'kind="([^"]*)"', labels)
+        field = name[len("unifiedserve_engine_"):]
+        field = f"{kind.group(1)}_tokens" if field == "tokens" and kind else field
+        entry = out.setdefault(process.group(1) if process else "", {})
+        entry[field] = entry.get(field, 0.0) + value
+    return out
+
+
+def iteration_summary(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict]:
+    """Per process, what its iterations did between two :func:`engine_counters` readings: how many, their mean
+    wall time, and tokens per iteration by kind (encode: patch tokens; prefill: prompt tokens; decode: rows)."""
+    out = {}
+    for process, now in after.items():
+        was = before.get(process, {})
+        d = {k: v - was.get(k, 0.0) for k, v in now.items()}
+        n = d.get("iterations", 0.0)
+        if n <= 0:
+            continue
+        out[process] = {"iterations": int(n), "mean_ms": 1e3 * d.get("busy_seconds", 0.0) / n,
+                        "encode_s": d.get("encode_seconds", 0.0),
+                        **{f"{kind}_tokens_per_iteration": d.get(f"{kind}_tokens", 0.0) / n
+                           for kind in ("encode", "prefill", "decode")}}
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT / "datasets"))
 sys.path.insert(0, str(HERE))
 
 import synthetic_video  # noqa: E402
-from server_process import ServerProcess, histogram_totals, run_main  # noqa: E402
+from server_process import (ServerProcess, engine_counters, histogram_totals, iteration_summary,  # noqa: E402
+                            run_main)
 
 VIDEO = dict(codec="h264", width=854, height=480, duration_s=180.0, fps=30.0, gop=250, bframes=3, suffix=".mp4",
              preset="veryfast", seed=0)
@@ -129,7 +130,8 @@ def run_one(clip: Path, mode: str, args) -> dict:
             time.sleep(0.05)
         quiet_start = time.perf_counter()
         time.sleep(args.quiet_window)
-        before = stage_sums(server.metrics())
+        metrics = server.metrics()
+        before, iterations_before = stage_sums(metrics), engine_counters(metrics)
         sent = time.perf_counter()
         stream = client.chat.completions.create(
             model=client.models.list().data[0].id, stream=True, max_tokens=16, temperature=0,
@@ -147,7 +149,8 @@ def run_one(clip: Path, mode: str, args) -> dict:
                 usage = chunk.usage
         done = time.perf_counter()
         stop.set()
-        after = stage_sums(server.metrics())
+        metrics = server.metrics()
+        after, iterations = stage_sums(metrics), iteration_summary(iterations_before, engine_counters(metrics))
         for t in threads:
             t.join(30)
 
@@ -170,6 +173,8 @@ def run_one(clip: Path, mode: str, args) -> dict:
         "num_decoding": args.num_decoding,
         "tbt_quiet_ms": {"p50": percentile(quiet, 50), "p99": percentile(quiet, 99), "n": len(quiet)},
         "tbt_during_video_ttft_ms": {"p50": percentile(busy, 50), "p99": percentile(busy, 99), "n": len(busy)},
+        # each process's iterations from the request to its last token: how many, how long, how much work each
+        "iterations": iterations,
     }
     print(json.dumps(result, indent=2), flush=True)
     return result

@@ -315,3 +315,32 @@ def test_vision_ahead_helpers_and_bad_arguments(capsys):
         with pytest.raises(SystemExit) as exit_:
             va.main(bad)
         assert exit_.value.code == 2 and "must be positive" in capsys.readouterr().err
+
+
+def test_engine_counters_and_iteration_summary():
+    """/metrics' unifiedserve_engine_* per process, and a window's iterations from two readings."""
+    import server_process as sp
+
+    def reading(core_iters, core_busy, prefill, decode_iters):
+        return {
+            'unifiedserve_engine_iterations{model_name="m",process="core"}': core_iters,
+            'unifiedserve_engine_busy_seconds{model_name="m",process="core"}': core_busy,
+            'unifiedserve_engine_encode_seconds{model_name="m",process="core"}': core_busy / 4,
+            'unifiedserve_engine_tokens{kind="encode",model_name="m",process="core"}': 4096.0 * core_iters,
+            'unifiedserve_engine_tokens{kind="prefill",model_name="m",process="core"}': prefill,
+            'unifiedserve_engine_tokens{kind="decode",model_name="m",process="core"}': 0.0,
+            'unifiedserve_engine_iterations{model_name="m",process="decode"}': decode_iters,
+            'unifiedserve_engine_busy_seconds{model_name="m",process="decode"}': decode_iters * 0.01,
+            'unifiedserve_engine_tokens{kind="decode",model_name="m",process="decode"}': decode_iters * 4,
+            'unifiedserve_request_stage_seconds_sum{model_name="m",stage="encode"}': 1.0,
+        }
+
+    before = sp.engine_counters(reading(10, 1.0, 5120.0, 100))
+    assert before["core"]["prefill_tokens"] == 5120.0 and before["decode"]["decode_tokens"] == 400
+    assert set(before) == {"core", "decode"}
+    window = sp.iteration_summary(before, sp.engine_counters(reading(30, 3.0, 46080.0, 100)))
+    assert set(window) == {"core"}  # decode ran nothing in the window
+    core = window["core"]
+    assert core["iterations"] == 20 and core["mean_ms"] == pytest.approx(100.0)
+    assert core["prefill_tokens_per_iteration"] == pytest.approx(2048.0)
+    assert core["encode_tokens_per_iteration"] == pytest.approx(4096.0) and core["encode_s"] == pytest.approx(0.5)

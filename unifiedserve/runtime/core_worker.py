@@ -30,7 +30,8 @@ from unifiedserve.memory.pages import PageAllocator
 from unifiedserve.model.loader import load_model
 from unifiedserve.runtime import protocol
 from unifiedserve.runtime.shm import open_pool
-from unifiedserve.runtime.worker import Worker, device_memory_gauges, memory_info, pool_barrier, weight_gauges
+from unifiedserve.runtime.worker import (IterationCounters, Worker, device_memory_gauges, memory_info, pool_barrier,
+                                         weight_gauges)
 
 log = logging.getLogger("unifiedserve")
 
@@ -70,6 +71,7 @@ class CoreWorker(Worker):
         self.stages: dict[str, protocol.StageTimes] = {}  # per request while core holds it
         self.decode_here = cfg.policy == "monolithic"
         self._stalled = False  # the last schedule() found nothing to run; wait for a message
+        self.iterations = IterationCounters("core")
         self._threads_all = torch.get_num_threads()  # unified on CPU: fewer while decode or vision is busy
         self._threads_shared = cfg.core_threads_shared or self._threads_all
         info.update({
@@ -98,7 +100,7 @@ class CoreWorker(Worker):
                 "prefix_cache_queried_tokens": s.prefix_queried_tokens, "prefix_cache_hit_tokens": s.prefix_hit_tokens,
                 "media_cache_queried_tokens": s.media_queried_tokens, "media_cache_hit_tokens": s.media_hit_tokens,
                 "media_cache_bytes": self.runner.media_cache.num_bytes if self.runner.media_cache is not None else 0,
-                **self._weight_gauges, **device_memory_gauges(self.config.engine.device)}
+                **self.iterations.gauges(), **self._weight_gauges, **device_memory_gauges(self.config.engine.device)}
 
     # -- messages ------------------------------------------------------------------------------------
     def handle(self, message) -> None:
@@ -154,7 +156,11 @@ class CoreWorker(Worker):
                 self._outputs(sampled)
             return
         end = time.time()
-        encode_end = now + self.runner.last_encode_s
+        encode_s = self.runner.last_encode_s
+        encode_end = now + encode_s
+        self.iterations.record(end - now, encode=out.patch_read.num_tokens if out.patch_read is not None else 0,
+                               prefill=sum(c.num_tokens for c in out.prefill), decode=len(out.decode),
+                               encode_s=encode_s)
         for work in out.encode:
             st = self.stages[work.request_id]
             st.encode_start = st.encode_start or now

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -25,7 +26,7 @@ from unifiedserve.engine.structured import grammar_for
 from unifiedserve.model.loader import load_model
 from unifiedserve.runtime import protocol
 from unifiedserve.runtime.shm import open_pool
-from unifiedserve.runtime.worker import Worker, device_memory_gauges, memory_info, weight_gauges
+from unifiedserve.runtime.worker import IterationCounters, Worker, device_memory_gauges, memory_info, weight_gauges
 
 log = logging.getLogger("unifiedserve")
 
@@ -73,6 +74,7 @@ class DecodeWorker(Worker):
         self.core = EngineCore(self.scheduler, runner, eng.async_scheduling)
         self._outputs: dict[str, list[int]] = {}  # finished, blocks not yet released -> its outputs
         self.releases = BlockReleases(self.core)
+        self.iterations = IterationCounters("decode")
         return {"device": eng.device, "torch_threads": str(torch.get_num_threads()), "nice": str(os.nice(0)),
                 "max_decode_batch": str(self.scheduler.config.max_decode_batch),
                 **memory_info(self._weight_gauges, eng.device)}
@@ -82,7 +84,7 @@ class DecodeWorker(Worker):
 
     def stats(self) -> dict[str, float]:
         return {"num_decoding": len(self.scheduler.running),  # in the batch, and waiting for a place in it
-                **self._weight_gauges, **device_memory_gauges(self.config.engine.device)}
+                **self.iterations.gauges(), **self._weight_gauges, **device_memory_gauges(self.config.engine.device)}
 
     def handle(self, message) -> None:
         if isinstance(message, protocol.Handoff):
@@ -99,7 +101,10 @@ class DecodeWorker(Worker):
             self._release([message.request_id])
 
     def step(self) -> None:
-        _, sampled = self.core.step()
+        start = time.perf_counter()
+        out, sampled = self.core.step()
+        if not out.is_empty:
+            self.iterations.record(time.perf_counter() - start, decode=len(out.decode))
         outputs, finished = [], []
         for rid, r in sampled:
             outputs.append(protocol.TokenOutput(rid, r.index, r.token_id, r.finish_reason, None,

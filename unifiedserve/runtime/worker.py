@@ -182,6 +182,37 @@ class Worker:
         self.ctx.term()
 
 
+class IterationCounters:
+    """Cumulative work of a worker's engine iterations (steps that ran something), sent as gauges
+    ``<process>_iterations``, ``_busy_seconds``, ``_encode_seconds`` and ``_{encode,prefill,decode}_tokens``:
+    the mean iteration time and the tokens per iteration of any window are their differences
+    (``bench/serve/ttft_breakdown.py`` prints them). ``busy`` is the host's wall time in those steps: on CUDA
+    it includes waiting for the device only where a step reads results back."""
+
+    KINDS = ("encode", "prefill", "decode")
+
+    def __init__(self, process: str):
+        self.process = process
+        self.iterations = 0
+        self.busy_s = 0.0
+        self.encode_s = 0.0
+        self.tokens = dict.fromkeys(self.KINDS, 0)
+
+    def record(self, seconds: float, encode: int = 0, prefill: int = 0, decode: int = 0,
+               encode_s: float = 0.0) -> None:
+        self.iterations += 1
+        self.busy_s += seconds
+        self.encode_s += encode_s
+        for kind, n in zip(self.KINDS, (encode, prefill, decode)):
+            self.tokens[kind] += n
+
+    def gauges(self) -> dict[str, float]:
+        p = self.process
+        return {f"{p}_iterations": float(self.iterations), f"{p}_busy_seconds": self.busy_s,
+                f"{p}_encode_seconds": self.encode_s,
+                **{f"{p}_{kind}_tokens": float(n) for kind, n in self.tokens.items()}}
+
+
 def memory_info(weights: dict[str, float], device) -> dict[str, str]:
     """Start-up memory of a worker, for its log line: its :func:`weight_gauges` (own parameter bytes and
     those it maps from the shared weights pool, counted once for the server), and on CUDA what torch's

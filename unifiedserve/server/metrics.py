@@ -94,6 +94,19 @@ class Metrics:
                                 "control messages and page indices cross: patches, visual tokens and KV stay in "
                                 "the shared pools, so this stays far below the bytes of the media served.",
                                 ["model_name", "src", "dst"], registry=r)
+        self._iterations = Gauge("unifiedserve_engine_iterations", "Engine iterations (steps that ran something) "
+                                 "per process since start: core (encode, prefill, and decode under --policy "
+                                 "monolithic) and decode.", ["model_name", "process"], registry=r)
+        self._busy = Gauge("unifiedserve_engine_busy_seconds", "Wall time of those iterations per process (on CUDA "
+                           "the host's: launching them, and waiting for the device where a step reads back); "
+                           "its difference over a window divided by the iterations' is the mean iteration time.",
+                           ["model_name", "process"], registry=r)
+        self._encode_time = Gauge("unifiedserve_engine_encode_seconds", "Time of the vision encode inside the "
+                                  "iterations (device time on CUDA).", ["model_name", "process"], registry=r)
+        self._iteration_tokens = Gauge("unifiedserve_engine_tokens", "Tokens the iterations ran, per process and "
+                                       "kind: encode (patch tokens through the vision tower), prefill (prompt "
+                                       "tokens), decode (one per decoding request and step).",
+                                       ["model_name", "process", "kind"], registry=r)
         self.healthy = Gauge("unifiedserve_healthy", "1 while every worker process is alive.", ["model_name"],
                              registry=r).labels(**labels)
         self.healthy.set(1)
@@ -111,8 +124,16 @@ class Metrics:
     def update_processes(self, gauges_by_worker: dict[str, dict[str, float]],
                          api_sent_bytes: dict[str, int] | None = None) -> None:
         """Each worker's ``mem_<kind>_bytes`` gauges, as ``unifiedserve_process_memory_bytes{process, kind}``,
-        and its ``ipc_to_<peer>_bytes`` (plus the api process's own sends) as ``unifiedserve_ipc_sent_bytes``."""
+        its ``ipc_to_<peer>_bytes`` (plus the api process's own sends) as ``unifiedserve_ipc_sent_bytes``, and its
+        iteration counters as ``unifiedserve_engine_{iterations,busy_seconds,encode_seconds,tokens}``."""
         for process, gauges in gauges_by_worker.items():
+            if f"{process}_iterations" in gauges:  # runtime/worker.py: IterationCounters
+                self._iterations.labels(process=process, **self._labels).set(gauges[f"{process}_iterations"])
+                self._busy.labels(process=process, **self._labels).set(gauges[f"{process}_busy_seconds"])
+                self._encode_time.labels(process=process, **self._labels).set(gauges[f"{process}_encode_seconds"])
+                for kind in ("encode", "prefill", "decode"):
+                    self._iteration_tokens.labels(process=process, kind=kind, **self._labels).set(
+                        gauges[f"{process}_{kind}_tokens"])
             for key, value in gauges.items():
                 if key.startswith("mem_") and key.endswith("_bytes"):
                     self._process_memory.labels(process=process, kind=key[4:-6], **self._labels).set(value)

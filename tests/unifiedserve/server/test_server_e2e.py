@@ -7,6 +7,7 @@ import concurrent.futures
 import http.client as httplib
 import json
 import os
+import re
 import signal
 import time
 
@@ -105,6 +106,46 @@ def test_metrics_count_the_weights_once(server):
     assert mem("core", "weights_shared") == mem("decode", "weights_shared") == weights
     assert mem("decode", "weights_own") == 0 < mem("core", "weights_own")
     assert not any("device_allocated" in k for k in m)  # CUDA only
+
+
+def test_metrics_count_the_engine_iterations(server, client, media):
+    """unifiedserve_engine_*: core's iterations ran the new video's patches through the encoder and its prompt
+    through prefill, decode's ran the other tokens, one row a step; busy time is positive and below wall time."""
+    _, files = media
+
+    def counters() -> dict[tuple[str, str], float]:
+        found = {}
+        for key, value in server.metrics().items():
+            name, _, labels = key.partition("{")
+            if name.startswith("unifiedserve_engine_"):
+                process = re.search(r'process="([^"]*)"', labels).group(1)
+                kind = re.search(r'kind="([^"]*)"', labels)
+                found[(name[len("unifiedserve_engine_"):] + (f":{kind.group(1)}" if kind else ""), process)] = value
+        return found
+
+    before, start = counters(), time.monotonic()
+    # fps 1.25: a sampling no earlier test asked for, so the video is decoded, encoded and prefilled again
+    r = client.chat.completions.create(model="demo-model", messages=video_message(files["video"], fps=1.25),
+                                       **GREEDY)
+    deadline = time.monotonic() + 5
+    while (after := counters()).get(("tokens:decode", "decode"), 0) < before.get(("tokens:decode", "decode"), 0) \
+            + GREEDY["max_tokens"] - 1:  # the workers report every 50 ms at most
+        assert time.monotonic() < deadline, after
+        time.sleep(0.1)
+    wall = time.monotonic() - start
+
+    def grew(key):
+        return after.get(key, 0) - before.get(key, 0)
+
+    visual_tokens = r.usage.prompt_tokens - 64  # at least: the chat template and question are < 64 tokens
+    assert grew(("tokens:encode", "core")) >= 4 * visual_tokens  # 4 patches per visual token
+    assert grew(("tokens:prefill", "core")) >= visual_tokens
+    assert grew(("tokens:decode", "core")) == 0  # unified: decode tokens are the decode process's
+    assert grew(("tokens:decode", "decode")) >= GREEDY["max_tokens"] - 1  # the first token is core's
+    assert grew(("iterations", "decode")) >= GREEDY["max_tokens"] - 1 and grew(("iterations", "core")) >= 1
+    for process in ("core", "decode"):
+        assert 0 < grew(("busy_seconds", process)) < wall
+    assert 0 < grew(("encode_seconds", "core")) <= grew(("busy_seconds", "core"))
 
 
 def test_media_crosses_no_process_boundary(server, client, media):
