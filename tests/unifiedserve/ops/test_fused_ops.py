@@ -49,12 +49,14 @@ def check_rms_norm(device: str, dtype, rows: int, hidden: int, strided: bool) ->
     assert_matches(ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), exact=False)
 
 
-def check_fused_add(device: str, dtype, rows: int, hidden: int) -> None:
-    x = randn((rows, hidden), dtype, seed=2, device=device)
+def check_fused_add(device: str, dtype, rows: int, hidden: int, offset: int = 0) -> None:
+    """``offset`` > 0: x's rows start that many elements into a wider buffer (strided, off 16-byte alignment)."""
+    base = randn((rows, hidden + offset), dtype, seed=2, device=device)
+    x = base[:, offset:]
     r = randn((rows, hidden), dtype, seed=3, device=device, scale=4.0)
     w = randn((hidden,), dtype, seed=4, device=device) * 0.2 + 1
     want_norm, want_h = reference.fused_add_rms_norm(x, r, w, 1e-5)
-    xi, ri = x.clone(), r.clone()
+    xi, ri = base.clone()[:, offset:], r.clone()  # x's layout: a clone of the view itself would be contiguous
     got_norm, got_h = ops.fused_add_rms_norm(xi, ri, w, 1e-5)
     assert torch.equal(got_h, want_h)  # the add rounds once, as torch's does
     assert_matches(got_norm, want_norm, exact=False)
@@ -62,8 +64,9 @@ def check_fused_add(device: str, dtype, rows: int, hidden: int) -> None:
     assert got_norm.data_ptr() == xi.data_ptr() and got_h.data_ptr() == ri.data_ptr()
 
 
-def check_silu(device: str, dtype, rows: int, inter: int) -> None:
-    gate_up = randn((rows, 2 * inter), dtype, seed=5, device=device, scale=4.0)
+def check_silu(device: str, dtype, rows: int, inter: int, offset: int = 0) -> None:
+    """``offset`` > 0: gate_up starts that many elements into its memory (a pointer off 16-byte alignment)."""
+    gate_up = randn((rows, 2 * inter + offset), dtype, seed=5, device=device, scale=4.0)[:, offset:]
     assert_matches(ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), exact=dtype != torch.float32)
 
 
@@ -94,6 +97,7 @@ def test_rms_norm_matches_reference(native, dtype, rows, hidden):
 @pytest.mark.parametrize("rows,hidden", NORM_SHAPES)
 def test_fused_add_rms_norm_matches_reference(native, dtype, rows, hidden):
     check_fused_add("cpu", dtype, rows, hidden)
+    check_fused_add("cpu", dtype, rows, hidden, offset=3)  # x strided, written in place where it is
 
 
 def test_silu_and_mul_on_the_cpu_is_torchs(native, monkeypatch):
@@ -314,11 +318,16 @@ def test_model_greedy_tokens_are_the_same_fused_or_not(native, monkeypatch, tmp_
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_kernels_match_reference(cuda_native, dtype):
-    for rows, hidden in NORM_SHAPES + [(257, 3584)]:
-        check_rms_norm("cuda", dtype, rows, hidden, strided=True)
-        check_fused_add("cuda", dtype, rows, hidden)
-    for rows, inter in [(0, 8), (1, 18944), (33, 1344)]:
-        check_silu("cuda", dtype, rows, inter)
+    # widths that are whole 16-byte packs take the packed kernels when the rows and pointers are aligned (the
+    # contiguous cases), the one-element kernels otherwise (the strided and offset ones, and 5 / 300 / 3420)
+    for rows, hidden in NORM_SHAPES + [(257, 3584), (300, 1280)]:
+        for strided in (True, False):
+            check_rms_norm("cuda", dtype, rows, hidden, strided=strided)
+        for offset in (0, 1):
+            check_fused_add("cuda", dtype, rows, hidden, offset)
+    for rows, inter in [(0, 8), (1, 18944), (33, 1344), (70, 3420), (70, 3456), (2, 13)]:
+        for offset in (0, 1):
+            check_silu("cuda", dtype, rows, inter, offset)
     for table in (dtype, torch.float32):
         for shape in [(1, 28, 4, 128), (64, 16, 2, 128), (100, 16, 16, 80)]:
             check_rotary("cuda", dtype, table, *shape)
