@@ -9,11 +9,11 @@
 //
 // One block per row for the norms (the row's sum of squares is a block reduction: warp shuffles, then one
 // warp over the warps' sums) and the rotary (all heads of q and k of one token), a (row, column-chunk) grid
-// for silu_and_mul. Loads and stores are coalesced. The norms and silu_and_mul move 16 bytes per access (8
-// bf16/fp16 or 4 float32 values, `Pack`) when the row width, the row strides and the pointers allow it, else
-// one element: on the H200 (2026-11-26) the one-element kernels ran at 22-35 % of the copy bandwidth over
+// for silu_and_mul. Loads and stores are coalesced. Every kernel moves 16 bytes per access (8 bf16/fp16 or 4
+// float32 values, `Pack`; for the rotary, a Pack of each half of a head) when the widths, the strides and the
+// pointers allow it, else one element: on the H200 (2026-11-26) the one-element kernels ran at 22-35 % of the copy bandwidth over
 // 8192 rows of the 7B's widths, too few bytes in flight per thread to cover the memory latency. Both paths
-// round every element the same way; the RMSNorm's sum of squares is summed in another order by each (which
+// round every element the same way; only the RMSNorm's sum of squares is summed in another order by each (which
 // path a call takes depends only on its tensors, so a graph replays the path eager took for the same ones).
 // No kernel reads a value on the host, so all four are capturable in a CUDA graph; the checks read only
 // metadata.
@@ -223,6 +223,94 @@ __global__ void rotary_kernel(T* q, T* k, const C* __restrict__ cos, const C* __
   }
 }
 
+// kN values of C from p (16-byte aligned): kN / Pack<C>::kSize whole Packs (C is float32 or T, so kN, T's Pack
+// size, is a multiple of C's).
+template <typename C, int kN>
+__device__ inline void load_values(const C* p, C (&out)[kN]) {
+  constexpr int kC = Pack<C>::kSize;
+  static_assert(kN % kC == 0, "a table Pack must divide a storage Pack");
+#pragma unroll
+  for (int b = 0; b < kN / kC; ++b) {
+    const Pack<C> v = reinterpret_cast<const Pack<C>*>(p)[b];
+#pragma unroll
+    for (int j = 0; j < kC; ++j) out[b * kC + j] = v.v[j];
+  }
+}
+
+// rotate_pair over one Pack of first-half values and the matching Pack of second-half values (each pair (j, j)
+// of the two Packs is one (i, i + half) pair); in and out may be the same memory.
+template <typename T, typename C>
+__device__ inline void rotate_packs(const T* in_lo, const T* in_hi, T* lo, T* hi, const C* cos_lo, const C* sin_lo,
+                                    const C* cos_hi, const C* sin_hi) {
+  constexpr int kN = Pack<T>::kSize;
+  const Pack<T> a = *reinterpret_cast<const Pack<T>*>(in_lo);
+  const Pack<T> b = *reinterpret_cast<const Pack<T>*>(in_hi);
+  C cl[kN], sl[kN], ch[kN], sh[kN];
+  load_values(cos_lo, cl);
+  load_values(sin_lo, sl);
+  load_values(cos_hi, ch);
+  load_values(sin_hi, sh);
+  Pack<T> na, nb;
+#pragma unroll
+  for (int j = 0; j < kN; ++j) fused::rotate_pair(&a.v[j], &b.v[j], &na.v[j], &nb.v[j], cl[j], sl[j], ch[j], sh[j]);
+  *reinterpret_cast<Pack<T>*>(lo) = na;
+  *reinterpret_cast<Pack<T>*>(hi) = nb;
+}
+
+// rotary_kernel over Packs: `hp` = (dim / 2) / Pack<T>::kSize Packs per half head.
+template <typename T, typename C>
+__global__ void rotary_pack_kernel(T* q, T* k, const C* __restrict__ cos, const C* __restrict__ sin, int64_t q_heads,
+                                   int64_t k_heads, int64_t q_row, int64_t q_head, int64_t k_row, int64_t k_head,
+                                   int64_t dim) {
+  constexpr int kN = Pack<T>::kSize;
+  const int64_t half = dim / 2, hp = half / kN;
+  const C* c = cos + static_cast<int64_t>(blockIdx.x) * dim;
+  const C* s = sin + static_cast<int64_t>(blockIdx.x) * dim;
+  const int64_t work = (q_heads + k_heads) * hp;
+  for (int64_t p = threadIdx.x; p < work; p += blockDim.x) {
+    const int64_t head = p / hp, i = (p % hp) * kN;
+    T* x = head < q_heads ? q + blockIdx.x * q_row + head * q_head
+                          : k + blockIdx.x * k_row + (head - q_heads) * k_head;
+    rotate_packs(x + i, x + i + half, x + i, x + i + half, c + i, s + i, c + i + half, s + i + half);
+  }
+}
+
+// rotary_cache_kernel over Packs (the same rows, slots and skips).
+template <typename T, typename C>
+__global__ void rotary_cache_pack_kernel(T* q, const T* __restrict__ k, const T* __restrict__ v,
+                                         const C* __restrict__ cos, const C* __restrict__ sin, T* __restrict__ k_cache,
+                                         T* __restrict__ v_cache, const int64_t* __restrict__ slot_mapping,
+                                         const int64_t* __restrict__ write_rows, int64_t rows, int64_t slots,
+                                         int64_t q_heads, int64_t heads, int64_t q_row, int64_t q_head, int64_t k_row,
+                                         int64_t k_head, int64_t v_row, int64_t v_head, int64_t dim) {
+  constexpr int kN = Pack<T>::kSize;
+  const int64_t r = blockIdx.x, half = dim / 2, hp = half / kN;
+  const C* c = cos + r * dim;
+  const C* s = sin + r * dim;
+  for (int64_t p = threadIdx.x; p < q_heads * hp; p += blockDim.x) {
+    T* x = q + r * q_row + (p / hp) * q_head;
+    const int64_t i = (p % hp) * kN;
+    rotate_packs(x + i, x + i + half, x + i, x + i + half, c + i, s + i, c + i + half, s + i + half);
+  }
+  const int64_t slot = slot_mapping[r];
+  const int64_t src = write_rows != nullptr ? write_rows[r] : r;
+  if (slot < 0 || slot >= slots || src < 0 || src >= rows) return;
+  const C* cs = cos + src * dim;
+  const C* ss = sin + src * dim;
+  for (int64_t p = threadIdx.x; p < heads * hp; p += blockDim.x) {
+    const int64_t h = p / hp, i = (p % hp) * kN;
+    const T* x = k + src * k_row + h * k_head;
+    T* out = k_cache + (slot * heads + h) * dim;
+    rotate_packs(x + i, x + i + half, out + i, out + i + half, cs + i, ss + i, cs + i + half, ss + i + half);
+  }
+  const int64_t dp = dim / kN;
+  for (int64_t e = threadIdx.x; e < heads * dp; e += blockDim.x) {
+    const int64_t h = e / dp, j = (e % dp) * kN;
+    *reinterpret_cast<Pack<T>*>(v_cache + (slot * heads + h) * dim + j) =
+        *reinterpret_cast<const Pack<T>*>(v + src * v_row + h * v_head + j);
+  }
+}
+
 // One block per token r: q's pairs rotated in place, then k's pairs of row src = write_rows[r] (or r) rotated
 // with row src's cos/sin into slot slot_mapping[r] of k_cache, then v's elements of row src copied into v_cache. k and v are only
 // read, so a padding row that repeats row 0's write reads the same k as row 0 (no race). A slot or source
@@ -345,13 +433,22 @@ void rotary_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos
   const c10::cuda::CUDAGuard guard(q.device());
   const int64_t rows = q.size(0), dim = q.size(2);
   if (rows == 0) return;
-  const int threads = threads_for((q.size(1) + k.size(1)) * dim / 2);
   const auto stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t n = 16 / q.element_size();
+  const bool packed = packs_fit(dim / 2, q.element_size(), {q.stride(0), q.stride(1), k.stride(0), k.stride(1)},
+                                {q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr()});
+  const int threads = threads_for((q.size(1) + k.size(1)) * dim / 2 / (packed ? n : 1));
   UNIFIEDSERVE_DISPATCH_FUSED(q.scalar_type(), "rotary_cuda", [&] {
     using T = scalar_t;
     auto launch = [&](auto* c, auto* s) {
-      rotary_kernel<<<rows, threads, 0, stream>>>(q.data_ptr<T>(), k.data_ptr<T>(), c, s, q.size(1), k.size(1),
-                                                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), dim);
+      if (packed) {
+        rotary_pack_kernel<<<rows, threads, 0, stream>>>(q.data_ptr<T>(), k.data_ptr<T>(), c, s, q.size(1),
+                                                         k.size(1), q.stride(0), q.stride(1), k.stride(0),
+                                                         k.stride(1), dim);
+      } else {
+        rotary_kernel<<<rows, threads, 0, stream>>>(q.data_ptr<T>(), k.data_ptr<T>(), c, s, q.size(1), k.size(1),
+                                                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), dim);
+      }
     };
     fused::with_tables<T>(cos, sin, launch);
   });
@@ -365,12 +462,24 @@ void rotary_cache_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const c10::cuda::CUDAGuard guard(q.device());
   const int64_t rows = q.size(0), dim = q.size(2), heads = k.size(1);
   if (rows == 0) return;
-  const int threads = threads_for(std::max((q.size(1) + heads) * dim / 2, heads * dim));
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t* sources = write_rows.has_value() ? write_rows->data_ptr<int64_t>() : nullptr;
+  const int64_t n = 16 / q.element_size();
+  const bool packed = packs_fit(dim / 2, q.element_size(),
+                                {q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1)},
+                                {q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                 k_cache.data_ptr(), v_cache.data_ptr()});
+  const int threads = threads_for(std::max((q.size(1) + heads) * dim / 2, heads * dim) / (packed ? n : 1));
   UNIFIEDSERVE_DISPATCH_FUSED(q.scalar_type(), "rotary_cache_cuda", [&] {
     using T = scalar_t;
     auto launch = [&](auto* c, auto* s) {
+      if (packed) {
+        rotary_cache_pack_kernel<<<rows, threads, 0, stream>>>(
+            q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), c, s, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+            slot_mapping.data_ptr<int64_t>(), sources, rows, k_cache.size(0), q.size(1), heads, q.stride(0),
+            q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dim);
+        return;
+      }
       rotary_cache_kernel<<<rows, threads, 0, stream>>>(
           q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), c, s, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
           slot_mapping.data_ptr<int64_t>(), sources, rows, k_cache.size(0), q.size(1), heads, q.stride(0),

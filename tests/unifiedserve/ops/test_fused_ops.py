@@ -328,8 +328,8 @@ def test_cuda_kernels_match_reference(cuda_native, dtype):
     for rows, inter in [(0, 8), (1, 18944), (33, 1344), (70, 3420), (70, 3456), (2, 13)]:
         for offset in (0, 1):
             check_silu("cuda", dtype, rows, inter, offset)
-    for table in (dtype, torch.float32):
-        for shape in [(1, 28, 4, 128), (64, 16, 2, 128), (100, 16, 16, 80)]:
+    for table in (dtype, torch.float32):  # head dims 128 and 80 take 16-byte packs, 20 and 8 (bf16) elements
+        for shape in [(1, 28, 4, 128), (64, 16, 2, 128), (100, 16, 16, 80), (7, 4, 2, 20), (9, 2, 1, 8)]:
             check_rotary("cuda", dtype, table, *shape)
 
 
@@ -338,7 +338,9 @@ def test_cuda_kernels_match_reference(cuda_native, dtype):
 def test_cuda_rotary_cache_matches_reference(cuda_native, dtype):
     for table in (dtype, torch.float32):
         for rows, padded in [(1, False), (64, True), (300, False)]:
-            check_rotary_cache("cuda", dtype, table, rows, 28, 4, 128, padded)
+            check_rotary_cache("cuda", dtype, table, rows, 28, 4, 128, padded)  # 16-byte packs
+        for rows, padded in [(5, True), (40, False)]:
+            check_rotary_cache("cuda", dtype, table, rows, 4, 2, 20, padded)  # one element at a time
 
 
 @pytest.mark.cuda
