@@ -114,6 +114,22 @@ __global__ void fused_add_rms_norm_kernel(T* __restrict__ x, T* __restrict__ res
     xr[i] = fused::rms_scale<T>(static_cast<float>(rr[i]), inv, weight[i]);
 }
 
+// The second pass of both packed norms: this thread's Packs of row `in`, scaled by `inv` (1 / rms) and the
+// weight, into row `out` (of another tensor; under add + RMSNorm `in` holds the Packs this thread just wrote).
+template <typename T>
+__device__ inline void scale_packs(Pack<T>* out, const Pack<T>* in, const Pack<T>* __restrict__ w, int64_t packs,
+                                   float inv) {
+  constexpr int kN = Pack<T>::kSize;
+  for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+    const Pack<T> a = in[p];
+    const Pack<T> ws = w[p];
+    Pack<T> r;
+#pragma unroll
+    for (int j = 0; j < kN; ++j) r.v[j] = fused::rms_scale<T>(static_cast<float>(a.v[j]), inv, ws.v[j]);
+    out[p] = r;
+  }
+}
+
 // rms_norm_kernel over Packs: `packs` = hidden / Pack<T>::kSize per row.
 template <typename T>
 __global__ void rms_norm_pack_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ weight,
@@ -132,15 +148,7 @@ __global__ void rms_norm_pack_kernel(T* __restrict__ out, const T* __restrict__ 
       acc += v * v;
     }
   }
-  const float inv = fused::inv_rms(block_sum(acc), hidden, eps);
-  for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
-    const Pack<T> a = row[p];
-    const Pack<T> ws = w[p];
-    Pack<T> r;
-#pragma unroll
-    for (int j = 0; j < kN; ++j) r.v[j] = fused::rms_scale<T>(static_cast<float>(a.v[j]), inv, ws.v[j]);
-    o[p] = r;
-  }
+  scale_packs(o, row, w, packs, fused::inv_rms(block_sum(acc), hidden, eps));
 }
 
 // fused_add_rms_norm_kernel over Packs; as there, each thread reads back only the Packs it wrote.
@@ -165,15 +173,7 @@ __global__ void fused_add_rms_norm_pack_kernel(T* __restrict__ x, T* __restrict_
     }
     rr[p] = h;
   }
-  const float inv = fused::inv_rms(block_sum(acc), packs * kN, eps);
-  for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
-    const Pack<T> h = rr[p];
-    const Pack<T> ws = w[p];
-    Pack<T> o;
-#pragma unroll
-    for (int j = 0; j < kN; ++j) o.v[j] = fused::rms_scale<T>(static_cast<float>(h.v[j]), inv, ws.v[j]);
-    xr[p] = o;
-  }
+  scale_packs(xr, rr, w, packs, fused::inv_rms(block_sum(acc), packs * kN, eps));
 }
 
 // silu_and_mul_kernel over Packs: thread p of row blockIdx.x makes out's Pack p from gate's and up's Pack p.
