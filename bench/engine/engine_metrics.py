@@ -178,7 +178,8 @@ def summarize_kernels(kernels: list[tuple[str, float, float]], calls: int, top: 
 def kernel_profile(fn, device: torch.device, calls: int = 5) -> dict:
     """What the device runs for ``fn()`` (a graph replay, a forward): ``calls`` calls under torch's profiler
     (CUPTI), summarised by :func:`summarize_kernels`. CUDA only; kernels inside a CUDA graph are recorded one
-    by one. Returns ``{"error": ...}`` instead of raising when the profiler records no kernel."""
+    by one. Returns ``{"error": ...}`` instead of raising when the profiler fails or records no kernel (a
+    machine may refuse CUPTI to non-admin users): a benchmark run keeps its other results."""
     if device.type != "cuda":
         raise ValueError("kernel_profile needs a CUDA device")
     from torch.autograd import DeviceType
@@ -186,11 +187,15 @@ def kernel_profile(fn, device: torch.device, calls: int = 5) -> dict:
 
     fn()  # warm: nothing first-time inside the window
     sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        sync(device)
-    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            sync(device)
+        events = prof.events()
+    except Exception as e:  # noqa: BLE001 - CUPTI's refusals come as several types
+        return {"error": f"the profiler failed: {type(e).__name__}: {e}"[:300]}
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events
                if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
     if not kernels:
         return {"error": "the profiler recorded no kernel"}
