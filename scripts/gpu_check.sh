@@ -221,7 +221,7 @@ decode)
 attention)
   warm_kernels
   step "cuda tests (unifiedserve) and the MPS launcher"
-  run 180 pytest-cuda python3 -m pytest -v --timeout=90 -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/unifiedserve \
+  run 240 pytest-cuda python3 -m pytest -v --timeout=90 -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/unifiedserve \
     tests/bench/test_bench_engine.py --deselect tests/unifiedserve/server/test_server_cuda.py
   step "the whole server on the GPU (demo model): serve --device cuda against the engine's own output, and sized by --gpu-memory-utilization"
   run 260 pytest-cuda-server python3 -m pytest -v --timeout=200 -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda-server.xml" \
