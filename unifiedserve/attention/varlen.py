@@ -13,14 +13,24 @@ Implementations, selectable so a GPU run can measure them against each other:
   are built for head dims 64/128/256 (the FA3 path asserts it), so other head dims (the ViT's 80)
   are zero-padded up to the next one: zeros add nothing to q·k, and the padded output columns
   are dropped. The softmax scale stays that of the true head dim.
+* ``varlen``: torch's own ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside
+  torch, torch >= 2.9): one ragged kernel per layer from cumulative segment offsets, taking the
+  tower's head dim 80 as it is and the q/k/v views of the fused qkv output without copies; CUDA,
+  float16/bfloat16 only. Against ``flashinfer`` it saves the three pads to 128 and the slice back
+  (a quarter of a layer's elementwise traffic) and computes 80 columns instead of 128; whether
+  FlashAttention-2 on 64-patch windows beats flashinfer's kernels on Hopper is for the device run
+  to say (``bench/engine``'s vision split times the tower with each).
 
 ``auto`` is ``grouped`` on CPU; on CUDA ``flashinfer`` when it imports and the dtype is half,
-else ``grouped``.
+else ``grouped``. ``UNIFIEDSERVE_VISION_ATTENTION`` names the tower's default instead of ``auto``
+(:func:`default_varlen_impl`), so a GPU run can switch the server's kernel without a code change.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +40,9 @@ import torch.nn.functional as F
 
 from unifiedserve.attention.flashinfer_backend import SUPPORTED_HEAD_DIMS
 
-VARLEN_IMPLS = ("auto", "grouped", "padded", "flashinfer")
+VARLEN_IMPLS = ("auto", "grouped", "padded", "flashinfer", "varlen")
+#: the environment variable naming the vision tower's default implementation (``auto`` when unset)
+VARLEN_IMPL_ENV = "UNIFIEDSERVE_VISION_ATTENTION"
 _HALF = (torch.float16, torch.bfloat16)
 #: planned ragged wrappers kept per (segments, device, dtype, heads, head_dim): the tower uses two
 #: segmentations per forward (windows and frames), so a few entries cover the current grids.
@@ -42,6 +54,28 @@ def check_varlen_impl(impl: str) -> str:
     if impl not in VARLEN_IMPLS:
         raise ValueError(f"unknown vision attention implementation {impl!r}; choose one of {', '.join(VARLEN_IMPLS)}")
     return impl
+
+
+def default_varlen_impl() -> str:
+    """The tower's default implementation: ``UNIFIEDSERVE_VISION_ATTENTION`` when set, else ``auto``.
+
+    Raises:
+        ValueError: the variable names no implementation (the message names the variable and the choices).
+    """
+    impl = os.environ.get(VARLEN_IMPL_ENV, "").strip() or "auto"
+    try:
+        return check_varlen_impl(impl)
+    except ValueError as e:
+        raise ValueError(f"{VARLEN_IMPL_ENV}: {e}") from None
+
+
+def torch_varlen_attn() -> Any:
+    """torch's ``varlen_attn`` (torch >= 2.9), or None when this torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
 
 
 @functools.lru_cache(maxsize=1)
@@ -61,12 +95,16 @@ def resolve_varlen_impl(impl: str, device: torch.device, dtype: torch.dtype) -> 
             precision, not installed).
     """
     check_varlen_impl(impl)
-    usable = device.type == "cuda" and dtype in _HALF and _flashinfer_available()
+    half_on_cuda = device.type == "cuda" and dtype in _HALF
+    usable = half_on_cuda and _flashinfer_available()
     if impl == "auto":
         return "flashinfer" if usable else "grouped"
     if impl == "flashinfer" and not usable:
         raise ValueError(f"flashinfer vision attention needs CUDA, float16/bfloat16 and flashinfer installed "
                          f"(device {device}, dtype {dtype})")
+    if impl == "varlen" and not (half_on_cuda and torch_varlen_attn() is not None):
+        raise ValueError(f"varlen vision attention needs CUDA, float16/bfloat16 and torch >= 2.9 "
+                         f"(device {device}, dtype {dtype}, torch {torch.__version__})")
     return impl
 
 
@@ -76,7 +114,7 @@ def fused_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
 
     Args:
         seq_lens: segment lengths, summing to ``N``.
-        impl: ``padded`` or ``flashinfer`` (``grouped`` lives with the tower).
+        impl: ``padded``, ``flashinfer`` or ``varlen`` (``grouped`` lives with the tower).
 
     Raises:
         ValueError: segments that do not cover the rows, or an implementation not served here.
@@ -87,7 +125,9 @@ def fused_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
         return _padded(q, k, v, tuple(seq_lens), scale)
     if impl == "flashinfer":
         return _ragged(q, k, v, tuple(seq_lens), scale)
-    raise ValueError(f"fused_varlen_attention serves 'padded' and 'flashinfer', got {impl!r}")
+    if impl == "varlen":
+        return _torch_varlen(q, k, v, tuple(seq_lens), scale)
+    raise ValueError(f"fused_varlen_attention serves 'padded', 'flashinfer' and 'varlen', got {impl!r}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -118,6 +158,35 @@ def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: tuple[i
     mask = valid[:, None, None, :]  # [S, 1, 1, L]: keys of the segment only
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)  # [S, H, L, D]
     return o.transpose(1, 2).reshape(-1, h, d)[rows]  # [N, H, D]
+
+
+@functools.lru_cache(maxsize=8)
+def cumulative_offsets(seq_lens: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int32 ``[S + 1]`` start row of each segment and the total (built once per segmentation, queued copy)."""
+    offsets = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int32), 0)
+    return offsets.to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _takes_scale(fn: Any) -> bool:
+    """Whether this torch's ``varlen_attn`` takes ``scale`` (2.9's does not: its scale is ``D ** -0.5``)."""
+    return "scale" in inspect.signature(fn).parameters
+
+
+def _torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: tuple[int, ...],
+                  scale: float) -> torch.Tensor:
+    fn = torch_varlen_attn()
+    if fn is None:
+        raise ValueError(f"varlen vision attention needs torch >= 2.9 (this is {torch.__version__})")
+    offsets = cumulative_offsets(seq_lens, q.device)
+    longest = max(seq_lens)
+    if _takes_scale(fn):
+        return fn(q, k, v, offsets, offsets, longest, longest, scale=scale)  # [N, H, D]
+    if abs(scale - q.shape[2] ** -0.5) > 1e-12 * scale:
+        raise ValueError(f"this torch's varlen_attn ({torch.__version__}) only scales by head_dim ** -0.5, "
+                         f"asked for {scale}")
+    return fn(q, k, v, offsets, offsets, longest, longest)  # [N, H, D]
 
 
 def kernel_head_dim(head_dim: int) -> int | None:

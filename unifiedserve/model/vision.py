@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unifiedserve.attention.varlen import check_varlen_impl, fused_varlen_attention, resolve_varlen_impl
+from unifiedserve.attention.varlen import (check_varlen_impl, default_varlen_impl, fused_varlen_attention,
+                                           resolve_varlen_impl)
 from unifiedserve.model.config import VisionConfig
 from unifiedserve import ops
 from unifiedserve.memory.transfer import to_device
@@ -143,7 +144,7 @@ class VisionAttention(nn.Module):
         self.head_dim = config.head_dim
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
         self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
-        self.attention_impl = "auto"  # see VisionTower.set_attention_impl
+        self.attention_impl = default_varlen_impl()  # "auto" unless the environment names one; see set_attention_impl
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:
         n = x.shape[0]
@@ -237,8 +238,9 @@ class VisionTower(nn.Module):
         return min((block.mlp.pad_intermediate(multiple) for block in self.blocks), default=0)
 
     def set_attention_impl(self, impl: str) -> None:
-        """Choose the window/full attention kernel: ``auto`` (default), ``grouped``, ``padded`` or
-        ``flashinfer`` (see :mod:`unifiedserve.attention.varlen`). Raises ``ValueError`` on other names."""
+        """Choose the window/full attention kernel: ``auto`` (default, or ``UNIFIEDSERVE_VISION_ATTENTION``),
+        ``grouped``, ``padded``, ``flashinfer`` or ``varlen`` (see :mod:`unifiedserve.attention.varlen`).
+        Raises ``ValueError`` on other names."""
         check_varlen_impl(impl)
         for block in self.blocks:
             block.attn.attention_impl = impl
