@@ -164,11 +164,19 @@ class VisionBlock(nn.Module):
         self.norm2 = RMSNorm(config.hidden_size, eps=1e-6)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:
-        """``x`` [N, hidden] -> [N, hidden]; ``x``'s memory is reused (the first residual add is fused into
-        ``norm2`` and writes in place), so pass a tensor nobody reads afterwards."""
-        normed, x = self.norm2.add(self.attn(self.norm1(x), cos, sin, seq_lens), x)  # x = x + attn(...)
-        return x + self.mlp(normed)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                seq_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block on the split residual stream: the stream is ``residual + x`` (``x`` alone for the first
+        block, ``residual=None``), each ``[N, hidden]``. Returns the MLP's output and the stream before it, so
+        that both residual adds are fused into the RMSNorm that follows them (``norm2``, then the next block's
+        ``norm1`` or the merger's norm), as in the language model. The inputs' memory is reused (the fused adds
+        write in place): pass tensors nobody reads afterwards."""
+        if residual is None:
+            residual, h = x, self.norm1(x)
+        else:
+            h, residual = self.norm1.add(x, residual)  # residual += x
+        normed, residual = self.norm2.add(self.attn(h, cos, sin, seq_lens), residual)  # residual += attn(...)
+        return self.mlp(normed), residual
 
 
 class PatchMerger(nn.Module):
@@ -181,8 +189,11 @@ class PatchMerger(nn.Module):
         self.fc1 = nn.Linear(self.merged_dim, self.merged_dim)
         self.fc2 = nn.Linear(self.merged_dim, config.out_hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x).view(-1, self.merged_dim)  # [N / 4, 4 * hidden]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``[N, hidden]`` patches (the stream ``residual + x`` when ``residual`` is given, the add fused into
+        the norm) -> ``[N / 4, out_hidden]``."""
+        x = self.norm(x) if residual is None else self.norm.add(x, residual)[0]
+        x = x.view(-1, self.merged_dim)  # [N / 4, 4 * hidden]
         return self.fc2(F.gelu(self.fc1(x)))  # [N / 4, out_hidden]
 
 
@@ -224,11 +235,12 @@ class VisionTower(nn.Module):
         x = x.view(-1, unit, cfg.hidden_size)[window_index].view(-1, cfg.hidden_size)  # [N, hidden], window order
         cos, sin = self._rotary(to_device(layout.patch_hw, device))  # [N, head_dim] float32, window order
 
+        residual = None  # the stream is residual + x; each add is fused into the norm after it
         for i, block in enumerate(self.blocks):
             seq_lens = layout.frame_lens if i in cfg.fullatt_block_indexes else layout.window_lens
-            x = block(x, cos, sin, seq_lens)  # [N, hidden]
+            x, residual = block(x, residual, cos, sin, seq_lens)  # [N, hidden] each
 
-        tokens = self.merger(x)  # [N / 4, out_hidden], window order
+        tokens = self.merger(x, residual)  # [N / 4, out_hidden], window order
         return tokens[to_device(layout.reverse_index, device)]  # [N / 4, out_hidden], row-major per frame
 
     def align_mlp(self, multiple: int = MLP_MULTIPLE) -> int:
