@@ -118,6 +118,16 @@ class Grammar:
             self.accept(token)
             if self._matcher.is_error():
                 raise ValueError(f"the tokens so far do not follow the grammar: {self._matcher.get_error()}")
+        # A schema whose every branch refers back to itself ({"$ref": "#"} alone, or through anyOf) compiles,
+        # but admits no first token: llguidance only says so once a mask is computed. Compute one now, so it
+        # is the client's error at admission (400), not a sampled token the grammar then rejects.
+        if not self._matcher.is_stopped():
+            probe = np.zeros((self.vocab_size + 31) // 32, dtype=np.uint32)
+            self._matcher.unsafe_compute_mask_ptr(probe.ctypes.data, probe.nbytes)
+            if self._matcher.is_error():
+                reason = self._matcher.get_error().splitlines()[0] if self._matcher.get_error() else "no token fits"
+                raise ValueError(f"invalid JSON schema: it admits no value (e.g. a $ref that only refers to itself; "
+                                 f"{reason})")
 
     @property
     def is_complete(self) -> bool:

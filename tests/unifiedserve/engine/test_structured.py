@@ -162,6 +162,17 @@ def test_bad_schemas_are_refused_before_any_work(schema, strict, message, engine
     assert not engine.has_unfinished
 
 
+@pytest.mark.parametrize("schema", [{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+                                    {"anyOf": [{"$ref": "#"}]}])
+def test_a_schema_that_admits_no_value_is_refused_at_admission(schema, engine):
+    """It compiles (llguidance finds no error in the grammar), but no first token fits: the engine refuses the
+    request rather than sampling a token the grammar then rejects."""
+    params = schema_params(schema)
+    with pytest.raises(ValueError, match="admits no value"):
+        engine.add_request(prompt(engine), (), params)
+    assert not engine.has_unfinished
+
+
 def test_strict_refuses_what_it_cannot_enforce():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "unevaluatedProperties": False}
     check_response_format(schema_params(schema))  # not strict: the keyword is not enforced
