@@ -98,6 +98,13 @@ def build_app(state: ServerState) -> FastAPI:
     async def _invalid(request: Request, exc: RequestValidationError):
         # the deepest error is the informative one (a union reports each branch it tried)
         first = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
+        if first.get("type") == "json_invalid":  # its loc is ("body", character offset): not a field
+            detail = (first.get("ctx") or {}).get("error", "")
+            return _error(f"invalid request: the body is not valid JSON{': ' + detail if detail else ''}", 400)
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if tuple(first.get("loc", ())) == ("body",) and content_type != "application/json":
+            return _error(f"invalid request: the body must be a JSON object sent with Content-Type: application/json "
+                          f"(got {content_type or 'no Content-Type'})", 400)
         # pydantic's loc holds union/validator tags such as "function-after[...]": not field names
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body" and "[" not in str(x))
         msg = ("unknown field, not supported by this server" if first.get("type") == "extra_forbidden"
@@ -177,10 +184,12 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
             return _error(f"invalid response_format: {e}", 400, "response_format")
     arrival = time.time()
     try:
-        check_text_chars(_num_text_chars(body), state.max_model_len)
+        check_text_chars(_num_text_chars(body), state.max_model_len, len(body.messages),
+                         sum(len(m.content) for m in body.messages if isinstance(m.content, list)))
         messages, media = await run_in_threadpool(convert_messages, body, state.media_policy, state.limits)
         media = await run_in_threadpool(with_media_keys, media, state.model_name)
-        prompt_ids = state.processor.tokenize(state.processor.render_chat(messages))
+        # off the event loop: a long prompt's template and tokenizer take long enough to stall other streams
+        prompt_ids = await run_in_threadpool(_prompt_ids, state.processor, messages)
     except LimitError as e:
         return _error(str(e), e.status_code, e.param)
     except (MediaError, ValueError) as e:
@@ -210,9 +219,10 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         if room < 1 or prompt_len + max_tokens > state.max_model_len:
             raise RequestError(
                 f"this model's maximum context length is {state.max_model_len} tokens, but the request needs "
-                f"{prompt_len + max(max_tokens, 1)}: {prompt_len} in the messages (visual tokens included) and "
-                f"{max(max_tokens, 1)} for the completion; shorten the prompt or video (e.g. lower fps, "
-                f"max_frames or max_pixels in video_url) or lower max_tokens", 400)
+                f"{prompt_len + max(max_tokens, 1)}: {prompt_len} in the messages"
+                f"{' (visual tokens included)' if plans else ''} and {max(max_tokens, 1)} for the completion; "
+                + ("shorten the prompt or video (e.g. lower fps, max_frames or max_pixels in video_url)" if plans
+                   else "shorten the prompt") + " or lower max_tokens", 400)
         params = SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0), seed=body.seed,
@@ -238,6 +248,10 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
     finally:
         if not started:
             client.abort(request_id)
+
+
+def _prompt_ids(processor: Any, messages: list[dict]) -> list[int]:
+    return processor.tokenize(processor.render_chat(messages))
 
 
 def _num_text_chars(body: ChatCompletionRequest) -> int:
@@ -272,10 +286,11 @@ def _check_visual_tokens(state: ServerState, plans: list[protocol.MediaPlan], nu
     num_visual = sum(t * h * w // merge for t, h, w in (p.grid_thw for p in plans))
     prompt_len = num_text_tokens - len(plans) + num_visual  # each media's one placeholder becomes its tokens
     if prompt_len >= state.max_model_len:
+        advice = ("lower fps, max_frames or max_pixels in video_url/image_url" if plans
+                  else "shorten the messages")
         raise RequestError(
             f"this model's maximum context length is {state.max_model_len} tokens, but the messages alone need "
-            f"{prompt_len} ({num_visual} visual tokens); lower fps, max_frames or max_pixels in "
-            f"video_url/image_url", 400)
+            f"{prompt_len}" + (f" ({num_visual} visual tokens)" if plans else "") + f"; {advice}", 400)
 
 
 def convert_messages(body: ChatCompletionRequest, policy: MediaPolicy, limits: RequestLimits = RequestLimits()):

@@ -13,7 +13,10 @@ Everything a client can size has a server-wide cap (each a ``unifiedserve serve`
   is read whole (see :class:`BodySizeLimit`).
 - **text**: at most :data:`MAX_CHARS_PER_TOKEN` characters per token of ``--max-model-len``, counted
   before the chat template is rendered or tokenized (tokenizing megabytes of text costs the api
-  process about a hundred times their size in memory, for a prompt that could never fit).
+  process about a hundred times their size in memory, for a prompt that could never fit); and no
+  more messages than the template's :data:`MIN_TOKENS_PER_MESSAGE` per message lets fit, nor more
+  content parts than tokens (150,000 empty messages are 5 MB of JSON but 750,000 tokens of template,
+  and rendering them took the api process seconds).
 """
 
 from __future__ import annotations
@@ -32,13 +35,27 @@ QWEN_MAX_FRAMES = 768
 MAX_CHARS_PER_TOKEN = 32
 
 
-def check_text_chars(num_chars: int, max_model_len: int) -> None:
-    """Refuse message text that cannot fit ``max_model_len`` tokens, before it is tokenized."""
+#: Tokens the chat template adds around every message at the least: Qwen2.5-VL's ChatML writes
+#: ``<|im_start|>``, the role, a newline, then after the content ``<|im_end|>`` and a newline (five).
+MIN_TOKENS_PER_MESSAGE = 4
+
+
+def check_text_chars(num_chars: int, max_model_len: int, num_messages: int = 0, num_parts: int = 0) -> None:
+    """Refuse messages that cannot fit ``max_model_len`` tokens, before they are rendered or tokenized: too
+    many characters of text, too many messages for the template's tokens around each, or more content
+    parts than tokens."""
     limit = MAX_CHARS_PER_TOKEN * max_model_len
     if num_chars > limit:
         raise LimitError(f"the messages hold {num_chars} characters of text; this server accepts at most {limit} "
                          f"({MAX_CHARS_PER_TOKEN} per token of its {max_model_len}-token context, --max-model-len)",
                          "messages")
+    if num_messages * MIN_TOKENS_PER_MESSAGE > max_model_len:
+        raise LimitError(f"the request has {num_messages} messages; the chat template adds at least "
+                         f"{MIN_TOKENS_PER_MESSAGE} tokens to each, so at most {max_model_len // MIN_TOKENS_PER_MESSAGE} "
+                         f"fit this server's {max_model_len}-token context (--max-model-len)", "messages")
+    if num_parts > max_model_len:
+        raise LimitError(f"the messages have {num_parts} content parts; this server accepts at most {max_model_len} "
+                         f"(one per token of its context, --max-model-len)", "messages")
 
 
 class LimitError(ValueError):

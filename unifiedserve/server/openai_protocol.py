@@ -2,7 +2,9 @@
 
 Every field either works or is refused: an OpenAI field this server does not implement gets a 400
 naming it (unless it carries its neutral value, e.g. ``tools: []``), and so does any other
-unknown field. Text must be valid Unicode (a lone surrogate such as ``"\ud800"`` is refused).
+unknown field. Types are strict, as OpenAI's API checks them: ``"max_tokens": "2"``, ``true`` for a
+number or ``"yes"`` for a boolean are refused, not coerced (an integer is a valid number). Text must
+be valid Unicode (a lone surrogate such as ``"\ud800"`` is refused).
 ``response_format`` ``json_object`` and ``json_schema`` are enforced by grammar-constrained decoding
 (``unifiedserve.engine.structured``).
 """
@@ -25,9 +27,12 @@ def _valid_unicode(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 
-#: Fields of OpenAI's chat-completions request that change nothing here: accepted, not used.
-_HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
-#: Fields that are accepted only with their neutral value (the value that asks for nothing).
+#: Stop strings per request and characters per stop string. OpenAI takes up to 4 strings; every one is
+#: looked for after each generated token, so their number bounds that work.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+#: Fields that are accepted only with their neutral value (the value that asks for nothing), of the same
+#: JSON type (``false`` is not a neutral ``presence_penalty``).
 _NEUTRAL_VALUES: dict[str, tuple] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "tool_choice": (None, "none"),
@@ -37,7 +42,8 @@ _NEUTRAL_VALUES: dict[str, tuple] = {
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # an unknown field is refused, never silently ignored
+    # an unknown field is refused, never silently ignored; values are never coerced from another JSON type
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextPart(_Model):
@@ -118,8 +124,16 @@ class JSONSchemaFormat(_Model):
 ResponseFormat = Annotated[Union[TextFormat, JSONObjectFormat, JSONSchemaFormat], Field(discriminator="type")]
 
 
+def _is_neutral(name: str, value: Any) -> bool:
+    return any(value == neutral and type(value) is type(neutral) for neutral in _NEUTRAL_VALUES[name])
+
+
+StopText = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
+
+
 class ChatCompletionRequest(_Model):
-    model_config = ConfigDict(extra="allow")  # checked by _refuse_unsupported, for a message that names the field
+    # extra fields are checked by _refuse_unsupported, for a message that names the field
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -129,24 +143,33 @@ class ChatCompletionRequest(_Model):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: off
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None  # -1 or 0: off; above the vocabulary: off
     seed: Annotated[int, Field(ge=-2**63, le=2**64 - 1)] | None = None  # a 64-bit integer (signed or not)
-    stop: Text | list[Text] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     n: int = 1
     ignore_eos: bool = False  # vLLM extension: keep generating past EOS (benchmarks)
     logprobs: bool = False  # each output token's log-probability (log-softmax of the model's raw logits)
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # and the k most likely tokens'
     response_format: ResponseFormat | None = None  # the output follows a grammar (see engine.structured)
+    # OpenAI's fields that change nothing here: accepted when well-formed (OpenAI's types and sizes), not used
+    user: Annotated[Text, Field(max_length=512)] | None = None
+    metadata: Annotated[dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
+    store: bool | None = None
+    service_tier: Annotated[Text, Field(max_length=64)] | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream: true")
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise ValueError(f"max_tokens ({self.max_tokens}) and max_completion_tokens ({self.max_completion_tokens}) "
+                             f"disagree; send one of them")
         for name, value in (self.model_extra or {}).items():
-            if name in _HARMLESS_FIELDS:
-                continue
             if name in _NEUTRAL_VALUES:
-                if value in _NEUTRAL_VALUES[name]:
+                if _is_neutral(name, value):
                     continue
                 raise ValueError(f"{name} is not supported by this server")
             raise ValueError(f"unknown field {name!r}")

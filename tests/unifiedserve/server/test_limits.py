@@ -124,6 +124,75 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing(processor, media_dir,
     assert tokenized and r.status_code == 503  # within the cap: on to the (fake) engine
 
 
+def test_many_messages_or_parts_are_refused_before_rendering(processor, media_dir, monkeypatch):
+    """Empty messages pass the character cap but not the template's tokens around each; nor do empty parts."""
+    http, client = make_api(processor, media_dir, max_model_len=100)
+    rendered = []
+    real = processor.render_chat
+    monkeypatch.setattr(processor, "render_chat", lambda messages: rendered.append(1) or real(messages))
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": ""}] * 26})
+    assert r.status_code == 400 and "26 messages" in r.json()["error"]["message"] and "at most 25 fit" in r.text
+    r = http.post("/v1/chat/completions", json=chat(*[{"type": "text", "text": ""}] * 100))  # 101 parts
+    assert r.status_code == 400 and "101 content parts" in r.json()["error"]["message"]
+    assert rendered == [] and client.added == []
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": ""}] * 25})
+    assert rendered and r.status_code == 400  # rendered, then its real length checked against the context
+    assert "maximum context length is 100" in r.json()["error"]["message"]
+    assert "video" not in r.json()["error"]["message"]  # a text-only request is not told to lower fps
+
+
+def test_stop_strings_and_top_k_are_bounded(processor, media_dir):
+    http, client = make_api(processor, media_dir)
+    for fields, param in [({"stop": [str(i) for i in range(65)]}, "stop"), ({"stop": "x" * 1025}, "stop"),
+                          ({"top_k": 2**31}, "top_k"), ({"top_k": 10**20}, "top_k")]:
+        r = http.post("/v1/chat/completions", json=chat(**fields))
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), (fields, r.text)
+    assert client.added == []
+    r = http.post("/v1/chat/completions", json=chat(stop=[str(i) for i in range(64)], top_k=2**31 - 1))
+    assert r.status_code == 503 and len(client.added[0].params.stop) == 64
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"max_tokens": "2"}, "max_tokens: Input should be a valid integer"),
+    ({"max_tokens": True}, "max_tokens: Input should be a valid integer"),
+    ({"max_tokens": 2.0}, "max_tokens: Input should be a valid integer"),
+    ({"temperature": True}, "temperature: Input should be a valid number"),
+    ({"stream": "yes"}, "stream: Input should be a valid boolean"),
+    ({"logprobs": "yes"}, "logprobs: Input should be a valid boolean"),
+    ({"seed": "1"}, "seed: Input should be a valid integer"),
+    ({"presence_penalty": False}, "presence_penalty is not supported"),
+    ({"user": 5}, "user: Input should be a valid string"),
+    ({"metadata": [1, 2]}, "metadata: Input should be a valid dictionary"),
+    ({"metadata": {"k": 1}}, "metadata.k: Input should be a valid string"),
+    ({"stream_options": {"include_usage": True}}, "stream_options needs stream: true"),
+    ({"max_tokens": 3, "max_completion_tokens": 7}, "max_tokens (3) and max_completion_tokens (7) disagree"),
+])
+def test_types_are_strict_and_fields_consistent(processor, media_dir, fields, needle):
+    http, client = make_api(processor, media_dir)
+    r = http.post("/v1/chat/completions", json=chat(**fields))
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert client.added == []
+
+
+def test_well_formed_fields_pass(processor, media_dir):
+    http, client = make_api(processor, media_dir)
+    r = http.post("/v1/chat/completions", json=chat(temperature=1, top_p=1, max_tokens=3, max_completion_tokens=3,
+                                                    user="u", metadata={"k": "v"}, store=False, stream=True,
+                                                    stream_options={"include_usage": True}))
+    assert r.status_code == 503 and client.added[0].params.temperature == 1.0
+
+
+def test_bodies_that_are_not_json_say_so(processor, media_dir):
+    http, client = make_api(processor, media_dir)
+    r = http.post("/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    body = r.json()["error"]
+    assert r.status_code == 400 and body["message"].startswith("invalid request: the body is not valid JSON")
+    assert body["param"] is None
+    r = http.post("/v1/chat/completions", content=json.dumps(chat()), headers={"Content-Type": "text/plain"})
+    assert r.status_code == 400 and "Content-Type: application/json (got text/plain)" in r.json()["error"]["message"]
+    assert client.added == []
+
+
 def test_fields_that_are_not_implemented_are_named(processor, media_dir):
     http, client = make_api(processor, media_dir)
     for fields, name in [({"top_logprobs": 3}, "top_logprobs needs logprobs"),
