@@ -19,6 +19,7 @@ from flashcodec._errors import (
     NotAVideoError,
     SourceNotFoundError,
     UnsupportedCodecError,
+    VideoTooLargeError,
 )
 
 # Everything else is imported on first use: `flashcodec --help` and `import flashcodec` then cost
@@ -61,6 +62,6 @@ __all__ = [
     "BitstreamAnalysis", "CorruptVideoError", "DecodeCancelledError", "DecodeEngine", "DecodedImage", "DecodedSlice", "DecodedVideo", "DeviceError", "ImageDecodeError",
     "FlashCodecError", "Gop",
     "NoFramesError", "NotAVideoError", "SamplingOptions", "SourceNotFoundError", "UnsupportedCodecError",
-    "VideoInfo", "VideoPlan", "add_decoding_request", "analyse_bitstream", "available_backends",
+    "VideoInfo", "VideoPlan", "VideoTooLargeError", "add_decoding_request", "analyse_bitstream", "available_backends",
     "decode_image", "decode_images", "decode_video", "default_engine", "get_decoding_output", "plan_video", "probe",
 ]

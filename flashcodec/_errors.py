@@ -32,5 +32,9 @@ class DecodeCancelledError(FlashCodecError):
     """The request was cancelled (``DecodeEngine.cancel``) before its decode finished."""
 
 
+class VideoTooLargeError(FlashCodecError, ValueError):
+    """The video's pictures are larger than the decoder accepts (``max_source_pixels``)."""
+
+
 class NoFramesError(FlashCodecError, ValueError):
     """The video stream has no frames (or too few to sample)."""

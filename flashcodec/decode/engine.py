@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from flashcodec._errors import CorruptVideoError, DecodeCancelledError
+from flashcodec._errors import CorruptVideoError, DecodeCancelledError, VideoTooLargeError
 from flashcodec.decode.backends import Backend, get_backend
 from flashcodec.decode.scheduler import RankGroup, RankJob, RankScheduler
 from flashcodec.devices import (DEFAULT_NVDEC_SESSIONS, make_layout, parse_devices, resolve_output_device,
@@ -316,6 +316,11 @@ class _Request:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+#: The largest picture decoded by default: 35,651,584 pixels, the most luma samples any H.264 (level 6.2:
+#: 139,264 macroblocks) or HEVC (level 6.2: MaxLumaPs) level allows, e.g. 8192x4352; 8K UHD (7680x4320) fits.
+MAX_SOURCE_PIXELS = 35_651_584
+
+
 class DecodeEngine:
     """A process-wide pool of decoders (ranks x slots) serving many requests at once.
 
@@ -337,6 +342,10 @@ class DecodeEngine:
             out as soon as the writes are queued: read them on that stream, or make your stream wait for it.
         rank_speeds: frames/s per rank name (``"cpu"``, ``"cuda:0"``), replacing the cost model's
             defaults (:mod:`flashcodec.devices`).
+        max_source_pixels: the largest stored picture (width x height) a video may have, checked when it
+            is analysed, before any frame is decoded (a decoded frame and its conversions cost memory in
+            proportion; the caller's ``max_pixels`` bounds only the output). Default
+            :data:`MAX_SOURCE_PIXELS`; None: no limit.
 
     Raises:
         ValueError: bad counts, a bad output device, or a device this machine lacks
@@ -346,7 +355,11 @@ class DecodeEngine:
     def __init__(self, backend: str | Backend = "auto", num_threads: int | None = None, *,
                  devices: str | list[str] = "cpu", cpu_threads: int | None = None,
                  nvdec_sessions: int = DEFAULT_NVDEC_SESSIONS,
-                 output_device: str | torch.device | None = None, rank_speeds: dict[str, float] | None = None):
+                 output_device: str | torch.device | None = None, rank_speeds: dict[str, float] | None = None,
+                 max_source_pixels: int | None = None):
+        if max_source_pixels is not None and max_source_pixels < 1:
+            raise ValueError(f"max_source_pixels must be at least 1, got {max_source_pixels}")
+        self.max_source_pixels = MAX_SOURCE_PIXELS if max_source_pixels is None else max_source_pixels
         if num_threads is not None and cpu_threads is not None:
             raise ValueError("give cpu_threads or num_threads (its older name), not both")
         if num_threads is not None and num_threads < 1:
@@ -402,6 +415,10 @@ class DecodeEngine:
         src = Source.of(source)
         if info is None:
             info = probe(src)
+        if info.width * info.height > self.max_source_pixels:
+            raise VideoTooLargeError(
+                f"{src.name}: its pictures are {info.width}x{info.height} ({info.width * info.height} pixels); "
+                f"at most {self.max_source_pixels} are decoded (max_source_pixels)")
         speeds, allowed, reason = self.layout.shares(lambda gpu: video_nvdec_reason(info, gpu))
         if reason is not None:
             log.warning("flashcodec: %s decodes on the CPU rank: %s", src.name, reason)

@@ -6,6 +6,9 @@ Everything a client can size has a server-wide cap (each a ``unifiedserve serve`
   default is Qwen2.5-VL's own largest image budget (16384 patches of 28x28, qwen-vl-utils
   ``MAX_PIXELS``); a frame above it would only cost memory the model was never trained on.
 - **frames per video** (``--max-frames``): default 768, qwen-vl-utils' ``FPS_MAX_FRAMES``.
+- **source picture size**: a video whose stored pictures exceed flashcodec's ``MAX_SOURCE_PIXELS``
+  (the largest any H.264/HEVC level allows, 8K fits) is refused at its probe, before a frame is
+  decoded at that size (images: PIL's decompression-bomb limit).
 - **media parts per request** (``--max-media-per-request``), as vLLM's ``--limit-mm-per-prompt``.
 - **visual tokens**: known from the probe before any frame is decoded; a request whose prompt
   would exceed ``--max-model-len`` is refused before its placeholders are even expanded.

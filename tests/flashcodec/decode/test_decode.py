@@ -188,3 +188,26 @@ def test_get_decoding_output_errors(engine, tiny_h264):
     key = engine.analyse_bitstream(tiny_h264, num_frames=4).key_id
     with pytest.raises(ValueError, match="output"):
         engine.add_decoding_request(key, output="jpeg")
+
+
+def test_pictures_over_max_source_pixels_are_refused_before_decoding(tiny_h264):
+    """The cap is on the stored picture (128x96 here), checked at analysis: nothing is queued or decoded."""
+    from flashcodec import DecodeEngine, VideoTooLargeError
+    from flashcodec.decode.engine import MAX_SOURCE_PIXELS
+
+    assert MAX_SOURCE_PIXELS >= 7680 * 4320  # 8K UHD fits the default
+    small = DecodeEngine(cpu_threads=1, max_source_pixels=128 * 96 - 1)
+    try:
+        with pytest.raises(VideoTooLargeError, match=r"128x96 \(12288 pixels\); at most 12287 are decoded"):
+            small.analyse_bitstream(tiny_h264, num_frames=4)
+        with pytest.raises(VideoTooLargeError):
+            small.decode_video(tiny_h264, num_frames=4)
+    finally:
+        small.close()
+    exact = DecodeEngine(cpu_threads=1, max_source_pixels=128 * 96)
+    try:
+        assert exact.decode_video(tiny_h264, num_frames=4).frames.shape[0] == 4
+    finally:
+        exact.close()
+    with pytest.raises(ValueError, match="max_source_pixels must be at least 1"):
+        DecodeEngine(cpu_threads=1, max_source_pixels=0)
