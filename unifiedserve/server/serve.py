@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import signal
+import socket
 from dataclasses import replace
 from pathlib import Path
 
@@ -83,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-pixels", type=_positive_int, default=QWEN_MAX_PIXELS, metavar="N",
                    help=f"most pixels per image or video frame a request may ask for (min_pixels/max_pixels; "
                         f"default {QWEN_MAX_PIXELS}, Qwen2.5-VL's largest image budget)")
-    g.add_argument("--max-frames", type=_positive_int, default=QWEN_MAX_FRAMES, metavar="N",
+    g.add_argument("--max-frames", type=_frame_count, default=QWEN_MAX_FRAMES, metavar="N",
                    help=f"most frames sampled from one video (default {QWEN_MAX_FRAMES})")
     g.add_argument("--max-media-per-request", type=_positive_int, default=RequestLimits.max_media_per_request,
                    metavar="N", help="most image and video parts in one request (default %(default)s)")
@@ -179,15 +180,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "off)")
 
 
-def _positive_int(value: str) -> int:
-    """argparse type: an integer >= 1 (a zero or negative size is a mistake, never "use the default")."""
+def _positive_int(value: str, least: int = 1) -> int:
+    """argparse type: an integer >= ``least`` (a zero or negative size is a mistake, never "use the default")."""
     try:
         n = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    if n < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {n}")
     return n
+
+
+def _frame_count(value: str) -> int:
+    """argparse type of --max-frames: at least 2, one temporal patch."""
+    return _positive_int(value, 2)
 
 
 def _positive_float(value: str) -> float:
@@ -314,11 +320,35 @@ def _resolve_device(device: str) -> str:
 def run(args: argparse.Namespace) -> int:
     setup_logging("api")
     limits = request_limits(args)  # before anything is built or spawned
+    media_policy(args)  # a bad --allowed-local-media-path is refused now, not after the workers start
     from unifiedserve.ray_serve.launch import ray_requested, run_ray  # imports no Ray
 
     if ray_requested(args):  # replicas on Ray Serve (unifiedserve[ray]); only run_ray imports Ray
         return run_ray(args, limits)
-    return asyncio.run(_serve(build_runtime(args), args, limits))
+    sock = bind_socket(args.host, args.port)  # a port in use is one error line, before any worker starts
+    try:
+        return asyncio.run(_serve(build_runtime(args), args, limits, sock))
+    finally:
+        sock.close()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's listening address, bound now (it listens once the workers are ready: until then a client
+    is refused, as before). Raises ``ValueError`` naming the flag when the host does not resolve or the
+    address is taken."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses TIME_WAIT
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there: {e.strerror}") from None
+    return sock
 
 
 def resolve_model(model: str | None) -> str:
@@ -464,7 +494,7 @@ def build_state(runtime, client, args: argparse.Namespace, limits: RequestLimits
                        tuple(model_config.eos_token_ids), config.policy, args.api_key, limits)
 
 
-async def _serve(runtime, args, limits: RequestLimits) -> int:
+async def _serve(runtime, args, limits: RequestLimits, sock: socket.socket | None = None) -> int:
     import uvicorn
 
     from unifiedserve.server.api import build_app
@@ -542,7 +572,7 @@ async def _serve(runtime, args, limits: RequestLimits) -> int:
         if stop.is_set():
             return 0
         log.info("serving %s on http://%s:%d (OpenAI API at /v1)", config.served_model_name, args.host, args.port)
-        await server.serve()
+        await server.serve(sockets=None if sock is None else [sock])
         if not server.started and not stop.is_set() and not client.fatal:
             log.error("the HTTP server could not start (is port %d free?)", args.port)
             return 1

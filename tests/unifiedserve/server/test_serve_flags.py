@@ -18,6 +18,8 @@ from unifiedserve.cli import main
     (["--encode-token-budget", "-3"], "argument --encode-token-budget"),
     (["--kv-cache-gb", "nan"], "argument --kv-cache-gb: must be a positive finite number"),
     (["--max-frames", "abc"], "argument --max-frames: 'abc' is not an integer"),
+    (["--max-frames", "-3"], "argument --max-frames: must be at least 2, got -3"),
+    (["--max-frames", "1"], "argument --max-frames: must be at least 2, got 1"),
     (["--block-size", "0"], "argument --block-size"),
     (["--max-request-mb", "0"], "argument --max-request-mb"),
     (["--policy", "bogus"], "argument --policy: invalid choice"),
@@ -44,7 +46,7 @@ def test_bad_values_are_one_line_before_anything_starts(args, needle, capsys):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--max-frames", "1"], "--max-frames must be at least 2"),
+    (["--allowed-local-media-path", "/nonexistent/media"], "--allowed-local-media-path"),
     (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization applies to a CUDA server"),
     (["--gpus", "0"], "--gpus applies to CUDA only"),
     (["--model", "/nonexistent/folder"], "no config.json there"),
@@ -73,3 +75,45 @@ def test_a_config_refusal_names_its_flag():
         "--block-size: block_size must be a positive integer, got 0"
     assert _name_flag("--max-model-len 9 needs more KV cache", args) == "--max-model-len 9 needs more KV cache"
     assert _name_flag("engine.num_kv_blocks must be given", args) == "engine.num_kv_blocks must be given"
+
+
+def test_a_taken_port_or_unknown_host_is_one_line_before_any_worker_starts():
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        for args, needle in [(["--port", str(port)], f"--host 127.0.0.1 --port {port}: cannot listen there: "
+                                                     f"Address already in use"),
+                             (["--host", "no-such-host.invalid"], "--host no-such-host.invalid: ")]:
+            started = time.perf_counter()
+            run = subprocess.run([sys.executable, "-m", "unifiedserve.cli", "serve", "--device", "cpu",
+                                  "--host", "127.0.0.1", *args], capture_output=True, text=True, timeout=60)
+            assert run.returncode == 1 and needle in run.stderr and "Traceback" not in run.stderr, run.stderr
+            assert "starting workers" not in run.stderr + run.stdout
+            assert time.perf_counter() - started < 5.0
+    finally:
+        taken.close()
+
+
+def test_bind_socket_leaves_the_port_to_listen_on_later():
+    import socket
+
+    from unifiedserve.server.serve import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    try:
+        port = sock.getsockname()[1]
+        probe = socket.socket()
+        assert probe.connect_ex(("127.0.0.1", port)) != 0  # bound, not listening: refused until ready
+        probe.close()
+        sock.listen()  # what the server's loop does once the workers are ready
+        probe = socket.socket()
+        assert probe.connect_ex(("127.0.0.1", port)) == 0
+        probe.close()
+        with pytest.raises(ValueError, match=f"--port {port}: cannot listen there"):  # a second server now
+            bind_socket("127.0.0.1", port)
+    finally:
+        sock.close()
