@@ -207,6 +207,7 @@ def _decode(args) -> int:
     with flashcodec.DecodeEngine(args.backend, devices=args.device, cpu_threads=args.threads) as engine:
         analysis = engine.analyse_bitstream(args.file, **_sampling_kwargs(args))
         plan = analysis.plan
+        _check_output_fits(plan, args.output)
         bar = None
         if not args.no_progress and plan.decode_cost >= PROGRESS_MIN_FRAMES:
             from tqdm import tqdm
@@ -258,6 +259,24 @@ def _decode(args) -> int:
         if saved:
             print(f"saved to {saved}")
     return 0
+
+
+def _check_output_fits(plan, output: str) -> None:
+    """Refuse, before decoding, an output larger than this machine's memory (uint8 RGB frames, or float32 patches).
+
+    Raises:
+        ValueError: naming the size and the flags that shrink it.
+    """
+    per_pixel = 3 if output == "rgb" else 3 * 4
+    need = plan.num_output_frames * plan.height * plan.width * per_pixel
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system that says
+        return
+    if need > memory:
+        raise ValueError(f"the output would take {need / 2**30:.1f} GiB ({plan.num_output_frames} frames of "
+                         f"{plan.height}x{plan.width}, {output}), more than this machine's {memory / 2**30:.1f} GiB of "
+                         f"memory; lower --max-pixels, --size, --fps or --max-frames")
 
 
 def _bench(args) -> int:

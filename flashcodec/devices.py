@@ -337,6 +337,11 @@ class RankLayout:
         return speeds, frozenset(allowed), reason
 
 
+#: Decoder threads of a CPU rank at most: each is an OS thread with its own decoder; past a few per core
+#: they only add memory (asking for 100,000 used to fail inside thread creation).
+MAX_CPU_THREADS = 1024
+
+
 def make_layout(devices: str | Sequence[str] = "cpu", cpu_threads: int | None = None,
                 nvdec_sessions: int = DEFAULT_NVDEC_SESSIONS, rank_speeds: Mapping[str, float] | None = None,
                 **probes) -> RankLayout:
@@ -359,6 +364,9 @@ def make_layout(devices: str | Sequence[str] = "cpu", cpu_threads: int | None = 
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0 or (threads == 0 and not gpus):
         raise ValueError(f"cpu_threads must be a positive integer (0 only with GPUs whose NVDEC works), "
                          f"got {cpu_threads!r}")
+    if threads > MAX_CPU_THREADS:
+        raise ValueError(f"cpu_threads must be at most {MAX_CPU_THREADS} (one decoder thread each; this machine has "
+                         f"{os.cpu_count()} cores), got {threads}")
     if isinstance(nvdec_sessions, bool) or not isinstance(nvdec_sessions, int) or nvdec_sessions < 1:
         raise ValueError(f"nvdec_sessions must be a positive integer, got {nvdec_sessions!r}")
     layout = RankLayout(tuple(gpus), nvdec_sessions, threads, cpu_named or not gpus, ())

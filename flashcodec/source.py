@@ -34,7 +34,9 @@ class Source:
             if path.startswith("file://"):
                 path = path[len("file://"):]
             if not os.path.isfile(path):
-                what = "is a directory" if os.path.isdir(path) else "does not exist"
+                what = ("is a directory" if os.path.isdir(path) else
+                        "is not a regular file (a device, pipe or socket)" if os.path.exists(path) else
+                        "does not exist")
                 raise SourceNotFoundError(f"{path}: {what}")
             return cls(path=path)
         if isinstance(source, (bytes, bytearray, memoryview)):

@@ -25,7 +25,7 @@ from flashcodec.decode.backends import Backend, get_backend
 from flashcodec.decode.scheduler import RankGroup, RankJob, RankScheduler
 from flashcodec.devices import (DEFAULT_NVDEC_SESSIONS, make_layout, parse_devices, resolve_output_device,
                                 video_nvdec_reason)
-from flashcodec.plan.sampling import SamplingOptions
+from flashcodec.plan.sampling import MAX_FRAME_PIXELS, SamplingOptions
 from flashcodec.plan.video import VideoPlan, plan_video
 from flashcodec._probe import VideoInfo, probe
 from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode
@@ -316,9 +316,9 @@ class _Request:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-#: The largest picture decoded by default: 35,651,584 pixels, the most luma samples any H.264 (level 6.2:
-#: 139,264 macroblocks) or HEVC (level 6.2: MaxLumaPs) level allows, e.g. 8192x4352; 8K UHD (7680x4320) fits.
-MAX_SOURCE_PIXELS = 35_651_584
+#: The largest stored picture decoded by default: the most luma samples any H.264 or HEVC level allows
+#: (:data:`flashcodec.plan.sampling.MAX_FRAME_PIXELS`, 8192x4352; 8K UHD fits).
+MAX_SOURCE_PIXELS = MAX_FRAME_PIXELS
 
 
 class DecodeEngine:

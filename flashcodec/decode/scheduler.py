@@ -190,7 +190,10 @@ class RankScheduler:
             for slot in range(num_slots)
         ]
         for t in self._threads:
-            t.start()
+            try:
+                t.start()
+            except RuntimeError as e:  # the OS refused a thread: the caller's clean-up stops those started
+                raise OSError(f"cannot start decoder thread {t.name}: {e}") from None
 
     @property
     def slot_speed(self) -> float:
@@ -212,7 +215,8 @@ class RankScheduler:
             self._stopping = True
             self._cond.notify_all()
         for t in self._threads:
-            t.join(timeout=5)
+            if t.ident is not None:  # a thread the OS refused to start (RuntimeError in __init__) has none
+                t.join(timeout=5)
 
     def pending_cost(self) -> int:
         """Frames queued on this rank and not yet taken by a slot (call with the lock held)."""

@@ -77,6 +77,12 @@ def smart_resize(
     return h_bar, w_bar
 
 
+#: The largest output frame (pixels) asked for with ``min_pixels``, ``max_pixels`` or ``height x width``:
+#: 35,651,584, the most luma samples any H.264 (level 6.2) or HEVC (level 6.2, MaxLumaPs) picture may have
+#: (8192x4352; 8K UHD fits). Also the decode engine's default cap on a source's pictures.
+MAX_FRAME_PIXELS = 35_651_584
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
     """Per-request video sampling overrides. ``None`` means the model's default.
@@ -107,6 +113,14 @@ class SamplingOptions:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if (self.height is None) != (self.width is None):
             raise ValueError("give both height and width, or neither")
+        for name in ("min_pixels", "max_pixels"):
+            if (getattr(self, name) or 0) > MAX_FRAME_PIXELS:
+                raise ValueError(f"{name} must be at most {MAX_FRAME_PIXELS} (8192x4352), got {getattr(self, name)}")
+        if self.height is not None and self.height * self.width > MAX_FRAME_PIXELS:
+            raise ValueError(f"height x width must be at most {MAX_FRAME_PIXELS} pixels (8192x4352), got "
+                             f"{self.height}x{self.width}")
+        if None not in (self.min_frames, self.max_frames) and self.min_frames > self.max_frames:
+            raise ValueError(f"min_frames ({self.min_frames}) is above max_frames ({self.max_frames})")
 
 
 def smart_nframes(total_frames: int, video_fps: float, options: SamplingOptions = SamplingOptions()) -> int:

@@ -68,6 +68,38 @@ def test_user_mistakes_get_one_line_errors(tiny_h264, tmp_path, make_bad, needle
     assert len(lines) == 1 and lines[0].startswith("flashcodec: error:") and needle in lines[0]
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--min-pixels", "1000000000"], "min_pixels must be at most 35651584"),
+    (["--max-pixels", "1000000000000"], "max_pixels must be at most 35651584"),
+    (["--size", "100000x100000"], "height x width must be at most 35651584 pixels"),
+    (["--min-frames", "100", "--max-frames", "10"], "min_frames (100) is above max_frames (10)"),
+    (["--threads", "100000"], "cpu_threads must be at most 1024"),
+])
+def test_sizes_and_counts_are_capped_before_any_memory(tiny_h264, args, needle):
+    result = run_cli("decode", tiny_h264, *args)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith("flashcodec: error:"), result.stderr
+    assert needle in lines[0]
+
+
+def test_an_output_larger_than_memory_is_refused_before_decoding(tiny_h264, monkeypatch):
+    from types import SimpleNamespace
+
+    from flashcodec import cli
+
+    plan = SimpleNamespace(num_output_frames=768, height=4480, width=7980)  # 82 GB of RGB frames
+    monkeypatch.setattr(cli.os, "sysconf", {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 2**22}.__getitem__)  # 16 GiB
+    with pytest.raises(ValueError, match=r"the output would take 76\.7 GiB \(768 frames of 4480x7980, rgb\), more "
+                                         r"than this machine's 16\.0 GiB of memory; lower --max-pixels"):
+        cli._check_output_fits(plan, "rgb")
+    cli._check_output_fits(SimpleNamespace(num_output_frames=8, height=280, width=392), "patches")
+
+
+def test_a_path_that_is_not_a_regular_file_says_so():
+    result = run_cli("decode", "/dev/null")
+    assert result.returncode == 1 and "/dev/null: is not a regular file" in result.stderr
+
+
 def test_bad_flags_exit_with_usage_error(tiny_h264):
     for args in (["--fps", "0"], ["--size", "axb"], ["--fps", "2", "--num-frames", "4"], ["--out", "x.gif"]):
         result = run_cli("decode", tiny_h264, *args)

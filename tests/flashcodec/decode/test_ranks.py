@@ -162,3 +162,26 @@ def test_many_requests_over_mixed_ranks_all_complete_once():
 def test_a_rank_needs_a_positive_speed():
     with pytest.raises(ValueError, match="speed"):
         RankScheduler(SleepBackend("cpu", 0.001), 1, speed=0)
+
+
+def test_a_thread_the_os_refuses_is_a_clean_error(monkeypatch):
+    """Thread creation failing part-way: an OSError naming the thread, the started ones stopped, no join of the rest."""
+    import threading
+
+    from flashcodec import DecodeEngine
+
+    real_start, started = threading.Thread.start, []
+
+    def start(self):
+        if self.name.startswith("flashcodec-") and len(started) == 2:
+            raise RuntimeError("can't start new thread")
+        if self.name.startswith("flashcodec-"):
+            started.append(self)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(OSError, match=r"cannot start decoder thread flashcodec-cpu-2: can't start new thread"):
+        DecodeEngine(cpu_threads=4)
+    for t in started:
+        t.join(timeout=5)
+        assert not t.is_alive()
