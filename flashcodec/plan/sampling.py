@@ -129,6 +129,9 @@ def smart_nframes(total_frames: int, video_fps: float, options: SamplingOptions 
     Raises:
         ValueError: if fewer than two frames would be sampled (the video is too short).
     """
+    if total_frames < FRAME_FACTOR:
+        raise ValueError(f"the video has {total_frames} frame{'' if total_frames == 1 else 's'}; sampling needs at "
+                         f"least {FRAME_FACTOR} (one temporal patch): send a still picture as an image")
     if options.num_frames is not None:
         num_frames = round_by_factor(options.num_frames, FRAME_FACTOR)
     else:

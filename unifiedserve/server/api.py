@@ -31,7 +31,7 @@ from unifiedserve.engine.structured import check_response_format
 from unifiedserve.runtime import protocol
 from unifiedserve.server.engine_client import EngineClient, RequestError, RequestStream
 from unifiedserve.server.limits import LimitError, RequestLimits, check_text_chars
-from unifiedserve.server.media import MediaError, MediaPolicy, describe, resolve_media
+from unifiedserve.server.media import MediaError, MediaPolicy, check_declared_type, describe, resolve_media
 from unifiedserve.server.media_key import media_key
 from unifiedserve.server.metrics import Metrics
 from unifiedserve.server.openai_protocol import ChatCompletionRequest, ImagePart, TextPart, VideoPart, error_body
@@ -320,6 +320,7 @@ def convert_messages(body: ChatCompletionRequest, policy: MediaPolicy, limits: R
                 u = part.image_url
                 limits.check_pixels(u.min_pixels, u.max_pixels, f"{where}.image_url")
                 found = resolve_media(u.url, policy)
+                check_declared_type(found, "image", f"{where}.image_url")
                 media.append(protocol.MediaRef("image", found.path, found.data, min_pixels=u.min_pixels,
                                                max_pixels=u.max_pixels, shown=describe(u.url),
                                                pixel_ceiling=limits.max_pixels))
@@ -329,6 +330,7 @@ def convert_messages(body: ChatCompletionRequest, policy: MediaPolicy, limits: R
                 limits.check_pixels(v.min_pixels, v.max_pixels, f"{where}.video_url")
                 max_frames = limits.check_frames(v.max_frames, f"{where}.video_url")
                 found = resolve_media(v.url, policy)
+                check_declared_type(found, "video", f"{where}.video_url")
                 media.append(protocol.MediaRef("video", found.path, found.data, fps=v.fps, max_frames=max_frames,
                                                min_pixels=v.min_pixels, max_pixels=v.max_pixels,
                                                shown=describe(v.url), pixel_ceiling=limits.max_pixels))

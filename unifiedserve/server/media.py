@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import SplitResult, unquote, urlsplit
 
-__all__ = ["MediaError", "MediaPolicy", "ResolvedMedia", "describe", "resolve_media"]
+__all__ = ["MediaError", "MediaPolicy", "ResolvedMedia", "check_declared_type", "describe", "resolve_media"]
 
 _ACCEPTED = "accepted media URLs are file:///path, data:<mime>;base64,<payload> and http(s)://host/path"
 _READ_CHUNK_BYTES = 1 << 20
@@ -219,6 +219,30 @@ def _resolve_data(url: str, policy: MediaPolicy) -> ResolvedMedia:
     if len(data) > limit:
         raise MediaError(f"data: URL payload is {len(data)} bytes, over the server's limit of {limit} bytes")
     return ResolvedMedia(path=None, data=data, kind_hint=_mime(params[0]))
+
+
+#: Declared types that say nothing about the content: accepted for images and videos alike.
+_GENERIC_TYPES = frozenset({"application/octet-stream", "binary/octet-stream"})
+#: Other declared types a video part may carry besides ``video/*``.
+_VIDEO_APPLICATION_TYPES = frozenset({"application/mp4", "application/ogg", "application/x-matroska"})
+
+
+def check_declared_type(found: ResolvedMedia, kind: str, shown: str) -> None:
+    """Refuse media whose declared type (a ``data:`` URL's MIME type, a download's Content-Type) is not ``kind``:
+    ``text/plain`` bytes in a ``video_url`` are the client's mistake, said as such (a download that returns an
+    HTML error page too), rather than decoded as whatever the bytes happen to be. No declared type, or a
+    generic one, passes: the decoder then decides.
+
+    Raises:
+        MediaError: naming the declared type and the one expected.
+    """
+    hint = found.kind_hint
+    if hint is None or hint in _GENERIC_TYPES or hint.startswith(f"{kind}/"):
+        return
+    if kind == "video" and hint in _VIDEO_APPLICATION_TYPES:
+        return
+    raise MediaError(f"{shown} is declared {hint}, not {'an image' if kind == 'image' else 'a video'} "
+                     f"({kind}/*); send it as the part that matches its type")
 
 
 def _mime(content_type: str | None) -> str | None:

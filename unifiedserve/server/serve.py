@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, metavar="PATH",
                    help=f"Hugging Face checkpoint folder of a Qwen2.5-VL-family model (default: the demo model at "
                         f"{DEFAULT_DEMO_PATH}, written on first run)")
-    g.add_argument("--served-model-name", default=None, help="model id in the API (default: the folder's name)")
+    g.add_argument("--served-model-name", type=_model_name, default=None,
+                   help="model id in the API (default: the folder's name)")
     g.add_argument("--device", type=_device_arg, default="auto", metavar="{auto,cpu,cuda,cuda:N}",
                    help="where the model runs (default auto: CUDA when available and supported, else CPU; the "
                         "multi-process server runs on CPU until its output on CUDA is checked against the engine's "
@@ -178,6 +179,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep encoded visual tokens of this much media, by media identity, least recently used out, "
                         "so media seen before is neither decoded nor encoded again (default %(default)g; 0 turns it "
                         "off)")
+
+
+def _model_name(value: str) -> str:
+    """argparse type of --served-model-name: a non-empty id without surrounding spaces."""
+    if not value.strip() or value != value.strip():
+        raise argparse.ArgumentTypeError(f"must be a non-empty name without surrounding spaces, got {value!r}")
+    return value
 
 
 def _positive_int(value: str, least: int = 1) -> int:

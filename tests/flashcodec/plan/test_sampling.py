@@ -54,15 +54,19 @@ def test_overrides():
 
 
 @pytest.mark.parametrize("kwargs", [dict(fps=2.0, num_frames=4), dict(fps=0.0), dict(num_frames=0),
-                                    dict(max_frames=-1), dict(height=28), dict(fps=float("nan"))])
+                                    dict(max_frames=-1), dict(height=28), dict(fps=float("nan")),
+                                    dict(min_frames=8, max_frames=4), dict(max_pixels=2**26),
+                                    dict(height=10_000, width=10_000)])
 def test_bad_options_raise_value_error(kwargs):
     with pytest.raises(ValueError):
         SamplingOptions(**kwargs)
 
 
 def test_too_few_frames_is_a_clear_error():
-    with pytest.raises(ValueError, match="cannot sample"):
+    with pytest.raises(ValueError, match="the video has 1 frame; sampling needs at least 2 .*send a still picture"):
         smart_nframes(1, 30.0)
+    with pytest.raises(ValueError, match=r"cannot sample 0 frames from a video of 3 frames \(need between 2 and 3\)"):
+        smart_nframes(3, 30.0, SamplingOptions(num_frames=1))  # rounds to 0
     with pytest.raises(ValueError, match="no frames"):
         sample_frame_indices(0, 30.0)
 

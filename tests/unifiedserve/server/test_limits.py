@@ -299,3 +299,25 @@ def test_errors_never_show_the_resolved_path():
 def test_bad_limits(kwargs):
     with pytest.raises(ValueError, match="--max-"):
         RequestLimits(**kwargs)
+
+
+def test_media_declared_as_another_type_is_refused(processor, media_dir):
+    import base64
+
+    payload = base64.b64encode((media_dir / "clip.mp4").read_bytes()).decode()
+    http, client = make_api(processor, media_dir)
+    for part, needle in [
+        ({"type": "video_url", "video_url": {"url": f"data:text/plain;base64,{payload}"}},
+         "messages[0].content[0].video_url is declared text/plain, not a video (video/*)"),
+        ({"type": "video_url", "video_url": {"url": f"data:image/png;base64,{payload}"}}, "declared image/png"),
+        ({"type": "image_url", "image_url": {"url": f"data:video/mp4;base64,{payload}"}},
+         "image_url is declared video/mp4, not an image (image/*)"),
+    ]:
+        r = http.post("/v1/chat/completions", json=chat(part))
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert client.probed == []
+    for mime in ("video/mp4", "video/x-matroska", "application/octet-stream", "application/mp4"):
+        r = http.post("/v1/chat/completions",
+                      json=chat({"type": "video_url", "video_url": {"url": f"data:{mime};base64,{payload}"}}))
+        assert r.status_code != 400 or "declared" not in r.text, (mime, r.text)
+    assert len(client.probed) == 4

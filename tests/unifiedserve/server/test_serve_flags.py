@@ -20,6 +20,8 @@ from unifiedserve.cli import main
     (["--max-frames", "abc"], "argument --max-frames: 'abc' is not an integer"),
     (["--max-frames", "-3"], "argument --max-frames: must be at least 2, got -3"),
     (["--max-frames", "1"], "argument --max-frames: must be at least 2, got 1"),
+    (["--served-model-name", ""], "argument --served-model-name: must be a non-empty name"),
+    (["--served-model-name", " m "], "argument --served-model-name: must be a non-empty name"),
     (["--block-size", "0"], "argument --block-size"),
     (["--max-request-mb", "0"], "argument --max-request-mb"),
     (["--policy", "bogus"], "argument --policy: invalid choice"),
