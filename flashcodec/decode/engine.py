@@ -344,8 +344,8 @@ class DecodeEngine:
             defaults (:mod:`flashcodec.devices`).
         max_source_pixels: the largest stored picture (width x height) a video may have, checked when it
             is analysed, before any frame is decoded (a decoded frame and its conversions cost memory in
-            proportion; the caller's ``max_pixels`` bounds only the output). Default
-            :data:`MAX_SOURCE_PIXELS`; None: no limit.
+            proportion; the caller's ``max_pixels`` bounds only the output). None (default):
+            :data:`MAX_SOURCE_PIXELS`.
 
     Raises:
         ValueError: bad counts, a bad output device, or a device this machine lacks

@@ -69,6 +69,7 @@ def default_varlen_impl() -> str:
         raise ValueError(f"{VARLEN_IMPL_ENV}: {e}") from None
 
 
+@functools.lru_cache(maxsize=1)
 def torch_varlen_attn() -> Any:
     """torch's ``varlen_attn`` (torch >= 2.9), or None when this torch lacks it."""
     try:

@@ -30,7 +30,7 @@ from unifiedserve.engine.params import SamplingParams
 from unifiedserve.engine.structured import check_response_format
 from unifiedserve.runtime import protocol
 from unifiedserve.server.engine_client import EngineClient, RequestError, RequestStream
-from unifiedserve.server.limits import LimitError, RequestLimits, check_text_chars
+from unifiedserve.server.limits import LimitError, RequestLimits, check_message_sizes
 from unifiedserve.server.media import MediaError, MediaPolicy, check_declared_type, describe, resolve_media
 from unifiedserve.server.media_key import media_key
 from unifiedserve.server.metrics import Metrics
@@ -184,8 +184,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
             return _error(f"invalid response_format: {e}", 400, "response_format")
     arrival = time.time()
     try:
-        check_text_chars(_num_text_chars(body), state.max_model_len, len(body.messages),
-                         sum(len(m.content) for m in body.messages if isinstance(m.content, list)))
+        check_message_sizes(*_message_sizes(body), state.max_model_len)
         messages, media = await run_in_threadpool(convert_messages, body, state.media_policy, state.limits)
         media = await run_in_threadpool(with_media_keys, media, state.model_name)
         # off the event loop: a long prompt's template and tokenizer take long enough to stall other streams
@@ -254,15 +253,17 @@ def _prompt_ids(processor: Any, messages: list[dict]) -> list[int]:
     return processor.tokenize(processor.render_chat(messages))
 
 
-def _num_text_chars(body: ChatCompletionRequest) -> int:
-    """Characters of text in the messages (string contents and text parts)."""
-    total = 0
+def _message_sizes(body: ChatCompletionRequest) -> tuple[int, int, int]:
+    """``(characters of text, messages, content parts)`` of the messages (string contents and text parts count
+    their characters), in one pass: what :func:`check_message_sizes` bounds before rendering."""
+    chars = parts = 0
     for m in body.messages:
         if isinstance(m.content, str):
-            total += len(m.content)
+            chars += len(m.content)
         elif isinstance(m.content, list):
-            total += sum(len(part.text) for part in m.content if isinstance(part, TextPart))
-    return total
+            parts += len(m.content)
+            chars += sum(len(part.text) for part in m.content if isinstance(part, TextPart))
+    return chars, len(body.messages), parts
 
 
 def with_media_keys(media: list[protocol.MediaRef], context: str) -> list[protocol.MediaRef]:

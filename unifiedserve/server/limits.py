@@ -43,7 +43,7 @@ MAX_CHARS_PER_TOKEN = 32
 MIN_TOKENS_PER_MESSAGE = 4
 
 
-def check_text_chars(num_chars: int, max_model_len: int, num_messages: int = 0, num_parts: int = 0) -> None:
+def check_message_sizes(num_chars: int, num_messages: int, num_parts: int, max_model_len: int) -> None:
     """Refuse messages that cannot fit ``max_model_len`` tokens, before they are rendered or tokenized: too
     many characters of text, too many messages for the template's tokens around each, or more content
     parts than tokens."""
