@@ -333,9 +333,10 @@ def run(args: argparse.Namespace) -> int:
 
     if ray_requested(args):  # replicas on Ray Serve (unifiedserve[ray]); only run_ray imports Ray
         return run_ray(args, limits)
+    runtime = build_runtime(args)  # the flags' own contradictions first: nothing is spawned yet
     sock = bind_socket(args.host, args.port)  # a port in use is one error line, before any worker starts
     try:
-        return asyncio.run(_serve(build_runtime(args), args, limits, sock))
+        return asyncio.run(_serve(runtime, args, limits, sock))
     finally:
         sock.close()
 
