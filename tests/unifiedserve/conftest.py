@@ -54,10 +54,10 @@ def use_released_rope():
     return apply
 
 
-def _hf_generate(model, ids, vision, new_tokens: int):
+def _hf_generate(model, ids, vision, new_tokens: int, **generate_kwargs):
     """transformers' greedy ``generate`` of exactly ``new_tokens`` for one prompt whose placeholders are
-    expanded; ``vision`` as the engine takes it, on the model's device. Returns ``(token ids, logits [new_tokens,
-    vocab] on the CPU)``."""
+    expanded; ``vision`` as the engine takes it, on the model's device; ``generate_kwargs`` go to ``generate``
+    (e.g. ``repetition_penalty``). Returns ``(token ids, raw logits [new_tokens, vocab] on the CPU)``."""
     kwargs = {}
     images = [v for v in vision if v.kind == "image"]
     videos = [v for v in vision if v.kind == "video"]
@@ -76,7 +76,7 @@ def _hf_generate(model, ids, vision, new_tokens: int):
     with torch.no_grad():
         out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, **kwargs)
+                             return_dict_in_generate=True, **kwargs, **generate_kwargs)
     return out.sequences[0, len(ids):].tolist(), torch.cat(out.logits).cpu()
 
 

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from unifiedserve.engine.params import SamplingParams, finish_reason
+from unifiedserve.engine.penalties import PenaltyTable
 from unifiedserve.engine.request import Request
 from unifiedserve.engine.sampling import (SamplerState, TokenLogprobs, logprob_tensors, logprobs_of, sample,
                                           sample_tensor, token_logprobs)
@@ -129,23 +130,45 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self._pending: PendingStep | None = None
         self._ended: set[str] = set()  # read back with a finish reason; the caller's finish() is next
+        self._penalties: PenaltyTable | None = None  # made when the first request with penalties comes
+
+    @property
+    def penalties(self) -> PenaltyTable:
+        """The token counts of this core's requests with penalties, on the runner's device."""
+        if self._penalties is None:
+            self._penalties = PenaltyTable(self.runner.model.config.text.vocab_size, self.runner.device)
+        return self._penalties
 
     def add(self, request, vision, seq: SequenceState) -> None:
         """Queue ``request`` (its media as ``VisionInput`` with pixels, or ``MediaGrid`` written elsewhere)."""
-        self.scheduler.add(request)
+        if seq.params.has_penalties:
+            seq.sampler.penalty = self.penalties.open(
+                request.prompt_token_ids if seq.params.penalizes_prompt else (), seq.output_token_ids)
+        try:
+            self.scheduler.add(request)
+        except BaseException:
+            self._drop_penalty(seq)
+            raise
         self.runner.add_request(request, vision)
         self.seqs[request.request_id] = seq
 
     def adopt(self, request_id: str, seq: SequenceState, num_prompt_tokens: int, mrope_delta: int,
-              block_table: list[int]) -> None:
+              block_table: list[int], prompt_token_ids=()) -> None:
         """Decode a request another engine core prefilled and handed off (its :meth:`hand_off`).
 
         ``seq.output_token_ids`` holds its first token. Its KV is in ``block_table`` of the shared KV
-        cache; the blocks stay the lender's (:meth:`finish` here frees none of them).
+        cache; the blocks stay the lender's (:meth:`finish` here frees none of them). ``prompt_token_ids``:
+        the prompt's distinct tokens, for a repetition penalty (the prompt itself stays with the lender).
         """
         # the prompt (ids, positions) stays with the lender: the runner here knows only its length
         request = Request(request_id, [], seq.params, output_token_ids=seq.output_token_ids)
-        self.scheduler.adopt(request)
+        if seq.params.has_penalties:
+            seq.sampler.penalty = self.penalties.open(prompt_token_ids, seq.output_token_ids)
+        try:
+            self.scheduler.adopt(request)
+        except BaseException:
+            self._drop_penalty(seq)
+            raise
         self.runner.adopt(request_id, num_prompt_tokens, mrope_delta, block_table)
         self.seqs[request_id] = seq
 
@@ -252,7 +275,9 @@ class EngineCore:
         """
         self.scheduler.finish(request_id, reason)
         self.runner.release(request_id)
-        self.seqs.pop(request_id, None)
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self._drop_penalty(seq)
         self._ended.discard(request_id)
 
     def hand_off(self, request_id: str):
@@ -264,4 +289,12 @@ class EngineCore:
         request = self.scheduler.hand_off(request_id)
         self.runner.release(request_id)
         self._ended.discard(request_id)
-        return request, self.seqs.pop(request_id), table, delta
+        seq = self.seqs.pop(request_id)
+        self._drop_penalty(seq)  # the adopter counts from the hand-off (the prompt's ids, the first token)
+        return request, seq, table, delta
+
+    @staticmethod
+    def _drop_penalty(seq: SequenceState) -> None:
+        if seq.sampler.penalty is not None:
+            seq.sampler.penalty.release()
+            seq.sampler.penalty = None

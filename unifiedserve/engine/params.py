@@ -13,6 +13,10 @@ MAX_LOGPROBS = 20
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 #: Largest JSON schema a request may carry (its JSON text, UTF-8); compiling a grammar grows with it.
 MAX_JSON_SCHEMA_BYTES = 64 * 1024
+#: OpenAI's range for ``presence_penalty`` and ``frequency_penalty``.
+MAX_ABS_PENALTY = 2.0
+#: Largest ``repetition_penalty`` (vLLM's bound; 1.0 is off, Qwen2.5-VL's generation config asks 1.05).
+MAX_REPETITION_PENALTY = 2.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,13 @@ class SamplingParams:
     json_schema: str | None = None  # "json_schema": the schema as JSON text
     #: "json_schema": refuse schema keywords the grammar cannot enforce (else they are not enforced)
     strict_schema: bool = False
+    #: OpenAI's penalties, over the tokens generated so far (not the prompt), as vLLM and OpenAI apply them:
+    #: ``logit -= presence_penalty * (count > 0) + frequency_penalty * count``
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: transformers' (and vLLM's) repetition penalty over the prompt and the output: a token seen in either
+    #: has its logit divided by it when positive, multiplied by it when negative; 1.0 is off
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -49,6 +60,13 @@ class SamplingParams:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_is_number(value) and -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY):
+                raise ValueError(f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], got {value!r}")
+        if not (_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
+                             f"got {self.repetition_penalty!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
         self._check_response_format()
@@ -76,9 +94,23 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any penalty changes the logits (the sampler then keeps token counts for the request)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def penalizes_prompt(self) -> bool:
+        """Whether the prompt's tokens are penalized too (``repetition_penalty`` only)."""
+        return self.repetition_penalty != 1
+
     def stop_ids(self, eos_token_ids) -> frozenset[int]:
         """Token ids that end the output: ``stop_token_ids``, plus the model's EOS unless ``ignore_eos``."""
         return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def finish_reason(token_id: int, num_output_tokens: int, stop_ids, max_tokens: int,

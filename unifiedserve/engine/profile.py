@@ -50,16 +50,22 @@ class MemoryProfile:
     decode: int | None = None  # a decode-only runner: attention workspace, CUDA graphs, one eager decode step
 
 
-def _sample_rows(logits: torch.Tensor) -> None:
+def _sample_rows(logits: torch.Tensor, requests: int) -> None:
     """Sample every row of ``logits`` ``[B, vocab]`` the most memory-hungry way a request may ask: temperature,
-    top-k, top-p and the most logprobs (fp32 copies, sorts and indices of ``[B, vocab]``), inside the caller's
-    peak window."""
+    top-k, top-p, every penalty and the most logprobs (fp32 copies, sorts and indices of ``[B, vocab]``), inside
+    the caller's peak window, with the penalty counts of ``requests`` requests held (the process keeps them)."""
     from unifiedserve.engine.params import MAX_LOGPROBS, SamplingParams
+    from unifiedserve.engine.penalties import PenaltyTable
     from unifiedserve.engine.sampling import SamplerState, logprob_tensors, sample_tensor
 
     rows = logits.shape[0]
-    params = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=i, logprobs=MAX_LOGPROBS) for i in range(rows)]
+    table = PenaltyTable(logits.shape[-1], logits.device)
+    table.reserve(max(rows, requests))
+    params = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=i, logprobs=MAX_LOGPROBS,
+                             presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.05) for i in range(rows)]
     states = [SamplerState.for_params(p, logits.device) for p in params]
+    for state in states:
+        state.penalty = table.open()
     tokens = sample_tensor(logits, params, states)
     logprob_tensors(logits, tokens, params)
 
@@ -112,7 +118,8 @@ def profile_memory(model, config, decode_batch: int | None = None, decode_graph_
                    [budget - 1], torch.zeros(budget, dtype=torch.bool), probe.rope)
     # a step may also sample the first token of up to max_num_seqs requests: their logits and sampling
     first = min(config.scheduler.max_num_seqs, budget)
-    _sample_rows(model.compute_logits(torch.zeros(first, text.hidden_size, dtype=dtype, device=device)))
+    _sample_rows(model.compute_logits(torch.zeros(first, text.hidden_size, dtype=dtype, device=device)),
+                 config.scheduler.max_num_seqs)
     torch.cuda.synchronize(device)
     activations = torch.cuda.max_memory_allocated(device) - base
     log.info("profiled a step of %d prefill tokens and a %dx%d-patch encode: peak activations %.2f GiB",
@@ -160,7 +167,7 @@ def _profile_decode(model, config, probe_blocks: int, per_block: int, batch: int
     seqs = [(0, 1, [i % probe_blocks]) for i in range(batch)]  # dummy rows: overlapping writes are harmless
     logits = forward_tokens(model, probe.attn, ids, positions, seqs, None, list(range(batch)),
                             torch.zeros(batch, dtype=torch.bool), probe.rope)
-    _sample_rows(logits)
+    _sample_rows(logits, max(batch, config.scheduler.max_num_seqs))
     del logits
     torch.cuda.synchronize(device)
     step = torch.cuda.max_memory_allocated(device) - base

@@ -9,7 +9,9 @@ else is in the batch.
 
 A request with a ``response_format`` grammar (its ``SamplerState.grammar``) has the tokens the
 grammar forbids masked before any of that, and :func:`sample` advances the grammar with the chosen
-token (``unifiedserve.engine.structured``).
+token (``unifiedserve.engine.structured``). A request with presence, frequency or repetition penalties
+(its ``SamplerState.penalty``, a row of token counts on the device: ``unifiedserve.engine.penalties``) has
+them applied first, and the chosen token counted.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from unifiedserve.engine.params import SamplingParams
+from unifiedserve.engine.penalties import PenaltyRow, apply_penalties, record_tokens
 from unifiedserve.engine.structured import Grammar, apply_grammars
 from unifiedserve.memory.transfer import to_device
 
@@ -35,6 +38,8 @@ class SamplerState:
 
     generator: torch.Generator = field(default_factory=torch.Generator)
     grammar: Grammar | None = None
+    #: the request's token counts when it has penalties (the engine core gives the row: ``EngineCore.add``)
+    penalty: PenaltyRow | None = None
 
     @classmethod
     def for_params(cls, params: SamplingParams, device: str | torch.device = "cpu",
@@ -80,8 +85,20 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: li
     if len(params) != logits.shape[0] or len(states) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(params)} params and {len(states)} states")
     logits = logits.float()
+    penalized = [i for i, s in enumerate(states) if s.penalty is not None]
+    if penalized:  # a new tensor: the caller's logits stay raw for logprobs
+        logits = apply_penalties(logits, penalized, [states[i].penalty for i in penalized],
+                                 [params[i] for i in penalized])
     if any(s.grammar is not None for s in states):
         logits = apply_grammars(logits, [s.grammar for s in states])  # a masked copy
+    tokens = _choose(logits, params, states)
+    if penalized:
+        record_tokens(tokens, penalized, [states[i].penalty for i in penalized])
+    return tokens
+
+
+def _choose(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState]) -> torch.Tensor:
+    """One token per row of the final fp32 logits: greedy, or each random row's own draw."""
     greedy = logits.argmax(dim=-1)  # [B]
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if not random_rows:

@@ -13,6 +13,7 @@ Missing keys take transformers' defaults for Qwen2.5-VL, except the sizes, which
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -243,7 +244,14 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
-        """Read ``config.json`` (or the ``config.json`` inside a checkpoint directory)."""
+        """Read ``config.json`` (or the ``config.json`` inside a checkpoint directory).
+
+        The end-of-sequence ids are ``config.json``'s and then those of a ``generation_config.json`` beside
+        it: transformers' ``generate`` and vLLM stop on the generation config's too (Qwen2.5-VL's instruct
+        checkpoints name ``<|im_end|>`` in ``config.json`` and add ``<|endoftext|>`` there).
+        """
+        from unifiedserve.model.generation import generation_eos_ids, read_generation_config
+
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -253,7 +261,9 @@ class ModelConfig:
             raise ValueError(f"{path} not found; a checkpoint directory needs a config.json") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(cfg)
+        config = cls.from_dict(cfg)
+        extra = [i for i in generation_eos_ids(read_generation_config(path.parent)) if i not in config.eos_token_ids]
+        return dataclasses.replace(config, eos_token_ids=config.eos_token_ids + tuple(extra)) if extra else config
 
 
 def _first(primary: Mapping[str, Any], fallback: Mapping[str, Any], key: str, default: Any) -> Any:

@@ -212,7 +212,8 @@ class CoreWorker(Worker):
                 continue
             req, seq, table, delta = self.core.hand_off(rid)
             handoffs.append(protocol.Handoff(rid, table, req.prompt_len, delta, r.token_id, seq.params,
-                                             sorted(seq.stop_ids), seq.sampler.to_bytes()))
+                                             sorted(seq.stop_ids), seq.sampler.to_bytes(),
+                                             sorted(set(req.prompt_token_ids)) if seq.params.penalizes_prompt else []))
             self.stages.pop(rid)
         self.send("api", protocol.TokenOutputs(outputs))  # before the hand-off: token 0 reaches api first
         for h in handoffs:

@@ -93,7 +93,7 @@ class DecodeWorker(Worker):
             grammar = grammar_for(h.params, self.config.model, h.stop_token_ids, [h.first_token])
             sampler = SamplerState.from_bytes(h.sampler_state, self.config.engine.device, grammar)
             seq = SequenceState(h.params, sampler, frozenset(h.stop_token_ids), [h.first_token])
-            self.core.adopt(h.request_id, seq, h.prompt_len, h.mrope_delta, h.block_table)
+            self.core.adopt(h.request_id, seq, h.prompt_len, h.mrope_delta, h.block_table, h.penalty_prompt_ids)
         elif isinstance(message, protocol.AbortRequest):
             if message.request_id not in self.scheduler.requests:
                 return  # already finished: its blocks were released then

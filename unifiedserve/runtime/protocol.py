@@ -144,6 +144,8 @@ class Handoff(msgspec.Struct, tag=True):
     params: SamplingParams
     stop_token_ids: list[int]
     sampler_state: bytes  # the request's torch.Generator state after sampling the first token
+    #: the prompt's distinct token ids when the request has a repetition penalty (decode keeps no prompt)
+    penalty_prompt_ids: list[int] = []
 
 
 # -- to api --------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from unifiedserve.engine.output import TextOutput
 from unifiedserve.engine.params import SamplingParams
 from unifiedserve.engine.structured import check_response_format
+from unifiedserve.model.generation import GenerationDefaults
 from unifiedserve.runtime import protocol
 from unifiedserve.server.engine_client import EngineClient, RequestError, RequestStream
 from unifiedserve.server.limits import LimitError, RequestLimits, check_message_sizes
@@ -55,6 +56,15 @@ class ServerState:
     api_key: str | None = None
     limits: RequestLimits = RequestLimits()
     draining: bool = False
+    #: defaults for the sampling fields a request leaves out (the checkpoint's generation_config.json)
+    generation: GenerationDefaults = GenerationDefaults()
+
+
+def _given(value, default, neutral):
+    """A request's own value, else the model's generation-config default, else the API's."""
+    if value is not None:
+        return value
+    return neutral if default is None else default
 
 
 def _error(message: str, status_code: int, param: str | None = None) -> JSONResponse:
@@ -213,8 +223,9 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         prompt_len = len(prompt_ids)
         max_tokens = body.max_completion_tokens or body.max_tokens
         room = state.max_model_len - prompt_len
+        defaults = state.generation
         if max_tokens is None:
-            max_tokens = min(state.default_max_tokens, room)
+            max_tokens = min(state.default_max_tokens, defaults.max_tokens or room, room)
         if room < 1 or prompt_len + max_tokens > state.max_model_len:
             raise RequestError(
                 f"this model's maximum context length is {state.max_model_len} tokens, but the request needs "
@@ -223,10 +234,12 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
                 + ("shorten the prompt or video (e.g. lower fps, max_frames or max_pixels in video_url)" if plans
                    else "shorten the prompt") + " or lower max_tokens", 400)
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0), seed=body.seed,
-            stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()), ignore_eos=body.ignore_eos,
-            logprobs=(body.top_logprobs or 0) if body.logprobs else None, **response_format)
+            max_tokens=max_tokens, temperature=_given(body.temperature, defaults.temperature, 1.0),
+            top_p=_given(body.top_p, defaults.top_p, 1.0), top_k=max(0, _given(body.top_k, defaults.top_k, 0)),
+            seed=body.seed, stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()),
+            ignore_eos=body.ignore_eos, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=_given(body.repetition_penalty, defaults.repetition_penalty, 1.0), **response_format)
         stop_ids = params.stop_ids(state.eos_token_ids)
         await client.add(stream, protocol.AddRequest(request_id, prompt_ids, plans, params, sorted(stop_ids),
                                                      [ref.key for ref in media]))

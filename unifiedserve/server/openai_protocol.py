@@ -34,8 +34,7 @@ MAX_STOP_CHARS = 1024
 #: Fields that are accepted only with their neutral value (the value that asks for nothing), of the same
 #: JSON type (``false`` is not a neutral ``presence_penalty``).
 _NEUTRAL_VALUES: dict[str, tuple] = {
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "tool_choice": (None, "none"),
+    "tools": (None, []), "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, False, True),
     "logit_bias": (None, {}), "functions": (None, []), "function_call": (None, "none"),
 }
@@ -144,6 +143,11 @@ class ChatCompletionRequest(_Model):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None  # -1 or 0: off; above the vocabulary: off
+    # over the tokens generated so far: logit -= presence_penalty * (count > 0) + frequency_penalty * count
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    # vLLM extension (transformers' repetition penalty, over prompt and output; 1 = off)
+    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
     seed: Annotated[int, Field(ge=-2**63, le=2**64 - 1)] | None = None  # a 64-bit integer (signed or not)
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     n: int = 1

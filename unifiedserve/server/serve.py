@@ -61,6 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "capped by the KV cache)")
     g.add_argument("--default-max-tokens", type=_positive_int, default=RuntimeConfig.default_max_tokens,
                    help="completion length when a request gives no max_tokens (default %(default)s)")
+    g.add_argument("--generation-config", default="auto", metavar="{auto,none,DIR}",
+                   help="defaults for the sampling fields a request leaves out (temperature, top_p, top_k, "
+                        "repetition_penalty; max_tokens at most its max_new_tokens): auto (default) takes them from "
+                        "the model's generation_config.json, as transformers and vLLM do; none: the OpenAI API's "
+                        "(temperature 1, no top_p/top_k, no penalty); DIR: from DIR/generation_config.json")
 
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -329,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("api")
     limits = request_limits(args)  # before anything is built or spawned
     media_policy(args)  # a bad --allowed-local-media-path is refused now, not after the workers start
+    generation_defaults(args, args.model)  # and a bad generation config
     from unifiedserve.ray_serve.launch import ray_requested, run_ray  # imports no Ray
 
     if ray_requested(args):  # replicas on Ray Serve (unifiedserve[ray]); only run_ray imports Ray
@@ -485,6 +491,24 @@ def media_policy(args: argparse.Namespace):
                        tuple(args.allowed_media_domains), int(args.max_media_mb * 2**20))
 
 
+def generation_defaults(args: argparse.Namespace, model: str | None):
+    """The sampling defaults ``--generation-config`` names, for the checkpoint folder ``model``.
+
+    Raises:
+        ValueError: ``DIR`` has no generation_config.json, or a value in the file is of the wrong type or range.
+    """
+    from unifiedserve.model.generation import FILE, GenerationDefaults
+
+    choice = getattr(args, "generation_config", "auto")
+    if choice == "none":
+        return GenerationDefaults()
+    if choice != "auto":
+        if not (Path(choice).expanduser() / FILE).is_file():
+            raise ValueError(f"--generation-config {choice}: no {FILE} there (auto: the model's; none: no defaults)")
+        return GenerationDefaults.load(choice)
+    return GenerationDefaults() if model is None else GenerationDefaults.load(model)
+
+
 def build_state(runtime, client, args: argparse.Namespace, limits: RequestLimits):
     """The API's ServerState over a started runtime (its workers ready). Also what each Ray replica builds."""
     from unifiedserve.model.config import ModelConfig
@@ -498,9 +522,15 @@ def build_state(runtime, client, args: argparse.Namespace, limits: RequestLimits
     metrics = Metrics(config.served_model_name)
     metrics.set_pools({name: (spec.num_bytes, "cpu" if spec.cuda_handle is None else f"cuda:{config.gpu}")
                        for name, spec in config.pools.items()})
+    generation = generation_defaults(args, config.model)
+    if not generation.is_empty:
+        log.info("sampling defaults from the generation config (a request's own values win; --generation-config "
+                 "none: the OpenAI API's): %s", generation.describe())
+    for key, value in generation.unsupported:
+        log.warning("the generation config sets %s=%r, which this server does not implement; not applied", key, value)
     return ServerState(client, processor, metrics, media_policy(args),
                        config.served_model_name, config.max_model_len, config.default_max_tokens,
-                       tuple(model_config.eos_token_ids), config.policy, args.api_key, limits)
+                       tuple(model_config.eos_token_ids), config.policy, args.api_key, limits, generation=generation)
 
 
 async def _serve(runtime, args, limits: RequestLimits, sock: socket.socket | None = None) -> int:

@@ -40,7 +40,10 @@ def prompts(engines, image_factory):
             (*text, SamplingParams(max_tokens=7, ignore_eos=True, logprobs=2)),
             (*other, SamplingParams(max_tokens=11, temperature=0.9, top_p=0.9, top_k=50, seed=11,
                                     ignore_eos=True)),
-            (*other, SamplingParams(max_tokens=1, ignore_eos=True))]
+            (*other, SamplingParams(max_tokens=1, ignore_eos=True)),
+            # penalties: counted on the device as the overlapped steps sample, the prompt's tokens too
+            (*other, SamplingParams(max_tokens=10, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5)),
+            (*text, SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True, presence_penalty=1.0))]
 
 
 def summary(outputs):
@@ -292,7 +295,8 @@ def test_cuda_async_equals_sync_with_graphs(demo_path, dtype):
     prompts = [sync.build_prompt([{"role": "user", "content": t}]) for t in texts]
     batch = [(*prompts[0], SamplingParams(max_tokens=12, ignore_eos=True)),
              (*prompts[1], SamplingParams(max_tokens=7, ignore_eos=True)),
-             (*prompts[2], SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True))]
+             (*prompts[2], SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)),
+             (*prompts[0], SamplingParams(max_tokens=9, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.4))]
     launched = []
     orig = overlapped.core._read_back
 
@@ -343,7 +347,8 @@ def test_cuda_async_decode_steps_never_wait_for_the_device(demo_path, graphs):
     prompts = [engine.build_prompt([{"role": "user", "content": t}]) for t in texts]
     params = [SamplingParams(max_tokens=16, ignore_eos=True),
               SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2),
-              SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, top_k=40, seed=5, ignore_eos=True)]
+              SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, top_k=40, seed=5, ignore_eos=True,
+                             repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.2)]
     engine.generate([(*p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts])  # warm every path
     for p, sp in zip(prompts, params):
         engine.add_request(*p, sp)

@@ -94,3 +94,39 @@ def test_decode_only_scheduler_refuses_new_requests_and_aborts_free_nothing(llm,
         decode.adopt("a", seq, 4, 0, [0])
     decode.finish("a", "abort")
     assert not decode.scheduler.has_work and not decode.seqs and decode.scheduler.adopted == set()
+
+
+def test_penalized_requests_decode_the_llms_tokens_after_the_hand_off(llm):
+    """The adopter rebuilds a request's counts from the hand-off: the prompt's distinct ids (repetition penalty)
+    and the first token. A penalty below 1 draws the output to the prompt's tokens, so the ids are needed."""
+    ids, _ = llm.build_prompt([{"role": "user", "content": "Say something."}])
+    params = SamplingParams(max_tokens=10, ignore_eos=True, repetition_penalty=0.5, frequency_penalty=0.4)
+    (expected,) = [o.token_ids for o in llm.generate([(ids, [], params)])]
+    outputs = {}
+    for prompt_ids in (sorted(set(ids)), []):
+        rid = llm.add_request(ids, [], params)
+        while not llm.scheduler.requests[rid].output_token_ids:
+            llm.core.step()
+        request, seq, table, delta = llm.core.hand_off(rid)
+        del llm._live[rid]
+        assert seq.sampler.penalty is None and llm.core.penalties.num_in_use == 0
+        decode = decode_side(llm)
+        decode.adopt(rid, SequenceState(params, SamplerState.from_bytes(seq.sampler.to_bytes()), seq.stop_ids,
+                                        list(seq.output_token_ids)), request.prompt_len, delta, table, prompt_ids)
+        tokens = list(seq.output_token_ids)
+        while decode.scheduler.has_work:
+            for _, r in decode.step()[1]:
+                tokens.append(r.token_id)
+                if r.finish_reason is not None:
+                    decode.finish(rid, r.finish_reason)
+        assert decode.penalties.num_in_use == 0
+        assert llm.scheduler.release(rid)
+        outputs[bool(prompt_ids)] = tokens
+    assert outputs[True] == expected
+    assert outputs[False] != expected
+    # a refused adoption gives its penalty row back
+    decode = decode_side(llm)
+    seq = SequenceState(params, SamplerState.for_params(params), frozenset(), [])
+    with pytest.raises(ValueError, match="first token"):
+        decode.adopt("x", seq, 4, 0, [0], [1, 2])
+    assert decode.penalties.num_in_use == 0 and seq.sampler.penalty is None

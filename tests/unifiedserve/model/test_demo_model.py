@@ -40,10 +40,11 @@ def test_demo_config_keeps_the_serving_geometry(tmp_path):
     assert t.mrope_section == (8, 12, 12) and sum(t.mrope_section) == t.head_dim // 2
     processor = load_processor(path)
     assert config.image_token_id == processor.image_token_id
-    assert config.eos_token_ids == (processor.eos_token_id,)
     assert t.vocab_size % 64 == 0 and t.vocab_size >= processor.tokenizer.get_vocab_size()
     generation = json.loads((path / "generation_config.json").read_text())
-    assert processor.eos_token_id in generation["eos_token_id"]
+    # config.json's EOS (the tokenizer's) first, then the generation config's others, as in Qwen2.5-VL-Instruct
+    assert config.eos_token_ids[0] == processor.eos_token_id
+    assert set(config.eos_token_ids) == set(generation["eos_token_id"])
 
 
 def test_rewriting_switches_between_single_file_and_shards(tmp_path):

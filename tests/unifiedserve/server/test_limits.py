@@ -63,10 +63,12 @@ def media_dir(tmp_path):
     return tmp_path
 
 
-def make_api(processor, media_dir, plans=(), limits=RequestLimits(), max_model_len=4096):
+def make_api(processor, media_dir, plans=(), limits=RequestLimits(), max_model_len=4096, generation=None):
     client = FakeClient(plans)
     state = ServerState(client, processor, Metrics("m"), MediaPolicy(media_dir, (), 2**20), "m", max_model_len,
                         16, (0,), "unified", KEY, limits)
+    if generation is not None:
+        state.generation = generation
     http = TestClient(BodySizeLimit(build_app(state), limits.max_request_bytes))
     http.headers["Authorization"] = f"Bearer {KEY}"
     return http, client
@@ -160,7 +162,12 @@ def test_stop_strings_and_top_k_are_bounded(processor, media_dir):
     ({"stream": "yes"}, "stream: Input should be a valid boolean"),
     ({"logprobs": "yes"}, "logprobs: Input should be a valid boolean"),
     ({"seed": "1"}, "seed: Input should be a valid integer"),
-    ({"presence_penalty": False}, "presence_penalty is not supported"),
+    ({"presence_penalty": False}, "presence_penalty: Input should be a valid number"),
+    ({"frequency_penalty": "0.5"}, "frequency_penalty: Input should be a valid number"),
+    ({"presence_penalty": 2.5}, "presence_penalty: Input should be less than or equal to 2"),
+    ({"frequency_penalty": -3}, "frequency_penalty: Input should be greater than or equal to -2"),
+    ({"repetition_penalty": 0}, "repetition_penalty: Input should be greater than 0"),
+    ({"repetition_penalty": 2.01}, "repetition_penalty: Input should be less than or equal to 2"),
     ({"user": 5}, "user: Input should be a valid string"),
     ({"metadata": [1, 2]}, "metadata: Input should be a valid dictionary"),
     ({"metadata": {"k": 1}}, "metadata.k: Input should be a valid string"),
@@ -200,7 +207,7 @@ def test_fields_that_are_not_implemented_are_named(processor, media_dir):
                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
                          ({"tool_choice": "auto"}, "tool_choice"),
                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-                         ({"presence_penalty": 0.5}, "presence_penalty"), ({"frobnicate": 1}, "frobnicate")]:
+                         ({"logit_bias": {"5": 1}}, "logit_bias"), ({"frobnicate": 1}, "frobnicate")]:
         r = http.post("/v1/chat/completions", json=chat(**fields))
         assert r.status_code == 400 and name in r.json()["error"]["message"], (fields, r.text)
     r = http.post("/v1/chat/completions", json=chat(video(media_dir, resolution="4k")))
@@ -210,6 +217,34 @@ def test_fields_that_are_not_implemented_are_named(processor, media_dir):
     r = http.post("/v1/chat/completions", json=chat(logprobs=False, presence_penalty=0, tools=[], user="u",
                                                          response_format={"type": "text"}))
     assert r.status_code == 503 and len(client.added) == 1
+
+
+def test_penalties_reach_the_engine(processor, media_dir):
+    http, client = make_api(processor, media_dir)
+    r = http.post("/v1/chat/completions", json=chat(presence_penalty=-1.5, frequency_penalty=2, repetition_penalty=1.1))
+    assert r.status_code == 503
+    p = client.added[0].params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (-1.5, 2.0, 1.1)
+
+
+def test_generation_config_defaults_fill_what_a_request_leaves_out(processor, media_dir):
+    from unifiedserve.model.generation import GenerationDefaults
+
+    defaults = GenerationDefaults(temperature=0.1, top_p=0.8, top_k=20, repetition_penalty=1.05, max_tokens=9)
+    http, client = make_api(processor, media_dir, generation=defaults)
+    assert http.post("/v1/chat/completions", json=chat()).status_code == 503
+    p = client.added[-1].params
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_tokens) == (0.1, 0.8, 20, 1.05, 9)
+    # a request's own values win, top_k -1 (off) included; and max_tokens is the request's when it gives one
+    assert http.post("/v1/chat/completions", json=chat(temperature=0, top_p=1, top_k=-1, repetition_penalty=1,
+                                                       max_tokens=30)).status_code == 503
+    p = client.added[-1].params
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_tokens) == (0.0, 1.0, 0, 1.0, 30)
+    # without a generation config: the OpenAI API's defaults
+    http, client = make_api(processor, media_dir)
+    assert http.post("/v1/chat/completions", json=chat()).status_code == 503
+    p = client.added[-1].params
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_tokens) == (1.0, 1.0, 0, 1.0, 16)
 
 
 def test_seed_range_and_unicode(processor, media_dir):

@@ -57,6 +57,7 @@ def test_bad_values_are_one_line_before_anything_starts(args, needle, capsys):
     (["--decode-threads", "-2"], "--decode-threads and --vision-threads must be >= 0"),
     (["--num-kv-blocks", "4", "--max-model-len", "4096"], "--max-model-len 4096 needs more KV cache"),
     (["--visual-buffer-gb", "1e-9"], "the visual-token buffer budget holds no page at all; raise --visual-buffer-gb"),
+    (["--generation-config", "/nonexistent/dir"], "--generation-config /nonexistent/dir: no generation_config.json there"),
 ])
 def test_contradictions_exit_1_fast_without_spawning(args, needle):
     started = time.perf_counter()
@@ -65,6 +66,14 @@ def test_contradictions_exit_1_fast_without_spawning(args, needle):
     assert run.returncode == 1 and needle in run.stderr and "Traceback" not in run.stderr
     assert "starting workers" not in run.stderr + run.stdout
     assert time.perf_counter() - started < 5.0
+
+
+def test_a_bad_generation_config_is_one_line(tmp_path):
+    (tmp_path / "generation_config.json").write_text('{"temperature": -1}')
+    run = subprocess.run([sys.executable, "-m", "unifiedserve.cli", "serve", "--device", "cpu",
+                          "--generation-config", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert f"{tmp_path}/generation_config.json: temperature must be a number >= 0, got -1" in run.stderr
 
 
 def test_a_config_refusal_names_its_flag():

@@ -305,6 +305,34 @@ def test_parity_and_concurrency_then_no_leaks(server, client, media):
     assert 0 < m["unifiedserve_request_first_encode_lag_seconds_sum"] < m["unifiedserve_time_to_first_token_seconds_sum"]
 
 
+def test_penalties_cross_the_hand_off(client, media):
+    """Penalties through the server equal the engine's: core samples the first token, decode goes on with the
+    counts rebuilt from the hand-off (the prompt's distinct ids for the repetition penalty, the first token)."""
+    import flashcodec
+    from unifiedserve.engine import LLM, SamplingParams, VisionInput
+
+    _, files = media
+    llm = LLM()
+    video = VisionInput.from_video(flashcodec.decode_video(str(files["video"]), output="patches",
+                                                           patch_spec=llm.processor.patch_spec))
+    # a repetition penalty below 1 draws the answer to the prompt's tokens: lost prompt ids would show at once
+    penalties = dict(repetition_penalty=0.5, frequency_penalty=0.5, presence_penalty=0.25)
+    story = [{"role": "user", "content": "Tell me a story about a cat."}]
+    cases = [(story, story),
+             (video_message(files["video"]),
+              [{"role": "user", "content": [{"type": "video", "vision": video}, {"type": "text", "text": QUESTION}]}])]
+    for served_messages, engine_messages in cases:
+        ids, vision = llm.build_prompt(engine_messages)
+        ref = llm.generate([(ids, vision, SamplingParams(max_tokens=24, ignore_eos=True, **penalties))])[0]
+        plain = llm.generate([(ids, vision, SamplingParams(max_tokens=24, ignore_eos=True))])[0]
+        res = client.chat.completions.create(
+            model="demo-model", messages=served_messages, temperature=0, max_tokens=24,
+            presence_penalty=penalties["presence_penalty"], frequency_penalty=penalties["frequency_penalty"],
+            extra_body={"ignore_eos": True, "repetition_penalty": penalties["repetition_penalty"]})
+        assert res.choices[0].message.content == ref.text
+        assert ref.token_ids != plain.token_ids  # the penalties changed the answer, so the check above is one
+
+
 def _error(status_body, status):
     code, body = status_body
     assert code == status, body
