@@ -48,18 +48,21 @@ def smart_resize(
     factor: int = IMAGE_FACTOR,
     min_pixels: int | float = IMAGE_MIN_PIXELS,
     max_pixels: int | float = IMAGE_MAX_PIXELS,
+    allow_inverted_budget: bool = False,
 ) -> tuple[int, int]:
     """Return ``(height, width)`` rounded to multiples of ``factor`` within a pixel budget.
 
-    The aspect ratio is kept as closely as the rounding allows.
+    The aspect ratio is kept as closely as the rounding allows. ``allow_inverted_budget``: accept
+    ``min_pixels > max_pixels`` as qwen-vl-utils does for videos (a size above ``max_pixels`` is scaled
+    down to it, else one below ``min_pixels`` is scaled up to it).
 
     Raises:
         ValueError: if either side is not positive, the aspect ratio exceeds 200, or
-            ``min_pixels > max_pixels``.
+            ``min_pixels > max_pixels`` (unless allowed).
     """
     if height <= 0 or width <= 0:
         raise ValueError(f"image size must be positive, got {height}x{width}")
-    if min_pixels > max_pixels:
+    if min_pixels > max_pixels and not allow_inverted_budget:
         raise ValueError(f"min_pixels ({min_pixels}) must not exceed max_pixels ({max_pixels})")
     ratio = max(height, width) / min(height, width)
     if ratio > MAX_RATIO:
@@ -195,7 +198,11 @@ def video_target_size(
     max_pixels = max(min(VIDEO_MAX_PIXELS, total_pixels / num_frames * FRAME_FACTOR), int(min_pixels * 1.05))
     if options.max_pixels is not None:
         max_pixels = min(options.max_pixels, max_pixels)
-    return smart_resize(height, width, min_pixels=min_pixels, max_pixels=max_pixels)
+    # A max_pixels below the default min_pixels is qwen-vl-utils 0.0.14's case too (fetch_video takes the
+    # caller's max_pixels as it is and its smart_resize has no order check): a frame above max_pixels is scaled
+    # down to it, one below min_pixels up to that. Follow it instead of refusing a request the reference serves.
+    return smart_resize(height, width, min_pixels=min_pixels, max_pixels=max_pixels,
+                        allow_inverted_budget=options.min_pixels is None)
 
 
 def image_target_size(

@@ -82,6 +82,19 @@ def test_video_target_size_720p_default_budget():
     assert h * w <= 2 * 224 * 224 and h % 28 == 0 and w % 28 == 0
 
 
+def test_video_max_pixels_below_the_default_min_pixels_follows_qwen_vl_utils():
+    """fetch_video takes such a max_pixels as it is: a large frame is scaled down to it, a small one up to the
+    default min_pixels (the reference's smart_resize checks the larger budget first and has no order check)."""
+    assert video_target_size(720, 1280, 40, SamplingOptions(max_pixels=50_000)) == (140, 280)
+    assert 140 * 280 <= 50_000
+    h, w = video_target_size(56, 84, 40, SamplingOptions(max_pixels=50_000))
+    assert h * w >= VIDEO_MIN_PIXELS and (h, w) == (280, 392)
+    with pytest.raises(ValueError, match="must not exceed"):  # both given the wrong way round: refused
+        video_target_size(720, 1280, 40, SamplingOptions(min_pixels=60_000, max_pixels=50_000))
+    with pytest.raises(ValueError, match="must not exceed"):  # and the general resize keeps its check
+        smart_resize(720, 1280, min_pixels=60_000, max_pixels=50_000)
+
+
 def test_explicit_size_is_rounded_to_28():
     assert video_target_size(720, 1280, 10, SamplingOptions(height=224, width=400)) == (224, 392)
 
