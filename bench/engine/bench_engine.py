@@ -13,7 +13,9 @@ every device timing synchronized:
   - with --json-schema: the cost of response_format (grammar-constrained decoding): the median decode
     step at each --batches size with every request under the schema vs the same requests without it
     (steps where the whole batch is still running; every constrained output must follow the grammar,
-    and those that closed their JSON must parse and validate).
+    and those that closed their JSON must parse and validate);
+  - with --penalties: the cost of presence, frequency and repetition penalties (token counts kept on the
+    device), the median decode step at each --batches size with every request penalized vs not.
 Correctness is checked before anything is timed: in float32 the greedy tokens must equal
 transformers'; in bf16/fp16 the prefill's last-token logits must have cosine >= 0.99 with
 transformers' (and the greedy agreement is reported); the vision outputs likewise. A check that
@@ -22,7 +24,8 @@ rare to lose), and the script exits 1 at the end. The JSON is written after ever
 cut short by a time limit keeps what it measured.
 
     python bench/engine/bench_engine.py [--model PATH] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16]
-        [--short] [--parts decode,prefill,vision] [--json-schema [SCHEMA.json]] [--out DIR_OR_FILE.json]
+        [--short] [--parts decode,prefill,vision] [--json-schema [SCHEMA.json]] [--penalties]
+        [--out DIR_OR_FILE.json]
 """
 
 from __future__ import annotations
@@ -91,6 +94,9 @@ def parse_args(argv=None):
     p.add_argument("--json-schema", nargs="?", const="builtin", default=None, metavar="SCHEMA.json",
                    help="also time decode steps under response_format json_schema (this schema file, or a "
                         "built-in one) against unconstrained steps, and print the ratio")
+    p.add_argument("--penalties", action="store_true",
+                   help="also time decode steps with presence, frequency and repetition penalties on every request "
+                        "against the same steps without, and print the ratio")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results",
                    help="a folder (a timestamped JSON goes there) or a .json file")
     args = p.parse_args(argv)
@@ -98,8 +104,9 @@ def parse_args(argv=None):
     unknown = sorted(set(args.parts) - {"decode", "prefill", "vision"})
     if unknown or not args.parts:
         p.error(f"--parts takes decode, prefill and vision, got {', '.join(unknown) or 'nothing'}")
-    if args.json_schema is not None and "decode" not in args.parts:
-        p.error("--json-schema times decode steps: keep decode in --parts")
+    for flag, given in (("--json-schema", args.json_schema is not None), ("--penalties", args.penalties)):
+        if given and "decode" not in args.parts:
+            p.error(f"{flag} times decode steps: keep decode in --parts")
     if args.agreement_steps is not None and args.agreement_steps < 0:
         p.error(f"--agreement-steps must be >= 0, got {args.agreement_steps}")
     for name in ("prompt_tokens", "prefill_tokens", "prefill_chunk", "new_tokens", "slices", "repeats"):
@@ -222,7 +229,7 @@ def main(argv=None) -> int:
               "prefill_chunk": args.prefill_chunk, "new_tokens": new_tokens,
               "slices": slices, "repeats": repeats, "short": args.short, "enforce_eager": args.enforce_eager,
               "async_scheduling": args.async_scheduling, "parts": args.parts,
-              "json_schema": args.json_schema}
+              "json_schema": args.json_schema, "penalties": args.penalties}
     path = args.out if args.out.suffix == ".json" else args.out / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     machine = em.machine_info(device)
@@ -300,6 +307,13 @@ def main(argv=None) -> int:
             print(f"bench_engine: error: {e}", file=sys.stderr)
             return 1
         save()
+    if args.penalties:
+        try:
+            results["penalties"] = _penalty_overhead(engine, batches, prompt, args.prompt_tokens, new_tokens)
+        except ValueError as e:
+            print(f"bench_engine: error: {e}", file=sys.stderr)
+            return 1
+        save()
 
     # -- prefill -------------------------------------------------------------------------------
     long_prompt = prompt(prefill_tokens)
@@ -367,6 +381,54 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
+def _timed_steps(engine, prompts, params) -> tuple[list[float], list]:
+    """Run ``prompts`` (token ids) under ``params`` to the end; return the seconds of each decode step in which
+    every request got a token, and the finished outputs."""
+    for ids in prompts:
+        engine.add_request(ids, [], params)
+    while any(not r.output_token_ids for r in engine.scheduler.requests.values()):
+        engine.step()  # prefill: not timed
+    times, finished = [], []
+    while engine.has_unfinished:
+        start = time.perf_counter()
+        outs = engine.step()  # ends with the sampled ids on the host: synchronized
+        elapsed = time.perf_counter() - start
+        if len(outs) == len(prompts) and not any(o.finished for o in outs):
+            times.append(elapsed)
+        finished += [o for o in outs if o.finished]
+    return times, finished
+
+
+def _median_ms(times: list[float]) -> float:
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def _penalty_overhead(engine, batches: list[int], prompt, prompt_tokens: int, new_tokens: int) -> dict:
+    """Median decode step with presence, frequency and repetition penalties on every request vs the same requests
+    without (greedy, same prompts; steps where the whole batch runs).
+
+    Raises:
+        ValueError: no step of a batch ran with the whole batch (too few --new-tokens).
+    """
+    from unifiedserve.engine import SamplingParams
+
+    plain = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    penalized = SamplingParams(max_tokens=new_tokens, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.5,
+                               repetition_penalty=1.1)
+    out = {}
+    for batch in batches:
+        prompts = [prompt(prompt_tokens) for _ in range(batch)]
+        _timed_steps(engine, prompts[:1], penalized)  # warm-up: the count table
+        plain_s, _ = _timed_steps(engine, prompts, plain)
+        penalized_s, _ = _timed_steps(engine, prompts, penalized)
+        if not (plain_s and penalized_s):
+            raise ValueError(f"batch {batch}: no decode step with the whole batch running; raise --new-tokens")
+        plain_ms, penalized_ms = _median_ms(plain_s), _median_ms(penalized_s)
+        out[batch] = {"plain_step_ms": plain_ms, "penalized_step_ms": penalized_ms, "ratio": penalized_ms / plain_ms,
+                      "overhead_per_token_ms": (penalized_ms - plain_ms) / batch, "steps_timed": len(penalized_s)}
+    return out
+
+
 def _json_schema_overhead(engine, schema: dict, batches: list[int], prompt, prompt_tokens: int,
                           new_tokens: int) -> dict:
     """Median decode step with every request under ``schema`` vs the same requests unconstrained.
@@ -386,28 +448,12 @@ def _json_schema_overhead(engine, schema: dict, batches: list[int], prompt, prom
     constrained = SamplingParams(max_tokens=new_tokens, ignore_eos=True, response_format="json_schema",
                                  json_schema=json.dumps(schema))
     check_response_format(constrained)
-
-    def steps(prompts, params) -> tuple[list[float], list]:
-        for ids in prompts:
-            engine.add_request(ids, [], params)
-        while any(not r.output_token_ids for r in engine.scheduler.requests.values()):
-            engine.step()  # prefill: not timed
-        times, finished = [], []
-        while engine.has_unfinished:
-            start = time.perf_counter()
-            outs = engine.step()  # ends with the sampled ids on the host: synchronized
-            elapsed = time.perf_counter() - start
-            if len(outs) == len(prompts) and not any(o.finished for o in outs):
-                times.append(elapsed)
-            finished += [o for o in outs if o.finished]
-        return times, finished
-
     out = {}
     for batch in batches:
         prompts = [prompt(prompt_tokens) for _ in range(batch)]
-        steps(prompts[:1], constrained)  # warm-up: tokenizer info, grammar compile
-        plain_s, _ = steps(prompts, plain)
-        json_s, finished = steps(prompts, constrained)
+        _timed_steps(engine, prompts[:1], constrained)  # warm-up: tokenizer info, grammar compile
+        plain_s, _ = _timed_steps(engine, prompts, plain)
+        json_s, finished = _timed_steps(engine, prompts, constrained)
         for o in finished:  # every output follows the grammar (replaying it raises otherwise) ...
             Grammar(constrained, engine.model_dir, engine.eos_token_ids, o.token_ids)
             if o.finish_reason == "stop":  # ... and a closed one is valid JSON under the schema
@@ -417,7 +463,7 @@ def _json_schema_overhead(engine, schema: dict, batches: list[int], prompt, prom
                     raise ValueError(f"constrained output {o.text!r} does not validate: {e}") from None
         if not json_s:
             raise ValueError(f"batch {batch}: no step with the whole batch under the schema; raise --new-tokens")
-        plain_ms, json_ms = sorted(plain_s)[len(plain_s) // 2] * 1e3, sorted(json_s)[len(json_s) // 2] * 1e3
+        plain_ms, json_ms = _median_ms(plain_s), _median_ms(json_s)
         out[batch] = {"plain_step_ms": plain_ms, "json_step_ms": json_ms, "ratio": json_ms / plain_ms,
                       "overhead_per_token_ms": (json_ms - plain_ms) / batch, "steps_timed": len(json_s),
                       "num_closed": sum(o.finish_reason == "stop" for o in finished)}
@@ -494,6 +540,11 @@ def _print(results: dict, device: str, dtype: str) -> None:
         for batch, r in results["json_schema"].items():
             print(f"{f'batch {batch}':<10} {r['plain_step_ms']:>9.2f} {r['json_step_ms']:>9.2f} {r['ratio']:>6.3f}x "
                   f"{r['overhead_per_token_ms']:>8.3f} {r['steps_timed']:>6} {r['num_closed']:>7}")
+    if "penalties" in results:
+        print(f"{'penalties':<10} {'plain ms':>9} {'pen. ms':>9} {'ratio':>7} {'+ms/tok':>8} {'steps':>6}")
+        for batch, r in results["penalties"].items():
+            print(f"{f'batch {batch}':<10} {r['plain_step_ms']:>9.2f} {r['penalized_step_ms']:>9.2f} {r['ratio']:>6.3f}x "
+                  f"{r['overhead_per_token_ms']:>8.3f} {r['steps_timed']:>6}")
     for name, unit in (("prefill", "tokens"), ("vision", "patches")):
         if name not in results:
             continue

@@ -187,13 +187,16 @@ def test_bench_engine_times_only_the_parts_asked_and_a_failed_check_still_times(
     out = tmp_path / "engine.json"
     assert bench_engine.main(["--device", "cpu", "--batches", "1", "--new-tokens", "3", "--slices", "1",
                               "--prompt-tokens", "8", "--agreement-steps", "0", "--parts", "decode",
-                              "--out", str(out)]) == 1
+                              "--penalties", "--out", str(out)]) == 1
     r = json.loads(out.read_text())["results"]
     assert set(r["decode"]) == {"1"} and "prefill" not in r and "vision" not in r
+    assert r["penalties"]["1"]["ratio"] > 0 and r["penalties"]["1"]["steps_timed"] >= 1
     assert [f.split(" ")[0] for f in r["correctness_failed"]] == ["prefill", "vision"]
     assert "read them as unverified" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench_engine.parse_args(["--parts", "decode,training"])
+    with pytest.raises(SystemExit):
+        bench_engine.parse_args(["--parts", "prefill", "--penalties"])
 
 
 @pytest.mark.slow
