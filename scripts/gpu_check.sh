@@ -236,7 +236,7 @@ engine)
   prepare_7b
   step "bench/engine on the 7B preset (issue 13's decode, prefill and ViT numbers)"
   run 270 bench-engine python3 bench/engine/bench_engine.py --model /tmp/qwen2.5-vl-7b --device cuda --short \
-    --async-scheduling both --out "$out/bench_engine.json"
+    --async-scheduling both --penalties --out "$out/bench_engine.json"
   step "the same decode steps with the fused layer ops off (what the fusion buys inside the CUDA graphs)"
   UNIFIEDSERVE_NO_FUSED_OPS=1 run 200 bench-engine-unfused python3 bench/engine/bench_engine.py \
     --model /tmp/qwen2.5-vl-7b --device cuda --short --batches 1,8 --parts decode --agreement-steps 0 \
