@@ -42,11 +42,14 @@ class SampledToken(NamedTuple):
     finish_reason: str | None
     logprobs: TokenLogprobs | None
     is_stop_token: bool = False  # one of the request's stop ids (not part of the text)
+    #: with finish reason ``"error"``: why the request cannot go on (its token is then no output)
+    error: str | None = None
 
     @property
     def is_text(self) -> bool:
-        """Whether the token is shown: a stop token is not; a grammar's closing token is."""
-        return not self.is_stop_token
+        """Whether the token is shown: a stop token is not, nor one sampled at a grammar's dead end; a grammar's
+        closing token is."""
+        return not self.is_stop_token and self.error is None
 
 
 def process_logits(logits: torch.Tensor, seqs: list[SequenceState]) -> list[SampledToken]:
@@ -62,6 +65,10 @@ def record_tokens(tokens: list[int], seqs: list[SequenceState],
     """Append each row's sampled token to its sequence: its index, why the sequence ends, its logprobs."""
     results = []
     for seq, token, lp in zip(seqs, tokens, logprobs):
+        error = seq.sampler.error
+        if error is not None:  # its grammar allowed no token: what was sampled is not output
+            results.append(SampledToken(token, len(seq.output_token_ids), "error", None, False, error))
+            continue
         seq.output_token_ids.append(token)
         reason = finish_reason(token, len(seq.output_token_ids), seq.stop_ids, seq.params.max_tokens,
                                seq.sampler.is_complete)

@@ -46,10 +46,12 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    #: "stop" | "length" | "abort" | "error" (the response_format's schema allowed no next token: see ``error``)
+    finish_reason: str | None = None
     _tokens: list[int] = field(default_factory=list, repr=False)  # the request's own list; only ever appended to
     _logprobs: list[TokenLogprobs] | None = field(default=None, repr=False)  # likewise, when asked for
     _count: int = field(default=0, repr=False)  # tokens output when this was made
+    error: str | None = None  # why the request ended with "error"
 
     @property
     def token_ids(self) -> list[int]:
@@ -209,9 +211,10 @@ class LLM:
             new_text = live.output.append(token)
             if live.output.stopped:
                 reason = "stop"
-        out = RequestOutput(request_id, req.prompt_len, live.output.text, [token], new_text, reason is not None, reason,
-                            req.output_token_ids, live.logprobs if req.params.logprobs is not None else None,
-                            len(req.output_token_ids))
+        out = RequestOutput(request_id, req.prompt_len, live.output.text, [token] if result.error is None else [],
+                            new_text, reason is not None, reason, req.output_token_ids,
+                            live.logprobs if req.params.logprobs is not None else None, len(req.output_token_ids),
+                            result.error)
         if reason is not None:
             self._finish(request_id, reason)
         return out

@@ -68,6 +68,12 @@ class SamplerState:
         """The request's grammar admits no further token (it ends with ``"stop"``)."""
         return self.grammar is not None and self.grammar.is_complete
 
+    @property
+    def error(self) -> str | None:
+        """Why the request's grammar admitted no token at the last step although its value is open (it then
+        ends with ``"error"``), else None."""
+        return None if self.grammar is None else self.grammar.dead_end
+
 
 def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState]) -> torch.Tensor:
     """Pick one token per row without leaving the device (rows with a grammar among the tokens it allows).

@@ -112,6 +112,10 @@ class Grammar:
         if self._matcher.is_error():
             raise ValueError(f"invalid JSON schema: {self._matcher.get_error()}")
         self.vocab_size = tokenizer.vocab_size
+        #: why no token may follow although the value is not closed (a schema that dead-ends mid-value, e.g. a
+        #: required property whose $ref only refers to itself); set by :meth:`fill_bitmask`, None while fine
+        self.dead_end: str | None = None
+        self._num_accepted = 0
         self._stop_ids = sorted({int(t) for t in stop_ids if 0 <= t < self.vocab_size})
         self._eos_ids = [t for t in tokenizer.eos_tokens if 0 <= t < self.vocab_size]
         for token in tokens:
@@ -146,11 +150,15 @@ class Grammar:
         if self._matcher.is_accepting():
             for t in self._stop_ids:
                 words[t >> 5] |= np.uint32(1 << (t & 31))
+        if self.dead_end is None and (self._matcher.is_error() or not words.any()):
+            self.dead_end = (f"the JSON schema admits no continuation after {self._num_accepted} output tokens "
+                             f"(e.g. a required property whose $ref only refers to itself)")
 
     def accept(self, token: int) -> None:
         """Advance past a sampled token. A stop token ends the request, so the matcher never sees it."""
-        if token in self._stop_ids:
-            return
+        if token in self._stop_ids or self.dead_end is not None:
+            return  # a dead end's sampled token is no output (the request fails with the reason)
+        self._num_accepted += 1
         if not self._matcher.consume_token(token):  # the mask made this impossible: a bug, not a client error
             log.error("grammar rejected token %d: %s", token, self._matcher.get_error())
 

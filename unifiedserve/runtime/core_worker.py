@@ -200,11 +200,14 @@ class CoreWorker(Worker):
             torch.set_num_threads(threads)
 
     def _outputs(self, sampled) -> None:
-        outputs, handoffs = [], []
+        outputs, handoffs, failed = [], [], []
         for rid, r in sampled:
-            outputs.append(protocol.TokenOutput(rid, r.index, r.token_id, r.finish_reason,
-                                                self.stages[rid] if r.index == 0 else None,
-                                                *(r.logprobs if r.logprobs is not None else (None, None))))
+            if r.error is not None:  # no token: the request fails with the reason (after its earlier tokens)
+                failed.append(protocol.RequestFailed(rid, f"response_format: {r.error}", 400))
+            else:
+                outputs.append(protocol.TokenOutput(rid, r.index, r.token_id, r.finish_reason,
+                                                    self.stages[rid] if r.index == 0 else None,
+                                                    *(r.logprobs if r.logprobs is not None else (None, None))))
             if r.finish_reason is not None:
                 self._finish(rid, r.finish_reason)
                 continue
@@ -216,6 +219,8 @@ class CoreWorker(Worker):
                                              sorted(set(req.prompt_token_ids)) if seq.params.penalizes_prompt else []))
             self.stages.pop(rid)
         self.send("api", protocol.TokenOutputs(outputs))  # before the hand-off: token 0 reaches api first
+        for message in failed:
+            self.send("api", message)
         for h in handoffs:
             self.send("decode", h)
 

@@ -105,15 +105,20 @@ class DecodeWorker(Worker):
         out, sampled = self.core.step()
         if not out.is_empty:
             self.iterations.record(time.perf_counter() - start, decode=len(out.decode))
-        outputs, finished = [], []
+        outputs, finished, failed = [], [], []
         for rid, r in sampled:
-            outputs.append(protocol.TokenOutput(rid, r.index, r.token_id, r.finish_reason, None,
-                                                *(r.logprobs if r.logprobs is not None else (None, None))))
+            if r.error is not None:  # no token: the request fails with the reason (after its earlier tokens)
+                failed.append(protocol.RequestFailed(rid, f"response_format: {r.error}", 400))
+            else:
+                outputs.append(protocol.TokenOutput(rid, r.index, r.token_id, r.finish_reason, None,
+                                                    *(r.logprobs if r.logprobs is not None else (None, None))))
             if r.finish_reason is not None:
                 self._finish(rid, r.finish_reason)
                 finished.append(rid)
         if outputs:
             self.send("api", protocol.TokenOutputs(outputs))
+        for message in failed:
+            self.send("api", message)
         self._release(finished)
 
     def _finish(self, request_id: str, reason: str) -> None:

@@ -173,6 +173,21 @@ def test_a_schema_that_admits_no_value_is_refused_at_admission(schema, engine):
     assert not engine.has_unfinished
 
 
+DEAD_END = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"],
+            "$defs": {"x": {"$ref": "#/$defs/x"}}}  # '{"a":' fits, then no value can follow
+
+
+def test_a_schema_that_dead_ends_mid_value_fails_the_request_without_a_bad_token(engine):
+    """The first token fits (so admission passes), and later the grammar allows none: the request ends with
+    finish reason "error" and the reason, its output the valid prefix, nothing sampled at the dead end kept."""
+    other = SamplingParams(max_tokens=6, ignore_eos=True)
+    dead, fine = engine.generate([(prompt(engine), (), schema_params(DEAD_END)), (prompt(engine), (), other)])
+    assert dead.finish_reason == "error" and "admits no continuation after" in dead.error
+    assert dead.text == '{"a":' and engine.processor.decode(dead.token_ids) == '{"a":'
+    assert fine.finish_reason == "length" and len(fine.token_ids) == 6  # the batch beside it goes on
+    assert not engine.has_unfinished and engine.pool_usage()["kv_blocks_used"] == 0
+
+
 def test_strict_refuses_what_it_cannot_enforce():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "unevaluatedProperties": False}
     check_response_format(schema_params(schema))  # not strict: the keyword is not enforced

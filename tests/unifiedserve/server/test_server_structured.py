@@ -75,6 +75,31 @@ def test_json_object(client, reference):
     assert streamed == choice.message.content == reference["json_object"] and reasons == ["stop"]
 
 
+def test_a_schema_that_dead_ends_mid_value_is_a_400_and_the_server_goes_on(server, client):
+    """'{"a":' fits, then no value can: not a rejected token with finish_reason "stop", but the request's error
+    (a 400 when not streamed; in the stream, an error event after the tokens that fitted)."""
+    dead = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"],
+        "$defs": {"x": {"$ref": "#/$defs/x"}}}}}
+    url = server.url + "/v1/chat/completions"
+    status, body = http("POST", url, {"messages": MESSAGES, "response_format": dead, "max_tokens": 50})
+    assert status == 400 and "response_format: the JSON schema admits no continuation" in body["error"]["message"]
+    chunks, error = [], None
+    try:
+        for c in client.chat.completions.create(model="demo-model", messages=MESSAGES, max_tokens=50, stream=True,
+                                                response_format=dead):
+            chunks.append(c)
+    except openai.APIError as e:  # the client raises on the in-band error event
+        error = str(e)
+    assert error is not None and "admits no continuation" in error, error
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == '{"a":'
+    assert not [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    ok = client.chat.completions.create(model="demo-model", messages=MESSAGES, max_tokens=100, temperature=0,
+                                        response_format=PERSON_FORMAT)
+    jsonschema.validate(json.loads(ok.choices[0].message.content), PERSON)
+    server.wait_idle()
+
+
 def test_text_format_and_bad_formats(server, client):
     plain = client.chat.completions.create(model="demo-model", messages=MESSAGES, max_tokens=8, temperature=0,
                                            response_format={"type": "text"}, extra_body={"ignore_eos": True})
