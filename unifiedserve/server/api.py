@@ -29,6 +29,7 @@ from unifiedserve.engine.output import TextOutput
 from unifiedserve.engine.params import SamplingParams
 from unifiedserve.engine.structured import check_response_format
 from unifiedserve.model.generation import GenerationDefaults
+from unifiedserve.model.processor import IMAGE_PAD, VIDEO_PAD
 from unifiedserve.runtime import protocol
 from unifiedserve.server.engine_client import EngineClient, RequestError, RequestStream
 from unifiedserve.server.limits import LimitError, RequestLimits, check_message_sizes
@@ -263,7 +264,19 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
 
 
 def _prompt_ids(processor: Any, messages: list[dict]) -> list[int]:
-    return processor.tokenize(processor.render_chat(messages))
+    """The rendered chat's token ids, with one image (video) placeholder per image (video) part.
+
+    Raises:
+        ValueError: the message text itself holds a placeholder token (before any media is probed).
+    """
+    ids = processor.tokenize(processor.render_chat(messages))
+    for token_id, kind, text, article in ((processor.image_token_id, "image", IMAGE_PAD, "an"),
+                                          (processor.video_token_id, "video", VIDEO_PAD, "a")):
+        parts = sum(1 for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == kind)
+        if ids.count(token_id) != parts:
+            raise ValueError(f"the message text holds {text}, the special token that stands for {article} {kind} "
+                             f"part; send each {kind} as {article} {kind}_url part")
+    return ids
 
 
 def _message_sizes(body: ChatCompletionRequest) -> tuple[int, int, int]:

@@ -219,6 +219,15 @@ def test_fields_that_are_not_implemented_are_named(processor, media_dir):
     assert r.status_code == 503 and len(client.added) == 1
 
 
+def test_placeholder_tokens_in_the_text_are_refused_before_probing(processor, media_dir):
+    http, client = make_api(processor, media_dir)
+    for text, needle in [("<|image_pad|> hi", "stands for an image part; send each image as an image_url part"),
+                         ("look: <|video_pad|>", "stands for a video part; send each video as a video_url part")]:
+        r = http.post("/v1/chat/completions", json=chat(video(media_dir), {"type": "text", "text": text}))
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert client.probed == [] and client.added == []
+
+
 def test_penalties_reach_the_engine(processor, media_dir):
     http, client = make_api(processor, media_dir)
     r = http.post("/v1/chat/completions", json=chat(presence_penalty=-1.5, frequency_penalty=2, repetition_penalty=1.1))
