@@ -26,7 +26,7 @@ import torch
 from unifiedserve.engine.params import SamplingParams
 from unifiedserve.memory.transfer import to_device
 
-__all__ = ["PenaltyRow", "PenaltyTable", "apply_penalties", "record_tokens"]
+__all__ = ["PenaltyRow", "PenaltyTable", "apply_penalties", "count_tokens"]
 
 
 class PenaltyRow:
@@ -148,7 +148,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[int], penalty_rows: Seq
     return logits.index_copy(0, picked, sub)
 
 
-def record_tokens(tokens: torch.Tensor, rows: Sequence[int], penalty_rows: Sequence[PenaltyRow]) -> None:
+def count_tokens(tokens: torch.Tensor, rows: Sequence[int], penalty_rows: Sequence[PenaltyRow]) -> None:
     """Count the tokens just sampled (``tokens``: int64 ``[B]`` on the device) for batch rows ``rows``."""
     table = penalty_rows[0].table
     device = tokens.device

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from unifiedserve.engine.params import SamplingParams
-from unifiedserve.engine.penalties import PenaltyRow, apply_penalties, record_tokens
+from unifiedserve.engine.penalties import PenaltyRow, apply_penalties, count_tokens
 from unifiedserve.engine.structured import Grammar, apply_grammars
 from unifiedserve.memory.transfer import to_device
 
@@ -99,7 +99,7 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: li
         logits = apply_grammars(logits, [s.grammar for s in states])  # a masked copy
     tokens = _choose(logits, params, states)
     if penalized:
-        record_tokens(tokens, penalized, [states[i].penalty for i in penalized])
+        count_tokens(tokens, penalized, [states[i].penalty for i in penalized])
     return tokens
 
 

@@ -9,7 +9,7 @@ import torch
 
 from unifiedserve.engine.llm import LLM, EngineConfig
 from unifiedserve.engine.params import SamplingParams
-from unifiedserve.engine.penalties import PenaltyTable, apply_penalties, record_tokens
+from unifiedserve.engine.penalties import PenaltyTable, apply_penalties, count_tokens
 from unifiedserve.engine.sampling import SamplerState, sample, sample_tensor
 
 
@@ -63,8 +63,8 @@ def test_presence_and_frequency_leave_the_prompt_alone():
 def test_counts_follow_the_sampled_tokens_and_rows_come_back_clean():
     table = PenaltyTable(10)
     a, b = table.open((1, 2), [4]), table.open((), [])
-    record_tokens(torch.tensor([7, 4, 4]), [0, 2], [a, b])  # batch rows 0 and 2 carry penalties; row 1 does not
-    record_tokens(torch.tensor([7, 5]), [0, 1], [a, b])
+    count_tokens(torch.tensor([7, 4, 4]), [0, 2], [a, b])  # batch rows 0 and 2 carry penalties; row 1 does not
+    count_tokens(torch.tensor([7, 5]), [0, 1], [a, b])
     assert table.counts[a.index].tolist() == [0, 0, 0, 0, 1, 0, 0, 2, 0, 0]
     assert table.counts[b.index].tolist() == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0]
     assert table.in_prompt[a.index].nonzero().flatten().tolist() == [1, 2]
