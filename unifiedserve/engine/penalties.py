@@ -20,13 +20,14 @@ Log-probabilities are still reported from the raw logits (OpenAI's and vLLM's de
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from unifiedserve.engine.params import SamplingParams
 from unifiedserve.memory.transfer import to_device
 
-__all__ = ["PenaltyRow", "PenaltyTable", "apply_penalties", "count_tokens"]
+__all__ = ["PenaltyBatch", "PenaltyRow", "PenaltyTable", "apply_penalties", "count_tokens"]
 
 
 class PenaltyRow:
@@ -121,21 +122,27 @@ def _ids(token_ids: Sequence[int], vocab_size: int, what: str) -> torch.Tensor |
     return ids
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[int], penalty_rows: Sequence[PenaltyRow],
-                    params: Sequence[SamplingParams]) -> torch.Tensor:
-    """``logits`` (fp32 ``[B, vocab]``) with the penalties of batch rows ``rows`` applied; a new tensor (the
-    caller's logits stay raw, for log-probabilities).
+class PenaltyBatch(NamedTuple):
+    """The penalized rows of one step, their indices on the device once for both :func:`apply_penalties` and
+    :func:`count_tokens`."""
 
-    Args:
-        rows: the batch rows that carry penalties; ``penalty_rows`` and ``params`` one per entry of ``rows``,
-            the penalty rows all of one table.
-    """
-    table = penalty_rows[0].table
-    device = logits.device
-    picked = to_device(torch.tensor(list(rows), dtype=torch.int64), device)
-    index = to_device(torch.tensor([r.index for r in penalty_rows], dtype=torch.int64), device)
+    table: PenaltyTable
+    picked: torch.Tensor  # int64 [P]: the batch rows that carry penalties
+    index: torch.Tensor  # int64 [P]: their rows of ``table``
+
+    @classmethod
+    def of(cls, rows: Sequence[int], penalty_rows: Sequence[PenaltyRow], device: torch.device) -> "PenaltyBatch":
+        """``rows`` of the batch, ``penalty_rows`` one per entry (all of one table), indices queued to ``device``."""
+        return cls(penalty_rows[0].table, to_device(torch.tensor(list(rows), dtype=torch.int64), device),
+                   to_device(torch.tensor([r.index for r in penalty_rows], dtype=torch.int64), device))
+
+
+def apply_penalties(logits: torch.Tensor, batch: PenaltyBatch, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits`` (fp32 ``[B, vocab]``) with the penalties of ``batch``'s rows applied (``params`` one per row
+    of it); a new tensor (the caller's logits stay raw, for log-probabilities)."""
+    table, picked, index = batch
     knobs = to_device(torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
-                                   dtype=torch.float32), device)
+                                   dtype=torch.float32), logits.device)
     sub = logits.index_select(0, picked)  # [P, vocab]
     counts = table.counts.index_select(0, index)  # [P, vocab] int32
     in_output = counts > 0
@@ -148,11 +155,8 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[int], penalty_rows: Seq
     return logits.index_copy(0, picked, sub)
 
 
-def count_tokens(tokens: torch.Tensor, rows: Sequence[int], penalty_rows: Sequence[PenaltyRow]) -> None:
-    """Count the tokens just sampled (``tokens``: int64 ``[B]`` on the device) for batch rows ``rows``."""
-    table = penalty_rows[0].table
-    device = tokens.device
-    picked = to_device(torch.tensor(list(rows), dtype=torch.int64), device)
-    index = to_device(torch.tensor([r.index for r in penalty_rows], dtype=torch.int64), device)
+def count_tokens(tokens: torch.Tensor, batch: PenaltyBatch) -> None:
+    """Count the tokens just sampled (``tokens``: int64 ``[B]`` on the device) for ``batch``'s rows."""
+    table, picked, index = batch
     flat = index * table.vocab_size + tokens.index_select(0, picked)  # into the table's rows, as one vector
-    table.counts.view(-1).index_add_(0, flat, torch.ones(index.shape, dtype=torch.int32, device=device))
+    table.counts.view(-1).index_add_(0, flat, torch.ones(index.shape, dtype=torch.int32, device=tokens.device))

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from unifiedserve.engine.params import SamplingParams
-from unifiedserve.engine.penalties import PenaltyRow, apply_penalties, count_tokens
+from unifiedserve.engine.penalties import PenaltyBatch, PenaltyRow, apply_penalties, count_tokens
 from unifiedserve.engine.structured import Grammar, apply_grammars
 from unifiedserve.memory.transfer import to_device
 
@@ -92,14 +92,14 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: li
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(params)} params and {len(states)} states")
     logits = logits.float()
     penalized = [i for i, s in enumerate(states) if s.penalty is not None]
-    if penalized:  # a new tensor: the caller's logits stay raw for logprobs
-        logits = apply_penalties(logits, penalized, [states[i].penalty for i in penalized],
-                                 [params[i] for i in penalized])
+    batch = PenaltyBatch.of(penalized, [states[i].penalty for i in penalized], logits.device) if penalized else None
+    if batch is not None:  # a new tensor: the caller's logits stay raw for logprobs
+        logits = apply_penalties(logits, batch, [params[i] for i in penalized])
     if any(s.grammar is not None for s in states):
         logits = apply_grammars(logits, [s.grammar for s in states])  # a masked copy
     tokens = _choose(logits, params, states)
-    if penalized:
-        count_tokens(tokens, penalized, [states[i].penalty for i in penalized])
+    if batch is not None:
+        count_tokens(tokens, batch)
     return tokens
 
 

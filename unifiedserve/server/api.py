@@ -199,7 +199,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         messages, media = await run_in_threadpool(convert_messages, body, state.media_policy, state.limits)
         media = await run_in_threadpool(with_media_keys, media, state.model_name)
         # off the event loop: a long prompt's template and tokenizer take long enough to stall other streams
-        prompt_ids = await run_in_threadpool(_prompt_ids, state.processor, messages)
+        prompt_ids = await run_in_threadpool(_prompt_ids, state.processor, messages, media)
     except LimitError as e:
         return _error(str(e), e.status_code, e.param)
     except (MediaError, ValueError) as e:
@@ -263,8 +263,8 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
             client.abort(request_id)
 
 
-def _prompt_ids(processor: Any, messages: list[dict]) -> list[int]:
-    """The rendered chat's token ids, with one image (video) placeholder per image (video) part.
+def _prompt_ids(processor: Any, messages: list[dict], media: list[protocol.MediaRef]) -> list[int]:
+    """The rendered chat's token ids, with one image (video) placeholder per image (video) part of ``media``.
 
     Raises:
         ValueError: the message text itself holds a placeholder token (before any media is probed).
@@ -272,8 +272,7 @@ def _prompt_ids(processor: Any, messages: list[dict]) -> list[int]:
     ids = processor.tokenize(processor.render_chat(messages))
     for token_id, kind, text, article in ((processor.image_token_id, "image", IMAGE_PAD, "an"),
                                           (processor.video_token_id, "video", VIDEO_PAD, "a")):
-        parts = sum(1 for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == kind)
-        if ids.count(token_id) != parts:
+        if ids.count(token_id) != sum(ref.kind == kind for ref in media):
             raise ValueError(f"the message text holds {text}, the special token that stands for {article} {kind} "
                              f"part; send each {kind} as {article} {kind}_url part")
     return ids

@@ -9,7 +9,7 @@ import torch
 
 from unifiedserve.engine.llm import LLM, EngineConfig
 from unifiedserve.engine.params import SamplingParams
-from unifiedserve.engine.penalties import PenaltyTable, apply_penalties, count_tokens
+from unifiedserve.engine.penalties import PenaltyBatch, PenaltyTable, apply_penalties, count_tokens
 from unifiedserve.engine.sampling import SamplerState, sample, sample_tensor
 
 
@@ -43,7 +43,7 @@ def test_apply_penalties_follows_the_definitions():
     table = PenaltyTable(vocab)
     rows = [i for i, (p, _, _) in enumerate(ROWS) if p.has_penalties]
     handles = [table.open(ROWS[i][1] if ROWS[i][0].penalizes_prompt else (), ROWS[i][2]) for i in rows]
-    got = apply_penalties(logits, rows, handles, [ROWS[i][0] for i in rows])
+    got = apply_penalties(logits, PenaltyBatch.of(rows, handles, logits.device), [ROWS[i][0] for i in rows])
     assert torch.equal(logits, raw)  # the caller's logits stay raw (logprobs are read from them)
     for i, (params, prompt, output) in enumerate(ROWS):
         want = reference_penalties(raw[i], prompt if params.penalizes_prompt else [], output, params)
@@ -57,14 +57,15 @@ def test_presence_and_frequency_leave_the_prompt_alone():
     assert not params.penalizes_prompt
     row = table.open((), [])  # as the engine opens it: no prompt for these two
     logits = torch.zeros(1, 8)
-    assert torch.equal(apply_penalties(logits, [0], [row], [params]), logits)
+    assert torch.equal(apply_penalties(logits, PenaltyBatch.of([0], [row], logits.device), [params]), logits)
 
 
 def test_counts_follow_the_sampled_tokens_and_rows_come_back_clean():
     table = PenaltyTable(10)
     a, b = table.open((1, 2), [4]), table.open((), [])
-    count_tokens(torch.tensor([7, 4, 4]), [0, 2], [a, b])  # batch rows 0 and 2 carry penalties; row 1 does not
-    count_tokens(torch.tensor([7, 5]), [0, 1], [a, b])
+    cpu = torch.device("cpu")
+    count_tokens(torch.tensor([7, 4, 4]), PenaltyBatch.of([0, 2], [a, b], cpu))  # batch rows 0 and 2 carry penalties
+    count_tokens(torch.tensor([7, 5]), PenaltyBatch.of([0, 1], [a, b], cpu))
     assert table.counts[a.index].tolist() == [0, 0, 0, 0, 1, 0, 0, 2, 0, 0]
     assert table.counts[b.index].tolist() == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0]
     assert table.in_prompt[a.index].nonzero().flatten().tolist() == [1, 2]
