@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from unifiedserve.engine.params import SamplingParams, finish_reason
+from unifiedserve.engine.params import SamplingParams, check_logit_bias_ids, finish_reason
 from unifiedserve.engine.penalties import PenaltyTable
 from unifiedserve.engine.request import Request
 from unifiedserve.engine.sampling import (SamplerState, TokenLogprobs, logprob_tensors, logprobs_of, sample,
@@ -147,7 +147,12 @@ class EngineCore:
         return self._penalties
 
     def add(self, request, vision, seq: SequenceState) -> None:
-        """Queue ``request`` (its media as ``VisionInput`` with pixels, or ``MediaGrid`` written elsewhere)."""
+        """Queue ``request`` (its media as ``VisionInput`` with pixels, or ``MediaGrid`` written elsewhere).
+
+        Raises:
+            ValueError: its ``logit_bias`` names a token outside the vocabulary (nothing is queued).
+        """
+        check_logit_bias_ids(seq.params, self.runner.model.config.text.vocab_size)
         if seq.params.has_penalties:
             seq.sampler.penalty = self.penalties.open(
                 request.prompt_token_ids if seq.params.penalizes_prompt else (), seq.output_token_ids)
@@ -167,6 +172,7 @@ class EngineCore:
         cache; the blocks stay the lender's (:meth:`finish` here frees none of them). ``prompt_token_ids``:
         the prompt's distinct tokens, for a repetition penalty (the prompt itself stays with the lender).
         """
+        check_logit_bias_ids(seq.params, self.runner.model.config.text.vocab_size)
         # the prompt (ids, positions) stays with the lender: the runner here knows only its length
         request = Request(request_id, [], seq.params, output_token_ids=seq.output_token_ids)
         if seq.params.has_penalties:

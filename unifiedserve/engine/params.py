@@ -17,6 +17,11 @@ MAX_JSON_SCHEMA_BYTES = 64 * 1024
 MAX_ABS_PENALTY = 2.0
 #: Largest ``repetition_penalty`` (vLLM's bound; 1.0 is off, Qwen2.5-VL's generation config asks 1.05).
 MAX_REPETITION_PENALTY = 2.0
+#: OpenAI's range for a ``logit_bias`` value (-100 bans a token in effect, 100 all but forces it).
+MAX_ABS_LOGIT_BIAS = 100.0
+#: Most ``logit_bias`` entries a request may carry: each is added to the logits at every step of the request
+#: (OpenAI's API takes at most 300; tokenizers name whole families of tokens, so this allows more).
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,12 @@ class SamplingParams:
     #: transformers' (and vLLM's) repetition penalty over the prompt and the output: a token seen in either
     #: has its logit divided by it when positive, multiplied by it when negative; 1.0 is off
     repetition_penalty: float = 1.0
+    #: vLLM's ``min_p`` (a random request keeps the tokens whose probability, after temperature, is at least
+    #: ``min_p`` times the most likely token's); 0 is off
+    min_p: float = 0.0
+    #: OpenAI's ``logit_bias``: ``(token id, bias)`` pairs (or a ``{token id: bias}`` dict, stored as pairs in
+    #: id order) added to the raw logits before the penalties and every filter; greedy requests too
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -67,6 +78,9 @@ class SamplingParams:
         if not (_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
             raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
                              f"got {self.repetition_penalty!r}")
+        if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
         self._check_response_format()
@@ -111,6 +125,35 @@ class SamplingParams:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as ``(id, float bias)`` pairs in id order, each id once; raises ValueError when malformed."""
+    pairs = list(bias.items()) if isinstance(bias, dict) else list(bias)
+    if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias has {len(pairs)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are accepted")
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise ValueError(f"a logit_bias entry is a (token id, bias) pair, got {pair!r}")
+        token, value = pair
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise ValueError(f"a logit_bias token id is a non-negative integer, got {token!r}")
+        if not (_is_number(value) and math.isfinite(value) and abs(value) <= MAX_ABS_LOGIT_BIAS):
+            raise ValueError(f"the logit_bias of token {token} must be in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                             f"{MAX_ABS_LOGIT_BIAS:g}], got {value!r}")
+        if token in out:
+            raise ValueError(f"logit_bias names token {token} twice")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
+
+
+def check_logit_bias_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Raise ValueError when a ``logit_bias`` token id is outside the model's vocabulary (its logits' width)."""
+    if params.logit_bias and params.logit_bias[-1][0] >= vocab_size:  # pairs are in id order
+        bad = [token for token, _ in params.logit_bias if token >= vocab_size]
+        raise ValueError(f"logit_bias names token id{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad[:5]))}"
+                         f"{' ...' if len(bad) > 5 else ''} outside the vocabulary (ids 0..{vocab_size - 1})")
 
 
 def finish_reason(token_id: int, num_output_tokens: int, stop_ids, max_tokens: int,

@@ -51,10 +51,11 @@ class MemoryProfile:
 
 
 def _sample_rows(logits: torch.Tensor, requests: int) -> None:
-    """Sample every row of ``logits`` ``[B, vocab]`` the most memory-hungry way a request may ask: temperature,
-    top-k, top-p, every penalty and the most logprobs (fp32 copies, sorts and indices of ``[B, vocab]``), inside
-    the caller's peak window, with the penalty counts of ``requests`` requests held (the process keeps them)."""
-    from unifiedserve.engine.params import MAX_LOGPROBS, SamplingParams
+    """Sample every row of ``logits`` ``[B, vocab]`` the most memory-hungry way a request may ask: logit bias,
+    temperature, min-p, top-k, top-p, every penalty and the most logprobs (fp32 copies, sorts and indices of
+    ``[B, vocab]``), inside the caller's peak window, with the penalty counts of ``requests`` requests held (the
+    process keeps them)."""
+    from unifiedserve.engine.params import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, SamplingParams
     from unifiedserve.engine.penalties import PenaltyTable
     from unifiedserve.engine.sampling import SamplerState, logprob_tensors, sample_tensor
 
@@ -62,7 +63,9 @@ def _sample_rows(logits: torch.Tensor, requests: int) -> None:
     table = PenaltyTable(logits.shape[-1], logits.device)
     table.reserve(max(rows, requests))
     params = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=i, logprobs=MAX_LOGPROBS,
-                             presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.05) for i in range(rows)]
+                             presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.05, min_p=0.01,
+                             logit_bias=[(t, 1.0) for t in range(min(MAX_LOGIT_BIAS_ENTRIES, logits.shape[-1]))])
+              for i in range(rows)]
     states = [SamplerState.for_params(p, logits.device) for p in params]
     for state in states:
         state.penalty = table.open()

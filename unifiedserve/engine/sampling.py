@@ -1,4 +1,4 @@
-"""The sampler: greedy, temperature, top-k, top-p, per-request seeds, batched on the logits' device.
+"""The sampler: logit bias, greedy, temperature, min-p, top-k, top-p, per-request seeds, batched on the logits' device.
 
 One call filters the whole batch at once (per-row temperature, top-k and top-p as tensors) and
 ends with a single copy of the chosen ids to the host. A random row draws its token with its own
@@ -12,6 +12,10 @@ grammar forbids masked before any of that, and :func:`sample` advances the gramm
 token (``unifiedserve.engine.structured``). A request with presence, frequency or repetition penalties
 (its ``SamplerState.penalty``, a row of token counts on the device: ``unifiedserve.engine.penalties``) has
 them applied first, and the chosen token counted.
+
+The order is vLLM's: a request's ``logit_bias`` is added to the raw logits, then the penalties, the
+grammar's mask, and for a random row temperature, ``min_p`` (relative to the most likely token), top-k
+and top-p. Log-probabilities are always those of the raw logits.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from unifiedserve.engine.params import SamplingParams
@@ -91,6 +96,9 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: li
     if len(params) != logits.shape[0] or len(states) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(params)} params and {len(states)} states")
     logits = logits.float()
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    if biased:  # a new tensor: the caller's logits stay raw for logprobs
+        logits = apply_logit_bias(logits, biased, [params[i] for i in biased])
     penalized = [i for i, s in enumerate(states) if s.penalty is not None]
     batch = PenaltyBatch.of(penalized, [states[i].penalty for i in penalized], logits.device) if penalized else None
     if batch is not None:  # a new tensor: the caller's logits stay raw for logprobs
@@ -101,6 +109,16 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: li
     if batch is not None:
         count_tokens(tokens, batch)
     return tokens
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> torch.Tensor:
+    """``logits`` (fp32 ``[B, vocab]``) plus the ``logit_bias`` of ``rows`` (``params`` one per entry), as a new
+    tensor: every row's pairs go to the device in one copy, and one scatter adds them."""
+    vocab = logits.shape[-1]
+    pairs = [np.asarray(p.logit_bias, dtype=np.float64) for p in params]  # [k, 2] each: id, bias
+    flat = np.concatenate([r * vocab + a[:, 0] for r, a in zip(rows, pairs)])  # exact in float64 below 2**53
+    packed = to_device(torch.from_numpy(np.stack([flat, np.concatenate([a[:, 1] for a in pairs])])), logits.device)
+    return logits.reshape(-1).index_add(0, packed[0].long(), packed[1].float()).view_as(logits)
 
 
 def _choose(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState]) -> torch.Tensor:
@@ -114,11 +132,15 @@ def _choose(logits: torch.Tensor, params: list[SamplingParams], states: list[Sam
     sub = [params[i] for i in random_rows]
     rows = to_device(torch.tensor(random_rows, dtype=torch.int64), device)  # queued: no host wait
     # per-row knobs as one host-built tensor copied once: [R] each
-    knobs = torch.tensor([[p.temperature, p.top_k if p.top_k and p.top_k < vocab else vocab, p.top_p] for p in sub],
-                         dtype=torch.float64)
+    knobs = torch.tensor([[p.temperature, p.top_k if p.top_k and p.top_k < vocab else vocab, p.top_p, p.min_p]
+                          for p in sub], dtype=torch.float64)
     knobs = to_device(knobs, device)
     temperature, top_k, top_p = knobs[:, 0:1].float(), knobs[:, 1:2].long(), knobs[:, 2:3].float()
     scaled = logits[rows] / temperature  # [R, vocab]
+    if any(p.min_p > 0 for p in sub):
+        # p_i >= min_p * p_max  <=>  scaled_i >= max(scaled) + log(min_p): no softmax needed; min_p 0 keeps all
+        floor = scaled.max(dim=-1, keepdim=True).values + knobs[:, 3:4].float().log()
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     if any(p.top_k and p.top_k < vocab for p in sub):
         ordered = scaled.sort(dim=-1, descending=True).values  # [R, vocab]
         kth = ordered.gather(1, top_k - 1)  # [R, 1]: the k-th largest logit (the smallest kept)

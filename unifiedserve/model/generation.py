@@ -2,7 +2,7 @@
 
 transformers' ``generate`` stops on every id of the generation config's ``eos_token_id`` (Qwen2.5-VL's
 instruct checkpoints list ``<|im_end|>`` and ``<|endoftext|>``, while their ``config.json`` names only the
-first), and samples with its ``temperature``, ``top_p``, ``top_k`` and ``repetition_penalty`` unless told
+first), and samples with its ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` unless told
 otherwise. vLLM's server does the same by default (``--generation-config auto``): those fields, and
 ``max_new_tokens``, are the defaults of a request that does not set them. So does this server
 (``unifiedserve serve --generation-config auto|none|DIR``). As in vLLM, ``do_sample`` is not read: a request
@@ -24,7 +24,7 @@ __all__ = ["GenerationDefaults", "read_generation_config", "generation_eos_ids"]
 FILE = "generation_config.json"
 #: Sampling fields of a generation config that this server does not implement: said once at start-up when
 #: they ask for something (their neutral value asks for nothing).
-_UNSUPPORTED = {"min_p": (None, 0, 0.0), "typical_p": (None, 1, 1.0), "epsilon_cutoff": (None, 0, 0.0),
+_UNSUPPORTED = {"typical_p": (None, 1, 1.0), "epsilon_cutoff": (None, 0, 0.0),
                 "eta_cutoff": (None, 0, 0.0), "no_repeat_ngram_size": (None, 0), "num_beams": (None, 1),
                 "encoder_repetition_penalty": (None, 1, 1.0), "min_new_tokens": (None, 0)}
 
@@ -70,6 +70,7 @@ class GenerationDefaults:
     top_p: float | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
+    min_p: float | None = None
     max_tokens: int | None = None  # the generation config's max_new_tokens
     #: the generation config's sampling fields this server does not implement, with their values
     unsupported: tuple[tuple[str, Any], ...] = ()
@@ -97,6 +98,7 @@ class GenerationDefaults:
                    top_k=number("top_k", lambda v: v >= 0, "an integer >= 0", integer=True),
                    repetition_penalty=number("repetition_penalty", lambda v: 0 < v <= MAX_REPETITION_PENALTY,
                                              f"in (0, {MAX_REPETITION_PENALTY:g}]"),
+                   min_p=number("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
                    max_tokens=number("max_new_tokens", lambda v: v >= 1, "an integer >= 1", integer=True),
                    unsupported=unsupported)
 

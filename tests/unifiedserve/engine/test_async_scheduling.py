@@ -43,7 +43,11 @@ def prompts(engines, image_factory):
             (*other, SamplingParams(max_tokens=1, ignore_eos=True)),
             # penalties: counted on the device as the overlapped steps sample, the prompt's tokens too
             (*other, SamplingParams(max_tokens=10, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5)),
-            (*text, SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True, presence_penalty=1.0))]
+            (*text, SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True, presence_penalty=1.0)),
+            # logit bias and min_p: rows of one copy and one scatter, and a per-row floor, in the overlapped steps
+            (*other, SamplingParams(max_tokens=6, ignore_eos=True, logit_bias={13: 8.0, 15: -4.0}, logprobs=1)),
+            (*text, SamplingParams(max_tokens=9, temperature=1.2, min_p=0.1, seed=5, ignore_eos=True,
+                                   logit_bias={20: 3.0}))]
 
 
 def summary(outputs):

@@ -22,7 +22,11 @@ def prompt(engine, text="Tell me a story about the sea."):
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5),
-                                    dict(top_k=-1), dict(stop=("",))])
+                                    dict(top_k=-1), dict(stop=("",)), dict(min_p=-0.1), dict(min_p=1.5),
+                                    dict(min_p=True), dict(logit_bias={3: 101}), dict(logit_bias={-1: 1.0}),
+                                    dict(logit_bias={3: float("nan")}), dict(logit_bias=[(3, 1.0), (3, 2.0)]),
+                                    dict(logit_bias=[(3,)]), dict(logit_bias={"3": 1.0}),
+                                    dict(logit_bias={i: 1.0 for i in range(1025)})])
 def test_bad_params_raise(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
@@ -88,10 +92,18 @@ def test_abort_frees_everything(engine):
 
 
 def _reference_row(row_logits, p, generator):
-    """The per-request sampler the batched one must match: one row, torch.multinomial."""
+    """The per-request sampler the batched one must match: one row, token by token, vLLM's order (logit bias,
+    then temperature, transformers' min-p warper, top-k, top-p), and torch.multinomial."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    row_logits = row_logits.float().clone()
+    for token, bias in p.logit_bias:
+        row_logits[token] += bias
     if p.is_greedy:
         return int(row_logits.argmax())
-    row_logits = row_logits.float() / p.temperature
+    row_logits = row_logits / p.temperature
+    if p.min_p > 0:
+        row_logits = MinPLogitsWarper(p.min_p)(None, row_logits[None])[0]
     if p.top_k and p.top_k < row_logits.shape[0]:
         kth = torch.topk(row_logits, p.top_k).values[-1]
         row_logits = row_logits.masked_fill(row_logits < kth, float("-inf"))
@@ -105,7 +117,10 @@ def _reference_row(row_logits, p, generator):
 
 MIXED = [SamplingParams(), SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.3, top_k=5, seed=2),
          SamplingParams(temperature=1.0, top_p=0.6, seed=3), SamplingParams(),
-         SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=4), SamplingParams(temperature=2.0, seed=5)]
+         SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=4), SamplingParams(temperature=2.0, seed=5),
+         SamplingParams(temperature=1.5, min_p=0.05, seed=6), SamplingParams(temperature=1.0, min_p=0.2, top_k=30, seed=7),
+         SamplingParams(logit_bias={7: 100.0, 8: -3.5}), SamplingParams(logit_bias={0: -100.0, 299: 12.0}),
+         SamplingParams(temperature=0.8, min_p=0.1, top_p=0.95, logit_bias={3: 9.0, 5: -9.0, 11: 4.0}, seed=8)]
 
 
 def test_batched_sampler_matches_per_request_sampling():
@@ -117,6 +132,27 @@ def test_batched_sampler_matches_per_request_sampling():
         reference = [_reference_row(logits[i], p, SamplerState.for_params(p).generator) for i, p in enumerate(MIXED)]
         assert batched == alone == reference
         assert batched[0] == int(logits[0].argmax()) and batched[4] == int(logits[4].argmax())
+        assert batched[9] == 7  # a bias of 100 on a greedy row wins
+
+
+def test_min_p_keeps_the_tokens_near_the_most_likely():
+    """Probabilities 0.5, 0.3, 0.15, 0.05: min_p 0.35 keeps the first two (>= 0.175), 0.05 keeps all four."""
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    for min_p, allowed in ((0.35, {0, 1}), (0.05, {0, 1, 2, 3}), (1.0, {0})):
+        seen = {sample(logits, [p], [SamplerState.for_params(p)])[0]
+                for p in (SamplingParams(temperature=1.0, min_p=min_p, seed=s) for s in range(300))}
+        assert seen == allowed, min_p
+    # after temperature: at 0.5 the probabilities are 0.69, 0.25, 0.06, 0.007 (token 2 is 0.09x the first)
+    seen = {sample(logits, [p], [SamplerState.for_params(p)])[0]
+            for p in (SamplingParams(temperature=0.5, min_p=0.1, seed=s) for s in range(300))}
+    assert seen == {0, 1}
+
+
+def test_logit_bias_leaves_the_callers_logits_raw():
+    logits = torch.zeros(2, 6)
+    params = [SamplingParams(logit_bias={4: 2.0}), SamplingParams(logit_bias={1: 1.0, 5: 3.0})]
+    assert sample(logits, params, [SamplerState.for_params(p) for p in params]) == [4, 5]
+    assert not logits.any()
 
 
 def test_seeded_streams_continue_independently_of_the_batch():

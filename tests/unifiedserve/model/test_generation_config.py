@@ -27,8 +27,10 @@ def test_defaults_are_the_fields_the_file_sets():
 
 
 def test_unsupported_fields_are_listed_only_when_they_ask_for_something():
-    d = GenerationDefaults.from_config({"min_p": 0.05, "num_beams": 1, "typical_p": 1.0, "no_repeat_ngram_size": 3})
-    assert d.unsupported == (("min_p", 0.05), ("no_repeat_ngram_size", 3))
+    d = GenerationDefaults.from_config({"min_p": 0.05, "num_beams": 1, "typical_p": 1.0, "no_repeat_ngram_size": 3,
+                                        "epsilon_cutoff": 3e-4})
+    assert d.unsupported == (("epsilon_cutoff", 3e-4), ("no_repeat_ngram_size", 3))
+    assert d.min_p == 0.05 and d.describe() == "min_p=0.05"
 
 
 @pytest.mark.parametrize("cfg, message", [
@@ -39,6 +41,7 @@ def test_unsupported_fields_are_listed_only_when_they_ask_for_something():
     ({"top_k": True}, "top_k must be an integer >= 0"),
     ({"repetition_penalty": 3.0}, r"repetition_penalty must be in \(0, 2\]"),
     ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
+    ({"min_p": 1.2}, r"min_p must be in \[0, 1\]"),
 ])
 def test_bad_values_name_the_file_and_the_field(cfg, message):
     with pytest.raises(ValueError, match=message):
