@@ -10,6 +10,7 @@ stop strings, and streamed as server-sent events or returned in one response.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -26,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from unifiedserve.engine.output import TextOutput
-from unifiedserve.engine.params import SamplingParams
+from unifiedserve.engine.params import SamplingParams, check_logit_bias_ids
 from unifiedserve.engine.structured import check_response_format
 from unifiedserve.model.generation import GenerationDefaults
 from unifiedserve.model.processor import IMAGE_PAD, VIDEO_PAD
@@ -59,6 +60,8 @@ class ServerState:
     draining: bool = False
     #: defaults for the sampling fields a request leaves out (the checkpoint's generation_config.json)
     generation: GenerationDefaults = GenerationDefaults()
+    #: the width of the model's logits: ``logit_bias`` ids must be below it (None: not checked here; core does)
+    vocab_size: int | None = None
 
 
 def _given(value, default, neutral):
@@ -185,8 +188,15 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         return _error(f"the server is not serving: {state.client.fatal or 'shutting down'}", 503)
     if body.model is not None and body.model != state.model_name:
         return _error(f"the model {body.model!r} does not exist; this server serves {state.model_name!r}", 404, "model")
-    if body.n != 1:
-        return _error("only n=1 is supported", 400, "n")
+    if body.n > state.limits.max_n:
+        return _error(f"n is {body.n}; this server returns at most {state.limits.max_n} choices per request "
+                      f"(--max-n)", 400, "n")
+    logit_bias = body.logit_bias_pairs()
+    if state.vocab_size is not None:
+        try:
+            check_logit_bias_ids(SamplingParams(logit_bias=logit_bias), state.vocab_size)
+        except ValueError as e:
+            return _error(str(e), 400, "logit_bias")
     response_format = body.response_format.sampling_fields() if body.response_format is not None else {}
     if response_format.get("response_format", "text") != "text":
         try:  # compile the grammar before any media work: a bad schema is refused at once
@@ -210,6 +220,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         stream = client.open(request_id)
     except RequestError as e:
         return _error(e.message, e.status_code)
+    opened = [request_id]  # the engine requests of this response: one per choice
     started = False
     try:
         probe_s = 0.0
@@ -240,27 +251,55 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
             seed=body.seed, stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()),
             ignore_eos=body.ignore_eos, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=_given(body.repetition_penalty, defaults.repetition_penalty, 1.0), **response_format)
+            repetition_penalty=_given(body.repetition_penalty, defaults.repetition_penalty, 1.0),
+            min_p=_given(body.min_p, defaults.min_p, 0.0), logit_bias=logit_bias, **response_format)
         stop_ids = params.stop_ids(state.eos_token_ids)
-        await client.add(stream, protocol.AddRequest(request_id, prompt_ids, plans, params, sorted(stop_ids),
-                                                     [ref.key for ref in media]))
+        keys = [ref.key for ref in media]
+        await client.add(stream, protocol.AddRequest(request_id, prompt_ids, plans, params, sorted(stop_ids), keys))
         first = await _wait(stream.queue.get(), request)
         if isinstance(first, RequestError):
             raise first
-        gen = _Generation(state, request_id, stream, params, stop_ids, prompt_len, arrival, probe_s)
+        gens = [_Generation(state, request_id, stream, params, stop_ids, prompt_len, arrival, probe_s, first=first)]
+        # the other choices come once the first has its first token: the prompt's KV blocks (and the media's
+        # tokens) are in the prefix and media caches by then, so each prefills only the prompt's last partial block
+        for index in range(1, body.n):
+            child_id = f"{request_id}-{index}"
+            child_params = _choice_params(params, index)
+            child = client.open(child_id)
+            opened.append(child_id)
+            if media:
+                child_plans = (await _wait(client.probe(child, media), request)).plans
+                if [p.grid_thw for p in child_plans] != [p.grid_thw for p in plans]:
+                    raise RequestError("a media part changed while the request's choices were being added", 409)
+            else:
+                child_plans = []
+            await client.add(child, protocol.AddRequest(child_id, prompt_ids, child_plans, child_params,
+                                                        sorted(stop_ids), keys))
+            gens.append(_Generation(state, child_id, child, child_params, stop_ids, prompt_len, arrival, probe_s,
+                                    index=index, response_id=request_id))
         started = True
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(gen.sse(first, include_usage), media_type="text/event-stream",
+            return StreamingResponse(_sse(state, gens, include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await gen.complete(first, request)
+        return await _complete(state, gens, request)
     except RequestError as e:
         return _error(e.message, e.status_code)
     except ValueError as e:  # sampling parameters
         return _error(str(e), 400)
     finally:
         if not started:
-            client.abort(request_id)
+            for rid in opened:
+                client.abort(rid)
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s parameters: a seeded request's choice ``i`` is seeded ``seed + i`` (vLLM's rule, so
+    choices differ and each is reproducible), wrapped into the 64-bit range the API accepts."""
+    if params.seed is None or index == 0:
+        return params
+    seed = params.seed + index
+    return dataclasses.replace(params, seed=seed - 2**64 if seed >= 2**64 else seed)
 
 
 def _prompt_ids(processor: Any, messages: list[dict], media: list[protocol.MediaRef]) -> list[int]:
@@ -366,11 +405,15 @@ def convert_messages(body: ChatCompletionRequest, policy: MediaPolicy, limits: R
 
 
 class _Generation:
-    """One admitted request's output: detokenization, stop strings, metrics, and the response."""
+    """One choice of an admitted request (one engine request): detokenization, stop strings, metrics, its part
+    of the response. Choice 0's engine request id is the response's id; choice ``i > 0``'s is ``{id}-{i}``."""
 
     def __init__(self, state: ServerState, request_id: str, stream: RequestStream, params: SamplingParams,
-                 stop_ids: frozenset[int], prompt_len: int, arrival: float, probe_s: float):
+                 stop_ids: frozenset[int], prompt_len: int, arrival: float, probe_s: float, index: int = 0,
+                 response_id: str | None = None, first: protocol.TokenOutput | None = None):
         self.state, self.request_id, self.stream, self.params = state, request_id, stream, params
+        self.index, self.response_id = index, response_id or request_id
+        self._first = first  # already read from the stream (choice 0's, before the response starts)
         self.stop_ids = stop_ids
         self.prompt_len, self.arrival, self.probe_s = prompt_len, arrival, probe_s
         self.output = TextOutput(state.processor.incremental_decoder(), params.stop)
@@ -384,8 +427,9 @@ class _Generation:
         """One token in; returns the new text. Sets ``finish_reason`` when the request ends."""
         now, metrics = time.time(), self.state.metrics
         if out.index == 0:
-            metrics.ttft.observe(now - self.arrival)
-            self._stage_metrics(out.stages)
+            if self.index == 0:  # the response's first token; the other choices' prefill mostly hit the cache
+                metrics.ttft.observe(now - self.arrival)
+                self._stage_metrics(out.stages)
         else:
             metrics.itl.observe(now - self.last_time)
         self.last_time = now
@@ -432,81 +476,139 @@ class _Generation:
         if st.prefill_start:
             stage["prefill"].observe(st.prefill_end - st.prefill_start)
 
-    def _finish(self) -> None:
-        metrics = self.state.metrics
-        metrics.e2e.observe(time.time() - self.arrival)
-        metrics.prompt_tokens.inc(self.prompt_len)
-        metrics.finished(self.finish_reason or "abort")
+    def _release(self) -> None:
+        """The choice is done: count its finish reason and let the workers go."""
+        self.state.metrics.finished(self.finish_reason or "abort")
         if self.output.stopped:  # a stop string ended it here: the workers may still be generating
             self.state.client.abort(self.request_id)
         else:
             self.state.client.finish(self.request_id)
 
     async def _next(self) -> protocol.TokenOutput:
+        if self._first is not None:
+            item, self._first = self._first, None
+            return item
         item = await self.stream.queue.get()
         if isinstance(item, RequestError):
             raise item
         return item
 
-    def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_len, "completion_tokens": self.num_tokens,
-                "total_tokens": self.prompt_len + self.num_tokens}
+    async def run(self) -> None:
+        """Consume the choice's tokens until it ends (a whole response)."""
+        while self.finish_reason is None:
+            self.consume(await self._next())
 
-    async def complete(self, first: protocol.TokenOutput, request: Request) -> JSONResponse:
-        try:
-            out = first
-            while True:
-                self.consume(out)
-                if self.finish_reason is not None:
-                    break
-                out = await _wait(self._next(), request)
-        except (_Disconnected, RequestError):
-            self.state.client.abort(self.request_id)
-            raise
-        self._finish()
-        return JSONResponse({
-            "id": self.request_id, "object": "chat.completion", "created": self.created,
-            "model": self.state.model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": self.output.text},
-                         "logprobs": None if self.logprobs is None else {"content": self.logprobs},
-                         "finish_reason": self.finish_reason}],
-            "usage": self.usage()})
+    def choice(self) -> dict:
+        """The choice in a whole response."""
+        return {"index": self.index, "message": {"role": "assistant", "content": self.output.text},
+                "logprobs": None if self.logprobs is None else {"content": self.logprobs},
+                "finish_reason": self.finish_reason}
 
-    def _chunk(self, delta: dict, finish_reason: str | None = None, usage: dict | None = None,
+    def _chunk(self, delta: dict | None, finish_reason: str | None = None, usage: dict | None = None,
                logprobs: list[dict] | None = None) -> str:
-        body = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+        body = {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.state.model_name,
-                "choices": [] if delta is None else [{"index": 0, "delta": delta,
+                "choices": [] if delta is None else [{"index": self.index, "delta": delta,
                                                       "logprobs": None if logprobs is None else {"content": logprobs},
                                                       "finish_reason": finish_reason}]}
         if usage is not None:
             body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    async def sse(self, first: protocol.TokenOutput, include_usage: bool):
-        done = False
-        try:
-            yield self._chunk({"role": "assistant", "content": ""})
-            out = first
-            sent = 0  # logprob entries already streamed
-            while True:
-                text = self.consume(out)
-                if text or self.finish_reason is None:  # one event per token, even with no visible text yet
-                    yield self._chunk({"content": text}, logprobs=self._new_logprobs(sent))
-                    sent = len(self.logprobs or ())
-                if self.finish_reason is not None:
-                    break
-                out = await self._next()
-            yield self._chunk({}, self.finish_reason, logprobs=self._new_logprobs(sent) or None)
-            if include_usage:
-                yield self._chunk(None, usage=self.usage())
-            yield "data: [DONE]\n\n"
-            done = True
-            self._finish()
-        except RequestError as e:  # a worker died mid-stream: tell the client in-band, then end
-            yield f"data: {json.dumps(error_body(e.message, e.status_code))}\n\n"
-            done = True
-        finally:
-            if not done:  # the client went away (the generator was closed or cancelled)
-                self.state.metrics.finished("abort")
-                self.state.client.abort(self.request_id)
+
+def _usage(gens: list[_Generation]) -> dict[str, int]:
+    """The response's usage: the prompt once (as OpenAI and vLLM count it), every choice's tokens."""
+    completion = sum(g.num_tokens for g in gens)
+    return {"prompt_tokens": gens[0].prompt_len, "completion_tokens": completion,
+            "total_tokens": gens[0].prompt_len + completion}
+
+
+def _finished(state: ServerState, gens: list[_Generation]) -> None:
+    metrics = state.metrics
+    metrics.e2e.observe(time.time() - gens[0].arrival)
+    metrics.prompt_tokens.inc(gens[0].prompt_len)
+    for g in gens:
+        g._release()
+
+
+def _abort(state: ServerState, gens: list[_Generation]) -> None:
+    for g in gens:
+        state.client.abort(g.request_id)
+
+
+async def _run_all(gens: list[_Generation]) -> None:
+    """Every choice to its end; the first error (a worker's) cancels the rest."""
+    if len(gens) == 1:
+        return await gens[0].run()
+    tasks = [asyncio.ensure_future(g.run()) for g in gens]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()  # nothing for those done
+
+
+async def _complete(state: ServerState, gens: list[_Generation], request: Request) -> JSONResponse:
+    """The whole response, once every choice has ended."""
+    try:
+        await _wait(_run_all(gens), request)
+    except (_Disconnected, RequestError):
+        _abort(state, gens)
+        raise
+    _finished(state, gens)
+    first = gens[0]
+    return JSONResponse({"id": first.response_id, "object": "chat.completion", "created": first.created,
+                         "model": state.model_name, "choices": [g.choice() for g in gens], "usage": _usage(gens)})
+
+
+async def _arrivals(gens: list[_Generation]):
+    """``(choice, token output)`` as they arrive, until every choice has ended (the caller consumes each
+    output before the next is awaited, which is how a choice's end is seen)."""
+    if len(gens) == 1:  # no task per token for the common case
+        g = gens[0]
+        while g.finish_reason is None:
+            yield g, await g._next()
+        return
+    pending: dict[asyncio.Future, _Generation] = {asyncio.ensure_future(g._next()): g for g in gens}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: pending[t].index):
+                g = pending.pop(task)
+                yield g, task.result()
+                if g.finish_reason is None:
+                    pending[asyncio.ensure_future(g._next())] = g
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _sse(state: ServerState, gens: list[_Generation], include_usage: bool):
+    """The response as server-sent events: each choice's role, one event per token (tagged with the choice's
+    index; choices interleave as their tokens come), each choice's finish event, the usage, ``[DONE]``."""
+    done = False
+    try:
+        for g in gens:
+            yield g._chunk({"role": "assistant", "content": ""})
+        sent = [0] * len(gens)  # logprob entries already streamed, per choice
+        async for g, out in _arrivals(gens):
+            text = g.consume(out)
+            if text or g.finish_reason is None:  # one event per token, even with no visible text yet
+                yield g._chunk({"content": text}, logprobs=g._new_logprobs(sent[g.index]))
+                sent[g.index] = len(g.logprobs or ())
+            if g.finish_reason is not None:
+                yield g._chunk({}, g.finish_reason, logprobs=g._new_logprobs(sent[g.index]) or None)
+        if include_usage:
+            yield gens[0]._chunk(None, usage=_usage(gens))
+        yield "data: [DONE]\n\n"
+        done = True
+        _finished(state, gens)
+    except RequestError as e:  # a worker died mid-stream: tell the client in-band, then end
+        yield f"data: {json.dumps(error_body(e.message, e.status_code))}\n\n"
+        done = True
+        _abort(state, gens)  # the other choices' requests
+    finally:
+        if not done:  # the client went away (the generator was closed or cancelled)
+            for _ in gens:
+                state.metrics.finished("abort")
+            _abort(state, gens)

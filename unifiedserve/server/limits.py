@@ -10,6 +10,8 @@ Everything a client can size has a server-wide cap (each a ``unifiedserve serve`
   (the largest any H.264/HEVC level allows, 8K fits) is refused at its probe, before a frame is
   decoded at that size (images: PIL's decompression-bomb limit).
 - **media parts per request** (``--max-media-per-request``), as vLLM's ``--limit-mm-per-prompt``.
+- **choices per request** (``--max-n``): each of OpenAI's ``n`` choices is one sequence in the engine,
+  with KV blocks of its own for its output.
 - **visual tokens**: known from the probe before any frame is decoded; a request whose prompt
   would exceed ``--max-model-len`` is refused before its placeholders are even expanded.
 - **request body** (``--max-request-mb``): a streamed limit, answered with 413 before the body
@@ -76,10 +78,11 @@ class RequestLimits:
     max_frames: int = QWEN_MAX_FRAMES  # per video
     max_media_per_request: int = 16
     max_request_bytes: int = 64 * 2**20
+    max_n: int = 16  # choices per request
 
     def __post_init__(self) -> None:
         for name, flag in (("max_pixels", "--max-pixels"), ("max_frames", "--max-frames"),
-                           ("max_media_per_request", "--max-media-per-request"),
+                           ("max_media_per_request", "--max-media-per-request"), ("max_n", "--max-n"),
                            ("max_request_bytes", "--max-request-mb")):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

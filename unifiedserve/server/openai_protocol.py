@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from unifiedserve.engine.params import MAX_ABS_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
 
 
 def _valid_unicode(text: str) -> str:
@@ -36,7 +38,7 @@ MAX_STOP_CHARS = 1024
 _NEUTRAL_VALUES: dict[str, tuple] = {
     "tools": (None, []), "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, False, True),
-    "logit_bias": (None, {}), "functions": (None, []), "function_call": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),
 }
 
 
@@ -130,6 +132,16 @@ def _is_neutral(name: str, value: Any) -> bool:
 StopText = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
 
 
+def _token_id_key(key: str) -> str:
+    if not (0 < len(key) <= 10 and key.isascii() and key.isdigit()):
+        raise ValueError(f"a logit_bias key is a token id in decimal (e.g. \"50256\"), got {key[:20]!r}")
+    return key
+
+
+#: a ``logit_bias`` key: a token id in decimal, as OpenAI's API takes it
+TokenIdText = Annotated[str, AfterValidator(_token_id_key)]
+
+
 class ChatCompletionRequest(_Model):
     # extra fields are checked by _refuse_unsupported, for a message that names the field
     model_config = ConfigDict(extra="allow", strict=True)
@@ -148,9 +160,14 @@ class ChatCompletionRequest(_Model):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     # vLLM extension (transformers' repetition penalty, over prompt and output; 1 = off)
     repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
+    # vLLM extension: a random request keeps the tokens at least min_p times as likely as the most likely one
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    # {"token id": bias}, added to the logits before sampling (greedy too)
+    logit_bias: Annotated[dict[TokenIdText, Annotated[float, Field(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]],
+                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     seed: Annotated[int, Field(ge=-2**63, le=2**64 - 1)] | None = None  # a 64-bit integer (signed or not)
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    n: int = 1
+    n: Annotated[int, Field(ge=1)] = 1  # choices: the server's --max-n caps it
     ignore_eos: bool = False  # vLLM extension: keep generating past EOS (benchmarks)
     logprobs: bool = False  # each output token's log-probability (log-softmax of the model's raw logits)
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # and the k most likely tokens'
@@ -161,6 +178,17 @@ class ChatCompletionRequest(_Model):
                         Field(max_length=16)] | None = None
     store: bool | None = None
     service_tier: Annotated[Text, Field(max_length=64)] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _each_token_once(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias and len({int(k) for k in bias}) < len(bias):
+            raise ValueError("logit_bias names a token id twice (e.g. \"7\" and \"07\")")
+        return bias
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as ``SamplingParams`` takes it."""
+        return tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> "ChatCompletionRequest":

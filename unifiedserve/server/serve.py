@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--default-max-tokens", type=_positive_int, default=RuntimeConfig.default_max_tokens,
                    help="completion length when a request gives no max_tokens (default %(default)s)")
     g.add_argument("--generation-config", default="auto", metavar="{auto,none,DIR}",
-                   help="defaults for the sampling fields a request leaves out (temperature, top_p, top_k, "
+                   help="defaults for the sampling fields a request leaves out (temperature, top_p, top_k, min_p, "
                         "repetition_penalty; max_tokens at most its max_new_tokens): auto (default) takes them from "
                         "the model's generation_config.json, as transformers and vLLM do; none: the OpenAI API's "
                         "(temperature 1, no top_p/top_k, no penalty); DIR: from DIR/generation_config.json")
@@ -94,6 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"most frames sampled from one video (default {QWEN_MAX_FRAMES})")
     g.add_argument("--max-media-per-request", type=_positive_int, default=RequestLimits.max_media_per_request,
                    metavar="N", help="most image and video parts in one request (default %(default)s)")
+    g.add_argument("--max-n", type=_positive_int, default=RequestLimits.max_n, metavar="N",
+                   help="most choices (OpenAI's n) one request may ask for; each is a sequence of its own that "
+                        "shares the prompt's KV through the prefix cache (default %(default)s)")
     g.add_argument("--max-request-mb", type=_positive_float, default=RequestLimits.max_request_bytes / 2**20,
                    metavar="MB", help="largest request body in MiB, checked while it streams in: 413 above it "
                                       "(default %(default)g; "
@@ -481,7 +484,7 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
     if not args.max_request_mb > 0:
         raise ValueError(f"--max-request-mb must be positive, got {args.max_request_mb}")
     return RequestLimits(max_pixels=args.max_pixels, max_frames=args.max_frames,
-                         max_media_per_request=args.max_media_per_request,
+                         max_media_per_request=args.max_media_per_request, max_n=args.max_n,
                          max_request_bytes=int(args.max_request_mb * 2**20))
 
 
@@ -530,7 +533,8 @@ def build_state(runtime, client, args: argparse.Namespace, limits: RequestLimits
         log.warning("the generation config sets %s=%r, which this server does not implement; not applied", key, value)
     return ServerState(client, processor, metrics, media_policy(args),
                        config.served_model_name, config.max_model_len, config.default_max_tokens,
-                       tuple(model_config.eos_token_ids), config.policy, args.api_key, limits, generation=generation)
+                       tuple(model_config.eos_token_ids), config.policy, args.api_key, limits, generation=generation,
+                       vocab_size=model_config.text.vocab_size)
 
 
 async def _serve(runtime, args, limits: RequestLimits, sock: socket.socket | None = None) -> int:

@@ -63,10 +63,11 @@ def media_dir(tmp_path):
     return tmp_path
 
 
-def make_api(processor, media_dir, plans=(), limits=RequestLimits(), max_model_len=4096, generation=None):
+def make_api(processor, media_dir, plans=(), limits=RequestLimits(), max_model_len=4096, generation=None,
+             vocab_size=None):
     client = FakeClient(plans)
     state = ServerState(client, processor, Metrics("m"), MediaPolicy(media_dir, (), 2**20), "m", max_model_len,
-                        16, (0,), "unified", KEY, limits)
+                        16, (0,), "unified", KEY, limits, vocab_size=vocab_size)
     if generation is not None:
         state.generation = generation
     http = TestClient(BodySizeLimit(build_app(state), limits.max_request_bytes))
@@ -207,7 +208,7 @@ def test_fields_that_are_not_implemented_are_named(processor, media_dir):
                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
                          ({"tool_choice": "auto"}, "tool_choice"),
                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-                         ({"logit_bias": {"5": 1}}, "logit_bias"), ({"frobnicate": 1}, "frobnicate")]:
+                         ({"frobnicate": 1}, "frobnicate")]:
         r = http.post("/v1/chat/completions", json=chat(**fields))
         assert r.status_code == 400 and name in r.json()["error"]["message"], (fields, r.text)
     r = http.post("/v1/chat/completions", json=chat(video(media_dir, resolution="4k")))
@@ -236,19 +237,54 @@ def test_penalties_reach_the_engine(processor, media_dir):
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (-1.5, 2.0, 1.1)
 
 
+def test_logit_bias_and_min_p_reach_the_engine(processor, media_dir):
+    http, client = make_api(processor, media_dir, vocab_size=1000)
+    r = http.post("/v1/chat/completions", json=chat(logit_bias={"999": -100, "5": 2.5, "0": 100}, min_p=0.25))
+    assert r.status_code == 503, r.text
+    p = client.added[0].params
+    assert p.logit_bias == ((0, 100.0), (5, 2.5), (999, -100.0)) and p.min_p == 0.25
+    assert http.post("/v1/chat/completions", json=chat(logit_bias={})).status_code == 503
+    assert client.added[-1].params.logit_bias == () and client.added[-1].params.min_p == 0.0
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"logit_bias": {"1000": 1}}, "logit_bias names token id 1000 outside the vocabulary (ids 0..999)"),
+    ({"logit_bias": {"5": 101}}, "logit_bias.5: Input should be less than or equal to 100"),
+    ({"logit_bias": {"x": 1}}, "logit_bias.x: a logit_bias key is a token id in decimal (e.g. \"50256\"), got 'x'"),
+    ({"logit_bias": {"-3": 1}}, "a logit_bias key is a token id in decimal"),
+    ({"logit_bias": {"\u0663": 1}}, "a logit_bias key is a token id in decimal"),  # an Arabic-Indic digit
+    ({"logit_bias": {"7": 1, "07": 2}}, "logit_bias names a token id twice"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias.5: Input should be a valid number"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias: Dictionary should have at most 1024 items"),
+    ({"logit_bias": [[5, 1]]}, "logit_bias: Input should be a valid dictionary"),
+    ({"min_p": 1.5}, "min_p: Input should be less than or equal to 1"),
+    ({"min_p": -0.1}, "min_p: Input should be greater than or equal to 0"),
+])
+def test_bad_logit_bias_and_min_p_are_refused(processor, media_dir, fields, needle):
+    http, client = make_api(processor, media_dir, vocab_size=1000)
+    r = http.post("/v1/chat/completions", json=chat(**fields))
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"].startswith("logit_bias" if "logit_bias" in fields else "min_p")
+    assert client.added == [] and client.probed == []
+
+
 def test_generation_config_defaults_fill_what_a_request_leaves_out(processor, media_dir):
     from unifiedserve.model.generation import GenerationDefaults
 
-    defaults = GenerationDefaults(temperature=0.1, top_p=0.8, top_k=20, repetition_penalty=1.05, max_tokens=9)
+    defaults = GenerationDefaults(temperature=0.1, top_p=0.8, top_k=20, repetition_penalty=1.05, max_tokens=9,
+                                  min_p=0.02)
     http, client = make_api(processor, media_dir, generation=defaults)
     assert http.post("/v1/chat/completions", json=chat()).status_code == 503
     p = client.added[-1].params
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_tokens) == (0.1, 0.8, 20, 1.05, 9)
+    assert p.min_p == 0.02
     # a request's own values win, top_k -1 (off) included; and max_tokens is the request's when it gives one
     assert http.post("/v1/chat/completions", json=chat(temperature=0, top_p=1, top_k=-1, repetition_penalty=1,
                                                        max_tokens=30)).status_code == 503
     p = client.added[-1].params
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_tokens) == (0.0, 1.0, 0, 1.0, 30)
+    assert http.post("/v1/chat/completions", json=chat(min_p=0)).status_code == 503
+    assert client.added[-1].params.min_p == 0.0
     # without a generation config: the OpenAI API's defaults
     http, client = make_api(processor, media_dir)
     assert http.post("/v1/chat/completions", json=chat()).status_code == 503

@@ -306,8 +306,9 @@ def test_parity_and_concurrency_then_no_leaks(server, client, media):
 
 
 def test_penalties_cross_the_hand_off(client, media):
-    """Penalties through the server equal the engine's: core samples the first token, decode goes on with the
-    counts rebuilt from the hand-off (the prompt's distinct ids for the repetition penalty, the first token)."""
+    """Penalties, logit bias and min_p through the server equal the engine's: core samples the first token,
+    decode goes on with the counts rebuilt from the hand-off (the prompt's distinct ids for the repetition
+    penalty, the first token) and the request's parameters."""
     import flashcodec
     from unifiedserve.engine import LLM, SamplingParams, VisionInput
 
@@ -331,6 +332,125 @@ def test_penalties_cross_the_hand_off(client, media):
             extra_body={"ignore_eos": True, "repetition_penalty": penalties["repetition_penalty"]})
         assert res.choices[0].message.content == ref.text
         assert ref.token_ids != plain.token_ids  # the penalties changed the answer, so the check above is one
+        # a bias against the plain answer's later tokens: decode applies it, not only core's first token
+        bias = {plain.token_ids[3]: -6.0, plain.token_ids[5]: -4.0, 77: 2.5}
+        sampled = dict(temperature=1.1, seed=1234, min_p=0.08)
+        ref = llm.generate([(ids, vision, SamplingParams(max_tokens=16, ignore_eos=True, logit_bias=bias,
+                                                         **sampled))])[0]
+        res = client.chat.completions.create(
+            model="demo-model", messages=served_messages, max_tokens=16, temperature=sampled["temperature"],
+            seed=sampled["seed"], logit_bias={str(t): b for t, b in bias.items()},
+            extra_body={"ignore_eos": True, "min_p": sampled["min_p"]})
+        assert res.choices[0].message.content == ref.text
+        greedy = llm.generate([(ids, vision, SamplingParams(max_tokens=16, ignore_eos=True, logit_bias=bias))])[0]
+        assert greedy.token_ids[:6] != plain.token_ids[:6]
+
+
+def _stream_choices(server, body):
+    """POST ``body`` with ``stream: true``; returns ({index: text}, {index: finish_reason}, usage, roles, ids)."""
+    conn = httplib.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True,
+                                                                 "stream_options": {"include_usage": True}}),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    texts, reasons, roles, ids, usage = {}, {}, [], set(), None
+    for line in resp.read().decode().splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        ids.add(chunk["id"])
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for choice in chunk["choices"]:
+            i, delta = choice["index"], choice["delta"]
+            if "role" in delta:
+                roles.append(i)
+            texts[i] = texts.get(i, "") + delta.get("content", "")
+            assert i not in reasons, "a token after the choice's finish event"
+            if choice["finish_reason"] is not None:
+                reasons[i] = choice["finish_reason"]
+    conn.close()
+    return texts, reasons, usage, roles, ids
+
+
+def test_n_choices_are_seeded_requests_that_share_the_prompt(server, client, media):
+    """n choices: choice i is the engine's request seeded seed + i (vLLM's rule), streamed or not; the prompt
+    is counted once; choices after the first find the video's prompt in the prefix cache."""
+    import flashcodec
+    from unifiedserve.engine import LLM, SamplingParams, VisionInput
+
+    _, files = media
+    llm = LLM()
+    video = VisionInput.from_video(flashcodec.decode_video(str(files["video"]), output="patches",
+                                                           patch_spec=llm.processor.patch_spec))
+    ids, vision = llm.build_prompt([{"role": "user", "content": [{"type": "video", "vision": video},
+                                                                 {"type": "text", "text": "Describe it twice."}]}])
+    seed = 2**64 - 2  # choice 2 wraps to 0
+    refs = [llm.generate([(ids, vision, SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, seed=s,
+                                                       min_p=0.02))])[0] for s in (seed, seed + 1, 0)]
+    assert len({r.text for r in refs}) == 3
+    server.wait_idle()
+    before = server.metrics()
+    messages = video_message(files["video"], "Describe it twice.")
+    res = client.chat.completions.create(model="demo-model", messages=messages, max_tokens=10, temperature=1.0,
+                                         seed=seed, n=3, extra_body={"ignore_eos": True, "min_p": 0.02})
+    assert [c.index for c in res.choices] == [0, 1, 2]
+    assert [c.message.content for c in res.choices] == [r.text for r in refs]
+    assert all(c.finish_reason == "length" for c in res.choices)
+    assert (res.usage.prompt_tokens, res.usage.completion_tokens) == (len(ids), 30)
+    after = server.wait_idle()
+    hits = after["unifiedserve_prefix_cache_hits_tokens"] - before["unifiedserve_prefix_cache_hits_tokens"]
+    # the two later choices found the prompt's full blocks (the video's tokens among them) in the cache
+    assert hits >= 2 * (len(ids) - 2 * 16), (hits, len(ids))
+    assert after["unifiedserve_time_to_first_token_seconds_count"] - \
+        before["unifiedserve_time_to_first_token_seconds_count"] == 1  # one response, one first token
+    texts, reasons, usage, roles, response_ids = _stream_choices(server, {
+        "messages": messages, "max_tokens": 10, "temperature": 1.0, "seed": seed, "n": 3, "ignore_eos": True,
+        "min_p": 0.02})
+    assert texts == {i: r.text for i, r in enumerate(refs)} and reasons == {0: "length", 1: "length", 2: "length"}
+    assert sorted(roles) == [0, 1, 2] and len(response_ids) == 1
+    assert usage == {"prompt_tokens": len(ids), "completion_tokens": 30, "total_tokens": len(ids) + 30}
+    server.wait_idle()
+
+
+def test_n_choices_stop_on_their_own(server, client, media):
+    """Greedy choices are identical; a stop string ends each where it matches; n above --max-n is refused."""
+    res = client.chat.completions.create(model="demo-model", messages=[{"role": "user", "content": "Tell me a story."}],
+                                         temperature=0, max_tokens=12, n=2, extra_body={"ignore_eos": True})
+    assert res.choices[0].message.content == res.choices[1].message.content
+    text = res.choices[0].message.content
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    res = client.chat.completions.create(model="demo-model", messages=[{"role": "user", "content": "Tell me a story."}],
+                                         temperature=0, max_tokens=12, n=4, stop=[stop], extra_body={"ignore_eos": True})
+    assert {c.message.content for c in res.choices} == {text[:text.index(stop)]}
+    assert {c.finish_reason for c in res.choices} == {"stop"}
+    for n, needle in ((17, "n is 17; this server returns at most 16 choices per request (--max-n)"),
+                      (0, "n: Input should be greater than or equal to 1")):
+        status, body = http("POST", server.url + "/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "hi"}], "n": n})
+        assert status == 400 and needle in body["error"]["message"] and body["error"]["param"] == "n", body
+    server.wait_idle()
+
+
+def test_disconnect_mid_stream_with_choices_frees_everything(server, media):
+    _, files = media
+    body = json.dumps({"messages": video_message(files["video"]), "max_tokens": 2000, "stream": True, "n": 3,
+                       "ignore_eos": True, "temperature": 0.8})
+    before = server.metrics().get('unifiedserve_requests_total{finish_reason="abort"}', 0)
+    conn = httplib.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    indices = set()
+    while len(indices) < 3:  # every choice is generating
+        line = resp.readline()
+        if line.startswith(b"data: ") and b'"content": "' in line and b'"role"' not in line:
+            indices.add(json.loads(line[6:])["choices"][0]["index"])
+    conn.sock.shutdown(2)
+    conn.close()
+    m = server.wait_idle(timeout=30)
+    assert m['unifiedserve_requests_total{finish_reason="abort"}'] - before == 3
 
 
 def _error(status_body, status):
@@ -360,7 +480,7 @@ def test_bad_requests_get_400_and_server_keeps_serving(server, media):
     msg = _error(http("POST", url, video(f"file://{files['video']}", max_tokens=40000)), 400)
     assert "maximum context length" in msg and "40000" in msg
     _error(http("POST", url, video(f"file://{files['video']}", temperature=-1)), 400)
-    _error(http("POST", url, video(f"file://{files['video']}", n=2)), 400)
+    _error(http("POST", url, video(f"file://{files['video']}", n=17)), 400)
     _error(http("POST", url, {"messages": []}), 400)
     _error(http("POST", url, b"{not json"), 400)
     _error(http("POST", url, {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}), 404)
