@@ -344,3 +344,18 @@ def test_engine_counters_and_iteration_summary():
     assert core["iterations"] == 20 and core["mean_ms"] == pytest.approx(100.0)
     assert core["prefill_tokens_per_iteration"] == pytest.approx(2048.0)
     assert core["encode_tokens_per_iteration"] == pytest.approx(4096.0) and core["encode_s"] == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------------------
+# bench_choices.py: its argument errors (a full run takes minutes: see docs/benchmarks.md)
+# ---------------------------------------------------------------------------
+
+
+def test_choices_bad_arguments(capsys):
+    import bench_choices as bc
+
+    for bad, needle in ((["--n", "1"], "--n must be at least 2"), (["--trials", "0"], "must be a whole number >= 1"),
+                        (["--max-tokens", "x"], "must be a whole number >= 1")):
+        with pytest.raises(SystemExit) as exit_:
+            bc.main(bad)
+        assert exit_.value.code == 2 and needle in capsys.readouterr().err
