@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from flashcodec.telemetry import register_prometheus
+from unifiedserve.runtime.worker import IterationCounters
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                     7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
@@ -131,7 +132,7 @@ class Metrics:
                 self._iterations.labels(process=process, **self._labels).set(gauges[f"{process}_iterations"])
                 self._busy.labels(process=process, **self._labels).set(gauges[f"{process}_busy_seconds"])
                 self._encode_time.labels(process=process, **self._labels).set(gauges[f"{process}_encode_seconds"])
-                for kind in ("encode", "prefill", "decode"):
+                for kind in IterationCounters.KINDS:
                     self._iteration_tokens.labels(process=process, kind=kind, **self._labels).set(
                         gauges[f"{process}_{kind}_tokens"])
             for key, value in gauges.items():

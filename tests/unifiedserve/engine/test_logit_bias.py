@@ -68,3 +68,16 @@ def test_ids_outside_the_vocabulary_are_refused_before_anything_is_queued(engine
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.core.adopt("x", seq, 3, 0, [0])
     assert "x" not in engine.core.seqs
+
+
+@pytest.mark.cuda
+def test_cuda_logit_bias_and_min_p_equal_cpu(demo_path, engine):
+    """The bias pairs go to the GPU in one copy there; greedy tokens are the CPU engine's (fp32), and a seeded
+    min_p request reproduces itself on the GPU's generators."""
+    gpu = LLM(demo_path, EngineConfig(device="cuda", dtype="float32", num_kv_blocks=256))
+    ids, _ = engine.build_prompt([{"role": "user", "content": "Tell me a long story about a lighthouse."}])
+    greedy = [SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={5: 4.0, 77: -3.0, 900: 6.5}),
+              SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={42: 100.0})]
+    assert _tokens(gpu, ids, greedy) == _tokens(engine, ids, greedy)
+    seeded = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.2, min_p=0.1, seed=3, logit_bias={9: 2.0})
+    assert _tokens(gpu, ids, [seeded]) == _tokens(gpu, ids, [seeded, greedy[0]])[:1]
