@@ -249,6 +249,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
             max_tokens=max_tokens, temperature=_given(body.temperature, defaults.temperature, 1.0),
             top_p=_given(body.top_p, defaults.top_p, 1.0), top_k=max(0, _given(body.top_k, defaults.top_k, 0)),
             seed=body.seed, stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=_given(body.repetition_penalty, defaults.repetition_penalty, 1.0),

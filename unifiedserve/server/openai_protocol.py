@@ -169,6 +169,9 @@ class ChatCompletionRequest(_Model):
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     n: Annotated[int, Field(ge=1)] = 1  # choices: the server's --max-n caps it
     ignore_eos: bool = False  # vLLM extension: keep generating past EOS (benchmarks)
+    # vLLM extension: token ids that end a choice as EOS does (the token is not part of the text)
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]],
+                              Field(max_length=MAX_STOP_STRINGS)] | None = None
     logprobs: bool = False  # each output token's log-probability (log-softmax of the model's raw logits)
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # and the k most likely tokens'
     response_format: ResponseFormat | None = None  # the output follows a grammar (see engine.structured)

@@ -237,6 +237,17 @@ def test_penalties_reach_the_engine(processor, media_dir):
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (-1.5, 2.0, 1.1)
 
 
+def test_stop_token_ids_reach_the_engine(processor, media_dir):
+    http, client = make_api(processor, media_dir)
+    assert http.post("/v1/chat/completions", json=chat(stop_token_ids=[7, 3])).status_code == 503
+    p = client.added[0].params
+    assert p.stop_token_ids == (7, 3) and {7, 3, 0} <= set(client.added[0].stop_token_ids)  # 0: the EOS id
+    for bad in ([-1], list(range(65)), ["7"], 7):
+        r = http.post("/v1/chat/completions", json=chat(stop_token_ids=bad))
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("stop_token_ids"), r.text
+    assert len(client.added) == 1
+
+
 def test_logit_bias_and_min_p_reach_the_engine(processor, media_dir):
     http, client = make_api(processor, media_dir, vocab_size=1000)
     r = http.post("/v1/chat/completions", json=chat(logit_bias={"999": -100, "5": 2.5, "0": 100}, min_p=0.25))

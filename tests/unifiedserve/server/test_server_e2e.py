@@ -433,6 +433,25 @@ def test_n_choices_stop_on_their_own(server, client, media):
     server.wait_idle()
 
 
+def test_stop_token_ids_end_a_choice_where_the_token_comes(server, client):
+    """vLLM's stop_token_ids: the choice ends at the token (not in the text), at the first token too."""
+    from unifiedserve.engine import LLM, SamplingParams
+
+    llm = LLM()
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    ids, _ = llm.build_prompt(messages)
+    plain = llm.generate([(ids, [], SamplingParams(max_tokens=12, ignore_eos=True))])[0]
+    for at in (0, 5):  # core samples the first token, decode the rest
+        stop = plain.token_ids[at]
+        want = plain.token_ids[:plain.token_ids.index(stop)]
+        res = client.chat.completions.create(model="demo-model", messages=messages, temperature=0, max_tokens=12,
+                                             extra_body={"ignore_eos": True, "stop_token_ids": [stop]})
+        assert res.choices[0].finish_reason == "stop"
+        assert res.choices[0].message.content == llm.processor.tokenizer.decode(want)
+        assert res.usage.completion_tokens == len(want) + 1  # the stop token was generated
+    server.wait_idle()
+
+
 def test_disconnect_mid_stream_with_choices_frees_everything(server, media):
     _, files = media
     body = json.dumps({"messages": video_message(files["video"]), "max_tokens": 2000, "stream": True, "n": 3,
