@@ -118,7 +118,8 @@ def _reference_row(row_logits, p, generator):
 MIXED = [SamplingParams(), SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.3, top_k=5, seed=2),
          SamplingParams(temperature=1.0, top_p=0.6, seed=3), SamplingParams(),
          SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=4), SamplingParams(temperature=2.0, seed=5),
-         SamplingParams(temperature=1.5, min_p=0.05, seed=6), SamplingParams(temperature=1.0, min_p=0.2, top_k=30, seed=7),
+         SamplingParams(temperature=1.5, min_p=0.05, seed=6),
+         SamplingParams(temperature=1.0, min_p=0.2, top_k=30, seed=7),
          SamplingParams(logit_bias={7: 100.0, 8: -3.5}), SamplingParams(logit_bias={0: -100.0, 299: 12.0}),
          SamplingParams(temperature=0.8, min_p=0.1, top_p=0.95, logit_bias={3: 9.0, 5: -9.0, 11: 4.0}, seed=8)]
 

@@ -51,7 +51,8 @@ def test_seeded_min_p_sampling_is_the_same_whatever_the_batch(engine):
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.3, min_p=0.05, seed=9,
                             logit_bias={7: 2.0})
     (alone,) = _tokens(engine, ids, [params])
-    others = [SamplingParams(max_tokens=5 + s, ignore_eos=True, temperature=1.0, seed=s, min_p=0.1 * s) for s in range(4)]
+    others = [SamplingParams(max_tokens=5 + s, ignore_eos=True, temperature=1.0, seed=s, min_p=0.1 * s)
+              for s in range(4)]
     batched = _tokens(engine, ids, [others[0], params, *others[1:]])
     assert batched[1] == alone
 

@@ -422,7 +422,8 @@ def test_n_choices_stop_on_their_own(server, client, media):
     text = res.choices[0].message.content
     stop = text[len(text) // 2:len(text) // 2 + 2]
     res = client.chat.completions.create(model="demo-model", messages=[{"role": "user", "content": "Tell me a story."}],
-                                         temperature=0, max_tokens=12, n=4, stop=[stop], extra_body={"ignore_eos": True})
+                                         temperature=0, max_tokens=12, n=4, stop=[stop],
+                                         extra_body={"ignore_eos": True})
     assert {c.message.content for c in res.choices} == {text[:text.index(stop)]}
     assert {c.finish_reason for c in res.choices} == {"stop"}
     for n, needle in ((17, "n is 17; this server returns at most 16 choices per request (--max-n)"),
