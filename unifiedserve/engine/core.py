@@ -152,15 +152,8 @@ class EngineCore:
         Raises:
             ValueError: its ``logit_bias`` names a token outside the vocabulary (nothing is queued).
         """
-        check_logit_bias_ids(seq.params, self.runner.model.config.text.vocab_size)
-        if seq.params.has_penalties:
-            seq.sampler.penalty = self.penalties.open(
-                request.prompt_token_ids if seq.params.penalizes_prompt else (), seq.output_token_ids)
-        try:
-            self.scheduler.add(request)
-        except BaseException:
-            self._drop_penalty(seq)
-            raise
+        self._enqueue(seq, request.prompt_token_ids if seq.params.penalizes_prompt else (),
+                      lambda: self.scheduler.add(request))
         self.runner.add_request(request, vision)
         self.seqs[request.request_id] = seq
 
@@ -172,18 +165,27 @@ class EngineCore:
         cache; the blocks stay the lender's (:meth:`finish` here frees none of them). ``prompt_token_ids``:
         the prompt's distinct tokens, for a repetition penalty (the prompt itself stays with the lender).
         """
-        check_logit_bias_ids(seq.params, self.runner.model.config.text.vocab_size)
         # the prompt (ids, positions) stays with the lender: the runner here knows only its length
         request = Request(request_id, [], seq.params, output_token_ids=seq.output_token_ids)
+        self._enqueue(seq, prompt_token_ids, lambda: self.scheduler.adopt(request))
+        self.runner.adopt(request_id, num_prompt_tokens, mrope_delta, block_table)
+        self.seqs[request_id] = seq
+
+    def _enqueue(self, seq: SequenceState, prompt_token_ids, schedule) -> None:
+        """What :meth:`add` and :meth:`adopt` share: check the request's ``logit_bias`` ids, give it its penalty
+        row (``prompt_token_ids`` marked as seen), then ``schedule()``; a refusal gives the row back.
+
+        Raises:
+            ValueError: a ``logit_bias`` id outside the vocabulary, or what ``schedule()`` raises.
+        """
+        check_logit_bias_ids(seq.params.logit_bias, self.runner.model.config.text.vocab_size)
         if seq.params.has_penalties:
             seq.sampler.penalty = self.penalties.open(prompt_token_ids, seq.output_token_ids)
         try:
-            self.scheduler.adopt(request)
+            schedule()
         except BaseException:
             self._drop_penalty(seq)
             raise
-        self.runner.adopt(request_id, num_prompt_tokens, mrope_delta, block_table)
-        self.seqs[request_id] = seq
 
     def step(self, before_execute=None):
         """One iteration. Returns ``(the scheduler's output, [(request id, SampledToken)])``.

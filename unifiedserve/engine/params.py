@@ -148,10 +148,11 @@ def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
-def check_logit_bias_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Raise ValueError when a ``logit_bias`` token id is outside the model's vocabulary (its logits' width)."""
-    if params.logit_bias and params.logit_bias[-1][0] >= vocab_size:  # pairs are in id order
-        bad = [token for token, _ in params.logit_bias if token >= vocab_size]
+def check_logit_bias_ids(logit_bias, vocab_size: int) -> None:
+    """Raise ValueError when a ``logit_bias`` token id (``(id, bias)`` pairs, as ``SamplingParams`` keeps them)
+    is outside the model's vocabulary (its logits' width)."""
+    bad = sorted(token for token, _ in logit_bias if token >= vocab_size)
+    if bad:
         raise ValueError(f"logit_bias names token id{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad[:5]))}"
                          f"{' ...' if len(bad) > 5 else ''} outside the vocabulary (ids 0..{vocab_size - 1})")
 

@@ -45,6 +45,15 @@ class SamplerState:
     grammar: Grammar | None = None
     #: the request's token counts when it has penalties (the engine core gives the row: ``EngineCore.add``)
     penalty: PenaltyRow | None = None
+    #: the request's ``logit_bias`` as a float64 ``[k, 2]`` array of (id, bias), made at its first step
+    #: (:meth:`bias_array`): converting the pairs every step cost ~0.25 ms per 1024 of them on the host
+    _bias: np.ndarray | None = field(default=None, repr=False)
+
+    def bias_array(self, params: SamplingParams) -> np.ndarray:
+        """``params.logit_bias`` (this request's) as a float64 ``[k, 2]`` array, converted once."""
+        if self._bias is None:
+            self._bias = np.asarray(params.logit_bias, dtype=np.float64).reshape(-1, 2)
+        return self._bias
 
     @classmethod
     def for_params(cls, params: SamplingParams, device: str | torch.device = "cpu",
@@ -98,7 +107,7 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: li
     logits = logits.float()
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     if biased:  # a new tensor: the caller's logits stay raw for logprobs
-        logits = apply_logit_bias(logits, biased, [params[i] for i in biased])
+        logits = apply_logit_bias(logits, biased, [states[i].bias_array(params[i]) for i in biased])
     penalized = [i for i, s in enumerate(states) if s.penalty is not None]
     batch = PenaltyBatch.of(penalized, [states[i].penalty for i in penalized], logits.device) if penalized else None
     if batch is not None:  # a new tensor: the caller's logits stay raw for logprobs
@@ -111,11 +120,11 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: li
     return tokens
 
 
-def apply_logit_bias(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> torch.Tensor:
-    """``logits`` (fp32 ``[B, vocab]``) plus the ``logit_bias`` of ``rows`` (``params`` one per entry), as a new
-    tensor: every row's pairs go to the device in one copy, and one scatter adds them."""
+def apply_logit_bias(logits: torch.Tensor, rows: list[int], pairs: list[np.ndarray]) -> torch.Tensor:
+    """``logits`` (fp32 ``[B, vocab]``) plus the bias of ``rows`` (``pairs`` one float64 ``[k, 2]`` array of
+    (id, bias) per entry: :meth:`SamplerState.bias_array`), as a new tensor: every row's pairs go to the device
+    in one copy, and one scatter adds them."""
     vocab = logits.shape[-1]
-    pairs = [np.asarray(p.logit_bias, dtype=np.float64) for p in params]  # [k, 2] each: id, bias
     flat = np.concatenate([r * vocab + a[:, 0] for r, a in zip(rows, pairs)])  # exact in float64 below 2**53
     packed = to_device(torch.from_numpy(np.stack([flat, np.concatenate([a[:, 1] for a in pairs])])), logits.device)
     return logits.reshape(-1).index_add(0, packed[0].long(), packed[1].float()).view_as(logits)

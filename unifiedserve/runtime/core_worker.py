@@ -31,7 +31,7 @@ from unifiedserve.model.loader import load_model
 from unifiedserve.runtime import protocol
 from unifiedserve.runtime.shm import open_pool
 from unifiedserve.runtime.worker import (IterationCounters, Worker, device_memory_gauges, memory_info, pool_barrier,
-                                         weight_gauges)
+                                         token_message, weight_gauges)
 
 log = logging.getLogger("unifiedserve")
 
@@ -202,12 +202,9 @@ class CoreWorker(Worker):
     def _outputs(self, sampled) -> None:
         outputs, handoffs, failed = [], [], []
         for rid, r in sampled:
-            if r.error is not None:  # no token: the request fails with the reason (after its earlier tokens)
-                failed.append(protocol.RequestFailed(rid, f"response_format: {r.error}", 400))
-            else:
-                outputs.append(protocol.TokenOutput(rid, r.index, r.token_id, r.finish_reason,
-                                                    self.stages[rid] if r.index == 0 else None,
-                                                    *(r.logprobs if r.logprobs is not None else (None, None))))
+            message = token_message(rid, r, self.stages[rid] if r.index == 0 else None)
+            # a failure (no token) reaches api after the step's tokens, so after the request's earlier ones
+            (failed if isinstance(message, protocol.RequestFailed) else outputs).append(message)
             if r.finish_reason is not None:
                 self._finish(rid, r.finish_reason)
                 continue

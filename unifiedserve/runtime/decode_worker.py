@@ -26,7 +26,8 @@ from unifiedserve.engine.structured import grammar_for
 from unifiedserve.model.loader import load_model
 from unifiedserve.runtime import protocol
 from unifiedserve.runtime.shm import open_pool
-from unifiedserve.runtime.worker import IterationCounters, Worker, device_memory_gauges, memory_info, weight_gauges
+from unifiedserve.runtime.worker import (IterationCounters, Worker, device_memory_gauges, memory_info, token_message,
+                                         weight_gauges)
 
 log = logging.getLogger("unifiedserve")
 
@@ -107,11 +108,9 @@ class DecodeWorker(Worker):
             self.iterations.record(time.perf_counter() - start, decode=len(out.decode))
         outputs, finished, failed = [], [], []
         for rid, r in sampled:
-            if r.error is not None:  # no token: the request fails with the reason (after its earlier tokens)
-                failed.append(protocol.RequestFailed(rid, f"response_format: {r.error}", 400))
-            else:
-                outputs.append(protocol.TokenOutput(rid, r.index, r.token_id, r.finish_reason, None,
-                                                    *(r.logprobs if r.logprobs is not None else (None, None))))
+            message = token_message(rid, r)
+            # a failure (no token) reaches api after the step's tokens, so after the request's earlier ones
+            (failed if isinstance(message, protocol.RequestFailed) else outputs).append(message)
             if r.finish_reason is not None:
                 self._finish(rid, r.finish_reason)
                 finished.append(rid)

@@ -194,7 +194,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
     logit_bias = body.logit_bias_pairs()
     if state.vocab_size is not None:
         try:
-            check_logit_bias_ids(SamplingParams(logit_bias=logit_bias), state.vocab_size)
+            check_logit_bias_ids(logit_bias, state.vocab_size)  # before any media work (core checks again)
         except ValueError as e:
             return _error(str(e), 400, "logit_bias")
     response_format = body.response_format.sampling_fields() if body.response_format is not None else {}
