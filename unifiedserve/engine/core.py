@@ -56,8 +56,18 @@ def process_logits(logits: torch.Tensor, seqs: list[SequenceState]) -> list[Samp
     """Sample one token per row of ``logits`` ``[B, vocab]`` for ``seqs`` (one per row), append it to each
     sequence's output and say whether the sequence ends (stop id, ``max_tokens``, closed grammar)."""
     params = [s.params for s in seqs]
-    tokens = sample(logits, params, [s.sampler for s in seqs])
+    tokens = sample(logits, params, [s.sampler for s in seqs], suppressed(seqs))
     return record_tokens(tokens, seqs, token_logprobs(logits, tokens, params))
+
+
+def suppressed(seqs: list[SequenceState], pending: frozenset[str] | set[str] = frozenset(),
+               ids: list[str] | None = None) -> list | None:
+    """Per row, the stop ids its next token may not be (``min_tokens`` not reached), else None; None when no row
+    has any. ``pending``: request ids (``ids`` gives each row's) with a token sampled but not yet recorded."""
+    if not any(s.params.min_tokens for s in seqs):
+        return None
+    return [s.stop_ids if s.params.suppresses_stop(len(s.output_token_ids) + (ids is not None and ids[i] in pending))
+            else None for i, s in enumerate(seqs)]
 
 
 def record_tokens(tokens: list[int], seqs: list[SequenceState],
@@ -227,7 +237,9 @@ class EngineCore:
                 # so its finished grammar masks nothing
                 previous = self._read_back()
                 samplers = [SamplerState(s.generator) if r in self._ended else s for r, s in zip(ids, samplers)]
-            tokens = sample_tensor(rows, params, samplers)  # stays on the device
+            # a row's token from the step not read back yet counts towards its min_tokens
+            waiting = set(self._pending.request_ids) if self._pending is not None else set()
+            tokens = sample_tensor(rows, params, samplers, suppressed([self.seqs[r] for r in ids], waiting, ids))
             launched = PendingStep.launch(ids, tokens, rows, params)  # copies queued before the next step
             if previous is None:
                 previous = self._read_back()

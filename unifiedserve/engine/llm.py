@@ -18,7 +18,7 @@ import torch
 from unifiedserve.engine.config import EngineConfig
 from unifiedserve.engine.device import DTYPES
 from unifiedserve.engine.inputs import VisionInput, make_request
-from unifiedserve.engine.output import TextOutput
+from unifiedserve.engine.output import TextOutput, text_output
 from unifiedserve.engine.request import Request
 from unifiedserve.engine.runner import ModelRunner
 from unifiedserve.engine.params import SamplingParams
@@ -181,7 +181,7 @@ class LLM:
         seq = SequenceState(params, SamplerState.for_params(params, self.runner.device, grammar), stop_ids,
                             request.output_token_ids)
         self.core.add(request, list(vision), seq)
-        self._live[request_id] = _Live(request, TextOutput(self.processor.incremental_decoder(), params.stop))
+        self._live[request_id] = _Live(request, text_output(self.processor, params))
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -207,10 +207,14 @@ class LLM:
         if result.logprobs is not None:
             live.logprobs.append(result.logprobs)
         new_text = ""
-        if result.is_text:  # a stop token is not text; a grammar's closing token is
-            new_text = live.output.append(token)
+        if result.is_text or (result.is_stop_token and req.params.include_stop_str_in_output):
+            # a stop token is not text unless asked for; a grammar's closing token is; stop strings count only past
+            # min_tokens
+            new_text = live.output.append(token, check_stop=result.index >= req.params.min_tokens)
             if live.output.stopped:
                 reason = "stop"
+        if reason is not None:
+            new_text += live.output.finish()  # what was held back as a possible stop string's start
         out = RequestOutput(request_id, req.prompt_len, live.output.text, [token] if result.error is None else [],
                             new_text, reason is not None, reason, req.output_token_ids,
                             live.logprobs if req.params.logprobs is not None else None, len(req.output_token_ids),

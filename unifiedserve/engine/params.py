@@ -34,7 +34,15 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()  # stop strings; the matched text is not returned
+    stop: tuple[str, ...] = ()  # stop strings; the matched text is not returned (unless include_stop_str_in_output)
+    #: vLLM's ``include_stop_str_in_output``: the matched stop string ends the text, and a stop token's text
+    #: (empty for a special token such as EOS unless ``skip_special_tokens`` is off) is part of it
+    include_stop_str_in_output: bool = False
+    #: vLLM's ``min_tokens``: no stop token (EOS included) is sampled, and no stop string ends the output, before
+    #: this many output tokens; ``max_tokens`` and a closed grammar still end it
+    min_tokens: int = 0
+    #: leave special tokens (``<|im_end|>``, ``<|vision_start|>``, ...) out of the text, as vLLM and transformers do
+    skip_special_tokens: bool = True
     ignore_eos: bool = False  # keep going past the model's end-of-sequence token (benchmarks)
     #: None: no log-probabilities; k >= 0: each output token's log-probability under the model's
     #: distribution (log-softmax of the raw logits) and the k most likely tokens' (OpenAI's top_logprobs)
@@ -67,6 +75,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if any(not s for s in self.stop):
@@ -90,6 +102,10 @@ class SamplingParams:
             raise ValueError(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {self.response_format!r}")
         if (self.json_schema is not None) != (self.response_format == "json_schema"):
             raise ValueError('json_schema is given exactly when response_format is "json_schema"')
+        if self.min_tokens and self.response_format != "text":
+            # a grammar decides where its value ends; forbidding the stop tokens there leaves no token at all
+            raise ValueError("min_tokens cannot be combined with a response_format: the grammar decides where the "
+                             "output ends")
         if self.strict_schema and self.json_schema is None:
             raise ValueError('strict_schema applies to response_format "json_schema" only')
         if self.json_schema is None:
@@ -117,6 +133,11 @@ class SamplingParams:
     def penalizes_prompt(self) -> bool:
         """Whether the prompt's tokens are penalized too (``repetition_penalty`` only)."""
         return self.repetition_penalty != 1
+
+    def suppresses_stop(self, num_output_tokens: int) -> bool:
+        """Whether the stop ids are banned from the next token (``min_tokens`` not reached with
+        ``num_output_tokens`` already out)."""
+        return num_output_tokens < self.min_tokens
 
     def stop_ids(self, eos_token_ids) -> frozenset[int]:
         """Token ids that end the output: ``stop_token_ids``, plus the model's EOS unless ``ignore_eos``."""

@@ -13,9 +13,10 @@ token (``unifiedserve.engine.structured``). A request with presence, frequency o
 (its ``SamplerState.penalty``, a row of token counts on the device: ``unifiedserve.engine.penalties``) has
 them applied first, and the chosen token counted.
 
-The order is vLLM's: a request's ``logit_bias`` is added to the raw logits, then the penalties, the
-grammar's mask, and for a random row temperature, ``min_p`` (relative to the most likely token), top-k
-and top-p. Log-probabilities are always those of the raw logits.
+The order is vLLM's: a request's ``logit_bias`` (and, until it has ``min_tokens`` output tokens, -inf on its
+stop ids) is added to the raw logits, then the penalties, the grammar's mask, and for a random row
+temperature, ``min_p`` (relative to the most likely token), top-k and top-p. Log-probabilities are always
+those of the raw logits.
 """
 
 from __future__ import annotations
@@ -48,12 +49,21 @@ class SamplerState:
     #: the request's ``logit_bias`` as a float64 ``[k, 2]`` array of (id, bias), made at its first step
     #: (:meth:`bias_array`): converting the pairs every step cost ~0.25 ms per 1024 of them on the host
     _bias: np.ndarray | None = field(default=None, repr=False)
+    _ban: np.ndarray | None = field(default=None, repr=False)  # likewise, the stop ids at -inf (``min_tokens``)
 
     def bias_array(self, params: SamplingParams) -> np.ndarray:
         """``params.logit_bias`` (this request's) as a float64 ``[k, 2]`` array, converted once."""
         if self._bias is None:
             self._bias = np.asarray(params.logit_bias, dtype=np.float64).reshape(-1, 2)
         return self._bias
+
+    def ban_array(self, stop_ids, vocab_size: int) -> np.ndarray:
+        """This request's ``stop_ids`` (those inside the vocabulary: no other can be sampled) as ``(id, -inf)``
+        pairs, a float64 ``[k, 2]`` array made once."""
+        if self._ban is None:
+            ids = sorted(t for t in stop_ids if 0 <= t < vocab_size)
+            self._ban = np.array([(t, -np.inf) for t in ids], dtype=np.float64).reshape(-1, 2)
+        return self._ban
 
     @classmethod
     def for_params(cls, params: SamplingParams, device: str | torch.device = "cpu",
@@ -89,12 +99,15 @@ class SamplerState:
         return None if self.grammar is None else self.grammar.dead_end
 
 
-def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState]) -> torch.Tensor:
+def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState],
+                  suppress: list | None = None) -> torch.Tensor:
     """Pick one token per row without leaving the device (rows with a grammar among the tokens it allows).
 
     Args:
         logits: ``[B, vocab]`` (any float dtype; computed in fp32).
         params, states: one per row; a random row's generator must be on ``logits.device``.
+        suppress: one per row, the stop ids its token may not be this step (its ``min_tokens`` is not
+            reached: ``SamplingParams.suppresses_stop``), or None; None for the whole batch: no row.
 
     Returns:
         int64 ``[B]`` on ``logits.device``.
@@ -105,9 +118,15 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: li
     if len(params) != logits.shape[0] or len(states) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(params)} params and {len(states)} states")
     logits = logits.float()
-    biased = [i for i, p in enumerate(params) if p.logit_bias]
-    if biased:  # a new tensor: the caller's logits stay raw for logprobs
-        logits = apply_logit_bias(logits, biased, [states[i].bias_array(params[i]) for i in biased])
+    shifts: dict[int, np.ndarray] = {}  # row -> its (id, shift) pairs: logit_bias, then -inf on banned stop ids
+    for i, p in enumerate(params):
+        parts = [states[i].bias_array(p)] if p.logit_bias else []
+        if suppress is not None and suppress[i]:
+            parts.append(states[i].ban_array(suppress[i], logits.shape[-1]))
+        if parts:
+            shifts[i] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    if shifts:  # a new tensor: the caller's logits stay raw for logprobs
+        logits = apply_logit_bias(logits, list(shifts), list(shifts.values()))
     penalized = [i for i, s in enumerate(states) if s.penalty is not None]
     batch = PenaltyBatch.of(penalized, [states[i].penalty for i in penalized], logits.device) if penalized else None
     if batch is not None:  # a new tensor: the caller's logits stay raw for logprobs
@@ -122,8 +141,8 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: li
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[int], pairs: list[np.ndarray]) -> torch.Tensor:
     """``logits`` (fp32 ``[B, vocab]``) plus the bias of ``rows`` (``pairs`` one float64 ``[k, 2]`` array of
-    (id, bias) per entry: :meth:`SamplerState.bias_array`), as a new tensor: every row's pairs go to the device
-    in one copy, and one scatter adds them."""
+    (id, bias) per entry: :meth:`SamplerState.bias_array`, and ``ban_array``'s -inf), as a new tensor: every row's
+    pairs go to the device in one copy, and one scatter adds them."""
     vocab = logits.shape[-1]
     flat = np.concatenate([r * vocab + a[:, 0] for r, a in zip(rows, pairs)])  # exact in float64 below 2**53
     packed = to_device(torch.from_numpy(np.stack([flat, np.concatenate([a[:, 1] for a in pairs])])), logits.device)
@@ -168,17 +187,18 @@ def _choose(logits: torch.Tensor, params: list[SamplingParams], states: list[Sam
     return greedy.index_copy(0, rows, chosen)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState]) -> list[int]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState],
+           suppress: list | None = None) -> list[int]:
     """Pick one token per row: :func:`sample_tensor`, then the step's one copy of ids to the host;
     each row's grammar advances past its token.
 
     Args:
-        logits: ``[B, vocab]``; params, states: one per row.
+        logits: ``[B, vocab]``; params, states, suppress: one per row (as :func:`sample_tensor`).
 
     Returns:
         ``B`` token ids.
     """
-    tokens = sample_tensor(logits, params, states).tolist()
+    tokens = sample_tensor(logits, params, states, suppress).tolist()
     for state, token in zip(states, tokens):
         if state.grammar is not None:
             state.grammar.accept(token)

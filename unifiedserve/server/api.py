@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from unifiedserve.engine.output import TextOutput
+from unifiedserve.engine.output import text_output
 from unifiedserve.engine.params import SamplingParams, check_logit_bias_ids
 from unifiedserve.engine.structured import check_response_format
 from unifiedserve.model.generation import GenerationDefaults
@@ -249,7 +249,8 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
             max_tokens=max_tokens, temperature=_given(body.temperature, defaults.temperature, 1.0),
             top_p=_given(body.top_p, defaults.top_p, 1.0), top_k=max(0, _given(body.top_k, defaults.top_k, 0)),
             seed=body.seed, stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()),
-            stop_token_ids=tuple(body.stop_token_ids or ()),
+            stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=body.min_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output, skip_special_tokens=body.skip_special_tokens,
             ignore_eos=body.ignore_eos, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=_given(body.repetition_penalty, defaults.repetition_penalty, 1.0),
@@ -417,7 +418,7 @@ class _Generation:
         self._first = first  # already read from the stream (choice 0's, before the response starts)
         self.stop_ids = stop_ids
         self.prompt_len, self.arrival, self.probe_s = prompt_len, arrival, probe_s
-        self.output = TextOutput(state.processor.incremental_decoder(), params.stop)
+        self.output = text_output(state.processor, params)
         self.num_tokens = 0
         self.finish_reason: str | None = None
         self.last_time = 0.0
@@ -437,14 +438,18 @@ class _Generation:
         self.num_tokens += 1
         metrics.generation_tokens.inc()
         text = ""
-        if out.finish_reason != "stop" or out.token_id not in self.stop_ids:
-            text = self.output.append(out.token_id)
-            if self.logprobs is not None and out.logprob is not None:  # the stop token is not output
+        is_stop_token = out.finish_reason == "stop" and out.token_id in self.stop_ids
+        if not is_stop_token or self.params.include_stop_str_in_output:  # else the stop token is not output
+            # a stop string counts only past min_tokens (vLLM's rule)
+            text = self.output.append(out.token_id, check_stop=out.index >= self.params.min_tokens)
+            if self.logprobs is not None and out.logprob is not None:
                 self.logprobs.append(self._logprob_entry(out.token_id, out.logprob, out.top_logprobs or []))
         if self.output.stopped:
             self.finish_reason = "stop"
         elif out.finish_reason is not None:
             self.finish_reason = out.finish_reason
+        if self.finish_reason is not None:
+            text += self.output.finish()  # what was held back as a possible stop string's start
         return text
 
     def _new_logprobs(self, sent: int) -> list[dict] | None:

@@ -172,6 +172,12 @@ class ChatCompletionRequest(_Model):
     # vLLM extension: token ids that end a choice as EOS does (the token is not part of the text)
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]],
                               Field(max_length=MAX_STOP_STRINGS)] | None = None
+    # vLLM extension: no stop token (EOS included) and no stop string ends a choice before this many tokens
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    # vLLM extension: the matched stop string (or stop token's text) ends the content instead of being cut
+    include_stop_str_in_output: bool = False
+    # vLLM extension: false keeps special tokens (<|im_end|>, ...) in the content
+    skip_special_tokens: bool = True
     logprobs: bool = False  # each output token's log-probability (log-softmax of the model's raw logits)
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # and the k most likely tokens'
     response_format: ResponseFormat | None = None  # the output follows a grammar (see engine.structured)
@@ -202,6 +208,12 @@ class ChatCompletionRequest(_Model):
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
             raise ValueError(f"max_tokens ({self.max_tokens}) and max_completion_tokens ({self.max_completion_tokens}) "
                              f"disagree; send one of them")
+        limit = self.max_completion_tokens or self.max_tokens
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({limit})")
+        if self.min_tokens and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("min_tokens cannot be combined with a response_format: the grammar decides where the "
+                             "output ends")
         for name, value in (self.model_extra or {}).items():
             if name in _NEUTRAL_VALUES:
                 if _is_neutral(name, value):

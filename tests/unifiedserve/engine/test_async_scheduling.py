@@ -160,6 +160,21 @@ def test_stop_tokens_end_requests_the_same_way(engines, prompts):
     assert same(summary(overlapped.generate(batch)), expected)
 
 
+def test_min_tokens_count_the_token_not_yet_read_back(engines, prompts):
+    """min_tokens at the index where the stop id first comes (allowed there) and one past it (banned there): an
+    overlapped step samples before the previous step's token is recorded, and must count it anyway."""
+    sync, overlapped = engines
+    p, v, _ = prompts[0]
+    probe = sync.generate([(p, v, SamplingParams(max_tokens=12, ignore_eos=True))])[0].token_ids
+    at = next(k for k in range(3, 12) if probe[k] not in probe[:k])  # decoded in overlapped steps
+    batch = [(p, v, SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[probe[at]], min_tokens=m))
+             for m in (at, at + 1)] + [prompts[1]]
+    expected = summary(sync.generate(batch))
+    assert expected[0][0] == probe[:at + 1] and expected[0][1] == "stop"
+    assert expected[1][0][:at + 1] != probe[:at + 1]
+    assert same(summary(overlapped.generate(batch)), expected)
+
+
 def test_grammar_rows_overlap_too_and_match(engines, prompts, monkeypatch):
     """A grammar row beside free ones (greedy and seeded): the same outputs, and its decode steps are launched
     from the device before the previous step is read back (the read-back then comes before the sampling)."""

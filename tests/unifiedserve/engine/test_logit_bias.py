@@ -77,8 +77,12 @@ def test_cuda_logit_bias_and_min_p_equal_cpu(demo_path, engine):
     min_p request reproduces itself on the GPU's generators."""
     gpu = LLM(demo_path, EngineConfig(device="cuda", dtype="float32", num_kv_blocks=256))
     ids, _ = engine.build_prompt([{"role": "user", "content": "Tell me a long story about a lighthouse."}])
+    eos = min(engine.eos_token_ids)
     greedy = [SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={5: 4.0, 77: -3.0, 900: 6.5}),
-              SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={42: 100.0})]
+              SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={42: 100.0}),
+              # min_tokens: -inf on the stop ids in the same copy and scatter
+              SamplingParams(max_tokens=12, logit_bias={eos: 100.0}, min_tokens=6, stop_token_ids=(42,))]
     assert _tokens(gpu, ids, greedy) == _tokens(engine, ids, greedy)
+    assert _tokens(gpu, ids, greedy[2:])[0][6:] == [eos]
     seeded = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.2, min_p=0.1, seed=3, logit_bias={9: 2.0})
     assert _tokens(gpu, ids, [seeded]) == _tokens(gpu, ids, [seeded, greedy[0]])[:1]

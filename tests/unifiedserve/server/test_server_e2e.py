@@ -453,6 +453,55 @@ def test_stop_token_ids_end_a_choice_where_the_token_comes(server, client):
     server.wait_idle()
 
 
+def test_streamed_content_equals_the_whole_with_stop_strings_across_tokens(server, client):
+    """A streamed choice never shows the start of a stop string that a later token completes: what is streamed adds
+    up to the whole response's content (the part of a stop string in one token waits for the next)."""
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    text = client.chat.completions.create(model="demo-model", messages=messages, temperature=0, max_tokens=16,
+                                          extra_body={"ignore_eos": True}).choices[0].message.content
+    for stop in sorted({text[i:i + 3] for i in range(1, len(text) - 3, 4)}):
+        body = {"messages": messages, "temperature": 0, "max_tokens": 16, "ignore_eos": True, "stop": [stop]}
+        whole = client.chat.completions.create(model="demo-model", messages=messages, temperature=0, max_tokens=16,
+                                               stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+        texts, reasons, _, _, _ = _stream_choices(server, body)
+        assert whole.message.content == texts[0] == text[:text.index(stop)], stop
+        assert whole.finish_reason == reasons[0] == "stop"
+    server.wait_idle()
+
+
+def test_min_tokens_include_stop_str_and_special_tokens_equal_the_engine(server, client):
+    """vLLM's min_tokens, include_stop_str_in_output and skip_special_tokens: the server (core samples the first
+    token, decode the rest) equals the engine, streamed or not; bad combinations are a 400 before any work."""
+    from unifiedserve.engine import LLM, SamplingParams
+
+    llm = LLM()
+    eos = min(llm.eos_token_ids)
+    messages = [{"role": "user", "content": "Say something."}]
+    ids, _ = llm.build_prompt(messages)
+    for extra in ({"min_tokens": 4}, {"min_tokens": 4, "include_stop_str_in_output": True, "skip_special_tokens": False},
+                  {"min_tokens": 1, "temperature": 1.0, "seed": 3, "skip_special_tokens": False}):
+        body = {"max_tokens": 10, "logit_bias": {str(eos): 100.0}, "temperature": 0, **extra}
+        ref = llm.generate([(ids, [], SamplingParams(**{**body, "logit_bias": {eos: 100.0}}))])[0]
+        assert ref.token_ids[-1] == eos and len(ref.token_ids) == extra["min_tokens"] + 1
+        res = client.chat.completions.create(model="demo-model", messages=messages, **{
+            k: body[k] for k in ("max_tokens", "logit_bias", "temperature", "seed") if k in body}, extra_body={
+            k: v for k, v in extra.items() if k not in ("temperature", "seed")})
+        texts, reasons, usage, _, _ = _stream_choices(server, {"messages": messages, **body})
+        assert res.choices[0].message.content == texts[0] == ref.text, extra
+        assert res.choices[0].finish_reason == reasons[0] == "stop"
+        assert res.usage.completion_tokens == usage["completion_tokens"] == len(ref.token_ids)
+        eos_text = llm.processor.decode([eos], skip_special_tokens=False)
+        assert eos_text.startswith("<|") and ref.text.endswith(eos_text) == ("include_stop_str_in_output" in extra)
+    for body, needle in (({"max_tokens": 3, "min_tokens": 4}, "min_tokens (4) must not exceed max_tokens (3)"),
+                         ({"min_tokens": 2, "response_format": {"type": "json_object"}},
+                          "min_tokens cannot be combined with a response_format"),
+                         ({"min_tokens": -1}, "min_tokens: Input should be greater than or equal to 0"),
+                         ({"skip_special_tokens": "no"}, "skip_special_tokens: Input should be a valid boolean")):
+        status, answer = http("POST", server.url + "/v1/chat/completions", {"messages": messages, **body})
+        assert status == 400 and needle in answer["error"]["message"], answer
+    server.wait_idle()
+
+
 def test_disconnect_mid_stream_with_choices_frees_everything(server, media):
     _, files = media
     body = json.dumps({"messages": video_message(files["video"]), "max_tokens": 2000, "stream": True, "n": 3,
