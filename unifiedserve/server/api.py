@@ -264,18 +264,19 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         gens = [_Generation(state, request_id, stream, params, stop_ids, prompt_len, arrival, probe_s, first=first)]
         # the other choices come once the first has its first token: the prompt's KV blocks (and the media's
         # tokens) are in the prefix and media caches by then, so each prefills only the prompt's last partial block
+        children: list[tuple[str, RequestStream]] = []
         for index in range(1, body.n):
-            child_id = f"{request_id}-{index}"
+            children.append((f"{request_id}-{index}", client.open(f"{request_id}-{index}")))
+            opened.append(children[-1][0])
+        child_plans: list[list[protocol.MediaPlan]] = [[] for _ in children]
+        if media:  # every choice's probe at once (each a round trip to vision, answered from its probe cache)
+            answers = await _wait(asyncio.gather(*(client.probe(child, media) for _, child in children)), request)
+            child_plans = [a.plans for a in answers]
+            if any([p.grid_thw for p in c] != [p.grid_thw for p in plans] for c in child_plans):
+                raise RequestError("a media part changed while the request's choices were being added", 409)
+        for index, ((child_id, child), c_plans) in enumerate(zip(children, child_plans), start=1):
             child_params = _choice_params(params, index)
-            child = client.open(child_id)
-            opened.append(child_id)
-            if media:
-                child_plans = (await _wait(client.probe(child, media), request)).plans
-                if [p.grid_thw for p in child_plans] != [p.grid_thw for p in plans]:
-                    raise RequestError("a media part changed while the request's choices were being added", 409)
-            else:
-                child_plans = []
-            await client.add(child, protocol.AddRequest(child_id, prompt_ids, child_plans, child_params,
+            await client.add(child, protocol.AddRequest(child_id, prompt_ids, c_plans, child_params,
                                                         sorted(stop_ids), keys))
             gens.append(_Generation(state, child_id, child, child_params, stop_ids, prompt_len, arrival, probe_s,
                                     index=index, response_id=request_id))
