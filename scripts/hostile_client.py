@@ -134,12 +134,37 @@ def build_cases(media: dict[str, Path], outside: Path) -> list[tuple[str, dict |
         ("lower-case bearer", None, ok, None),
         ("no API key", None, {401}, None),
         ("GET on the chat route", None, {405}, None),
+        ("min_tokens 1e9", {"messages": text, "min_tokens": 10**9}, bad, None),
+        ("min_tokens with a JSON grammar", {"messages": text, "min_tokens": 2,
+                                            "response_format": {"type": "json_object"}}, bad, None),
+        # /v1/completions (OpenAI's legacy endpoint)
+        ("completion", None, ok, None),
+        ("completion: 10 MB prompt", None, {400, 413}, None),
+        ("completion: 2M token ids", None, {400, 413}, None),
+        ("completion: token id 2^31", None, bad, None),
+        ("completion: an image placeholder", None, bad, None),
+        ("completion: a batch of prompts", None, bad, None),
+        ("completion: echo with logprobs", None, bad, None),
     ]
     return cases
 
 
+#: the /v1/completions cases' bodies (``special`` posts them there)
+COMPLETIONS = {
+    "completion": {"prompt": "Once upon a time", "max_tokens": 4},
+    "completion: 10 MB prompt": {"prompt": "word " * 2_000_000},
+    "completion: 2M token ids": {"prompt": [5] * 2_000_000},
+    "completion: token id 2^31": {"prompt": [5, 2**31]},
+    "completion: an image placeholder": {"prompt": "look: <|image_pad|>"},
+    "completion: a batch of prompts": {"prompt": ["a", "b", "c"]},
+    "completion: echo with logprobs": {"prompt": "a", "echo": True, "logprobs": 2},
+}
+
+
 def special(client: Client, name: str) -> tuple[int, bytes]:
     text = [{"role": "user", "content": "hi"}]
+    if name in COMPLETIONS:
+        return client.raw("POST", "/v1/completions", json.dumps(COMPLETIONS[name]).encode())
     if name == "lone surrogate in text":
         body = b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'
         return client.raw("POST", "/v1/chat/completions", body)

@@ -33,11 +33,12 @@ from unifiedserve.model.generation import GenerationDefaults
 from unifiedserve.model.processor import IMAGE_PAD, VIDEO_PAD
 from unifiedserve.runtime import protocol
 from unifiedserve.server.engine_client import EngineClient, RequestError, RequestStream
-from unifiedserve.server.limits import LimitError, RequestLimits, check_message_sizes
+from unifiedserve.server.limits import MAX_CHARS_PER_TOKEN, LimitError, RequestLimits, check_message_sizes
 from unifiedserve.server.media import MediaError, MediaPolicy, check_declared_type, describe, resolve_media
 from unifiedserve.server.media_key import media_key
 from unifiedserve.server.metrics import Metrics
-from unifiedserve.server.openai_protocol import ChatCompletionRequest, ImagePart, TextPart, VideoPart, error_body
+from unifiedserve.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, ImagePart, TextPart, VideoPart,
+                                                 SamplingRequest, error_body)
 
 log = logging.getLogger("unifiedserve")
 
@@ -163,6 +164,13 @@ def build_app(state: ServerState) -> FastAPI:
         except _Disconnected:
             return Response(status_code=499)
 
+    @app.post("/v1/completions", dependencies=[Depends(_auth)])
+    async def completions(body: CompletionRequest, request: Request):
+        try:
+            return await _completion(state, body, request)
+        except _Disconnected:
+            return Response(status_code=499)
+
     return app
 
 
@@ -183,7 +191,9 @@ def _num_in_api(client: EngineClient) -> int:
     return sum(1 for s in client.streams.values() if not s.added)
 
 
-async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request):
+def _refuse_early(state: ServerState, body: SamplingRequest) -> JSONResponse | None:
+    """What refuses a request before any work: the server not serving, another model, too many choices, a
+    ``logit_bias`` id outside the vocabulary."""
     if state.draining or state.client.fatal:
         return _error(f"the server is not serving: {state.client.fatal or 'shutting down'}", 503)
     if body.model is not None and body.model != state.model_name:
@@ -191,12 +201,18 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
     if body.n > state.limits.max_n:
         return _error(f"n is {body.n}; this server returns at most {state.limits.max_n} choices per request "
                       f"(--max-n)", 400, "n")
-    logit_bias = body.logit_bias_pairs()
     if state.vocab_size is not None:
         try:
-            check_logit_bias_ids(logit_bias, state.vocab_size)  # before any media work (core checks again)
+            check_logit_bias_ids(body.logit_bias_pairs(), state.vocab_size)  # before any media work (core checks again)
         except ValueError as e:
             return _error(str(e), 400, "logit_bias")
+    return None
+
+
+async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request):
+    refused = _refuse_early(state, body)
+    if refused is not None:
+        return refused
     response_format = body.response_format.sampling_fields() if body.response_format is not None else {}
     if response_format.get("response_format", "text") != "text":
         try:  # compile the grammar before any media work: a bad schema is refused at once
@@ -214,7 +230,66 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         return _error(str(e), e.status_code, e.param)
     except (MediaError, ValueError) as e:
         return _error(str(e), 400, "messages")
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    return await _respond(state, body, request, _CHAT, arrival, prompt_ids, media,
+                          (body.top_logprobs or 0) if body.logprobs else None, response_format)
+
+
+async def _completion(state: ServerState, body: CompletionRequest, request: Request):
+    refused = _refuse_early(state, body)
+    if refused is not None:
+        return refused
+    arrival = time.time()
+    try:
+        prompt_ids, prompt_text = await run_in_threadpool(completion_prompt, state, body)
+    except LimitError as e:
+        return _error(str(e), e.status_code, e.param)
+    except ValueError as e:
+        return _error(str(e), 400, "prompt")
+    return await _respond(state, body, request, _TEXT, arrival, prompt_ids, [], body.logprobs, {},
+                          echo=prompt_text if body.echo else "")
+
+
+def completion_prompt(state: ServerState, body: CompletionRequest) -> tuple[list[int], str]:
+    """A completion's prompt as token ids, and its text (for ``echo``).
+
+    Raises:
+        LimitError: a text longer than the context could hold, or more ids than fit it (before tokenizing).
+        ValueError: an id outside the vocabulary, or an image/video placeholder (this endpoint takes no media).
+    """
+    processor, max_len = state.processor, state.max_model_len
+    if isinstance(body.prompt, str):
+        if len(body.prompt) > MAX_CHARS_PER_TOKEN * max_len:
+            raise LimitError(f"the prompt holds {len(body.prompt)} characters; this server accepts at most "
+                             f"{MAX_CHARS_PER_TOKEN * max_len} ({MAX_CHARS_PER_TOKEN} per token of its {max_len}-token "
+                             f"context, --max-model-len)", "prompt")
+        ids, text = processor.tokenize(body.prompt), body.prompt
+    else:
+        ids = body.prompt
+        if len(ids) >= max_len:
+            raise LimitError(f"the prompt has {len(ids)} token ids; this server's context holds {max_len} tokens "
+                             f"(--max-model-len), the completion's included", "prompt")
+        vocab = state.vocab_size if state.vocab_size is not None else processor.tokenizer.get_vocab_size()
+        bad = sorted({t for t in ids if t >= vocab})
+        if bad:
+            raise ValueError(f"the prompt has token id{'s' if len(bad) > 1 else ''} "
+                             f"{', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''} outside the vocabulary "
+                             f"(ids 0..{vocab - 1})")
+        text = processor.decode(ids, skip_special_tokens=False) if body.echo else ""
+    if not ids:
+        raise ValueError("the prompt has no tokens")
+    for token_id, kind in ((processor.image_token_id, "image"), (processor.video_token_id, "video")):
+        if token_id in ids:
+            raise ValueError(f"the prompt holds the {kind} placeholder token ({token_id}); /v1/completions takes text "
+                             f"only: send media to /v1/chat/completions")
+    return ids, text
+
+
+async def _respond(state: ServerState, body: SamplingRequest, request: Request, shape: "_Shape", arrival: float,
+                   prompt_ids: list[int], media: list[protocol.MediaRef], logprobs: int | None,
+                   response_format: dict[str, Any], echo: str = ""):
+    """Everything after the prompt: probe the media, add one engine request per choice, answer (streamed or
+    whole) in ``shape``'s format."""
+    request_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
     client = state.client
     try:
         stream = client.open(request_id)
@@ -233,7 +308,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         prompt_ids = state.processor.expand_vision_tokens(
             prompt_ids, [p.grid_thw for p in plans if p.kind == "image"], [p.grid_thw for p in plans if p.kind == "video"])
         prompt_len = len(prompt_ids)
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        max_tokens = body.completion_limit
         room = state.max_model_len - prompt_len
         defaults = state.generation
         if max_tokens is None:
@@ -241,7 +316,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         if room < 1 or prompt_len + max_tokens > state.max_model_len:
             raise RequestError(
                 f"this model's maximum context length is {state.max_model_len} tokens, but the request needs "
-                f"{prompt_len + max(max_tokens, 1)}: {prompt_len} in the messages"
+                f"{prompt_len + max(max_tokens, 1)}: {prompt_len} in the {shape.prompt_name}"
                 f"{' (visual tokens included)' if plans else ''} and {max(max_tokens, 1)} for the completion; "
                 + ("shorten the prompt or video (e.g. lower fps, max_frames or max_pixels in video_url)" if plans
                    else "shorten the prompt") + " or lower max_tokens", 400)
@@ -251,17 +326,18 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
             seed=body.seed, stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()),
             stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=body.min_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output, skip_special_tokens=body.skip_special_tokens,
-            ignore_eos=body.ignore_eos, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            ignore_eos=body.ignore_eos, logprobs=logprobs,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=_given(body.repetition_penalty, defaults.repetition_penalty, 1.0),
-            min_p=_given(body.min_p, defaults.min_p, 0.0), logit_bias=logit_bias, **response_format)
+            min_p=_given(body.min_p, defaults.min_p, 0.0), logit_bias=body.logit_bias_pairs(), **response_format)
         stop_ids = params.stop_ids(state.eos_token_ids)
         keys = [ref.key for ref in media]
         await client.add(stream, protocol.AddRequest(request_id, prompt_ids, plans, params, sorted(stop_ids), keys))
         first = await _wait(stream.queue.get(), request)
         if isinstance(first, RequestError):
             raise first
-        gens = [_Generation(state, request_id, stream, params, stop_ids, prompt_len, arrival, probe_s, first=first)]
+        gens = [_Generation(state, request_id, stream, params, stop_ids, prompt_len, arrival, probe_s, first=first,
+                            shape=shape, echo=echo)]
         # the other choices come once the first has its first token: the prompt's KV blocks (and the media's
         # tokens) are in the prefix and media caches by then, so each prefills only the prompt's last partial block
         children: list[tuple[str, RequestStream]] = []
@@ -279,7 +355,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
             await client.add(child, protocol.AddRequest(child_id, prompt_ids, c_plans, child_params,
                                                         sorted(stop_ids), keys))
             gens.append(_Generation(state, child_id, child, child_params, stop_ids, prompt_len, arrival, probe_s,
-                                    index=index, response_id=request_id))
+                                    index=index, response_id=request_id, shape=shape, echo=echo))
         started = True
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -407,14 +483,47 @@ def convert_messages(body: ChatCompletionRequest, policy: MediaPolicy, limits: R
     return messages, media
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """How a response looks: a chat completion's (messages and deltas) or a completion's (OpenAI's legacy
+    ``text_completion``: text, and logprobs as parallel lists)."""
+
+    id_prefix: str
+    object: str  # the whole response's
+    chunk_object: str  # a streamed event's
+    prompt_name: str  # what errors call the prompt
+    chat: bool
+
+
+_CHAT = _Shape("chatcmpl", "chat.completion", "chat.completion.chunk", "messages", True)
+_TEXT = _Shape("cmpl", "text_completion", "text_completion", "prompt", False)
+
+
+def _legacy_logprobs(entries: list[dict], offset: int) -> dict:
+    """Chat ``logprobs.content`` entries as a completion's ``logprobs`` (OpenAI's legacy format, as vLLM fills
+    it): the tokens, their log-probabilities, each token's top tokens with the sampled one among them, and each
+    token's offset in the choice's text (``offset`` is the first's: the echoed prompt's length, or 0)."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{**{t["token"]: t["logprob"] for t in e["top_logprobs"]}, e["token"]: e["logprob"]}
+                             for e in entries], "text_offset": offsets}
+
+
 class _Generation:
     """One choice of an admitted request (one engine request): detokenization, stop strings, metrics, its part
-    of the response. Choice 0's engine request id is the response's id; choice ``i > 0``'s is ``{id}-{i}``."""
+    of the response. Choice 0's engine request id is the response's id; choice ``i > 0``'s is ``{id}-{i}``.
+    ``echo``: the prompt's text, which a completion's choice begins with."""
 
     def __init__(self, state: ServerState, request_id: str, stream: RequestStream, params: SamplingParams,
                  stop_ids: frozenset[int], prompt_len: int, arrival: float, probe_s: float, index: int = 0,
-                 response_id: str | None = None, first: protocol.TokenOutput | None = None):
+                 response_id: str | None = None, first: protocol.TokenOutput | None = None, shape: _Shape = _CHAT,
+                 echo: str = ""):
         self.state, self.request_id, self.stream, self.params = state, request_id, stream, params
+        self.shape, self.echo = shape, echo
+        self._offset = len(echo)  # a streamed completion's text offset of its next token (legacy logprobs)
         self.index, self.response_id = index, response_id or request_id
         self._first = first  # already read from the stream (choice 0's, before the response starts)
         self.stop_ids = stop_ids
@@ -507,17 +616,32 @@ class _Generation:
 
     def choice(self) -> dict:
         """The choice in a whole response."""
+        if not self.shape.chat:
+            return {"index": self.index, "text": self.echo + self.output.text,
+                    "logprobs": None if self.logprobs is None else _legacy_logprobs(self.logprobs, len(self.echo)),
+                    "finish_reason": self.finish_reason}
         return {"index": self.index, "message": {"role": "assistant", "content": self.output.text},
                 "logprobs": None if self.logprobs is None else {"content": self.logprobs},
                 "finish_reason": self.finish_reason}
 
     def _chunk(self, delta: dict | None, finish_reason: str | None = None, usage: dict | None = None,
                logprobs: list[dict] | None = None) -> str:
-        body = {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.state.model_name,
-                "choices": [] if delta is None else [{"index": self.index, "delta": delta,
-                                                      "logprobs": None if logprobs is None else {"content": logprobs},
-                                                      "finish_reason": finish_reason}]}
+        """One event: ``delta`` is a chat delta (a completion's takes its ``content`` as its text); None: the
+        usage event, with no choice."""
+        if delta is None:
+            choices = []
+        elif self.shape.chat:
+            choices = [{"index": self.index, "delta": delta,
+                        "logprobs": None if logprobs is None else {"content": logprobs}, "finish_reason": finish_reason}]
+        else:
+            legacy = None
+            if logprobs is not None:
+                legacy = _legacy_logprobs(logprobs, self._offset)
+                self._offset += sum(len(e["token"]) for e in logprobs)
+            choices = [{"index": self.index, "text": delta.get("content", ""), "logprobs": legacy,
+                        "finish_reason": finish_reason}]
+        body = {"id": self.response_id, "object": self.shape.chunk_object, "created": self.created,
+                "model": self.state.model_name, "choices": choices}
         if usage is not None:
             body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
@@ -564,7 +688,7 @@ async def _complete(state: ServerState, gens: list[_Generation], request: Reques
         raise
     _finished(state, gens)
     first = gens[0]
-    return JSONResponse({"id": first.response_id, "object": "chat.completion", "created": first.created,
+    return JSONResponse({"id": first.response_id, "object": first.shape.object, "created": first.created,
                          "model": state.model_name, "choices": [g.choice() for g in gens], "usage": _usage(gens)})
 
 
@@ -596,7 +720,10 @@ async def _sse(state: ServerState, gens: list[_Generation], include_usage: bool)
     done = False
     try:
         for g in gens:
-            yield g._chunk({"role": "assistant", "content": ""})
+            if g.shape.chat:
+                yield g._chunk({"role": "assistant", "content": ""})
+            elif g.echo:
+                yield g._chunk({"content": g.echo})
         sent = [0] * len(gens)  # logprob entries already streamed, per choice
         async for g, out in _arrivals(gens):
             text = g.consume(out)

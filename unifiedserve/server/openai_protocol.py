@@ -1,4 +1,4 @@
-"""The OpenAI chat-completions request schema this server accepts (pydantic), and error bodies.
+"""The OpenAI chat-completions and completions request schemas this server accepts (pydantic), and error bodies.
 
 Every field either works or is refused: an OpenAI field this server does not implement gets a 400
 naming it (unless it carries its neutral value, e.g. ``tools: []``), and so does any other
@@ -12,7 +12,7 @@ be valid Unicode (a lone surrogate such as ``"\ud800"`` is refused).
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -33,13 +33,6 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 #: looked for after each generated token, so their number bounds that work.
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
-#: Fields that are accepted only with their neutral value (the value that asks for nothing), of the same
-#: JSON type (``false`` is not a neutral ``presence_penalty``).
-_NEUTRAL_VALUES: dict[str, tuple] = {
-    "tools": (None, []), "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, False, True),
-    "functions": (None, []), "function_call": (None, "none"),
-}
 
 
 class _Model(BaseModel):
@@ -125,10 +118,6 @@ class JSONSchemaFormat(_Model):
 ResponseFormat = Annotated[Union[TextFormat, JSONObjectFormat, JSONSchemaFormat], Field(discriminator="type")]
 
 
-def _is_neutral(name: str, value: Any) -> bool:
-    return any(value == neutral and type(value) is type(neutral) for neutral in _NEUTRAL_VALUES[name])
-
-
 StopText = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
 
 
@@ -142,16 +131,19 @@ def _token_id_key(key: str) -> str:
 TokenIdText = Annotated[str, AfterValidator(_token_id_key)]
 
 
-class ChatCompletionRequest(_Model):
+class SamplingRequest(_Model):
+    """The fields chat completions and completions share: how to sample, when to stop, how many choices."""
+
     # extra fields are checked by _refuse_unsupported, for a message that names the field
     model_config = ConfigDict(extra="allow", strict=True)
+    #: fields accepted only with their neutral value (the value that asks for nothing), of the same JSON type
+    #: (``false`` is not a neutral ``presence_penalty``)
+    _neutral: ClassVar[dict[str, tuple]] = {}
 
     model: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None  # -1 or 0: off; above the vocabulary: off
@@ -178,15 +170,8 @@ class ChatCompletionRequest(_Model):
     include_stop_str_in_output: bool = False
     # vLLM extension: false keeps special tokens (<|im_end|>, ...) in the content
     skip_special_tokens: bool = True
-    logprobs: bool = False  # each output token's log-probability (log-softmax of the model's raw logits)
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # and the k most likely tokens'
-    response_format: ResponseFormat | None = None  # the output follows a grammar (see engine.structured)
-    # OpenAI's fields that change nothing here: accepted when well-formed (OpenAI's types and sizes), not used
+    # OpenAI's field that changes nothing here: accepted when well-formed (OpenAI's type and size), not used
     user: Annotated[Text, Field(max_length=512)] | None = None
-    metadata: Annotated[dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]],
-                        Field(max_length=16)] | None = None
-    store: bool | None = None
-    service_tier: Annotated[Text, Field(max_length=64)] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -199,28 +184,98 @@ class ChatCompletionRequest(_Model):
         """``logit_bias`` as ``SamplingParams`` takes it."""
         return tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
 
+    @property
+    def completion_limit(self) -> int | None:
+        """The ``max_tokens`` the client sent (None: the server's default)."""
+        return self.max_tokens
+
     @model_validator(mode="after")
-    def _refuse_unsupported(self) -> "ChatCompletionRequest":
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+    def _refuse_unsupported(self) -> "SamplingRequest":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream: true")
-        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
-            raise ValueError(f"max_tokens ({self.max_tokens}) and max_completion_tokens ({self.max_completion_tokens}) "
-                             f"disagree; send one of them")
-        limit = self.max_completion_tokens or self.max_tokens
+        limit = self.completion_limit
         if limit is not None and self.min_tokens > limit:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({limit})")
-        if self.min_tokens and self.response_format is not None and self.response_format.type != "text":
-            raise ValueError("min_tokens cannot be combined with a response_format: the grammar decides where the "
-                             "output ends")
+        self._check()
         for name, value in (self.model_extra or {}).items():
-            if name in _NEUTRAL_VALUES:
-                if _is_neutral(name, value):
+            if name in self._neutral:
+                if any(value == neutral and type(value) is type(neutral) for neutral in self._neutral[name]):
                     continue
                 raise ValueError(f"{name} is not supported by this server")
             raise ValueError(f"unknown field {name!r}")
         return self
+
+    def _check(self) -> None:
+        """The subclass's own checks (raise ValueError)."""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    _neutral: ClassVar[dict[str, tuple]] = {
+        "tools": (None, []), "tool_choice": (None, "none"),
+        "parallel_tool_calls": (None, False, True),
+        "functions": (None, []), "function_call": (None, "none"),
+    }
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False  # each output token's log-probability (log-softmax of the model's raw logits)
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # and the k most likely tokens'
+    response_format: ResponseFormat | None = None  # the output follows a grammar (see engine.structured)
+    # OpenAI's fields that change nothing here: accepted when well-formed (OpenAI's types and sizes), not used
+    metadata: Annotated[dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
+    store: bool | None = None
+    service_tier: Annotated[Text, Field(max_length=64)] | None = None
+
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def _check(self) -> None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise ValueError(f"max_tokens ({self.max_tokens}) and max_completion_tokens ({self.max_completion_tokens}) "
+                             f"disagree; send one of them")
+        if self.min_tokens and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("min_tokens cannot be combined with a response_format: the grammar decides where the "
+                             "output ends")
+
+
+#: Most token ids a ``/v1/completions`` prompt may list before its length is checked against the context (the
+#: body's byte cap bounds it too); a longer list is refused by the schema.
+MAX_PROMPT_TOKEN_IDS = 1 << 20
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions`` (OpenAI's legacy completions, as vLLM serves them): one text prompt, or its token
+    ids, continued without a chat template. ``max_tokens`` defaults to 16, as OpenAI's and vLLM's."""
+
+    _neutral: ClassVar[dict[str, tuple]] = {"suffix": (None,), "best_of": (None, 1)}
+
+    prompt: Text | Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]],
+                             Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    echo: bool = False  # the prompt's text before the completion's
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # each token's log-probability and the k best
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        # OpenAI's API also takes a batch (a list of strings or of token-id lists): one of them is that prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            if len(prompt) > 1:
+                raise ValueError(f"prompt is a batch of {len(prompt)} prompts; this server takes one per request "
+                                 f"(send them as separate requests, or use n for several completions of one)")
+            return prompt[0]
+        return prompt
+
+    def _check(self) -> None:
+        if isinstance(self.prompt, str) and not self.prompt:
+            raise ValueError("prompt is empty")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs asks for the prompt's log-probabilities, which this server does not "
+                             "compute; send one of them")
 
 
 def error_body(message: str, status_code: int, param: str | None = None) -> dict[str, Any]:

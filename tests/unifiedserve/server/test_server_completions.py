@@ -1,0 +1,142 @@
+"""``POST /v1/completions`` (OpenAI's legacy completions, as vLLM serves them) through the whole server."""
+
+from __future__ import annotations
+
+import http.client as httplib
+import json
+import signal
+
+import openai
+import pytest
+
+from serve_helpers import Server, http
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The lighthouse keeper opened the door and"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server("--max-model-len", "512", media_dir=tmp_path_factory.mktemp("media"))
+    yield srv
+    assert srv.stop(signal.SIGTERM) == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from unifiedserve.engine import LLM
+
+    return LLM()
+
+
+def _stream(server, body):
+    """POST ``body`` streamed; returns (the events' JSON bodies, {index: text}, {index: finish_reason})."""
+    conn = httplib.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events = [json.loads(line[6:]) for line in resp.read().decode().splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    conn.close()
+    texts, reasons = {}, {}
+    for e in events:
+        assert e["object"] == "text_completion" and e["id"].startswith("cmpl-")
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            if c["finish_reason"] is not None:
+                reasons[c["index"]] = c["finish_reason"]
+    return events, texts, reasons
+
+
+def test_a_completion_is_the_engines_continuation_of_the_prompt(server, client, llm):
+    """No chat template: the prompt's tokens continued, as the engine continues them; a string, its token ids and a
+    one-prompt batch are the same prompt; max_tokens defaults to 16 (OpenAI's and vLLM's default)."""
+    from unifiedserve.engine import SamplingParams
+
+    ids = llm.processor.tokenize(PROMPT)
+    ref = llm.generate([(ids, [], SamplingParams(max_tokens=16, ignore_eos=True))])[0]
+    for prompt in (PROMPT, ids, [PROMPT], [ids]):
+        res = client.completions.create(model="demo-model", prompt=prompt, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert res.object == "text_completion" and res.id.startswith("cmpl-")
+        assert res.choices[0].text == ref.text and res.choices[0].finish_reason == "length"
+        assert (res.usage.prompt_tokens, res.usage.completion_tokens) == (len(ids), 16)
+    events, texts, reasons = _stream(server, {"prompt": PROMPT, "temperature": 0, "ignore_eos": True,
+                                              "stream_options": {"include_usage": True}})
+    assert texts == {0: ref.text} and reasons == {0: "length"}
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 16
+    server.wait_idle()
+
+
+def test_echo_logprobs_stop_strings_and_choices(server, client, llm):
+    from unifiedserve.engine import SamplingParams
+
+    ids = llm.processor.tokenize(PROMPT)
+    ref = llm.generate([(ids, [], SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2))])[0]
+    res = client.completions.create(model="demo-model", prompt=PROMPT, max_tokens=8, temperature=0, echo=True,
+                                    extra_body={"ignore_eos": True})
+    assert res.choices[0].text == PROMPT + ref.text
+    _, texts, _ = _stream(server, {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "echo": True,
+                                   "ignore_eos": True})
+    assert texts == {0: PROMPT + ref.text}
+    # logprobs in the legacy format: parallel lists; the top tokens include the sampled one
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 2, "ignore_eos": True}
+    status, whole = http("POST", server.url + "/v1/completions", body)
+    assert status == 200, whole
+    lp = whole["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 8
+    assert lp["token_logprobs"] == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-4)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    for token, top in zip(lp["tokens"], lp["top_logprobs"]):
+        assert token in top and 2 <= len(top) <= 3
+    events, _, _ = _stream(server, body)
+    streamed = [c["logprobs"] for e in events for c in e["choices"] if c["logprobs"]]
+    assert [t for s in streamed for t in s["tokens"]] == lp["tokens"]
+    assert [t for s in streamed for t in s["text_offset"]] == lp["text_offset"]
+    # a stop string, and n seeded choices
+    stop = ref.text[len(ref.text) // 2:len(ref.text) // 2 + 2]
+    res = client.completions.create(model="demo-model", prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop],
+                                    n=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in res.choices] == [0, 1]
+    assert {c.text for c in res.choices} == {ref.text[:ref.text.index(stop)]}
+    assert {c.finish_reason for c in res.choices} == {"stop"}
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("body,status,needle,param", [
+    ({"prompt": ""}, 400, "prompt is empty", None),
+    ({"prompt": []}, 400, "prompt", "prompt"),
+    ({"prompt": ["a", "b"]}, 400, "prompt is a batch of 2 prompts; this server takes one per request", None),
+    ({"prompt": "hi <|image_pad|>"}, 400, "the prompt holds the image placeholder token", "prompt"),
+    ({"prompt": [1, 2, 10**9]}, 400, "token id 1000000000 outside the vocabulary", "prompt"),
+    ({"prompt": list(range(600))}, 400, "the prompt has 600 token ids; this server's context holds 512", "prompt"),
+    ({"prompt": "x" * 20000}, 400, "the prompt holds 20000 characters", "prompt"),
+    ({"prompt": "hi", "max_tokens": 600}, 400, "maximum context length is 512 tokens", None),
+    ({"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo with logprobs", None),
+    ({"prompt": "hi", "logprobs": 21}, 400, "logprobs: Input should be less than or equal to 20", "logprobs"),
+    ({"prompt": "hi", "suffix": "end"}, 400, "suffix is not supported by this server", None),
+    ({"prompt": "hi", "best_of": 3}, 400, "best_of is not supported by this server", None),
+    ({"prompt": "hi", "messages": []}, 400, "unknown field 'messages'", None),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist", "model"),
+    ({"prompt": "hi", "n": 17}, 400, "at most 16 choices", "n"),
+    ({"prompt": "hi", "min_tokens": 17}, 400, "min_tokens (17) must not exceed max_tokens (16)", None),
+])
+def test_bad_completion_requests_are_a_clear_4xx(server, body, status, needle, param):
+    got, answer = http("POST", server.url + "/v1/completions", body)
+    assert got == status and needle in answer["error"]["message"], answer
+    if param is not None:
+        assert answer["error"]["param"] == param, answer
+
+
+def test_neutral_fields_are_accepted(server):
+    got, answer = http("POST", server.url + "/v1/completions",
+                       {"prompt": "hi", "max_tokens": 2, "suffix": None, "best_of": 1, "user": "u1"})
+    assert got == 200 and answer["usage"]["completion_tokens"] <= 2, answer
+    server.wait_idle()
