@@ -159,17 +159,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(_auth)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        try:
-            return await _chat(state, body, request)
-        except _Disconnected:
-            return Response(status_code=499)
+        return await _chat(state, body, request)
 
     @app.post("/v1/completions", dependencies=[Depends(_auth)])
     async def completions(body: CompletionRequest, request: Request):
-        try:
-            return await _completion(state, body, request)
-        except _Disconnected:
-            return Response(status_code=499)
+        return await _completion(state, body, request)
 
     return app
 
@@ -304,7 +298,7 @@ async def _respond(state: ServerState, body: SamplingRequest, request: Request, 
             t0 = time.time()
             probed = await _wait(client.probe(stream, media), request)
             plans, probe_s = probed.plans, time.time() - t0
-        _check_visual_tokens(state, plans, len(prompt_ids))  # before expanding: a huge grid costs nothing yet
+        _check_visual_tokens(state, plans, len(prompt_ids), shape.prompt_name)  # before expanding: a huge grid costs nothing yet
         prompt_ids = state.processor.expand_vision_tokens(
             prompt_ids, [p.grid_thw for p in plans if p.kind == "image"], [p.grid_thw for p in plans if p.kind == "video"])
         prompt_len = len(prompt_ids)
@@ -362,6 +356,8 @@ async def _respond(state: ServerState, body: SamplingRequest, request: Request, 
             return StreamingResponse(_sse(state, gens, include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _complete(state, gens, request)
+    except _Disconnected:  # the client went away: nobody reads this
+        return Response(status_code=499)
     except RequestError as e:
         return _error(e.message, e.status_code)
     except ValueError as e:  # sampling parameters
@@ -424,16 +420,18 @@ def with_media_keys(media: list[protocol.MediaRef], context: str) -> list[protoc
     return out
 
 
-def _check_visual_tokens(state: ServerState, plans: list[protocol.MediaPlan], num_text_tokens: int) -> None:
+def _check_visual_tokens(state: ServerState, plans: list[protocol.MediaPlan], num_text_tokens: int,
+                         prompt_name: str = "messages") -> None:
     """Refuse a prompt over ``--max-model-len`` from the probed grids, before any placeholder exists."""
     merge = state.processor.merge_size ** 2
     num_visual = sum(t * h * w // merge for t, h, w in (p.grid_thw for p in plans))
     prompt_len = num_text_tokens - len(plans) + num_visual  # each media's one placeholder becomes its tokens
     if prompt_len >= state.max_model_len:
         advice = ("lower fps, max_frames or max_pixels in video_url/image_url" if plans
-                  else "shorten the messages")
+                  else f"shorten the {prompt_name}")
         raise RequestError(
-            f"this model's maximum context length is {state.max_model_len} tokens, but the messages alone need "
+            f"this model's maximum context length is {state.max_model_len} tokens, but the {prompt_name} alone "
+            f"need{'' if prompt_name.endswith('s') else 's'} "
             f"{prompt_len}" + (f" ({num_visual} visual tokens)" if plans else "") + f"; {advice}", 400)
 
 

@@ -118,6 +118,7 @@ def test_echo_logprobs_stop_strings_and_choices(server, client, llm):
     ({"prompt": [1, 2, 10**9]}, 400, "token id 1000000000 outside the vocabulary", "prompt"),
     ({"prompt": list(range(600))}, 400, "the prompt has 600 token ids; this server's context holds 512", "prompt"),
     ({"prompt": "x" * 20000}, 400, "the prompt holds 20000 characters", "prompt"),
+    ({"prompt": "word " * 600}, 400, "the prompt alone needs", None),
     ({"prompt": "hi", "max_tokens": 600}, 400, "maximum context length is 512 tokens", None),
     ({"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo with logprobs", None),
     ({"prompt": "hi", "logprobs": 21}, 400, "logprobs: Input should be less than or equal to 20", "logprobs"),
