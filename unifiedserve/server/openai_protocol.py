@@ -267,7 +267,9 @@ class CompletionRequest(SamplingRequest):
             if len(prompt) > 1:
                 raise ValueError(f"prompt is a batch of {len(prompt)} prompts; this server takes one per request "
                                  f"(send them as separate requests, or use n for several completions of one)")
-            return prompt[0]
+            prompt = prompt[0]
+        if isinstance(prompt, list) and len(prompt) > MAX_PROMPT_TOKEN_IDS:  # said here, not as a failed union
+            raise ValueError(f"prompt has {len(prompt)} token ids; at most {MAX_PROMPT_TOKEN_IDS} are accepted")
         return prompt
 
     def _check(self) -> None:

@@ -117,6 +117,7 @@ def test_echo_logprobs_stop_strings_and_choices(server, client, llm):
     ({"prompt": "hi <|image_pad|>"}, 400, "the prompt holds the image placeholder token", "prompt"),
     ({"prompt": [1, 2, 10**9]}, 400, "token id 1000000000 outside the vocabulary", "prompt"),
     ({"prompt": list(range(600))}, 400, "the prompt has 600 token ids; this server's context holds 512", "prompt"),
+    ({"prompt": [5] * (2**20 + 1)}, 400, "prompt has 1048577 token ids; at most 1048576 are accepted", "prompt"),
     ({"prompt": "x" * 20000}, 400, "the prompt holds 20000 characters", "prompt"),
     ({"prompt": "word " * 600}, 400, "the prompt alone needs", None),
     ({"prompt": "hi", "max_tokens": 600}, 400, "maximum context length is 512 tokens", None),
