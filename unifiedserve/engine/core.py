@@ -60,13 +60,12 @@ def process_logits(logits: torch.Tensor, seqs: list[SequenceState]) -> list[Samp
     return record_tokens(tokens, seqs, token_logprobs(logits, tokens, params))
 
 
-def suppressed(seqs: list[SequenceState], pending: frozenset[str] | set[str] = frozenset(),
-               ids: list[str] | None = None) -> list | None:
+def suppressed(seqs: list[SequenceState], unrecorded: list[bool] | None = None) -> list | None:
     """Per row, the stop ids its next token may not be (``min_tokens`` not reached), else None; None when no row
-    has any. ``pending``: request ids (``ids`` gives each row's) with a token sampled but not yet recorded."""
+    has any. ``unrecorded``: per row, whether a token was sampled for it that its output does not hold yet."""
     if not any(s.params.min_tokens for s in seqs):
         return None
-    return [s.stop_ids if s.params.suppresses_stop(len(s.output_token_ids) + (ids is not None and ids[i] in pending))
+    return [s.stop_ids if s.params.suppresses_stop(len(s.output_token_ids) + bool(unrecorded and unrecorded[i]))
             else None for i, s in enumerate(seqs)]
 
 
@@ -238,8 +237,9 @@ class EngineCore:
                 previous = self._read_back()
                 samplers = [SamplerState(s.generator) if r in self._ended else s for r, s in zip(ids, samplers)]
             # a row's token from the step not read back yet counts towards its min_tokens
-            waiting = set(self._pending.request_ids) if self._pending is not None else set()
-            tokens = sample_tensor(rows, params, samplers, suppressed([self.seqs[r] for r in ids], waiting, ids))
+            waiting = self._pending.rows if self._pending is not None else {}
+            tokens = sample_tensor(rows, params, samplers,
+                                   suppressed([self.seqs[r] for r in ids], [r in waiting for r in ids]))
             launched = PendingStep.launch(ids, tokens, rows, params)  # copies queued before the next step
             if previous is None:
                 previous = self._read_back()

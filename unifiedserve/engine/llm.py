@@ -207,10 +207,8 @@ class LLM:
         if result.logprobs is not None:
             live.logprobs.append(result.logprobs)
         new_text = ""
-        if result.is_text or (result.is_stop_token and req.params.include_stop_str_in_output):
-            # a stop token is not text unless asked for; a grammar's closing token is; stop strings count only past
-            # min_tokens
-            new_text = live.output.append(token, check_stop=result.index >= req.params.min_tokens)
+        if result.error is None:  # a token sampled at a grammar's dead end is no output
+            new_text = live.output.add(token, result.index, result.is_stop_token)
             if live.output.stopped:
                 reason = "stop"
         if reason is not None:

@@ -22,10 +22,11 @@ class TextOutput:
             ``include_stop_str_in_output``); nothing is then held back, since what is shown stays shown.
     """
 
-    def __init__(self, decoder: Any, stop: tuple[str, ...] = (), include_stop: bool = False):
+    def __init__(self, decoder: Any, stop: tuple[str, ...] = (), include_stop: bool = False, min_tokens: int = 0):
         self.decoder = decoder
         self.stop = stop
         self.include_stop = include_stop
+        self.min_tokens = min_tokens  # stop strings count in tokens from this index on (vLLM's rule)
         self.text = ""
         self.stopped = False
         self._shown = 0  # characters of ``text`` returned so far
@@ -48,6 +49,15 @@ class TextOutput:
                 self.text, self.stopped = self.text[:start + (len(s) if self.include_stop else 0)], True
                 return self._show(len(self.text))
         return self._show(len(self.text) - self._stop_prefix())
+
+    def add(self, token_id: int, index: int, is_stop_token: bool = False) -> str:
+        """A request's output token ``index`` (a stop token: ``is_stop_token``); returns the new text to show.
+
+        A stop token is no text unless ``include_stop``; stop strings count only in tokens past ``min_tokens``.
+        """
+        if is_stop_token and not self.include_stop:
+            return ""
+        return self.append(token_id, check_stop=index >= self.min_tokens)
 
     def finish(self) -> str:
         """The output ended: the tail held back as a possible stop string's start (nothing once ``stopped``).
@@ -78,7 +88,7 @@ class TextOutput:
 
 
 def text_output(processor: Any, params: Any) -> TextOutput:
-    """A request's :class:`TextOutput`: its ``SamplingParams``' stop strings, ``include_stop_str_in_output`` and
-    ``skip_special_tokens``, over ``processor``'s (a ``Processor``) incremental decoder."""
+    """A request's :class:`TextOutput`: its ``SamplingParams``' stop strings, ``include_stop_str_in_output``,
+    ``min_tokens`` and ``skip_special_tokens``, over ``processor``'s (a ``Processor``) incremental decoder."""
     return TextOutput(processor.incremental_decoder(params.skip_special_tokens), params.stop,
-                      params.include_stop_str_in_output)
+                      params.include_stop_str_in_output, params.min_tokens)

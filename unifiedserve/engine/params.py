@@ -77,8 +77,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        problem = min_tokens_problem(self.min_tokens, self.max_tokens, self.response_format)
+        if problem is not None:
+            raise ValueError(problem)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if any(not s for s in self.stop):
@@ -102,10 +103,6 @@ class SamplingParams:
             raise ValueError(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {self.response_format!r}")
         if (self.json_schema is not None) != (self.response_format == "json_schema"):
             raise ValueError('json_schema is given exactly when response_format is "json_schema"')
-        if self.min_tokens and self.response_format != "text":
-            # a grammar decides where its value ends; forbidding the stop tokens there leaves no token at all
-            raise ValueError("min_tokens cannot be combined with a response_format: the grammar decides where the "
-                             "output ends")
         if self.strict_schema and self.json_schema is None:
             raise ValueError('strict_schema applies to response_format "json_schema" only')
         if self.json_schema is None:
@@ -142,6 +139,16 @@ class SamplingParams:
     def stop_ids(self, eos_token_ids) -> frozenset[int]:
         """Token ids that end the output: ``stop_token_ids``, plus the model's EOS unless ``ignore_eos``."""
         return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
+
+
+def min_tokens_problem(min_tokens: int, max_tokens: int | None, response_format: str = "text") -> str | None:
+    """Why ``min_tokens`` cannot go with ``max_tokens`` (None: not known yet) and ``response_format``, or None."""
+    if max_tokens is not None and min_tokens > max_tokens:
+        return f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})"
+    if min_tokens and response_format != "text":
+        # a grammar decides where its value ends; forbidding the stop tokens there leaves no token at all
+        return "min_tokens cannot be combined with a response_format: the grammar decides where the output ends"
+    return None
 
 
 def _is_number(value) -> bool:

@@ -545,13 +545,11 @@ class _Generation:
         self.last_time = now
         self.num_tokens += 1
         metrics.generation_tokens.inc()
-        text = ""
         is_stop_token = out.finish_reason == "stop" and out.token_id in self.stop_ids
-        if not is_stop_token or self.params.include_stop_str_in_output:  # else the stop token is not output
-            # a stop string counts only past min_tokens (vLLM's rule)
-            text = self.output.append(out.token_id, check_stop=out.index >= self.params.min_tokens)
-            if self.logprobs is not None and out.logprob is not None:
-                self.logprobs.append(self._logprob_entry(out.token_id, out.logprob, out.top_logprobs or []))
+        text = self.output.add(out.token_id, out.index, is_stop_token)
+        if self.logprobs is not None and out.logprob is not None and (not is_stop_token or self.output.include_stop):
+            # a stop token's logprob is output with its text only
+            self.logprobs.append(self._logprob_entry(out.token_id, out.logprob, out.top_logprobs or []))
         if self.output.stopped:
             self.finish_reason = "stop"
         elif out.finish_reason is not None:

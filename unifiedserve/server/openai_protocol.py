@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from unifiedserve.engine.params import MAX_ABS_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
+from unifiedserve.engine.params import MAX_ABS_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, min_tokens_problem
 
 
 def _valid_unicode(text: str) -> str:
@@ -189,13 +189,17 @@ class SamplingRequest(_Model):
         """The ``max_tokens`` the client sent (None: the server's default)."""
         return self.max_tokens
 
+    @property
+    def _response_format_kind(self) -> str:
+        return "text"
+
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> "SamplingRequest":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream: true")
-        limit = self.completion_limit
-        if limit is not None and self.min_tokens > limit:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({limit})")
+        problem = min_tokens_problem(self.min_tokens, self.completion_limit, self._response_format_kind)
+        if problem is not None:
+            raise ValueError(problem)
         self._check()
         for name, value in (self.model_extra or {}).items():
             if name in self._neutral:
@@ -231,15 +235,16 @@ class ChatCompletionRequest(SamplingRequest):
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def _response_format_kind(self) -> str:
+        return "text" if self.response_format is None else self.response_format.type
+
     def _check(self) -> None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
             raise ValueError(f"max_tokens ({self.max_tokens}) and max_completion_tokens ({self.max_completion_tokens}) "
                              f"disagree; send one of them")
-        if self.min_tokens and self.response_format is not None and self.response_format.type != "text":
-            raise ValueError("min_tokens cannot be combined with a response_format: the grammar decides where the "
-                             "output ends")
 
 
 #: Most token ids a ``/v1/completions`` prompt may list before its length is checked against the context (the
