@@ -236,10 +236,12 @@ class EngineCore:
                 # so its finished grammar masks nothing
                 previous = self._read_back()
                 samplers = [SamplerState(s.generator) if r in self._ended else s for r, s in zip(ids, samplers)]
-            # a row's token from the step not read back yet counts towards its min_tokens
-            waiting = self._pending.rows if self._pending is not None else {}
-            tokens = sample_tensor(rows, params, samplers,
-                                   suppressed([self.seqs[r] for r in ids], [r in waiting for r in ids]))
+            suppress = None
+            if any(p.min_tokens for p in params):  # nothing more per step for the common request
+                # a row's token from the step not read back yet counts towards its min_tokens
+                waiting = self._pending.rows if self._pending is not None else {}
+                suppress = suppressed([self.seqs[r] for r in ids], [r in waiting for r in ids])
+            tokens = sample_tensor(rows, params, samplers, suppress)
             launched = PendingStep.launch(ids, tokens, rows, params)  # copies queued before the next step
             if previous is None:
                 previous = self._read_back()
