@@ -21,6 +21,7 @@ from unifiedserve.engine.scheduler import GPU_TOKEN_BUDGETS, SchedulerConfig, se
 from unifiedserve.runtime.config import POLICIES, VISION_DEVICES, PoolBudgets, RuntimeConfig
 from unifiedserve.runtime.shm import DEFAULT_SHM_DIR
 from unifiedserve.runtime.worker import setup_logging
+from unifiedserve.server.http_protocol import uvicorn_options
 from unifiedserve.server.limits import QWEN_MAX_FRAMES, QWEN_MAX_PIXELS, BodySizeLimit, RequestLimits
 from unifiedserve.server.media import MediaPolicy
 
@@ -28,6 +29,7 @@ log = logging.getLogger("unifiedserve")
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 WORKER_DEATH_GRACE_S = 2.0  # /health reports unhealthy this long before the server exits
+OPEN_FILES_TARGET = 65536  # the soft limit the server asks for (client connections are descriptors)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -343,11 +345,30 @@ def run(args: argparse.Namespace) -> int:
     if ray_requested(args):  # replicas on Ray Serve (unifiedserve[ray]); only run_ray imports Ray
         return run_ray(args, limits)
     runtime = build_runtime(args)  # the flags' own contradictions first: nothing is spawned yet
+    raise_open_file_limit()
     sock = bind_socket(args.host, args.port)  # a port in use is one error line, before any worker starts
     try:
         return asyncio.run(_serve(runtime, args, limits, sock))
     finally:
         sock.close()
+
+
+def raise_open_file_limit(target: int = OPEN_FILES_TARGET) -> int:
+    """Raise this process's soft limit on open files towards ``target`` (never past the hard limit), as vLLM
+    does: each client connection is a descriptor, and Debian's default soft limit (1024) is reached by a few
+    hundred streams plus the runtime's own. Returns the soft limit now in force."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-file limit from %d to %d (%s): at most about %d connections",
+                        soft, wanted, e, soft)
+    return soft
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -597,7 +618,8 @@ async def _serve(runtime, args, limits: RequestLimits, sock: socket.socket | Non
         metrics = state.metrics
         app = BodySizeLimit(build_app(state), limits.max_request_bytes)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                               access_log=False, timeout_graceful_shutdown=5))
+                                               access_log=False, timeout_graceful_shutdown=5,
+                                               **uvicorn_options()))
         uvicorn_handle_exit = server.handle_exit
 
         def handle_exit(sig, frame):  # uvicorn's own signal handler while it serves

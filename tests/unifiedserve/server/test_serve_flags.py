@@ -128,3 +128,20 @@ def test_bind_socket_leaves_the_port_to_listen_on_later():
             bind_socket("127.0.0.1", port)
     finally:
         sock.close()
+
+
+@pytest.mark.parametrize("hard,target,expected", [(2048, 4096, 2048), (8192, 4096, 4096)])
+def test_the_open_file_limit_is_raised_within_the_hard_limit(hard, target, expected):
+    """In a child process (the limits are per process): a soft limit of 256 goes up to the target, never
+    past the hard limit."""
+    import resource
+
+    current = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if current != resource.RLIM_INFINITY and current < hard:
+        pytest.skip(f"this machine's hard limit on open files is {current}")
+    code = ("import resource; from unifiedserve.server.serve import raise_open_file_limit; "
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, (256, {hard})); "
+            f"print(raise_open_file_limit({target}), *resource.getrlimit(resource.RLIMIT_NOFILE))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(expected), str(expected), str(hard)]
