@@ -105,9 +105,10 @@ class Processor:
         return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                      eos_token=self.eos_token, pad_token=self.pad_token)
 
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text``; special tokens written in the text map to their ids."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text map to their ids. ``add_special_tokens``
+        adds what the tokenizer's post-processor adds (Qwen's add nothing; the chat template writes its own)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def expand_vision_tokens(self, ids: Sequence[int], image_grid_thws: Sequence[Sequence[int]] = (),
                              video_grid_thws: Sequence[Sequence[int]] = (), merge_size: int | None = None) -> list[int]:

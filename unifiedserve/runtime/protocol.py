@@ -68,6 +68,9 @@ class StageTimes(msgspec.Struct):
 class ProbeMedia(msgspec.Struct, tag=True):
     request_id: str
     media: list[MediaRef]
+    #: answer the grids and forget the request: nothing is decoded past what the probe itself needs (a
+    #: video's demux scan, an image's decode), nothing is held (``/tokenize``)
+    probe_only: bool = False
 
 
 class WritePatches(msgspec.Struct, tag=True):

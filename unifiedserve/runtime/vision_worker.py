@@ -175,6 +175,7 @@ class _Job:
     key_ids: dict[int, int] = field(default_factory=dict)  # media index -> FlashCodec request decoding it
     #: bytes charged to the decode-ahead bound per video started before admission (see _start_decodes)
     charged: dict[int, int] = field(default_factory=dict)
+    probe_only: bool = False  # ProbeMedia.probe_only: answered, then forgotten
 
     @property
     def is_done(self) -> bool:
@@ -246,7 +247,7 @@ class VisionWorker(Worker):
 
     def _handle(self, message) -> None:
         if isinstance(message, protocol.ProbeMedia):
-            job = _Job(message.request_id, message.media)
+            job = _Job(message.request_id, message.media, probe_only=message.probe_only)
             self.jobs[job.request_id] = job
             if any(ref.kind == "image" for ref in job.media):
                 self.probe_queue.append(job)  # its probe decodes its images: within the bound (_start_probes)
@@ -316,6 +317,12 @@ class VisionWorker(Worker):
             for key_id in job.key_ids.values():  # the request fails: its other videos stop too
                 self.engine.cancel(key_id)
             self.send("api", protocol.MediaFailed(request_id, message))
+        elif kind == "probed" and job.probe_only:  # the grids were all it asked for
+            plans, probe_s, analyses = payload
+            self.jobs.pop(request_id)
+            for _, analysis in analyses:
+                self.engine.cancel(analysis.key_id)
+            self.send("api", protocol.MediaProbed(request_id, plans, probe_s))
         elif kind == "probed":
             plans, probe_s, analyses = payload
             job.plans = plans

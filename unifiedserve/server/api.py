@@ -37,8 +37,8 @@ from unifiedserve.server.limits import MAX_CHARS_PER_TOKEN, LimitError, RequestL
 from unifiedserve.server.media import MediaError, MediaPolicy, check_declared_type, describe, resolve_media
 from unifiedserve.server.media_key import media_key
 from unifiedserve.server.metrics import Metrics
-from unifiedserve.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, ImagePart, TextPart, VideoPart,
-                                                 SamplingRequest, error_body)
+from unifiedserve.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ImagePart,
+                                                 SamplingRequest, TextPart, TokenizeRequest, VideoPart, error_body)
 
 log = logging.getLogger("unifiedserve")
 
@@ -165,6 +165,14 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         return await _completion(state, body, request)
 
+    @app.post("/tokenize", dependencies=[Depends(_auth)])
+    async def tokenize(body: TokenizeRequest, request: Request):
+        return await _tokenize(state, body, request)
+
+    @app.post("/detokenize", dependencies=[Depends(_auth)])
+    async def detokenize(body: DetokenizeRequest):
+        return await _detokenize(state, body)
+
     return app
 
 
@@ -185,13 +193,30 @@ def _num_in_api(client: EngineClient) -> int:
     return sum(1 for s in client.streams.values() if not s.added)
 
 
+def _other_model(state: ServerState, model: str | None) -> JSONResponse | None:
+    """A 404 for a request naming a model this server does not serve."""
+    if model is None or model == state.model_name:
+        return None
+    return _error(f"the model {model!r} does not exist; this server serves {state.model_name!r}", 404, "model")
+
+
+def _outside_vocabulary(ids: list[int], state: ServerState) -> str | None:
+    """What is wrong with token ids outside the model's vocabulary, or None."""
+    vocab = state.vocab_size if state.vocab_size is not None else state.processor.tokenizer.get_vocab_size()
+    bad = sorted({t for t in ids if t >= vocab})
+    if not bad:
+        return None
+    return (f"token id{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''} "
+            f"outside the vocabulary (ids 0..{vocab - 1})")
+
+
 def _refuse_early(state: ServerState, body: SamplingRequest) -> JSONResponse | None:
     """What refuses a request before any work: the server not serving, another model, too many choices, a
     ``logit_bias`` id outside the vocabulary."""
     if state.draining or state.client.fatal:
         return _error(f"the server is not serving: {state.client.fatal or 'shutting down'}", 503)
-    if body.model is not None and body.model != state.model_name:
-        return _error(f"the model {body.model!r} does not exist; this server serves {state.model_name!r}", 404, "model")
+    if (wrong := _other_model(state, body.model)) is not None:
+        return wrong
     if body.n > state.limits.max_n:
         return _error(f"n is {body.n}; this server returns at most {state.limits.max_n} choices per request "
                       f"(--max-n)", 400, "n")
@@ -252,22 +277,16 @@ def completion_prompt(state: ServerState, body: CompletionRequest) -> tuple[list
     """
     processor, max_len = state.processor, state.max_model_len
     if isinstance(body.prompt, str):
-        if len(body.prompt) > MAX_CHARS_PER_TOKEN * max_len:
-            raise LimitError(f"the prompt holds {len(body.prompt)} characters; this server accepts at most "
-                             f"{MAX_CHARS_PER_TOKEN * max_len} ({MAX_CHARS_PER_TOKEN} per token of its {max_len}-token "
-                             f"context, --max-model-len)", "prompt")
+        _check_prompt_chars(body.prompt, max_len)
         ids, text = processor.tokenize(body.prompt), body.prompt
     else:
         ids = body.prompt
         if len(ids) >= max_len:
             raise LimitError(f"the prompt has {len(ids)} token ids; this server's context holds {max_len} tokens "
                              f"(--max-model-len), the completion's included", "prompt")
-        vocab = state.vocab_size if state.vocab_size is not None else processor.tokenizer.get_vocab_size()
-        bad = sorted({t for t in ids if t >= vocab})
-        if bad:
-            raise ValueError(f"the prompt has token id{'s' if len(bad) > 1 else ''} "
-                             f"{', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''} outside the vocabulary "
-                             f"(ids 0..{vocab - 1})")
+        problem = _outside_vocabulary(ids, state)
+        if problem is not None:
+            raise ValueError(f"the prompt has {problem}")
         text = processor.decode(ids, skip_special_tokens=False) if body.echo else ""
     if not ids:
         raise ValueError("the prompt has no tokens")
@@ -276,6 +295,79 @@ def completion_prompt(state: ServerState, body: CompletionRequest) -> tuple[list
             raise ValueError(f"the prompt holds the {kind} placeholder token ({token_id}); /v1/completions takes text "
                              f"only: send media to /v1/chat/completions")
     return ids, text
+
+
+def _check_prompt_chars(prompt: str, max_len: int) -> None:
+    """Refuse a text prompt too long for the context at any tokenization, before it is tokenized."""
+    if len(prompt) > MAX_CHARS_PER_TOKEN * max_len:
+        raise LimitError(f"the prompt holds {len(prompt)} characters; this server accepts at most "
+                         f"{MAX_CHARS_PER_TOKEN * max_len} ({MAX_CHARS_PER_TOKEN} per token of its {max_len}-token "
+                         f"context, --max-model-len)", "prompt")
+
+
+async def _tokenize(state: ServerState, body: TokenizeRequest, request: Request):
+    """vLLM's ``/tokenize``: the ids the model would see. A prompt is tokenized as ``/v1/completions`` does;
+    messages are rendered as ``/v1/chat/completions`` renders them, and each image or video placeholder is
+    expanded to its visual tokens from the media's probe (vision scans a video's packets and decodes nothing
+    for it; the probe is cached, so a question sent next skips the scan). A count over ``--max-model-len``
+    is a 400 that gives the count (the same bound the generation endpoints apply)."""
+    if (wrong := _other_model(state, body.model)) is not None:
+        return wrong
+    processor = state.processor
+    try:
+        if body.prompt is not None:
+            _check_prompt_chars(body.prompt, state.max_model_len)
+            ids = await run_in_threadpool(processor.tokenize, body.prompt, body.add_special_tokens)
+        else:
+            check_message_sizes(*_message_sizes(body), state.max_model_len)
+            messages, media = await run_in_threadpool(convert_messages, body, state.media_policy, state.limits)
+            media = await run_in_threadpool(with_media_keys, media, state.model_name)
+            ids = await run_in_threadpool(_prompt_ids, processor, messages, media, body.add_generation_prompt,
+                                          body.add_special_tokens)
+            if media:
+                plans = await _probe_only(state, media, request)
+                _check_visual_tokens(state, plans, len(ids))
+                ids = processor.expand_vision_tokens(ids, [p.grid_thw for p in plans if p.kind == "image"],
+                                                     [p.grid_thw for p in plans if p.kind == "video"])
+    except LimitError as e:
+        return _error(str(e), e.status_code, e.param)
+    except RequestError as e:
+        return _error(e.message, e.status_code)
+    except (MediaError, ValueError) as e:
+        return _error(str(e), 400, "prompt" if body.prompt is not None else "messages")
+    except _Disconnected:
+        return Response(status_code=499)
+    token_strs = [processor.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": token_strs}
+
+
+async def _probe_only(state: ServerState, media: list[protocol.MediaRef], request: Request) -> list[protocol.MediaPlan]:
+    """The media's grids, probed by vision for no request: nothing is decoded past the probe or held."""
+    client = state.client
+    if state.draining or client.fatal:
+        raise RequestError(f"the server is not serving: {client.fatal or 'shutting down'}", 503)
+    request_id = f"tokenize-{uuid.uuid4().hex}"
+    stream = client.open(request_id)
+    probed = None
+    try:
+        probed = await _wait(client.probe(stream, media, probe_only=True), request)
+        return probed.plans
+    finally:
+        if probed is not None:
+            client.finish(request_id)  # vision forgot it when it answered
+        else:
+            client.abort(request_id)  # failed (vision forgot it too) or abandoned: cancel its probe
+
+
+async def _detokenize(state: ServerState, body: DetokenizeRequest):
+    """vLLM's ``/detokenize``: the text of the ids, special tokens kept."""
+    if (wrong := _other_model(state, body.model)) is not None:
+        return wrong
+    problem = _outside_vocabulary(body.tokens, state)
+    if problem is not None:
+        return _error(problem[0].upper() + problem[1:], 400, "tokens")
+    text = await run_in_threadpool(state.processor.decode, body.tokens, False)
+    return {"prompt": text}
 
 
 async def _respond(state: ServerState, body: SamplingRequest, request: Request, shape: "_Shape", arrival: float,
@@ -377,13 +469,14 @@ def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(params, seed=seed - 2**64 if seed >= 2**64 else seed)
 
 
-def _prompt_ids(processor: Any, messages: list[dict], media: list[protocol.MediaRef]) -> list[int]:
+def _prompt_ids(processor: Any, messages: list[dict], media: list[protocol.MediaRef], add_generation_prompt: bool = True,
+                add_special_tokens: bool = False) -> list[int]:
     """The rendered chat's token ids, with one image (video) placeholder per image (video) part of ``media``.
 
     Raises:
         ValueError: the message text itself holds a placeholder token (before any media is probed).
     """
-    ids = processor.tokenize(processor.render_chat(messages))
+    ids = processor.tokenize(processor.render_chat(messages, add_generation_prompt), add_special_tokens)
     for token_id, kind, text, article in ((processor.image_token_id, "image", IMAGE_PAD, "an"),
                                           (processor.video_token_id, "video", VIDEO_PAD, "a")):
         if ids.count(token_id) != sum(ref.kind == kind for ref in media):

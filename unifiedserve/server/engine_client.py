@@ -105,10 +105,13 @@ class EngineClient:
         stream = self.streams[request_id] = RequestStream(request_id)
         return stream
 
-    async def probe(self, stream: RequestStream, media: list[protocol.MediaRef]) -> protocol.MediaProbed:
+    async def probe(self, stream: RequestStream, media: list[protocol.MediaRef],
+                    probe_only: bool = False) -> protocol.MediaProbed:
+        """The media's grids from vision. ``probe_only``: vision then forgets the request (nothing is decoded
+        for it or held), so the stream is done once this returns (:meth:`finish` it)."""
         stream.has_media = True
         stream.probe = asyncio.get_running_loop().create_future()
-        self._send("vision", protocol.ProbeMedia(stream.request_id, media))
+        self._send("vision", protocol.ProbeMedia(stream.request_id, media, probe_only))
         return await stream.probe
 
     async def add(self, stream: RequestStream, message: protocol.AddRequest) -> None:

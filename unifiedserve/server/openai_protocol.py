@@ -285,6 +285,41 @@ class CompletionRequest(SamplingRequest):
                              "compute; send one of them")
 
 
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+class TokenizeRequest(_Model):
+    """vLLM's ``POST /tokenize``: the token ids the model would see for a ``prompt`` (as ``/v1/completions``
+    reads it) or for chat ``messages`` (as ``/v1/chat/completions`` renders them, each image and video
+    expanded to its visual tokens, counted from the media's probe, which decodes nothing).
+
+    ``add_special_tokens`` (off by default, as the generation endpoints tokenize) adds what the tokenizer's
+    post-processor adds; Qwen's tokenizers add nothing either way. ``return_token_strs`` adds each token's
+    string (its vocabulary entry)."""
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_generation_prompt: bool = True  # messages only: end with the assistant's turn opening
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt or messages")
+        if self.prompt is not None and "add_generation_prompt" in self.model_fields_set:
+            raise ValueError("add_generation_prompt applies to messages, not to a prompt")
+        return self
+
+
+class DetokenizeRequest(_Model):
+    """vLLM's ``POST /detokenize``: the text of token ids (special tokens kept, as vLLM's)."""
+
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
+
+
 def error_body(message: str, status_code: int, param: str | None = None) -> dict[str, Any]:
     """OpenAI's error object."""
     kind = ("invalid_request_error" if status_code < 500 and status_code not in (401, 404)

@@ -606,3 +606,25 @@ def test_on_a_gpu_images_are_decoded_and_cut_there(tmp_path, demo_model, image_f
         assert torch.all(written[offset:] == SENTINEL)
     finally:
         worker.close()
+
+
+def test_a_probe_only_request_is_answered_and_forgotten(tmp_path, demo_model, clips):
+    """``/tokenize``'s probe: the same grids as a request's probe, then nothing kept, queued or decoded
+    (the videos' analyses are dropped from the decode engine, no bytes are held ahead)."""
+    worker = make_worker(tmp_path, demo_model, streaming=True, delay_s=0.05)
+    try:
+        worker.handle(protocol.ProbeMedia("t1", clips, probe_only=True))
+        pump(worker, lambda: messages(worker, protocol.MediaProbed))
+        only = messages(worker, protocol.MediaProbed)[0]
+        assert only.request_id == "t1" and [p.kind for p in only.plans] == ["video", "image", "video"]
+        assert not worker.jobs and not worker.waiting and worker.held_bytes == 0 and worker.in_flight == 0
+        assert not worker.engine._analyses, "the videos' analyses are forgotten, never decoded"
+        for _ in range(20):  # nothing starts later either
+            worker.step()
+        assert worker.in_flight == 0 and not messages(worker, protocol.MediaReady)
+        worker.handle(protocol.CancelMedia("t1"))  # the api's abort after the answer is harmless
+        worker.sent.clear()
+        plans = run_request(worker, clips, pages=list(range(NUM_PAGES)))  # a real request: the same grids
+        assert plans == only.plans
+    finally:
+        worker.close()

@@ -118,7 +118,7 @@ def test_visual_tokens_over_the_context_are_refused_before_expansion(processor, 
 def test_text_that_cannot_fit_is_refused_before_tokenizing(processor, media_dir, monkeypatch):
     http, client = make_api(processor, media_dir, max_model_len=100)  # 3200 characters at most
     tokenized = []
-    monkeypatch.setattr(processor, "tokenize", lambda text: tokenized.append(text) or [1])
+    monkeypatch.setattr(processor, "tokenize", lambda text, *_: tokenized.append(text) or [1])
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 3201}]})
     assert r.status_code == 400 and "3201 characters" in r.json()["error"]["message"] and "--max-model-len" in r.text
     r = http.post("/v1/chat/completions", json=chat({"type": "text", "text": "y" * 3200}))  # parts count too
@@ -132,7 +132,7 @@ def test_many_messages_or_parts_are_refused_before_rendering(processor, media_di
     http, client = make_api(processor, media_dir, max_model_len=100)
     rendered = []
     real = processor.render_chat
-    monkeypatch.setattr(processor, "render_chat", lambda messages: rendered.append(1) or real(messages))
+    monkeypatch.setattr(processor, "render_chat", lambda messages, *a: rendered.append(1) or real(messages, *a))
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": ""}] * 26})
     assert r.status_code == 400 and "26 messages" in r.json()["error"]["message"] and "at most 25 fit" in r.text
     r = http.post("/v1/chat/completions", json=chat(*[{"type": "text", "text": ""}] * 100))  # 101 parts
