@@ -47,6 +47,16 @@ class Client:
         finally:
             conn.close()
 
+    def send_bytes(self, request: bytes, timeout: float = 30.0) -> tuple[int, bytes]:
+        """``request`` sent as it is; the status and body of the answer, read until the server closes."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as sock:
+            sock.sendall(request)
+            answer = b""
+            while part := sock.recv(65536):
+                answer += part
+        head, _, body = answer.partition(b"\r\n\r\n")
+        return int(head.split(b" ", 2)[1]), body
+
     def chat(self, body: dict, **kw) -> tuple[int, dict | str]:
         status, raw = self.raw("POST", "/v1/chat/completions", json.dumps(body).encode(), **kw)
         try:
@@ -134,6 +144,12 @@ def build_cases(media: dict[str, Path], outside: Path) -> list[tuple[str, dict |
         ("lower-case bearer", None, ok, None),
         ("no API key", None, {401}, None),
         ("GET on the chat route", None, {405}, None),
+        # framing that does not parse never reaches the app: the HTTP layer answers it
+        ("malformed request line", None, bad, None),
+        ("illegal header line", None, bad, None),
+        ("broken chunked body", None, bad, None),
+        ("1 MB of headers", None, {431, -1}, None),  # -1: reset, the server closed with the rest unread
+        ("half a head, then silence", None, {408}, None),  # answered after the server's 30-s head timeout
         ("min_tokens 1e9", {"messages": text, "min_tokens": 10**9}, bad, None),
         ("min_tokens with a JSON grammar", {"messages": text, "min_tokens": 2,
                                             "response_format": {"type": "json_object"}}, bad, None),
@@ -145,6 +161,11 @@ def build_cases(media: dict[str, Path], outside: Path) -> list[tuple[str, dict |
         ("completion: an image placeholder", None, bad, None),
         ("completion: a batch of prompts", None, bad, None),
         ("completion: echo with logprobs", None, bad, None),
+        # vLLM's /tokenize and /detokenize
+        ("tokenize: 10 MB prompt", None, {400, 413}, None),
+        ("tokenize: a file outside the media root", None, bad, str(outside.parent)),
+        ("detokenize: 2M token ids", None, {400, 413}, None),
+        ("detokenize: an id past the vocabulary", None, bad, None),
     ]
     return cases
 
@@ -161,8 +182,32 @@ COMPLETIONS = {
 }
 
 
-def special(client: Client, name: str) -> tuple[int, bytes]:
+#: raw requests whose HTTP framing is broken (``special`` sends them as they are)
+FRAMING = {
+    "malformed request line": b"\x00\x01 not HTTP at all\r\n\r\n",
+    "illegal header line": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n",
+    "broken chunked body": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                           b"Content-Type: application/json\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+    "1 MB of headers": b"GET /health HTTP/1.1\r\nHost: x\r\n" + (b"x-filler: " + b"a" * 4000 + b"\r\n") * 256
+                       + b"\r\n",
+}
+
+
+#: the /tokenize and /detokenize cases: (path, body)
+TOKENIZE = {
+    "tokenize: 10 MB prompt": ("/tokenize", {"prompt": "word " * 2_000_000}),
+    "detokenize: 2M token ids": ("/detokenize", {"tokens": [5] * 2_000_000}),
+    "detokenize: an id past the vocabulary": ("/detokenize", {"tokens": [5, 2**31 - 1]}),
+}
+
+
+def special(client: Client, name: str, outside: Path | None = None) -> tuple[int, bytes]:
     text = [{"role": "user", "content": "hi"}]
+    if name in TOKENIZE:
+        path, body = TOKENIZE[name]
+        return client.raw("POST", path, json.dumps(body).encode())
+    if name == "tokenize: a file outside the media root":
+        return client.raw("POST", "/tokenize", json.dumps({"messages": user(video_part(f"file://{outside}"))}).encode())
     if name in COMPLETIONS:
         return client.raw("POST", "/v1/completions", json.dumps(COMPLETIONS[name]).encode())
     if name == "lone surrogate in text":
@@ -216,6 +261,10 @@ def special(client: Client, name: str) -> tuple[int, bytes]:
                           headers={"Authorization": None})
     if name == "GET on the chat route":
         return client.raw("GET", "/v1/chat/completions")
+    if name in FRAMING:
+        return client.send_bytes(FRAMING[name])
+    if name == "half a head, then silence":
+        return client.send_bytes(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Ty", timeout=90)
     raise AssertionError(name)
 
 
@@ -314,7 +363,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             try:
                 if body is None:
-                    status, raw = special(client, name)
+                    status, raw = special(client, name, outside)
                     shown = raw.decode(errors="replace")
                 else:
                     status, parsed = client.chat(body)
