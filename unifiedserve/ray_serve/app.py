@@ -34,6 +34,9 @@ from unifiedserve.server.openai_protocol import error_body
 log = logging.getLogger("unifiedserve")
 
 REPLICA_HEADER = "x-unifiedserve-replica"
+#: POST routes keyed by their first media: a chat question, and /tokenize, whose probe then warms the probe
+#: cache of the replica the same video's questions go to
+MEDIA_ROUTED_PATHS = ("/v1/chat/completions", "/tokenize")
 ROUTERS_BY_NAME = {"media-affinity": "unifiedserve.ray_serve.router.MediaAffinityRouter",
                    "serve-default": None}  # None: Serve's own power-of-two-choices router
 MAX_ATTEMPTS = 3  # replicas tried for one request whose runtime refuses it (dead workers)
@@ -230,7 +233,7 @@ class Ingress:
         if isinstance(body, Response):
             return body
         key = None
-        if request.method == "POST" and request.url.path == "/v1/chat/completions":
+        if request.method == "POST" and request.url.path in MEDIA_ROUTED_PATHS:
             # a body with inline media (data: payloads to hash) is keyed off the event loop; a small one
             # (URLs, local paths: a stat) costs less than the thread hop
             small = len(body) <= INLINE_KEY_BYTES

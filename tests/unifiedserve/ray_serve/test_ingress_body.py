@@ -79,3 +79,41 @@ def test_a_body_within_the_limit_is_read_whole():
     assert response == b'{"messages":[]}'
     response, _ = ray_ingress([], [b"x" * 100])
     assert response == b"x" * 100
+
+
+@pytest.mark.parametrize("path,keyed", [("/v1/chat/completions", True), ("/tokenize", True),
+                                        ("/v1/completions", False)])
+def test_chat_and_tokenize_are_routed_by_their_first_media(tmp_path, path, keyed):
+    """A video's /tokenize goes where its questions go (its probe warms that replica's probe cache)."""
+    import json
+    from pathlib import Path
+
+    from unifiedserve.server.media import MediaPolicy
+
+    video = tmp_path / "clip.mp4"
+    video.write_bytes(b"not decoded here: the key is the file's identity")
+    body = json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": f"file://{video}"}}]}]}).encode()
+    hints = []
+
+    class Replicas:
+        class forward:  # noqa: N801 (the handle's method)
+            @staticmethod
+            def remote(call, routing):
+                hints.append(routing)
+
+                async def nothing():
+                    return
+                    yield
+
+                return nothing()
+
+    ingress = Ingress.__new__(Ingress)
+    ingress.limits, ingress.model_name = RequestLimits(), "demo"
+    ingress.policy = MediaPolicy(Path(tmp_path))
+    ingress.replicas = Replicas
+    receive, _ = feeder([body])
+    request = Request({**scope([(b"content-length", str(len(body)).encode())]), "path": path}, receive)
+    response = asyncio.run(ingress(request))
+    assert response.status_code == 502  # the stand-in replica ended without answering
+    assert (hints[0].key is not None) == keyed
