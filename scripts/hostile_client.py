@@ -163,7 +163,7 @@ def build_cases(media: dict[str, Path], outside: Path) -> list[tuple[str, dict |
         ("completion: echo with logprobs", None, bad, None),
         # vLLM's /tokenize and /detokenize
         ("tokenize: 10 MB prompt", None, {400, 413}, None),
-        ("tokenize: a file outside the media root", None, bad, str(outside.parent)),
+        ("tokenize: a symlink escaping the media root", None, bad, str(outside.parent)),
         ("detokenize: 2M token ids", None, {400, 413}, None),
         ("detokenize: an id past the vocabulary", None, bad, None),
     ]
@@ -201,13 +201,14 @@ TOKENIZE = {
 }
 
 
-def special(client: Client, name: str, outside: Path | None = None) -> tuple[int, bytes]:
+def special(client: Client, name: str, media: dict[str, Path] | None = None) -> tuple[int, bytes]:
     text = [{"role": "user", "content": "hi"}]
     if name in TOKENIZE:
         path, body = TOKENIZE[name]
         return client.raw("POST", path, json.dumps(body).encode())
-    if name == "tokenize: a file outside the media root":
-        return client.raw("POST", "/tokenize", json.dumps({"messages": user(video_part(f"file://{outside}"))}).encode())
+    if name == "tokenize: a symlink escaping the media root":  # the target's folder must not show
+        body = {"messages": user(video_part(f"file://{media['escape']}"))}
+        return client.raw("POST", "/tokenize", json.dumps(body).encode())
     if name in COMPLETIONS:
         return client.raw("POST", "/v1/completions", json.dumps(COMPLETIONS[name]).encode())
     if name == "lone surrogate in text":
@@ -363,7 +364,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             try:
                 if body is None:
-                    status, raw = special(client, name, outside)
+                    status, raw = special(client, name, media)
                     shown = raw.decode(errors="replace")
                 else:
                     status, parsed = client.chat(body)

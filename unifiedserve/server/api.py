@@ -444,8 +444,9 @@ async def _respond(state: ServerState, body: SamplingRequest, request: Request, 
                                     index=index, response_id=request_id, shape=shape, echo=echo))
         started = True
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(state, gens, include_usage), media_type="text/event-stream",
+            options = body.stream_options
+            return StreamingResponse(_sse(state, gens, bool(options and options.include_usage),
+                                          bool(options and options.continuous_usage_stats)), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _complete(state, gens, request)
     except _Disconnected:  # the client went away: nobody reads this
@@ -803,24 +804,30 @@ async def _arrivals(gens: list[_Generation]):
             task.cancel()
 
 
-async def _sse(state: ServerState, gens: list[_Generation], include_usage: bool):
+async def _sse(state: ServerState, gens: list[_Generation], include_usage: bool, continuous_usage: bool = False):
     """The response as server-sent events: each choice's role, one event per token (tagged with the choice's
-    index; choices interleave as their tokens come), each choice's finish event, the usage, ``[DONE]``."""
+    index; choices interleave as their tokens come), each choice's finish event, the usage, ``[DONE]``.
+    ``continuous_usage`` (vLLM's ``continuous_usage_stats``): each choice's events carry its usage so far."""
     done = False
+
+    def so_far(g: _Generation) -> dict[str, int] | None:
+        return _usage([g]) if continuous_usage else None
+
     try:
         for g in gens:
             if g.shape.chat:
-                yield g._chunk({"role": "assistant", "content": ""})
+                yield g._chunk({"role": "assistant", "content": ""}, usage=so_far(g))
             elif g.echo:
-                yield g._chunk({"content": g.echo})
+                yield g._chunk({"content": g.echo}, usage=so_far(g))
         sent = [0] * len(gens)  # logprob entries already streamed, per choice
         async for g, out in _arrivals(gens):
             text = g.consume(out)
             if text or g.finish_reason is None:  # one event per token, even with no visible text yet
-                yield g._chunk({"content": text}, logprobs=g._new_logprobs(sent[g.index]))
+                yield g._chunk({"content": text}, usage=so_far(g), logprobs=g._new_logprobs(sent[g.index]))
                 sent[g.index] = len(g.logprobs or ())
             if g.finish_reason is not None:
-                yield g._chunk({}, g.finish_reason, logprobs=g._new_logprobs(sent[g.index]) or None)
+                yield g._chunk({}, g.finish_reason, usage=so_far(g),
+                               logprobs=g._new_logprobs(sent[g.index]) or None)
         if include_usage:
             yield gens[0]._chunk(None, usage=_usage(gens))
         yield "data: [DONE]\n\n"

@@ -79,7 +79,15 @@ class ChatMessage(_Model):
 
 
 class StreamOptions(_Model):
-    include_usage: bool = False
+    include_usage: bool = False  # a last event with the response's usage (OpenAI)
+    #: vLLM's: every choice's event also carries that choice's usage so far (needs include_usage, as in vLLM)
+    continuous_usage_stats: bool = False
+
+    @model_validator(mode="after")
+    def _continuous_needs_usage(self) -> "StreamOptions":
+        if self.continuous_usage_stats and not self.include_usage:
+            raise ValueError("continuous_usage_stats needs include_usage: true")
+        return self
 
 
 class TextFormat(_Model):

@@ -14,7 +14,8 @@ import pytest
 import uvicorn
 
 from unifiedserve.server import http_protocol as protocol_module
-from unifiedserve.server.http_protocol import MAX_HEAD_BYTES, MAX_REASON_CHARS, error_response, http_protocol, uvicorn_options
+from unifiedserve.server.http_protocol import (MAX_HEAD_BYTES, MAX_REASON_CHARS, error_response, http_protocol,
+                                               uvicorn_options)
 
 BROKEN = {
     "request line": b"\x00\x01 not HTTP at all\r\n\r\n",
@@ -42,7 +43,8 @@ async def app(scope, receive, send):
                     "headers": [(b"content-length", str(len(text)).encode())]})
         await send({"type": "http.response.body", "body": text})
         return
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain"), (b"content-length", b"4")]})
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/plain"), (b"content-length", b"4")]})
     await send({"type": "http.response.body", "body": b"fine"})
 
 

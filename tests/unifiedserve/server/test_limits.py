@@ -173,6 +173,8 @@ def test_stop_strings_and_top_k_are_bounded(processor, media_dir):
     ({"metadata": [1, 2]}, "metadata: Input should be a valid dictionary"),
     ({"metadata": {"k": 1}}, "metadata.k: Input should be a valid string"),
     ({"stream_options": {"include_usage": True}}, "stream_options needs stream: true"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "continuous_usage_stats needs include_usage: true"),
     ({"max_tokens": 3, "max_completion_tokens": 7}, "max_tokens (3) and max_completion_tokens (7) disagree"),
 ])
 def test_types_are_strict_and_fields_consistent(processor, media_dir, fields, needle):

@@ -72,6 +72,16 @@ def test_a_completion_is_the_engines_continuation_of_the_prompt(server, client, 
                                               "stream_options": {"include_usage": True}})
     assert texts == {0: ref.text} and reasons == {0: "length"}
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 16
+    # vLLM's continuous_usage_stats: every choice's event carries its usage so far, 2 choices counted apart
+    events, texts, _ = _stream(server, {"prompt": PROMPT, "temperature": 0, "ignore_eos": True, "n": 2,
+                                        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert texts == {0: ref.text, 1: ref.text}
+    for index in (0, 1):  # an event per arrival (tokens that arrive together share one), then the finish event
+        counts = [e["usage"]["completion_tokens"] for e in events for c in e["choices"] if c["index"] == index]
+        assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 16 and len(counts) > 2
+    assert all(e["usage"]["prompt_tokens"] == len(ids) and e["usage"]["total_tokens"] == len(ids) +
+               e["usage"]["completion_tokens"] for e in events)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 32
     server.wait_idle()
 
 
@@ -141,4 +151,19 @@ def test_neutral_fields_are_accepted(server):
     got, answer = http("POST", server.url + "/v1/completions",
                        {"prompt": "hi", "max_tokens": 2, "suffix": None, "best_of": 1, "user": "u1"})
     assert got == 200 and answer["usage"]["completion_tokens"] <= 2, answer
+    server.wait_idle()
+
+
+def test_chat_streams_carry_continuous_usage_from_the_role_event(server):
+    conn = httplib.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"}, body=json.dumps({
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+    resp = conn.getresponse()
+    events = [json.loads(line[6:]) for line in resp.read().decode().splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    conn.close()
+    counts = [e["usage"]["completion_tokens"] for e in events]  # role, tokens' arrivals, finish, usage
+    assert counts == sorted(counts) and counts[0] == 0 and counts[1] >= 1 and counts[-2:] == [4, 4]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant" and events[-1]["choices"] == []
     server.wait_idle()
