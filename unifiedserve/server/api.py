@@ -341,7 +341,8 @@ async def _tokenize(state: ServerState, body: TokenizeRequest, request: Request)
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": token_strs}
 
 
-async def _probe_only(state: ServerState, media: list[protocol.MediaRef], request: Request) -> list[protocol.MediaPlan]:
+async def _probe_only(state: ServerState, media: list[protocol.MediaRef],
+                      request: Request) -> list[protocol.MediaPlan]:
     """The media's grids, probed by vision for no request: nothing is decoded past the probe or held."""
     client = state.client
     if state.draining or client.fatal:
@@ -445,8 +446,9 @@ async def _respond(state: ServerState, body: SamplingRequest, request: Request, 
         started = True
         if body.stream:
             options = body.stream_options
-            return StreamingResponse(_sse(state, gens, bool(options and options.include_usage),
-                                          bool(options and options.continuous_usage_stats)), media_type="text/event-stream",
+            events = _sse(state, gens, bool(options and options.include_usage),
+                          bool(options and options.continuous_usage_stats))
+            return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _complete(state, gens, request)
     except _Disconnected:  # the client went away: nobody reads this
@@ -470,8 +472,8 @@ def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(params, seed=seed - 2**64 if seed >= 2**64 else seed)
 
 
-def _prompt_ids(processor: Any, messages: list[dict], media: list[protocol.MediaRef], add_generation_prompt: bool = True,
-                add_special_tokens: bool = False) -> list[int]:
+def _prompt_ids(processor: Any, messages: list[dict], media: list[protocol.MediaRef],
+                add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
     """The rendered chat's token ids, with one image (video) placeholder per image (video) part of ``media``.
 
     Raises:
