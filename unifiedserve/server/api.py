@@ -807,8 +807,10 @@ async def _arrivals(gens: list[_Generation]):
 
 
 async def _sse(state: ServerState, gens: list[_Generation], include_usage: bool, continuous_usage: bool = False):
-    """The response as server-sent events: each choice's role, one event per token (tagged with the choice's
-    index; choices interleave as their tokens come), each choice's finish event, the usage, ``[DONE]``.
+    """The response as server-sent events: each choice's role, one event per arrival of its tokens (tagged
+    with the choice's index; choices interleave as their tokens come; tokens that arrive together share an
+    event, and a last token with no visible text rides on the finish event), each choice's finish event, the
+    usage, ``[DONE]``.
     ``continuous_usage`` (vLLM's ``continuous_usage_stats``): each choice's events carry its usage so far."""
     done = False
 
@@ -824,7 +826,7 @@ async def _sse(state: ServerState, gens: list[_Generation], include_usage: bool,
         sent = [0] * len(gens)  # logprob entries already streamed, per choice
         async for g, out in _arrivals(gens):
             text = g.consume(out)
-            if text or g.finish_reason is None:  # one event per token, even with no visible text yet
+            if text or g.finish_reason is None:  # an event per arrival, even with no visible text yet
                 yield g._chunk({"content": text}, usage=so_far(g), logprobs=g._new_logprobs(sent[g.index]))
                 sent[g.index] = len(g.logprobs or ())
             if g.finish_reason is not None:
