@@ -9,8 +9,6 @@ import json
 import pathlib
 import socket
 import sys
-import threading
-import time
 
 import pytest
 import uvicorn
@@ -23,6 +21,7 @@ if str(ROOT / "bench" / "serve") not in sys.path:
 
 import bench_serve as bs  # noqa: E402
 from bench_serve import RequestRecord  # noqa: E402
+from uvicorn_thread import uvicorn_in_thread  # noqa: E402
 
 # ---------------------------------------------------------------------------
 # compute_metrics on records with known answers
@@ -150,19 +149,8 @@ def fake_app(received: list):
 def server():
     """``(base_url, received request bodies)``; the list is cleared for each test."""
     received: list = []
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(fake_app(received), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not srv.started:
-        assert time.monotonic() < deadline, "fake server did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", received
-    srv.should_exit = True
-    thread.join(timeout=5)
-    sock.close()
+    with uvicorn_in_thread(uvicorn.Config(fake_app(received), log_level="warning", lifespan="off")) as port:
+        yield f"http://127.0.0.1:{port}", received
 
 
 @pytest.fixture

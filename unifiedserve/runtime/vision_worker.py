@@ -303,10 +303,16 @@ class VisionWorker(Worker):
         if kind in ("probed", "failed"):  # (a decode's failure comes after its probe's end: a no-op then)
             self.image_probing.discard(request_id)
         job = self.jobs.get(request_id)
+        if kind == "probed" and (job is None or job.probe_only):
+            # cancelled meanwhile, or the grids were all it asked for: its videos were analysed but will never
+            # be decoded, so forget them
+            for _, analysis in payload[2]:
+                self.engine.cancel(analysis.key_id)
+            if job is not None:
+                self.jobs.pop(request_id)
+                self.send("api", protocol.MediaProbed(request_id, *payload[:2]))
+            return
         if job is None:  # cancelled meanwhile
-            if kind == "probed":  # its videos were analysed but will never be decoded: forget them
-                for _, analysis in payload[2]:
-                    self.engine.cancel(analysis.key_id)
             return
         if kind == "failed":
             message, index = payload
@@ -317,12 +323,6 @@ class VisionWorker(Worker):
             for key_id in job.key_ids.values():  # the request fails: its other videos stop too
                 self.engine.cancel(key_id)
             self.send("api", protocol.MediaFailed(request_id, message))
-        elif kind == "probed" and job.probe_only:  # the grids were all it asked for
-            plans, probe_s, analyses = payload
-            self.jobs.pop(request_id)
-            for _, analysis in analyses:
-                self.engine.cancel(analysis.key_id)
-            self.send("api", protocol.MediaProbed(request_id, plans, probe_s))
         elif kind == "probed":
             plans, probe_s, analyses = payload
             job.plans = plans

@@ -213,8 +213,8 @@ def _outside_vocabulary(ids: list[int], state: ServerState) -> str | None:
 def _refuse_early(state: ServerState, body: SamplingRequest) -> JSONResponse | None:
     """What refuses a request before any work: the server not serving, another model, too many choices, a
     ``logit_bias`` id outside the vocabulary."""
-    if state.draining or state.client.fatal:
-        return _error(f"the server is not serving: {state.client.fatal or 'shutting down'}", 503)
+    if (why := _not_serving(state)) is not None:
+        return _error(why, 503)
     if (wrong := _other_model(state, body.model)) is not None:
         return wrong
     if body.n > state.limits.max_n:
@@ -240,17 +240,44 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
             return _error(f"invalid response_format: {e}", 400, "response_format")
     arrival = time.time()
     try:
-        check_message_sizes(*_message_sizes(body), state.max_model_len)
-        messages, media = await run_in_threadpool(convert_messages, body, state.media_policy, state.limits)
-        media = await run_in_threadpool(with_media_keys, media, state.model_name)
-        # off the event loop: a long prompt's template and tokenizer take long enough to stall other streams
-        prompt_ids = await run_in_threadpool(_prompt_ids, state.processor, messages, media)
+        prompt_ids, media = await _chat_prompt(state, body)
     except LimitError as e:
         return _error(str(e), e.status_code, e.param)
     except (MediaError, ValueError) as e:
         return _error(str(e), 400, "messages")
     return await _respond(state, body, request, _CHAT, arrival, prompt_ids, media,
                           (body.top_logprobs or 0) if body.logprobs else None, response_format)
+
+
+async def _chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeRequest,
+                       add_generation_prompt: bool = True,
+                       add_special_tokens: bool = False) -> tuple[list[int], list[protocol.MediaRef]]:
+    """The messages' token ids (one placeholder per media) and their media, keyed; sizes checked first.
+
+    Raises:
+        LimitError, MediaError, ValueError: as :func:`check_message_sizes`, :func:`convert_messages`,
+            :func:`with_media_keys` and :func:`_prompt_ids` raise them.
+    """
+    check_message_sizes(*_message_sizes(body), state.max_model_len)
+    messages, media = await run_in_threadpool(convert_messages, body, state.media_policy, state.limits)
+    media = await run_in_threadpool(with_media_keys, media, state.model_name)
+    # off the event loop: a long prompt's template and tokenizer take long enough to stall other streams
+    ids = await run_in_threadpool(_prompt_ids, state.processor, messages, media, add_generation_prompt,
+                                  add_special_tokens)
+    return ids, media
+
+
+def _expanded(state: ServerState, prompt_ids: list[int], plans: list[protocol.MediaPlan]) -> list[int]:
+    """``prompt_ids`` with each media's placeholder expanded to its visual tokens (from the probed grids)."""
+    return state.processor.expand_vision_tokens(prompt_ids, [p.grid_thw for p in plans if p.kind == "image"],
+                                                [p.grid_thw for p in plans if p.kind == "video"])
+
+
+def _not_serving(state: ServerState) -> str | None:
+    """Why the server takes no work now (a worker died, or it is shutting down), or None."""
+    if state.draining or state.client.fatal:
+        return f"the server is not serving: {state.client.fatal or 'shutting down'}"
+    return None
 
 
 async def _completion(state: ServerState, body: CompletionRequest, request: Request):
@@ -319,16 +346,11 @@ async def _tokenize(state: ServerState, body: TokenizeRequest, request: Request)
             _check_prompt_chars(body.prompt, state.max_model_len)
             ids = await run_in_threadpool(processor.tokenize, body.prompt, body.add_special_tokens)
         else:
-            check_message_sizes(*_message_sizes(body), state.max_model_len)
-            messages, media = await run_in_threadpool(convert_messages, body, state.media_policy, state.limits)
-            media = await run_in_threadpool(with_media_keys, media, state.model_name)
-            ids = await run_in_threadpool(_prompt_ids, processor, messages, media, body.add_generation_prompt,
-                                          body.add_special_tokens)
+            ids, media = await _chat_prompt(state, body, body.add_generation_prompt, body.add_special_tokens)
             if media:
                 plans = await _probe_only(state, media, request)
                 _check_visual_tokens(state, plans, len(ids))
-                ids = processor.expand_vision_tokens(ids, [p.grid_thw for p in plans if p.kind == "image"],
-                                                     [p.grid_thw for p in plans if p.kind == "video"])
+                ids = _expanded(state, ids, plans)
     except LimitError as e:
         return _error(str(e), e.status_code, e.param)
     except RequestError as e:
@@ -345,8 +367,8 @@ async def _probe_only(state: ServerState, media: list[protocol.MediaRef],
                       request: Request) -> list[protocol.MediaPlan]:
     """The media's grids, probed by vision for no request: nothing is decoded past the probe or held."""
     client = state.client
-    if state.draining or client.fatal:
-        raise RequestError(f"the server is not serving: {client.fatal or 'shutting down'}", 503)
+    if (why := _not_serving(state)) is not None:
+        raise RequestError(why, 503)
     request_id = f"tokenize-{uuid.uuid4().hex}"
     stream = client.open(request_id)
     probed = None
@@ -392,8 +414,7 @@ async def _respond(state: ServerState, body: SamplingRequest, request: Request, 
             probed = await _wait(client.probe(stream, media), request)
             plans, probe_s = probed.plans, time.time() - t0
         _check_visual_tokens(state, plans, len(prompt_ids), shape.prompt_name)  # before expanding: a huge grid costs nothing yet
-        prompt_ids = state.processor.expand_vision_tokens(
-            prompt_ids, [p.grid_thw for p in plans if p.kind == "image"], [p.grid_thw for p in plans if p.kind == "video"])
+        prompt_ids = _expanded(state, prompt_ids, plans)
         prompt_len = len(prompt_ids)
         max_tokens = body.completion_limit
         room = state.max_model_len - prompt_len

@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 
 import pytest
 import uvicorn
 
 from unifiedserve.server import http_protocol as protocol_module
+from uvicorn_thread import uvicorn_in_thread
 from unifiedserve.server.http_protocol import (MAX_HEAD_BYTES, MAX_REASON_CHARS, error_response, http_protocol,
                                                uvicorn_options)
 
@@ -48,13 +48,19 @@ async def app(scope, receive, send):
     await send({"type": "http.response.body", "body": b"fine"})
 
 
+def read_all(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes."""
+    answer = b""
+    while part := sock.recv(65536):
+        answer += part
+    return answer
+
+
 def exchange(port: int, request: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(request)
         sock.shutdown(socket.SHUT_WR)
-        answer = b""
-        while part := sock.recv(65536):
-            answer += part
+        answer = read_all(sock)
     head, _, body = answer.partition(b"\r\n\r\n")
     lines = head.split(b"\r\n")
     headers = dict(line.lower().split(b": ", 1) for line in lines[1:])
@@ -69,19 +75,9 @@ def server(request):
         pytest.importorskip("httptools")
     if loop == "uvloop":
         pytest.importorskip("uvloop")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="critical", loop=loop, **uvicorn_options(implementation)))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not srv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    yield sock.getsockname()[1]
-    srv.should_exit = True
-    thread.join(10)
-    sock.close()
+    with uvicorn_in_thread(uvicorn.Config(app, log_level="critical", loop=loop,
+                                          **uvicorn_options(implementation))) as port:
+        yield port
 
 
 @pytest.mark.parametrize("broken", sorted(BROKEN))
@@ -152,9 +148,7 @@ def test_a_head_past_the_cap_gets_431_and_the_server_goes_on(server):
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n" + headers_of(MAX_HEAD_BYTES - 4096))
         time.sleep(0.2)  # read by the server before the rest comes: nothing unread when it closes
         sock.sendall(headers_of(8192))
-        answer = b""
-        while part := sock.recv(65536):
-            answer += part
+        answer = read_all(sock)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 431 ")
     error = json.loads(body)["error"]
@@ -179,13 +173,6 @@ def test_endless_headers_are_cut_off_not_kept(server):
             pass
     assert sent < 32 * 2**20 or answer.startswith(b"HTTP/1.1 431 ")
     assert not answer.startswith(b"HTTP/1.1 200")
-
-
-def read_all(sock: socket.socket) -> bytes:
-    answer = b""
-    while part := sock.recv(65536):
-        answer += part
-    return answer
 
 
 def test_a_head_that_never_ends_is_timed_out(server, monkeypatch):
