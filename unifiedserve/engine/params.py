@@ -176,13 +176,22 @@ def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
+def outside_vocabulary(ids, vocab_size: int) -> str | None:
+    """``"token id(s) a, b ... outside the vocabulary (ids 0..N)"`` for the ``ids`` at or past ``vocab_size`` (the
+    model's logits' width; the first five named), or None when there are none."""
+    bad = sorted({token for token in ids if token >= vocab_size})
+    if not bad:
+        return None
+    return (f"token id{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''} "
+            f"outside the vocabulary (ids 0..{vocab_size - 1})")
+
+
 def check_logit_bias_ids(logit_bias, vocab_size: int) -> None:
     """Raise ValueError when a ``logit_bias`` token id (``(id, bias)`` pairs, as ``SamplingParams`` keeps them)
     is outside the model's vocabulary (its logits' width)."""
-    bad = sorted(token for token, _ in logit_bias if token >= vocab_size)
-    if bad:
-        raise ValueError(f"logit_bias names token id{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad[:5]))}"
-                         f"{' ...' if len(bad) > 5 else ''} outside the vocabulary (ids 0..{vocab_size - 1})")
+    problem = outside_vocabulary([token for token, _ in logit_bias], vocab_size)
+    if problem is not None:
+        raise ValueError(f"logit_bias names {problem}")
 
 
 def finish_reason(token_id: int, num_output_tokens: int, stop_ids, max_tokens: int,

@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from unifiedserve.engine.output import text_output
-from unifiedserve.engine.params import SamplingParams, check_logit_bias_ids
+from unifiedserve.engine.params import SamplingParams, check_logit_bias_ids, outside_vocabulary
 from unifiedserve.engine.structured import check_response_format
 from unifiedserve.model.generation import GenerationDefaults
 from unifiedserve.model.processor import IMAGE_PAD, VIDEO_PAD
@@ -201,13 +201,9 @@ def _other_model(state: ServerState, model: str | None) -> JSONResponse | None:
 
 
 def _outside_vocabulary(ids: list[int], state: ServerState) -> str | None:
-    """What is wrong with token ids outside the model's vocabulary, or None."""
+    """What is wrong with token ids outside the model's vocabulary (:func:`outside_vocabulary`), or None."""
     vocab = state.vocab_size if state.vocab_size is not None else state.processor.tokenizer.get_vocab_size()
-    bad = sorted({t for t in ids if t >= vocab})
-    if not bad:
-        return None
-    return (f"token id{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''} "
-            f"outside the vocabulary (ids 0..{vocab - 1})")
+    return outside_vocabulary(ids, vocab)
 
 
 def _refuse_early(state: ServerState, body: SamplingRequest) -> JSONResponse | None:
