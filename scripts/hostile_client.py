@@ -150,6 +150,7 @@ def build_cases(media: dict[str, Path], outside: Path) -> list[tuple[str, dict |
         ("broken chunked body", None, bad, None),
         ("1 MB of headers", None, {431, -1}, None),  # -1: reset, the server closed with the rest unread
         ("half a head, then silence", None, {408}, None),  # answered after the server's 30-s head timeout
+        ("half a body, then silence", None, {408}, None),  # answered when its pace runs out (30 s + 1 s / 64 KiB)
         ("min_tokens 1e9", {"messages": text, "min_tokens": 10**9}, bad, None),
         ("min_tokens with a JSON grammar", {"messages": text, "min_tokens": 2,
                                             "response_format": {"type": "json_object"}}, bad, None),
@@ -266,6 +267,10 @@ def special(client: Client, name: str, media: dict[str, Path] | None = None) -> 
         return client.send_bytes(FRAMING[name])
     if name == "half a head, then silence":
         return client.send_bytes(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Ty", timeout=90)
+    if name == "half a body, then silence":
+        return client.send_bytes(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                                 b"\r\nAuthorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 50000000\r\n\r\n"
+                                 b'{"messages": [', timeout=90)
     raise AssertionError(name)
 
 

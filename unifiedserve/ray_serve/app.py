@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from unifiedserve.ray_serve.metrics import ROUTE_COUNTS, ROUTERS, merge_replica_metrics
 from unifiedserve.ray_serve.route_key import route_key
 from unifiedserve.ray_serve.routing import RoutingConfig, RoutingHints
-from unifiedserve.server.limits import BodyRefused, read_body
+from unifiedserve.server.limits import BodyBudget, BodyRefused, read_body
 from unifiedserve.server.openai_protocol import error_body
 
 log = logging.getLogger("unifiedserve")
@@ -220,6 +220,8 @@ class Ingress:
         self.replicas = replicas.options(stream=True)  # DeploymentHandle of NodeReplica; every method streams
         self.policy = media_policy(args)
         self.limits = request_limits(args)
+        # the bodies this ingress holds at once: read, keyed and handed to a replica (--max-inflight-request-mb)
+        self.body_budget = BodyBudget(self.limits.inflight_request_bytes)
         from unifiedserve.runtime.launcher import served_name
 
         self.model_name = served_name(args.model, args.served_model_name)  # the replicas' media-key context
@@ -232,6 +234,12 @@ class Ingress:
         body = await self._read_body(request)
         if isinstance(body, Response):
             return body
+        try:
+            return await self._route(request, body)
+        finally:  # the replica has the body now (or the request failed): the ingress keeps none of it
+            self.body_budget.give(len(body))
+
+    async def _route(self, request: Request, body: bytes) -> Response:
         key = None
         if request.method == "POST" and request.url.path in MEDIA_ROUTED_PATHS:
             # a body with inline media (data: payloads to hash) is keyed off the event loop; a small one
@@ -280,10 +288,10 @@ class Ingress:
     async def _read_body(self, request: Request) -> bytes | Response:
         """The body within ``--max-request-mb``, or the plain server's own refusal (``limits.read_body``)."""
         try:
-            body = await read_body(request.scope, request.receive, self.limits.max_request_bytes)
+            body = await read_body(request.scope, request.receive, self.limits.max_request_bytes, self.body_budget)
         except BodyRefused as e:
             return Response(e.json_bytes(), status_code=e.status_code, media_type="application/json",
-                            headers={"connection": "close"})
+                            headers={"connection": "close", **e.headers})
         return Response(status_code=499) if body is None else body  # None: the client went away
 
     def route_key(self, body: bytes) -> str | None:

@@ -33,7 +33,8 @@ from unifiedserve.model.generation import GenerationDefaults
 from unifiedserve.model.processor import IMAGE_PAD, VIDEO_PAD
 from unifiedserve.runtime import protocol
 from unifiedserve.server.engine_client import EngineClient, RequestError, RequestStream
-from unifiedserve.server.limits import MAX_CHARS_PER_TOKEN, LimitError, RequestLimits, check_message_sizes
+from unifiedserve.server.limits import (MAX_CHARS_PER_TOKEN, BodyBudget, LimitError, RequestLimits,
+                                        check_message_sizes)
 from unifiedserve.server.media import MediaError, MediaPolicy, check_declared_type, describe, resolve_media
 from unifiedserve.server.media_key import media_key
 from unifiedserve.server.metrics import Metrics
@@ -63,6 +64,8 @@ class ServerState:
     generation: GenerationDefaults = GenerationDefaults()
     #: the width of the model's logits: ``logit_bias`` ids must be below it (None: not checked here; core does)
     vocab_size: int | None = None
+    #: the request bodies held at once (``--max-inflight-request-mb``), which ``BodySizeLimit`` fills
+    body_budget: BodyBudget | None = None
 
 
 def _given(value, default, neutral):
@@ -186,6 +189,8 @@ def render_metrics(state: ServerState) -> bytes:
     """The server's /metrics text, its worker gauges refreshed first."""
     state.metrics.update_workers(state.client.all_gauges(), _num_in_api(state.client))
     state.metrics.update_processes(state.client.gauges, state.client.sent_bytes)
+    if state.body_budget is not None:
+        state.metrics.request_body_bytes.set(state.body_budget.held)
     return state.metrics.render()
 
 

@@ -16,6 +16,14 @@ Everything a client can size has a server-wide cap (each a ``unifiedserve serve`
   would exceed ``--max-model-len`` is refused before its placeholders are even expanded.
 - **request body** (``--max-request-mb``): a streamed limit, answered with 413 before the body
   is read whole (see :class:`BodySizeLimit`).
+- **request bodies together** (``--max-inflight-request-mb``): one cap per body does not bound their sum,
+  which is ``connections x --max-request-mb`` (32 clients sending 60 MB each at once took the api process
+  from 276 MB to 2.35 GB; with the default 1 GiB here, 1.54 GB, and 64 clients 1.59 GB). A :class:`BodyBudget` counts the bytes of every body being read or held by its
+  request, its declared length taken before it is read; a body that does not fit waits for room (nothing of
+  it read), first come first served, then 503.
+- **a body's pace**: a body must arrive within :data:`BODY_GRACE_S` plus one second per
+  :data:`BODY_MIN_RATE` bytes received (Apache's ``mod_reqtimeout`` rule), else 408: a body sent a byte at a
+  time cannot hold its connection, and what it sent of the budget, for ever.
 - **text**: at most :data:`MAX_CHARS_PER_TOKEN` characters per token of ``--max-model-len``, counted
   before the chat template is rendered or tokenized (tokenizing megabytes of text costs the api
   process about a hundred times their size in memory, for a prompt that could never fit); and no
@@ -26,6 +34,8 @@ Everything a client can size has a server-wide cap (each a ``unifiedserve serve`
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import json
 from dataclasses import dataclass
 
@@ -79,6 +89,8 @@ class RequestLimits:
     max_media_per_request: int = 16
     max_request_bytes: int = 64 * 2**20
     max_n: int = 16  # choices per request
+    #: bytes of request bodies held at once (None: the larger of 1 GiB and 4 bodies of --max-request-mb)
+    max_inflight_request_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name, flag in (("max_pixels", "--max-pixels"), ("max_frames", "--max-frames"),
@@ -89,6 +101,18 @@ class RequestLimits:
                 raise ValueError(f"{flag} must be a positive number, got {value!r}")
         if self.max_frames < 2:
             raise ValueError(f"--max-frames must be at least 2 (one temporal patch), got {self.max_frames}")
+        inflight = self.max_inflight_request_bytes
+        if inflight is not None and (isinstance(inflight, bool) or not isinstance(inflight, int)
+                                     or inflight < self.max_request_bytes):
+            raise ValueError(f"--max-inflight-request-mb must be at least --max-request-mb (one whole body), "
+                             f"got {inflight!r} bytes for {self.max_request_bytes}")
+
+    @property
+    def inflight_request_bytes(self) -> int:
+        """The :class:`BodyBudget`'s capacity: the flag's, or the larger of 1 GiB and four largest bodies."""
+        if self.max_inflight_request_bytes is not None:
+            return self.max_inflight_request_bytes
+        return max(2**30, 4 * self.max_request_bytes)
 
     def check_pixels(self, min_pixels: int | None, max_pixels: int | None, where: str) -> None:
         """``min_pixels <= max_pixels <= --max-pixels`` for one image or video part."""
@@ -113,12 +137,23 @@ class RequestLimits:
                              f"{self.max_media_per_request} (--max-media-per-request)", "messages")
 
 
-class BodyRefused(Exception):
-    """A request body :func:`read_body` refuses: over the limit (413) or a malformed ``Content-Length`` (400)."""
+#: seconds any request body may take, before :data:`BODY_MIN_RATE` applies (Apache's mod_reqtimeout: 20)
+BODY_GRACE_S = 30.0
+#: bytes a second a body must average past its grace: each byte received extends its deadline by 1/rate
+#: (Apache's MinRate is 500; media bodies are larger)
+BODY_MIN_RATE = 64 * 1024
+#: seconds a body's next chunk waits for room in the :class:`BodyBudget` before the request gets 503
+BODY_ROOM_WAIT_S = 30.0
 
-    def __init__(self, message: str, status_code: int):
+
+class BodyRefused(Exception):
+    """A request body :func:`read_body` refuses: over the limit (413), a malformed ``Content-Length`` (400),
+    too slow (408), or no room among the bodies held at once (503, with ``Retry-After``)."""
+
+    def __init__(self, message: str, status_code: int, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status_code = status_code
+        self.headers = headers or {}
 
     def json_bytes(self) -> bytes:
         """The OpenAI-style error body both servers answer with (the plain one and the Ray ingress)."""
@@ -127,15 +162,80 @@ class BodyRefused(Exception):
         return json.dumps(error_body(str(self), self.status_code)).encode()
 
 
-async def read_body(scope, receive, limit: int) -> bytes | None:
+class BodyBudget:
+    """The bytes of request bodies one process holds at once: those being read, and those whose request has
+    not finished (its handler keeps the body, or what was parsed from it, until then).
+
+    :func:`read_body` takes a body's declared ``Content-Length`` before reading it (a body without one: each
+    chunk as it arrives). Takes that do not fit wait, first come first served, until others give bytes back,
+    for at most their ``wait_s``. One event loop uses it (no locks).
+    """
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"a body budget needs a positive capacity, got {capacity}")
+        self.capacity = capacity
+        self.held = 0
+        self._waiting: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+
+    async def take(self, num_bytes: int, wait_s: float) -> bool:
+        """Hold ``num_bytes`` more; False when they did not fit within ``wait_s`` seconds (nothing held)."""
+        if num_bytes > self.capacity:
+            return False
+        if not self._waiting and self.held + num_bytes <= self.capacity:
+            self.held += num_bytes
+            return True
+        entry = (num_bytes, asyncio.get_running_loop().create_future())
+        self._waiting.append(entry)
+        try:
+            await asyncio.wait([entry[1]], timeout=wait_s)
+        except BaseException:  # cancelled while waiting: hold nothing
+            self._leave(entry)
+            raise
+        if entry[1].done():
+            return True
+        self._leave(entry)
+        return False
+
+    def give(self, num_bytes: int) -> None:
+        """Give back bytes :meth:`take` held; the waiting takes that now fit get them, in order."""
+        if not 0 <= num_bytes <= self.held:
+            raise ValueError(f"giving back {num_bytes} bytes of a budget that holds {self.held}")
+        self.held -= num_bytes
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiting and self.held + self._waiting[0][0] <= self.capacity:
+            num_bytes, granted = self._waiting.popleft()
+            self.held += num_bytes
+            granted.set_result(None)
+
+    def _leave(self, entry: tuple[int, asyncio.Future]) -> None:
+        """A take that stopped waiting: give back what it was granted meanwhile, or leave the queue."""
+        if entry[1].done():
+            self.give(entry[0])
+        else:
+            self._waiting.remove(entry)
+            entry[1].cancel()
+            self._grant()  # the takes it held up may fit
+
+
+async def read_body(scope, receive, limit: int, budget: BodyBudget | None = None) -> bytes | None:
     """The whole request body of an ASGI ``http`` request, at most ``limit`` bytes; None if the client left.
 
     A declared ``Content-Length`` over the limit is refused before one byte is read; a chunked body
-    is counted as it arrives and refused the moment it passes the limit.
+    is counted as it arrives and refused the moment it passes the limit. The body must arrive within
+    :data:`BODY_GRACE_S` seconds plus one second per :data:`BODY_MIN_RATE` bytes it has sent. With a
+    ``budget``, a body's declared ``Content-Length`` is held in it before a byte is read (without one, each
+    chunk as it arrives), so a body let in is never stopped halfway for room; time spent waiting for room
+    does not count against the client's pace. The caller then owns ``len(body)`` bytes of the budget and
+    gives them back when the request ends. A refused or abandoned body gives back what it held here.
 
     Raises:
-        BodyRefused: over ``limit`` (413, naming ``--max-request-mb``), or a malformed ``Content-Length`` (400).
+        BodyRefused: over ``limit`` (413, naming ``--max-request-mb``), a malformed ``Content-Length``
+        (400), too slow (408), or no room in ``budget`` within :data:`BODY_ROOM_WAIT_S` (503).
     """
+    grace_s, min_rate, room_wait_s = BODY_GRACE_S, BODY_MIN_RATE, BODY_ROOM_WAIT_S  # read now: tests set them
     declared = dict(scope.get("headers") or ()).get(b"content-length")
     if declared is not None:
         try:
@@ -144,18 +244,52 @@ async def read_body(scope, receive, limit: int) -> bytes | None:
             raise BodyRefused("malformed Content-Length header", 400) from None
         if num_declared > limit:
             raise _too_large(limit, f"{num_declared} bytes")
+    loop = asyncio.get_running_loop()
+    held = 0  # bytes of budget this body holds: its declared length, or what came so far
+    if budget is not None and declared is not None and num_declared > 0:
+        if not await budget.take(num_declared, room_wait_s):
+            raise _no_room(budget)
+        held = num_declared
+    start = loop.time()
     chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit, f"{size} bytes so far (chunked)")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
+    try:
+        while True:
+            # the pace rule: grace, plus a second per min_rate bytes; a wait for room moved `start`
+            remaining = start + grace_s + size / min_rate - loop.time()
+            try:
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                message = await asyncio.wait_for(receive(), remaining)
+            except asyncio.TimeoutError:
+                raise BodyRefused(f"the request body came too slowly: {size} bytes in {loop.time() - start:.0f} s; "
+                                  f"a body must arrive within {grace_s:g} s plus one second per "
+                                  f"{min_rate / 1024:g} KiB", 408) from None
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit, f"{size} bytes so far (chunked)")
+            if budget is not None and size > held:  # no declared length: each chunk as it comes
+                waited_from = loop.time()
+                if not await budget.take(size - held, room_wait_s):
+                    raise _no_room(budget)
+                held = size
+                start += loop.time() - waited_from
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                if held > size:  # shorter than declared (the parser allows no such body; keep the count right)
+                    budget.give(held - size)
+                held = 0  # the caller's now: len(body) bytes
+                return b"".join(chunks)
+    finally:
+        if held:
+            budget.give(held)
+
+
+def _no_room(budget: BodyBudget) -> BodyRefused:
+    return BodyRefused(f"the server is holding {budget.capacity} bytes of request bodies already "
+                       f"(--max-inflight-request-mb); retry the request", 503, {"retry-after": "1"})
 
 
 def _too_large(limit: int, size: str) -> BodyRefused:
@@ -168,21 +302,29 @@ class BodySizeLimit:
 
     Bodies within the limit are buffered here (at most ``limit`` bytes) and replayed to the app,
     whose later ``receive`` calls go straight to the server, so disconnect detection is unchanged.
-    Pure ASGI (not BaseHTTPMiddleware, which hides client disconnects).
+    With a ``budget``, a body is held in it from its first chunk until the app returns (for a streamed
+    answer, its last event). Pure ASGI (not BaseHTTPMiddleware, which hides client disconnects).
     """
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, budget: BodyBudget | None = None):
+        self.app, self.limit, self.budget = app, limit, budget
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         try:
-            body = await read_body(scope, receive, self.limit)
+            body = await read_body(scope, receive, self.limit, self.budget)
         except BodyRefused as e:
             return await self._reply(send, e)
         if body is None:
             return
+        try:
+            return await self._call(scope, receive, send, body)
+        finally:
+            if self.budget is not None:
+                self.budget.give(len(body))
+
+    async def _call(self, scope, receive, send, body: bytes):
         replayed = False
 
         async def replay():
@@ -196,7 +338,8 @@ class BodySizeLimit:
 
     async def _reply(self, send, refused: BodyRefused) -> None:
         body = refused.json_bytes()
-        await send({"type": "http.response.start", "status": refused.status_code,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        headers += [(name.encode(), value.encode()) for name, value in refused.headers.items()]
+        await send({"type": "http.response.start", "status": refused.status_code, "headers": headers})
         await send({"type": "http.response.body", "body": body})

@@ -111,6 +111,9 @@ class Metrics:
         self.healthy = Gauge("unifiedserve_healthy", "1 while every worker process is alive.", ["model_name"],
                              registry=r).labels(**labels)
         self.healthy.set(1)
+        self.request_body_bytes = Gauge("unifiedserve_request_body_bytes", "Bytes of request bodies held now: "
+                                        "being read, or kept by their running request (at most "
+                                        "--max-inflight-request-mb).", ["model_name"], registry=r).labels(**labels)
         # NVDEC/NVJPG utilisation per GPU and engine, read from NVML at each scrape; none without NVML
         self.has_gpu_telemetry = register_prometheus(r, prefix="unifiedserve")
 

@@ -22,7 +22,8 @@ from unifiedserve.runtime.config import POLICIES, VISION_DEVICES, PoolBudgets, R
 from unifiedserve.runtime.shm import DEFAULT_SHM_DIR
 from unifiedserve.runtime.worker import setup_logging
 from unifiedserve.server.http_protocol import uvicorn_options
-from unifiedserve.server.limits import QWEN_MAX_FRAMES, QWEN_MAX_PIXELS, BodySizeLimit, RequestLimits
+from unifiedserve.server.limits import (BODY_ROOM_WAIT_S, QWEN_MAX_FRAMES, QWEN_MAX_PIXELS, BodyBudget, BodySizeLimit,
+                                        RequestLimits)
 from unifiedserve.server.media import MediaPolicy
 
 log = logging.getLogger("unifiedserve")
@@ -103,6 +104,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="MB", help="largest request body in MiB, checked while it streams in: 413 above it "
                                       "(default %(default)g; "
                         "data: URLs count here, file:// and http(s) media do not)")
+    g.add_argument("--max-inflight-request-mb", type=_positive_float, default=None, metavar="MB",
+                   help="request bodies held at once, in MiB: those being read and those whose request is still "
+                        "running, each counted at its Content-Length before it is read. A body that does not fit "
+                        "waits for room (first come first served, nothing of it read) up to "
+                        f"{BODY_ROOM_WAIT_S:g} s, then gets 503 with Retry-After (default: the larger of 1024 and 4 x "
+                        "--max-request-mb)")
     g.add_argument("--max-video-seconds", type=_positive_float, default=RuntimeConfig.max_video_seconds,
                    help="refuse longer videos (default %(default)g)")
     g.add_argument("--vision-threads", type=int, default=RuntimeConfig.vision_threads,
@@ -504,9 +511,11 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
     """The per-request caps from the flags (ValueError naming the flag when one is out of range)."""
     if not args.max_request_mb > 0:
         raise ValueError(f"--max-request-mb must be positive, got {args.max_request_mb}")
+    inflight = args.max_inflight_request_mb
     return RequestLimits(max_pixels=args.max_pixels, max_frames=args.max_frames,
                          max_media_per_request=args.max_media_per_request, max_n=args.max_n,
-                         max_request_bytes=int(args.max_request_mb * 2**20))
+                         max_request_bytes=int(args.max_request_mb * 2**20),
+                         max_inflight_request_bytes=None if inflight is None else int(inflight * 2**20))
 
 
 def media_policy(args: argparse.Namespace):
@@ -555,7 +564,7 @@ def build_state(runtime, client, args: argparse.Namespace, limits: RequestLimits
     return ServerState(client, processor, metrics, media_policy(args),
                        config.served_model_name, config.max_model_len, config.default_max_tokens,
                        tuple(model_config.eos_token_ids), config.policy, args.api_key, limits, generation=generation,
-                       vocab_size=model_config.text.vocab_size)
+                       vocab_size=model_config.text.vocab_size, body_budget=BodyBudget(limits.inflight_request_bytes))
 
 
 async def _serve(runtime, args, limits: RequestLimits, sock: socket.socket | None = None) -> int:
@@ -616,7 +625,7 @@ async def _serve(runtime, args, limits: RequestLimits, sock: socket.socket | Non
                  config.policy)
         state = build_state(runtime, client, args, limits)
         metrics = state.metrics
-        app = BodySizeLimit(build_app(state), limits.max_request_bytes)
+        app = BodySizeLimit(build_app(state), limits.max_request_bytes, state.body_budget)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                access_log=False, timeout_graceful_shutdown=5,
                                                **uvicorn_options()))

@@ -12,7 +12,7 @@ pytest.importorskip("ray.serve")
 from starlette.requests import Request  # noqa: E402
 
 from unifiedserve.ray_serve.app import Ingress  # noqa: E402
-from unifiedserve.server.limits import BodySizeLimit, RequestLimits  # noqa: E402
+from unifiedserve.server.limits import BodyBudget, BodySizeLimit, RequestLimits  # noqa: E402
 
 LIMIT = 4096
 
@@ -51,10 +51,11 @@ def plain_server(headers, chunks) -> tuple[int, bytes, int]:
     return sent[0]["status"], sent[1]["body"], len(calls)
 
 
-def ray_ingress(headers, chunks):
+def ray_ingress(headers, chunks, budget: BodyBudget | None = None):
     """What the ingress's body reading returns: the body (bytes) or its response, and the receive calls."""
     ingress = Ingress.__new__(Ingress)  # no Serve: only the limits are needed to read a body
     ingress.limits = RequestLimits(max_request_bytes=LIMIT)
+    ingress.body_budget = BodyBudget(LIMIT) if budget is None else budget
     receive, calls = feeder(chunks)
     return asyncio.run(ingress._read_body(Request(scope(headers), receive))), len(calls)
 
@@ -72,6 +73,35 @@ def test_the_ingress_refuses_a_body_as_the_plain_server_does(headers, chunks):
     assert ray_calls == plain_calls  # read as far as the plain server reads, no further
     if status == 413:
         assert b"--max-request-mb" in body
+
+
+def test_the_ingress_refuses_a_body_with_no_room_as_the_plain_server_does(monkeypatch):
+    """Bodies held at once (--max-inflight-request-mb): a chunk that finds no room in time is a 503 with
+    Retry-After from either server, and what the refused body held is given back."""
+    from unifiedserve.server import limits
+
+    monkeypatch.setattr(limits, "BODY_ROOM_WAIT_S", 0.05)
+    sent = []
+
+    async def plain(budget):
+        async def send(message):
+            sent.append(message)
+
+        async def app(scope, receive, send):  # pragma: no cover - a refused body never reaches it
+            raise AssertionError("a refused body reached the app")
+
+        receive, _ = feeder([b"x" * 1024] * 2)
+        await BodySizeLimit(app, LIMIT, budget)(scope([]), receive, send)
+
+    budget = BodyBudget(LIMIT)
+    budget.held = LIMIT - 1500  # others' bodies: the second chunk does not fit
+    asyncio.run(plain(budget))
+    assert budget.held == LIMIT - 1500
+    response, _ = ray_ingress([], [b"x" * 1024] * 2, budget)
+    assert budget.held == LIMIT - 1500
+    assert (response.status_code, response.body) == (sent[0]["status"], sent[1]["body"]) and response.status_code == 503
+    assert response.headers["retry-after"] == "1" and (b"retry-after", b"1") in sent[0]["headers"]
+    assert b"--max-inflight-request-mb" in response.body
 
 
 def test_a_body_within_the_limit_is_read_whole():
@@ -110,6 +140,7 @@ def test_chat_and_tokenize_are_routed_by_their_first_media(tmp_path, path, keyed
 
     ingress = Ingress.__new__(Ingress)
     ingress.limits, ingress.model_name = RequestLimits(), "demo"
+    ingress.body_budget = BodyBudget(len(body))
     ingress.policy = MediaPolicy(Path(tmp_path))
     ingress.replicas = Replicas
     receive, _ = feeder([body])
@@ -117,3 +148,4 @@ def test_chat_and_tokenize_are_routed_by_their_first_media(tmp_path, path, keyed
     response = asyncio.run(ingress(request))
     assert response.status_code == 502  # the stand-in replica ended without answering
     assert (hints[0].key is not None) == keyed
+    assert ingress.body_budget.held == 0  # given back once the replica has the request

@@ -20,7 +20,7 @@ from unifiedserve.runtime import protocol
 from unifiedserve.runtime.vision_worker import _one_line
 from unifiedserve.server.api import ServerState, build_app
 from unifiedserve.server.engine_client import RequestError
-from unifiedserve.server.limits import BodySizeLimit, RequestLimits
+from unifiedserve.server.limits import BodyBudget, BodySizeLimit, RequestLimits
 from unifiedserve.server.media import MediaPolicy
 from unifiedserve.server.metrics import Metrics
 
@@ -51,6 +51,12 @@ class FakeClient:
     def abort(self, request_id):
         self.aborted.append(request_id)
 
+    gauges: dict = {}  # /metrics: no workers here
+    sent_bytes: dict = {}
+
+    def all_gauges(self):
+        return {}
+
 
 @pytest.fixture(scope="module")
 def processor(tmp_path_factory):
@@ -67,10 +73,12 @@ def make_api(processor, media_dir, plans=(), limits=RequestLimits(), max_model_l
              vocab_size=None):
     client = FakeClient(plans)
     state = ServerState(client, processor, Metrics("m"), MediaPolicy(media_dir, (), 2**20), "m", max_model_len,
-                        16, (0,), "unified", KEY, limits, vocab_size=vocab_size)
+                        16, (0,), "unified", KEY, limits, vocab_size=vocab_size,
+                        body_budget=BodyBudget(limits.inflight_request_bytes))
     if generation is not None:
         state.generation = generation
-    http = TestClient(BodySizeLimit(build_app(state), limits.max_request_bytes))
+    http = TestClient(BodySizeLimit(build_app(state), limits.max_request_bytes, state.body_budget))
+    http.state = state
     http.headers["Authorization"] = f"Bearer {KEY}"
     return http, client
 
@@ -338,6 +346,16 @@ def test_body_limit_refuses_before_reading(processor, media_dir):
     assert re.match(r"the request body is \d+ bytes so far \(chunked\), over this server's limit of 4096 bytes",
                     r.json()["error"]["message"])
     assert client.added == []
+
+
+def test_the_bodies_held_are_a_metric_and_given_back(processor, media_dir):
+    http, client = make_api(processor, media_dir)
+    budget = http.state.body_budget
+    assert http.post("/v1/chat/completions", json=chat(video(media_dir, max_frames=10**6))).status_code == 400
+    assert budget.held == 0  # the request ended: its body is given back
+    budget.held = 12345  # as if bodies were being read now
+    text = http.get("/metrics").text
+    assert 'unifiedserve_request_body_bytes{model_name="m"} 12345.0' in text
 
 
 def test_body_limit_middleware_reads_nothing_past_a_declared_length():

@@ -24,6 +24,7 @@ from unifiedserve.cli import main
     (["--served-model-name", " m "], "argument --served-model-name: must be a non-empty name"),
     (["--block-size", "0"], "argument --block-size"),
     (["--max-request-mb", "0"], "argument --max-request-mb"),
+    (["--max-inflight-request-mb", "-1"], "argument --max-inflight-request-mb"),
     (["--policy", "bogus"], "argument --policy: invalid choice"),
     (["--device", "gpu"], "argument --device: invalid choice"),
     (["--media-cache-gb", "-1"], "argument --media-cache-gb: must be a finite number >= 0"),
@@ -58,6 +59,8 @@ def test_bad_values_are_one_line_before_anything_starts(args, needle, capsys):
     (["--num-kv-blocks", "4", "--max-model-len", "4096"], "--max-model-len 4096 needs more KV cache"),
     (["--visual-buffer-gb", "1e-9"], "the visual-token buffer budget holds no page at all; raise --visual-buffer-gb"),
     (["--generation-config", "/nonexistent/dir"], "--generation-config /nonexistent/dir: no generation_config.json there"),
+    (["--max-request-mb", "8", "--max-inflight-request-mb", "4"],
+     "--max-inflight-request-mb must be at least --max-request-mb (one whole body)"),
 ])
 def test_contradictions_exit_1_fast_without_spawning(args, needle):
     started = time.perf_counter()
