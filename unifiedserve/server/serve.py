@@ -564,7 +564,7 @@ def build_state(runtime, client, args: argparse.Namespace, limits: RequestLimits
     return ServerState(client, processor, metrics, media_policy(args),
                        config.served_model_name, config.max_model_len, config.default_max_tokens,
                        tuple(model_config.eos_token_ids), config.policy, args.api_key, limits, generation=generation,
-                       vocab_size=model_config.text.vocab_size, body_budget=BodyBudget(limits.inflight_request_bytes))
+                       vocab_size=model_config.text.vocab_size)
 
 
 async def _serve(runtime, args, limits: RequestLimits, sock: socket.socket | None = None) -> int:
@@ -625,6 +625,7 @@ async def _serve(runtime, args, limits: RequestLimits, sock: socket.socket | Non
                  config.policy)
         state = build_state(runtime, client, args, limits)
         metrics = state.metrics
+        state.body_budget = BodyBudget(limits.inflight_request_bytes)  # behind --ray, the ingress holds its own
         app = BodySizeLimit(build_app(state), limits.max_request_bytes, state.body_budget)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                access_log=False, timeout_graceful_shutdown=5,
