@@ -317,9 +317,15 @@ class Ingress:
         return results
 
     async def metrics_text(self) -> bytes:
-        """Every replica's metrics with a ``replica`` label, and this ingress's routing counters."""
+        """Every replica's metrics with a ``replica`` label, this ingress's routing counters and the request
+        bodies it holds (``unifiedserve_ingress_request_body_bytes``: the replicas hold none of their own)."""
+        from prometheus_client.core import GaugeMetricFamily
+
         texts = dict(await self._each_replica("metrics"))
-        return merge_replica_metrics(texts, ROUTE_COUNTS.families())
+        held = GaugeMetricFamily("unifiedserve_ingress_request_body_bytes", "Bytes of request bodies the ingress "
+                                 "holds now: being read, or on their way to a replica (at most "
+                                 "--max-inflight-request-mb).", value=self.body_budget.held)
+        return merge_replica_metrics(texts, [*ROUTE_COUNTS.families(), held])
 
     async def health(self) -> JSONResponse:
         """200 while at least one replica has all its workers; each replica's pid and workers."""

@@ -18,12 +18,13 @@ Everything a client can size has a server-wide cap (each a ``unifiedserve serve`
   is read whole (see :class:`BodySizeLimit`).
 - **request bodies together** (``--max-inflight-request-mb``): one cap per body does not bound their sum,
   which is ``connections x --max-request-mb`` (32 clients sending 60 MB each at once took the api process
-  from 276 MB to 2.35 GB; with the default 1 GiB here, 1.54 GB, and 64 clients 1.59 GB). A :class:`BodyBudget` counts the bytes of every body being read or held by its
-  request, its declared length taken before it is read; a body that does not fit waits for room (nothing of
-  it read), first come first served, then 503.
+  from 276 MB to 2.35 GB; with the default 1 GiB here, 1.54 GB, and 64 clients 1.59 GB). A
+  :class:`BodyBudget` counts the bytes of every body being read or held by its request, its declared
+  length taken before it is read; a body that does not fit waits for room (nothing of it read), first
+  come first served, then 503.
 - **a body's pace**: a body must arrive within :data:`BODY_GRACE_S` plus one second per
   :data:`BODY_MIN_RATE` bytes received (Apache's ``mod_reqtimeout`` rule), else 408: a body sent a byte at a
-  time cannot hold its connection, and what it sent of the budget, for ever.
+  time cannot hold its connection, and the room it was given, for ever.
 - **text**: at most :data:`MAX_CHARS_PER_TOKEN` characters per token of ``--max-model-len``, counted
   before the chat template is rendered or tokenized (tokenizing megabytes of text costs the api
   process about a hundred times their size in memory, for a prompt that could never fit); and no

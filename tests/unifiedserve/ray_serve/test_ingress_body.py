@@ -149,3 +149,16 @@ def test_chat_and_tokenize_are_routed_by_their_first_media(tmp_path, path, keyed
     assert response.status_code == 502  # the stand-in replica ended without answering
     assert (hints[0].key is not None) == keyed
     assert ingress.body_budget.held == 0  # given back once the replica has the request
+
+
+def test_the_ingress_exports_the_bodies_it_holds():
+    ingress = Ingress.__new__(Ingress)
+    ingress.body_budget = BodyBudget(LIMIT)
+    ingress.body_budget.held = 1234
+
+    async def no_replicas(method):
+        return []
+
+    ingress._each_replica = no_replicas
+    text = asyncio.run(ingress.metrics_text()).decode()
+    assert "unifiedserve_ingress_request_body_bytes 1234.0" in text
