@@ -19,6 +19,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from prometheus_client.core import GaugeMetricFamily
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.config import RequestRouterConfig
@@ -319,8 +320,6 @@ class Ingress:
     async def metrics_text(self) -> bytes:
         """Every replica's metrics with a ``replica`` label, this ingress's routing counters and the request
         bodies it holds (``unifiedserve_ingress_request_body_bytes``: the replicas hold none of their own)."""
-        from prometheus_client.core import GaugeMetricFamily
-
         texts = dict(await self._each_replica("metrics"))
         held = GaugeMetricFamily("unifiedserve_ingress_request_body_bytes", "Bytes of request bodies the ingress "
                                  "holds now: being read, or on their way to a replica (at most "

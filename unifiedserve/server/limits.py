@@ -236,7 +236,6 @@ async def read_body(scope, receive, limit: int, budget: BodyBudget | None = None
         BodyRefused: over ``limit`` (413, naming ``--max-request-mb``), a malformed ``Content-Length``
         (400), too slow (408), or no room in ``budget`` within :data:`BODY_ROOM_WAIT_S` (503).
     """
-    grace_s, min_rate, room_wait_s = BODY_GRACE_S, BODY_MIN_RATE, BODY_ROOM_WAIT_S  # read now: tests set them
     declared = dict(scope.get("headers") or ()).get(b"content-length")
     if declared is not None:
         try:
@@ -248,23 +247,23 @@ async def read_body(scope, receive, limit: int, budget: BodyBudget | None = None
     loop = asyncio.get_running_loop()
     held = 0  # bytes of budget this body holds: its declared length, or what came so far
     if budget is not None and declared is not None and num_declared > 0:
-        if not await budget.take(num_declared, room_wait_s):
+        if not await budget.take(num_declared, BODY_ROOM_WAIT_S):
             raise _no_room(budget)
         held = num_declared
     start = loop.time()
     chunks, size = [], 0
     try:
         while True:
-            # the pace rule: grace, plus a second per min_rate bytes; a wait for room moved `start`
-            remaining = start + grace_s + size / min_rate - loop.time()
+            # the pace rule: grace, plus a second per BODY_MIN_RATE bytes; a wait for room moved `start`
+            remaining = start + BODY_GRACE_S + size / BODY_MIN_RATE - loop.time()
             try:
                 if remaining <= 0:
                     raise asyncio.TimeoutError
                 message = await asyncio.wait_for(receive(), remaining)
             except asyncio.TimeoutError:
                 raise BodyRefused(f"the request body came too slowly: {size} bytes in {loop.time() - start:.0f} s; "
-                                  f"a body must arrive within {grace_s:g} s plus one second per "
-                                  f"{min_rate / 1024:g} KiB", 408) from None
+                                  f"a body must arrive within {BODY_GRACE_S:g} s plus one second per "
+                                  f"{BODY_MIN_RATE / 1024:g} KiB", 408) from None
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
@@ -273,15 +272,13 @@ async def read_body(scope, receive, limit: int, budget: BodyBudget | None = None
                 raise _too_large(limit, f"{size} bytes so far (chunked)")
             if budget is not None and size > held:  # no declared length: each chunk as it comes
                 waited_from = loop.time()
-                if not await budget.take(size - held, room_wait_s):
+                if not await budget.take(size - held, BODY_ROOM_WAIT_S):
                     raise _no_room(budget)
                 held = size
                 start += loop.time() - waited_from
             chunks.append(chunk)
             if not message.get("more_body", False):
-                if held > size:  # shorter than declared (the parser allows no such body; keep the count right)
-                    budget.give(held - size)
-                held = 0  # the caller's now: len(body) bytes
+                held -= min(held, size)  # len(body) bytes are the caller's now (any rest is given back below)
                 return b"".join(chunks)
     finally:
         if held:
