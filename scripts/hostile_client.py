@@ -160,7 +160,9 @@ def build_cases(media: dict[str, Path], outside: Path) -> list[tuple[str, dict |
         ("completion: 2M token ids", None, {400, 413}, None),
         ("completion: token id 2^31", None, bad, None),
         ("completion: an image placeholder", None, bad, None),
-        ("completion: a batch of prompts", None, bad, None),
+        ("completion: a batch of prompts", None, ok, None),
+        ("completion: a batch past --max-n", None, bad, None),
+        ("completion: a batch with one prompt past the context", None, bad, None),
         ("completion: echo with logprobs", None, bad, None),
         # vLLM's /tokenize and /detokenize
         ("tokenize: 10 MB prompt", None, {400, 413}, None),
@@ -178,7 +180,9 @@ COMPLETIONS = {
     "completion: 2M token ids": {"prompt": [5] * 2_000_000},
     "completion: token id 2^31": {"prompt": [5, 2**31]},
     "completion: an image placeholder": {"prompt": "look: <|image_pad|>"},
-    "completion: a batch of prompts": {"prompt": ["a", "b", "c"]},
+    "completion: a batch of prompts": {"prompt": ["a", "b", "c"], "max_tokens": 2},
+    "completion: a batch past --max-n": {"prompt": ["a"] * 1000, "max_tokens": 2},
+    "completion: a batch with one prompt past the context": {"prompt": ["a", "word " * 100_000], "max_tokens": 2},
     "completion: echo with logprobs": {"prompt": "a", "echo": True, "logprobs": 2},
 }
 

@@ -211,16 +211,20 @@ def _outside_vocabulary(ids: list[int], state: ServerState) -> str | None:
     return outside_vocabulary(ids, vocab)
 
 
-def _refuse_early(state: ServerState, body: SamplingRequest) -> JSONResponse | None:
-    """What refuses a request before any work: the server not serving, another model, too many choices, a
-    ``logit_bias`` id outside the vocabulary."""
+def _refuse_early(state: ServerState, body: SamplingRequest, num_prompts: int = 1) -> JSONResponse | None:
+    """What refuses a request before any work: the server not serving, another model, too many choices (``n``
+    for each of ``num_prompts`` prompts), a ``logit_bias`` id outside the vocabulary."""
     if (why := _not_serving(state)) is not None:
         return _error(why, 503)
     if (wrong := _other_model(state, body.model)) is not None:
         return wrong
-    if body.n > state.limits.max_n:
-        return _error(f"n is {body.n}; this server returns at most {state.limits.max_n} choices per request "
-                      f"(--max-n)", 400, "n")
+    if body.n * num_prompts > state.limits.max_n:
+        if num_prompts == 1:
+            return _error(f"n is {body.n}; this server returns at most {state.limits.max_n} choices per request "
+                          f"(--max-n)", 400, "n")
+        return _error(f"a batch of {num_prompts} prompts with n={body.n} asks for {body.n * num_prompts} choices; "
+                      f"this server returns at most {state.limits.max_n} choices per request (--max-n): send "
+                      f"smaller batches", 400, "prompt")
     if state.vocab_size is not None:
         try:
             check_logit_bias_ids(body.logit_bias_pairs(), state.vocab_size)  # before any media work (core checks again)
@@ -246,7 +250,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         return _error(str(e), e.status_code, e.param)
     except (MediaError, ValueError) as e:
         return _error(str(e), 400, "messages")
-    return await _respond(state, body, request, _CHAT, arrival, prompt_ids, media,
+    return await _respond(state, body, request, _CHAT, arrival, [_Prompt(prompt_ids, media)],
                           (body.top_logprobs or 0) if body.logprobs else None, response_format)
 
 
@@ -282,53 +286,60 @@ def _not_serving(state: ServerState) -> str | None:
 
 
 async def _completion(state: ServerState, body: CompletionRequest, request: Request):
-    refused = _refuse_early(state, body)
+    refused = _refuse_early(state, body, len(body.prompts))
     if refused is not None:
         return refused
     arrival = time.time()
     try:
-        prompt_ids, prompt_text = await run_in_threadpool(completion_prompt, state, body)
+        prompts = await run_in_threadpool(completion_prompts, state, body)
     except LimitError as e:
         return _error(str(e), e.status_code, e.param)
     except ValueError as e:
         return _error(str(e), 400, "prompt")
-    return await _respond(state, body, request, _TEXT, arrival, prompt_ids, [], body.logprobs, {},
-                          echo=prompt_text if body.echo else "")
+    return await _respond(state, body, request, _TEXT, arrival, prompts, body.logprobs, {})
 
 
-def completion_prompt(state: ServerState, body: CompletionRequest) -> tuple[list[int], str]:
-    """A completion's prompt as token ids, and its text (for ``echo``).
+def completion_prompts(state: ServerState, body: CompletionRequest) -> list[_Prompt]:
+    """A completion's prompts (one, or a batch's) as token ids, with their text for ``echo``."""
+    prompts = body.prompts
+    if len(prompts) == 1:
+        return [completion_prompt(state, prompts[0], body.echo)]
+    return [completion_prompt(state, prompt, body.echo, f"prompt[{i}]") for i, prompt in enumerate(prompts)]
+
+
+def completion_prompt(state: ServerState, prompt: str | list[int], echo: bool, name: str = "the prompt") -> _Prompt:
+    """One completion prompt as token ids, and its text if ``echo``. ``name``: what errors call it.
 
     Raises:
         LimitError: a text longer than the context could hold, or more ids than fit it (before tokenizing).
         ValueError: an id outside the vocabulary, or an image/video placeholder (this endpoint takes no media).
     """
     processor, max_len = state.processor, state.max_model_len
-    if isinstance(body.prompt, str):
-        _check_prompt_chars(body.prompt, max_len)
-        ids, text = processor.tokenize(body.prompt), body.prompt
+    if isinstance(prompt, str):
+        _check_prompt_chars(prompt, max_len, name)
+        ids, text = processor.tokenize(prompt), prompt
     else:
-        ids = body.prompt
+        ids = prompt
         if len(ids) >= max_len:
-            raise LimitError(f"the prompt has {len(ids)} token ids; this server's context holds {max_len} tokens "
+            raise LimitError(f"{name} has {len(ids)} token ids; this server's context holds {max_len} tokens "
                              f"(--max-model-len), the completion's included", "prompt")
         problem = _outside_vocabulary(ids, state)
         if problem is not None:
-            raise ValueError(f"the prompt has {problem}")
-        text = processor.decode(ids, skip_special_tokens=False) if body.echo else ""
+            raise ValueError(f"{name} has {problem}")
+        text = processor.decode(ids, skip_special_tokens=False) if echo else ""
     if not ids:
-        raise ValueError("the prompt has no tokens")
+        raise ValueError(f"{name} has no tokens")
     for token_id, kind in ((processor.image_token_id, "image"), (processor.video_token_id, "video")):
         if token_id in ids:
-            raise ValueError(f"the prompt holds the {kind} placeholder token ({token_id}); /v1/completions takes text "
+            raise ValueError(f"{name} holds the {kind} placeholder token ({token_id}); /v1/completions takes text "
                              f"only: send media to /v1/chat/completions")
-    return ids, text
+    return _Prompt(ids, echo=text if echo else "")
 
 
-def _check_prompt_chars(prompt: str, max_len: int) -> None:
+def _check_prompt_chars(prompt: str, max_len: int, name: str = "the prompt") -> None:
     """Refuse a text prompt too long for the context at any tokenization, before it is tokenized."""
     if len(prompt) > MAX_CHARS_PER_TOKEN * max_len:
-        raise LimitError(f"the prompt holds {len(prompt)} characters; this server accepts at most "
+        raise LimitError(f"{name} holds {len(prompt)} characters; this server accepts at most "
                          f"{MAX_CHARS_PER_TOKEN * max_len} ({MAX_CHARS_PER_TOKEN} per token of its {max_len}-token "
                          f"context, --max-model-len)", "prompt")
 
@@ -394,77 +405,62 @@ async def _detokenize(state: ServerState, body: DetokenizeRequest):
     return {"prompt": text}
 
 
+@dataclass
+class _Prompt:
+    """One prompt of a response: its token ids (each media's one placeholder not yet expanded), its media, and
+    the text a completion's choices begin with (``echo``)."""
+
+    ids: list[int]
+    media: list[protocol.MediaRef] = dataclasses.field(default_factory=list)
+    echo: str = ""
+
+
+@dataclass
+class _Admitted:
+    """A prompt made ready for the engine: its first choice's stream opened, its media probed, its length and
+    parameters checked."""
+
+    index: int  # the prompt's, in the request
+    request_id: str  # its first choice's engine request
+    stream: RequestStream
+    prompt: _Prompt
+    ids: list[int]  # expanded
+    plans: list[protocol.MediaPlan]
+    probe_s: float
+    params: SamplingParams
+    stop_ids: frozenset[int]
+
+
+def _choice_id(response_id: str, index: int) -> str:
+    """Choice ``index``'s engine request id: the response's id for choice 0, ``{id}-{index}`` for the others."""
+    return response_id if index == 0 else f"{response_id}-{index}"
+
+
 async def _respond(state: ServerState, body: SamplingRequest, request: Request, shape: "_Shape", arrival: float,
-                   prompt_ids: list[int], media: list[protocol.MediaRef], logprobs: int | None,
-                   response_format: dict[str, Any], echo: str = ""):
-    """Everything after the prompt: probe the media, add one engine request per choice, answer (streamed or
-    whole) in ``shape``'s format."""
-    request_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+                   prompts: list[_Prompt], logprobs: int | None, response_format: dict[str, Any]):
+    """Everything after the prompts: probe the media, add one engine request per choice of each prompt (a batch's
+    prompt ``p`` has choices ``p * n`` to ``p * n + n - 1``), answer (streamed or whole) in ``shape``'s format.
+    Every prompt is checked against the context before any is added, so a batch is refused whole."""
+    response_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
     client = state.client
-    try:
+    opened: list[str] = []  # the engine requests of this response: one per choice
+
+    def open_stream(request_id: str) -> RequestStream:
         stream = client.open(request_id)
-    except RequestError as e:
-        return _error(e.message, e.status_code)
-    opened = [request_id]  # the engine requests of this response: one per choice
+        opened.append(request_id)
+        return stream
+
     started = False
     try:
-        probe_s = 0.0
-        plans: list[protocol.MediaPlan] = []
-        if media:
-            t0 = time.time()
-            probed = await _wait(client.probe(stream, media), request)
-            plans, probe_s = probed.plans, time.time() - t0
-        _check_visual_tokens(state, plans, len(prompt_ids), shape.prompt_name)  # before expanding: a huge grid costs nothing yet
-        prompt_ids = _expanded(state, prompt_ids, plans)
-        prompt_len = len(prompt_ids)
-        max_tokens = body.completion_limit
-        room = state.max_model_len - prompt_len
-        defaults = state.generation
-        if max_tokens is None:
-            max_tokens = min(state.default_max_tokens, defaults.max_tokens or room, room)
-        if room < 1 or prompt_len + max_tokens > state.max_model_len:
-            raise RequestError(
-                f"this model's maximum context length is {state.max_model_len} tokens, but the request needs "
-                f"{prompt_len + max(max_tokens, 1)}: {prompt_len} in the {shape.prompt_name}"
-                f"{' (visual tokens included)' if plans else ''} and {max(max_tokens, 1)} for the completion; "
-                + ("shorten the prompt or video (e.g. lower fps, max_frames or max_pixels in video_url)" if plans
-                   else "shorten the prompt") + " or lower max_tokens", 400)
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=_given(body.temperature, defaults.temperature, 1.0),
-            top_p=_given(body.top_p, defaults.top_p, 1.0), top_k=max(0, _given(body.top_k, defaults.top_k, 0)),
-            seed=body.seed, stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()),
-            stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=body.min_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output, skip_special_tokens=body.skip_special_tokens,
-            ignore_eos=body.ignore_eos, logprobs=logprobs,
-            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=_given(body.repetition_penalty, defaults.repetition_penalty, 1.0),
-            min_p=_given(body.min_p, defaults.min_p, 0.0), logit_bias=body.logit_bias_pairs(), **response_format)
-        stop_ids = params.stop_ids(state.eos_token_ids)
-        keys = [ref.key for ref in media]
-        await client.add(stream, protocol.AddRequest(request_id, prompt_ids, plans, params, sorted(stop_ids), keys))
-        first = await _wait(stream.queue.get(), request)
-        if isinstance(first, RequestError):
-            raise first
-        gens = [_Generation(state, request_id, stream, params, stop_ids, prompt_len, arrival, probe_s, first=first,
-                            shape=shape, echo=echo)]
-        # the other choices come once the first has its first token: the prompt's KV blocks (and the media's
-        # tokens) are in the prefix and media caches by then, so each prefills only the prompt's last partial block
-        children: list[tuple[str, RequestStream]] = []
-        for index in range(1, body.n):
-            children.append((f"{request_id}-{index}", client.open(f"{request_id}-{index}")))
-            opened.append(children[-1][0])
-        child_plans: list[list[protocol.MediaPlan]] = [[] for _ in children]
-        if media:  # every choice's probe at once (each a round trip to vision, answered from its probe cache)
-            answers = await _wait(asyncio.gather(*(client.probe(child, media) for _, child in children)), request)
-            child_plans = [a.plans for a in answers]
-            if any([p.grid_thw for p in c] != [p.grid_thw for p in plans] for c in child_plans):
-                raise RequestError("a media part changed while the request's choices were being added", 409)
-        for index, ((child_id, child), c_plans) in enumerate(zip(children, child_plans), start=1):
-            child_params = _choice_params(params, index)
-            await client.add(child, protocol.AddRequest(child_id, prompt_ids, c_plans, child_params,
-                                                        sorted(stop_ids), keys))
-            gens.append(_Generation(state, child_id, child, child_params, stop_ids, prompt_len, arrival, probe_s,
-                                    index=index, response_id=request_id, shape=shape, echo=echo))
+        admitted = []
+        for index, prompt in enumerate(prompts):
+            name = shape.prompt_name if len(prompts) == 1 else f"{shape.prompt_name}[{index}]"
+            request_id = _choice_id(response_id, index * body.n)
+            admitted.append(await _admit(state, body, request, open_stream(request_id), request_id, index, prompt,
+                                         name, logprobs, response_format))
+        groups = await _wait(_all_or_none([_start(state, body, a, open_stream, response_id, arrival, shape)
+                                           for a in admitted]), request)
+        gens = [g for group in groups for g in group]
         started = True
         if body.stream:
             options = body.stream_options
@@ -483,6 +479,92 @@ async def _respond(state: ServerState, body: SamplingRequest, request: Request, 
         if not started:
             for rid in opened:
                 client.abort(rid)
+
+
+async def _admit(state: ServerState, body: SamplingRequest, request: Request, stream: RequestStream,
+                 request_id: str, index: int, prompt: _Prompt, name: str, logprobs: int | None,
+                 response_format: dict[str, Any]) -> _Admitted:
+    """Probe ``prompt``'s media and check it against the context; its sampling parameters.
+
+    Raises:
+        RequestError: over the context (400), or vision's error.
+        ValueError: a sampling parameter the engine refuses.
+    """
+    probe_s = 0.0
+    plans: list[protocol.MediaPlan] = []
+    if prompt.media:
+        t0 = time.time()
+        probed = await _wait(state.client.probe(stream, prompt.media), request)
+        plans, probe_s = probed.plans, time.time() - t0
+    _check_visual_tokens(state, plans, len(prompt.ids), name)  # before expanding: a huge grid costs nothing yet
+    ids = _expanded(state, prompt.ids, plans)
+    prompt_len = len(ids)
+    max_tokens = body.completion_limit
+    room = state.max_model_len - prompt_len
+    defaults = state.generation
+    if max_tokens is None:
+        max_tokens = min(state.default_max_tokens, defaults.max_tokens or room, room)
+    if room < 1 or prompt_len + max_tokens > state.max_model_len:
+        raise RequestError(
+            f"this model's maximum context length is {state.max_model_len} tokens, but the request needs "
+            f"{prompt_len + max(max_tokens, 1)}: {prompt_len} in the {name}"
+            f"{' (visual tokens included)' if plans else ''} and {max(max_tokens, 1)} for the completion; "
+            + ("shorten the prompt or video (e.g. lower fps, max_frames or max_pixels in video_url)" if plans
+               else "shorten the prompt") + " or lower max_tokens", 400)
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=_given(body.temperature, defaults.temperature, 1.0),
+        top_p=_given(body.top_p, defaults.top_p, 1.0), top_k=max(0, _given(body.top_k, defaults.top_k, 0)),
+        seed=body.seed, stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()),
+        stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=body.min_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output, skip_special_tokens=body.skip_special_tokens,
+        ignore_eos=body.ignore_eos, logprobs=logprobs,
+        presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=_given(body.repetition_penalty, defaults.repetition_penalty, 1.0),
+        min_p=_given(body.min_p, defaults.min_p, 0.0), logit_bias=body.logit_bias_pairs(), **response_format)
+    return _Admitted(index, request_id, stream, prompt, ids, plans, probe_s, params,
+                     params.stop_ids(state.eos_token_ids))
+
+
+async def _all_or_none(coros: list) -> list:
+    """Await every coroutine at once; the first to fail cancels the others (their engine requests are aborted by
+    the caller, which holds every request they opened)."""
+    if len(coros) == 1:  # no task for the common case
+        return [await coros[0]]
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()  # nothing for those done
+
+
+async def _start(state: ServerState, body: SamplingRequest, a: _Admitted, open_stream, response_id: str,
+                 arrival: float, shape: "_Shape") -> list["_Generation"]:
+    """Add an admitted prompt's choices to the engine: the first, then, once it has its first token, the others."""
+    client, n, keys = state.client, body.n, [ref.key for ref in a.prompt.media]
+    base = a.index * n  # the prompt's first choice's index
+    await client.add(a.stream, protocol.AddRequest(a.request_id, a.ids, a.plans, a.params, sorted(a.stop_ids), keys))
+    first = await a.stream.queue.get()
+    if isinstance(first, RequestError):
+        raise first
+    common = dict(prompt_len=len(a.ids), arrival=arrival, probe_s=a.probe_s, response_id=response_id, shape=shape,
+                  echo=a.prompt.echo, prompt_index=a.index)
+    gens = [_Generation(state, a.request_id, a.stream, a.params, a.stop_ids, index=base, first=first, **common)]
+    # the other choices come once the first has its first token: the prompt's KV blocks (and the media's
+    # tokens) are in the prefix and media caches by then, so each prefills only the prompt's last partial block
+    children = [(_choice_id(response_id, base + i), i) for i in range(1, n)]
+    streams = [open_stream(child_id) for child_id, _ in children]
+    child_plans: list[list[protocol.MediaPlan]] = [[] for _ in children]
+    if a.prompt.media:  # every choice's probe at once (each a round trip to vision, answered from its probe cache)
+        answers = await asyncio.gather(*(client.probe(child, a.prompt.media) for child in streams))
+        child_plans = [answer.plans for answer in answers]
+        if any([p.grid_thw for p in c] != [p.grid_thw for p in a.plans] for c in child_plans):
+            raise RequestError("a media part changed while the request's choices were being added", 409)
+    for (child_id, i), child, c_plans in zip(children, streams, child_plans):
+        child_params = _choice_params(a.params, i)
+        await client.add(child, protocol.AddRequest(child_id, a.ids, c_plans, child_params, sorted(a.stop_ids), keys))
+        gens.append(_Generation(state, child_id, child, child_params, a.stop_ids, index=base + i, **common))
+    return gens
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -631,14 +713,16 @@ def _legacy_logprobs(entries: list[dict], offset: int) -> dict:
 class _Generation:
     """One choice of an admitted request (one engine request): detokenization, stop strings, metrics, its part
     of the response. Choice 0's engine request id is the response's id; choice ``i > 0``'s is ``{id}-{i}``.
-    ``echo``: the prompt's text, which a completion's choice begins with."""
+    ``echo``: the prompt's text, which a completion's choice begins with. ``prompt_index``: its prompt's, in a
+    batch; ``first``: the choice's first output, read before the response starts (each prompt's first choice)."""
 
     def __init__(self, state: ServerState, request_id: str, stream: RequestStream, params: SamplingParams,
                  stop_ids: frozenset[int], prompt_len: int, arrival: float, probe_s: float, index: int = 0,
                  response_id: str | None = None, first: protocol.TokenOutput | None = None, shape: _Shape = _CHAT,
-                 echo: str = ""):
+                 echo: str = "", prompt_index: int = 0):
         self.state, self.request_id, self.stream, self.params = state, request_id, stream, params
-        self.shape, self.echo = shape, echo
+        self.shape, self.echo, self.prompt_index = shape, echo, prompt_index
+        self.leads = first is not None  # its prompt's first choice: the one whose first token is the prompt's TTFT
         self._offset = len(echo)  # a streamed completion's text offset of its next token (legacy logprobs)
         self.index, self.response_id = index, response_id or request_id
         self._first = first  # already read from the stream (choice 0's, before the response starts)
@@ -655,7 +739,7 @@ class _Generation:
         """One token in; returns the new text. Sets ``finish_reason`` when the request ends."""
         now, metrics = time.time(), self.state.metrics
         if out.index == 0:
-            if self.index == 0:  # the response's first token; the other choices' prefill mostly hit the cache
+            if self.leads:  # the prompt's first token; its other choices' prefill mostly hit the cache
                 metrics.ttft.observe(now - self.arrival)
                 self._stage_metrics(out.stages)
         else:
@@ -762,16 +846,17 @@ class _Generation:
 
 
 def _usage(gens: list[_Generation]) -> dict[str, int]:
-    """The response's usage: the prompt once (as OpenAI and vLLM count it), every choice's tokens."""
+    """The choices' usage: each prompt once (as OpenAI and vLLM count it; a batch's prompts summed), every
+    choice's tokens."""
+    prompt = sum({g.prompt_index: g.prompt_len for g in gens}.values())
     completion = sum(g.num_tokens for g in gens)
-    return {"prompt_tokens": gens[0].prompt_len, "completion_tokens": completion,
-            "total_tokens": gens[0].prompt_len + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _finished(state: ServerState, gens: list[_Generation]) -> None:
     metrics = state.metrics
     metrics.e2e.observe(time.time() - gens[0].arrival)
-    metrics.prompt_tokens.inc(gens[0].prompt_len)
+    metrics.prompt_tokens.inc(_usage(gens)["prompt_tokens"])
     for g in gens:
         g._release()
 

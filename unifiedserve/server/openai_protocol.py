@@ -259,35 +259,55 @@ class ChatCompletionRequest(SamplingRequest):
 #: body's byte cap bounds it too); a longer list is refused by the schema.
 MAX_PROMPT_TOKEN_IDS = 1 << 20
 
+_PromptIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]],
+                      Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]
+
 
 class CompletionRequest(SamplingRequest):
-    """``POST /v1/completions`` (OpenAI's legacy completions, as vLLM serves them): one text prompt, or its token
-    ids, continued without a chat template. ``max_tokens`` defaults to 16, as OpenAI's and vLLM's."""
+    """``POST /v1/completions`` (OpenAI's legacy completions, as vLLM serves them): a text prompt or its token ids,
+    or a batch of them, continued without a chat template. A batch's choices are numbered as OpenAI's and vLLM's
+    are: prompt ``p``'s choice ``i`` has index ``p * n + i``. ``max_tokens`` defaults to 16, as OpenAI's and
+    vLLM's."""
 
     _neutral: ClassVar[dict[str, tuple]] = {"suffix": (None,), "best_of": (None, 1)}
 
-    prompt: Text | Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]],
-                             Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]
+    prompt: Text | _PromptIds | Annotated[list[Text | _PromptIds], Field(min_length=2)]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     echo: bool = False  # the prompt's text before the completion's
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # each token's log-probability and the k best
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> Any:
-        # OpenAI's API also takes a batch (a list of strings or of token-id lists): one of them is that prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            if len(prompt) > 1:
-                raise ValueError(f"prompt is a batch of {len(prompt)} prompts; this server takes one per request "
-                                 f"(send them as separate requests, or use n for several completions of one)")
-            prompt = prompt[0]
-        if isinstance(prompt, list) and len(prompt) > MAX_PROMPT_TOKEN_IDS:  # said here, not as a failed union
-            raise ValueError(f"prompt has {len(prompt)} token ids; at most {MAX_PROMPT_TOKEN_IDS} are accepted")
-        return prompt
+    def _prompt_shape(cls, prompt: Any) -> Any:
+        # said here, not as a failed union's every branch
+        if not isinstance(prompt, list):
+            return prompt
+        if not prompt:
+            raise ValueError("prompt is empty")
+        batch = all(isinstance(p, (str, list)) for p in prompt)
+        if not batch and any(isinstance(p, (str, list)) for p in prompt):
+            raise ValueError("prompt mixes token ids with strings or lists: send a string, a list of token ids, or a "
+                             "batch (a list of strings or of token-id lists)")
+        one = batch and len(prompt) == 1  # a one-prompt batch is that prompt
+        for i, ids in enumerate(prompt if batch else [prompt]):
+            where = f"prompt[{i}]" if batch and not one else "prompt"
+            if isinstance(ids, list) and not ids:
+                raise ValueError(f"{where} is empty")
+            if isinstance(ids, list) and len(ids) > MAX_PROMPT_TOKEN_IDS:
+                raise ValueError(f"{where} has {len(ids)} token ids; at most {MAX_PROMPT_TOKEN_IDS} are accepted")
+        return prompt[0] if one else prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or a batch's."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
     def _check(self) -> None:
-        if isinstance(self.prompt, str) and not self.prompt:
-            raise ValueError("prompt is empty")
+        for i, prompt in enumerate(self.prompts):
+            if isinstance(prompt, str) and not prompt:
+                raise ValueError("prompt is empty" if len(self.prompts) == 1 else f"prompt[{i}] is empty")
         if self.echo and self.logprobs is not None:
             raise ValueError("echo with logprobs asks for the prompt's log-probabilities, which this server does not "
                              "compute; send one of them")

@@ -98,8 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-media-per-request", type=_positive_int, default=RequestLimits.max_media_per_request,
                    metavar="N", help="most image and video parts in one request (default %(default)s)")
     g.add_argument("--max-n", type=_positive_int, default=RequestLimits.max_n, metavar="N",
-                   help="most choices (OpenAI's n) one request may ask for; each is a sequence of its own that "
-                        "shares the prompt's KV through the prefix cache (default %(default)s)")
+                   help="most choices one request may ask for (OpenAI's n, times the prompts of a /v1/completions "
+                        "batch); each is a sequence of its own that shares its prompt's KV through the prefix "
+                        "cache (default %(default)s)")
     g.add_argument("--max-request-mb", type=_positive_float, default=RequestLimits.max_request_bytes / 2**20,
                    metavar="MB", help="largest request body in MiB, checked while it streams in: 413 above it "
                                       "(default %(default)g; "

@@ -120,10 +120,49 @@ def test_echo_logprobs_stop_strings_and_choices(server, client, llm):
     server.wait_idle()
 
 
+def test_a_batch_of_prompts_is_each_prompts_completion(server, client, llm):
+    """OpenAI's batch: prompt p's choice i has index p * n + i (OpenAI's and vLLM's numbering), each the engine's
+    continuation of its own prompt; usage counts each prompt once; streamed events carry the same indices."""
+    from unifiedserve.engine import SamplingParams
+
+    texts = [PROMPT, "Once upon a time, in a small harbour town,"]
+    ids = [llm.processor.tokenize(t) for t in texts]
+    refs = [r.text for r in llm.generate([(i, [], SamplingParams(max_tokens=6, ignore_eos=True)) for i in ids])]
+    assert refs[0] != refs[1]
+    for prompt in (texts, ids, [texts[0], ids[1]]):
+        res = client.completions.create(model="demo-model", prompt=prompt, max_tokens=6, temperature=0, n=2,
+                                        extra_body={"ignore_eos": True})
+        assert [c.index for c in res.choices] == [0, 1, 2, 3]
+        assert [c.text for c in res.choices] == [refs[0], refs[0], refs[1], refs[1]]
+        assert res.usage.prompt_tokens == len(ids[0]) + len(ids[1]) and res.usage.completion_tokens == 24
+    res = client.completions.create(model="demo-model", prompt=texts, max_tokens=6, temperature=0, echo=True,
+                                    extra_body={"ignore_eos": True})
+    assert [c.text for c in res.choices] == [texts[0] + refs[0], texts[1] + refs[1]]
+    events, streamed, reasons = _stream(server, {"prompt": texts, "max_tokens": 6, "temperature": 0,
+                                                 "ignore_eos": True, "n": 2,
+                                                 "stream_options": {"include_usage": True,
+                                                                    "continuous_usage_stats": True}})
+    assert streamed == {0: refs[0], 1: refs[0], 2: refs[1], 3: refs[1]} and set(reasons.values()) == {"length"}
+    assert len({e["id"] for e in events}) == 1
+    for e in events[:-1]:  # each choice's usage counts its own prompt
+        assert e["usage"]["prompt_tokens"] == len(ids[e["choices"][0]["index"] // 2])
+    assert events[-1]["usage"] == {"prompt_tokens": len(ids[0]) + len(ids[1]), "completion_tokens": 24,
+                                   "total_tokens": len(ids[0]) + len(ids[1]) + 24}
+    server.wait_idle()
+
+
 @pytest.mark.parametrize("body,status,needle,param", [
     ({"prompt": ""}, 400, "prompt is empty", None),
     ({"prompt": []}, 400, "prompt", "prompt"),
-    ({"prompt": ["a", "b"]}, 400, "prompt is a batch of 2 prompts; this server takes one per request", None),
+    ({"prompt": ["a", ""]}, 400, "prompt[1] is empty", None),
+    ({"prompt": [[1], []]}, 400, "prompt[1] is empty", "prompt"),
+    ({"prompt": [1, "a"]}, 400, "prompt mixes token ids with strings or lists", "prompt"),
+    ({"prompt": ["a", [5] * (2**20 + 1)]}, 400, "prompt[1] has 1048577 token ids; at most 1048576", "prompt"),
+    ({"prompt": ["a"] * 5, "n": 4}, 400, "a batch of 5 prompts with n=4 asks for 20 choices; this server returns "
+                                         "at most 16", "prompt"),
+    ({"prompt": ["hi", "word " * 600]}, 400, "the prompt[1] alone needs", None),
+    ({"prompt": ["hi", list(range(600))]}, 400, "prompt[1] has 600 token ids; this server's context", "prompt"),
+    ({"prompt": ["hi", "x <|video_pad|>"]}, 400, "prompt[1] holds the video placeholder token", "prompt"),
     ({"prompt": "hi <|image_pad|>"}, 400, "the prompt holds the image placeholder token", "prompt"),
     ({"prompt": [1, 2, 10**9]}, 400, "token id 1000000000 outside the vocabulary", "prompt"),
     ({"prompt": list(range(600))}, 400, "the prompt has 600 token ids; this server's context holds 512", "prompt"),
@@ -145,6 +184,7 @@ def test_bad_completion_requests_are_a_clear_4xx(server, body, status, needle, p
     assert got == status and needle in answer["error"]["message"], answer
     if param is not None:
         assert answer["error"]["param"] == param, answer
+    server.wait_idle()  # a refused batch leaves no engine request behind
 
 
 def test_neutral_fields_are_accepted(server):
