@@ -151,6 +151,27 @@ def test_a_batch_of_prompts_is_each_prompts_completion(server, client, llm):
     server.wait_idle()
 
 
+def test_a_batch_whose_client_goes_away_frees_every_choice(server):
+    """2 prompts x n=2, streamed, long: once every choice is generating, the client leaves; all four abort."""
+    before = server.metrics().get('unifiedserve_requests_total{finish_reason="abort"}', 0)
+    conn = httplib.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"}, body=json.dumps({
+        "prompt": [PROMPT, "Once upon a time"], "n": 2, "max_tokens": 400, "ignore_eos": True, "temperature": 0.8,
+        "stream": True}))
+    resp = conn.getresponse()
+    assert resp.status == 200
+    indices = set()
+    while len(indices) < 4:
+        line = resp.readline()
+        assert line, "the stream ended before every choice generated"
+        if line.startswith(b"data: ") and line != b"data: [DONE]\n":
+            indices.update(c["index"] for c in json.loads(line[6:])["choices"] if c["text"])
+    conn.sock.shutdown(2)
+    conn.close()
+    m = server.wait_idle(timeout=30)
+    assert m['unifiedserve_requests_total{finish_reason="abort"}'] - before == 4
+
+
 @pytest.mark.parametrize("body,status,needle,param", [
     ({"prompt": ""}, 400, "prompt is empty", None),
     ({"prompt": []}, 400, "prompt", "prompt"),
