@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -458,8 +459,8 @@ async def _respond(state: ServerState, body: SamplingRequest, request: Request, 
             request_id = _choice_id(response_id, index * body.n)
             admitted.append(await _admit(state, body, request, open_stream(request_id), request_id, index, prompt,
                                          name, logprobs, response_format))
-        groups = await _wait(_all_or_none([_start(state, body, a, open_stream, response_id, arrival, shape)
-                                           for a in admitted]), request)
+        groups = await _wait(_all_or_none([functools.partial(_start, state, body, a, open_stream, response_id,
+                                                             arrival, shape) for a in admitted]), request)
         gens = [g for group in groups for g in group]
         started = True
         if body.stream:
@@ -525,12 +526,12 @@ async def _admit(state: ServerState, body: SamplingRequest, request: Request, st
                      params.stop_ids(state.eos_token_ids))
 
 
-async def _all_or_none(coros: list) -> list:
-    """Await every coroutine at once; the first to fail cancels the others (their engine requests are aborted by
-    the caller, which holds every request they opened)."""
-    if len(coros) == 1:  # no task for the common case
-        return [await coros[0]]
-    tasks = [asyncio.ensure_future(c) for c in coros]
+async def _all_or_none(calls: list) -> list:
+    """Run every coroutine function at once; the first to fail cancels the others (their engine requests are
+    aborted by the caller, which holds every request they opened)."""
+    if len(calls) == 1:  # no task for the common case
+        return [await calls[0]()]
+    tasks = [asyncio.ensure_future(call()) for call in calls]
     try:
         return await asyncio.gather(*tasks)
     finally:
