@@ -536,7 +536,10 @@ async def _all_or_none(calls: list) -> list:
         return await asyncio.gather(*tasks)
     finally:
         for task in tasks:
-            task.cancel()  # nothing for those done
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled():
+                task.exception()  # a second failure is not reported (gather raised the first), nor logged as lost
 
 
 async def _start(state: ServerState, body: SamplingRequest, a: _Admitted, open_stream, response_id: str,
