@@ -11,16 +11,9 @@ import time
 import openai
 import pytest
 
-from serve_helpers import Server, alive, http, leftovers, tiny_clip
+from serve_helpers import Server, alive, http, leftovers
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def media(tmp_path_factory):
-    d = tmp_path_factory.mktemp("faults")
-    tiny_clip(d)
-    return d
 
 
 def _gone(pids, timeout=15.0):
@@ -30,15 +23,15 @@ def _gone(pids, timeout=15.0):
     return not any(alive(p) for p in pids)
 
 
-def test_decode_worker_death_fails_requests_and_exits_nonzero(media):
-    srv = Server("--api-key", "sekret", media_dir=media)
+def test_decode_worker_death_fails_requests_and_exits_nonzero(clip_dir):
+    srv = Server("--api-key", "sekret", media_dir=clip_dir)
     pids = srv.pids()
     try:
         assert http("GET", srv.url + "/v1/models")[0] == 401
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0, timeout=60)
         assert client.models.list().data[0].id == "demo-model"
         messages = [{"role": "user", "content": [
-            {"type": "video_url", "video_url": {"url": f"file://{media}/clip.mp4"}}, {"type": "text", "text": "?"}]}]
+            {"type": "video_url", "video_url": {"url": f"file://{clip_dir}/clip.mp4"}}, {"type": "text", "text": "?"}]}]
         errors, chunks = [], []
 
         def streaming():
@@ -81,8 +74,8 @@ def test_decode_worker_death_fails_requests_and_exits_nonzero(media):
     assert "decode worker process exited unexpectedly" in srv.log()
 
 
-def test_sigint_during_requests_shuts_down_cleanly(media):
-    srv = Server(media_dir=media)
+def test_sigint_during_requests_shuts_down_cleanly(clip_dir):
+    srv = Server(media_dir=clip_dir)
     pids = srv.pids()
     body = json.dumps({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3000, "ignore_eos": True})
     results = []

@@ -9,25 +9,18 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from serve_helpers import Server, http, tiny_clip
+from serve_helpers import Server, http
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def media(tmp_path_factory):
-    d = tmp_path_factory.mktemp("policies")
-    tiny_clip(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def reference(media):
+def reference(clip_dir):
     import flashcodec
     from unifiedserve.engine import LLM, SamplingParams, VisionInput
 
     llm = LLM()
-    video = VisionInput.from_video(flashcodec.decode_video(str(media / "clip.mp4"), output="patches",
+    video = VisionInput.from_video(flashcodec.decode_video(str(clip_dir / "clip.mp4"), output="patches",
                                                            patch_spec=llm.processor.patch_spec))
     ids, vision = llm.build_prompt([{"role": "user", "content": [{"type": "video", "vision": video},
                                                                  {"type": "text", "text": "What happens?"}]}])
@@ -38,8 +31,8 @@ def reference(media):
                                            # async scheduling: in decode (unified) and in core (monolithic)
                                            ("unified", ("--async-scheduling",)),
                                            ("monolithic", ("--async-scheduling",))])
-def test_policy_serves_engine_tokens(policy, extra, media, reference):
-    srv = Server("--policy", policy, *extra, media_dir=media)
+def test_policy_serves_engine_tokens(policy, extra, clip_dir, reference):
+    srv = Server("--policy", policy, *extra, media_dir=clip_dir)
     try:
         status, health = http("GET", srv.url + "/health")
         assert health["policy"] == policy
@@ -49,8 +42,8 @@ def test_policy_serves_engine_tokens(policy, extra, media, reference):
             core, decode = (os.sched_getaffinity(health["workers"][n]) for n in ("core", "decode"))
             assert core.isdisjoint(decode) or len(os.sched_getaffinity(0)) == 1
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
-        messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": f"file://{media}/clip.mp4"}},
-                                                 {"type": "text", "text": "What happens?"}]}]
+        video = {"type": "video_url", "video_url": {"url": f"file://{clip_dir}/clip.mp4"}}
+        messages = [{"role": "user", "content": [video, {"type": "text", "text": "What happens?"}]}]
         def ask(_):
             return client.chat.completions.create(model="demo-model", messages=messages, temperature=0,
                                                   max_tokens=10, extra_body={"ignore_eos": True})

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from serve_helpers import Server, http, tiny_clip
+from serve_helpers import Server, http
 from unifiedserve.model.processor import load_processor
 
 pytestmark = pytest.mark.slow
@@ -17,15 +17,8 @@ MAX_MODEL_LEN = 2048
 
 
 @pytest.fixture(scope="module")
-def media_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("media")
-    tiny_clip(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def server(media_dir):
-    srv = Server("--max-model-len", str(MAX_MODEL_LEN), media_dir=media_dir)
+def server(clip_dir):
+    srv = Server("--max-model-len", str(MAX_MODEL_LEN), media_dir=clip_dir)
     yield srv
     assert srv.stop(signal.SIGTERM) == 0, srv.log()
 
@@ -37,9 +30,9 @@ def processor():
     return load_processor(DEFAULT_DEMO_PATH)
 
 
-def video_messages(media_dir, question="What happens?", **options):
+def video_messages(clip_dir, question="What happens?", **options):
     return [{"role": "user", "content": [
-        {"type": "video_url", "video_url": {"url": f"file://{media_dir / 'clip.mp4'}", **options}},
+        {"type": "video_url", "video_url": {"url": f"file://{clip_dir / 'clip.mp4'}", **options}},
         {"type": "text", "text": question}]}]
 
 
@@ -61,17 +54,17 @@ def test_a_prompt_is_tokenized_as_completions_read_it(server, processor):
     assert tokenize(server, {"prompt": text})["token_strs"] is None
 
 
-def test_messages_count_what_chat_prefills_visual_tokens_included(server, media_dir, processor):
+def test_messages_count_what_chat_prefills_visual_tokens_included(server, clip_dir, processor):
     """The count of a video question equals the chat endpoint's ``usage.prompt_tokens``; its video tokens are
     the probe's grid; vision holds nothing afterwards."""
-    for messages in (video_messages(media_dir), video_messages(media_dir, fps=1.0),
+    for messages in (video_messages(clip_dir), video_messages(clip_dir, fps=1.0),
                      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]):
         answer = tokenize(server, {"messages": messages})
         got, chat = http("POST", server.url + "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
         assert got == 200, chat
         assert answer["count"] == chat["usage"]["prompt_tokens"] == len(answer["tokens"])
-    two_fps = tokenize(server, {"messages": video_messages(media_dir)})["tokens"]
-    one_fps = tokenize(server, {"messages": video_messages(media_dir, fps=1.0)})["tokens"]
+    two_fps = tokenize(server, {"messages": video_messages(clip_dir)})["tokens"]
+    one_fps = tokenize(server, {"messages": video_messages(clip_dir, fps=1.0)})["tokens"]
     pads = two_fps.count(processor.video_token_id)
     # 4 s at 2 fps: 8 frames, 4 temporal patches; at 1 fps half of them, of the same picture size
     assert pads > 0 and one_fps.count(processor.video_token_id) * 2 == pads
@@ -109,8 +102,8 @@ def test_bad_requests_are_a_clear_4xx(server, path, body, status, needle):
     assert got == status and needle in answer["error"]["message"], answer
 
 
-def test_a_video_over_the_context_is_refused_with_its_count(server, media_dir):
-    big = video_messages(media_dir, fps=4.0, min_pixels=640 * 480, max_pixels=640 * 480)  # 8 x 392 visual tokens
+def test_a_video_over_the_context_is_refused_with_its_count(server, clip_dir):
+    big = video_messages(clip_dir, fps=4.0, min_pixels=640 * 480, max_pixels=640 * 480)  # 8 x 392 visual tokens
     answer = tokenize(server, {"messages": big}, status=400)
     message = answer["error"]["message"]
     assert f"maximum context length is {MAX_MODEL_LEN} tokens" in message and "visual tokens" in message
