@@ -872,14 +872,7 @@ def _abort(state: ServerState, gens: list[_Generation]) -> None:
 
 async def _run_all(gens: list[_Generation]) -> None:
     """Every choice to its end; the first error (a worker's) cancels the rest."""
-    if len(gens) == 1:
-        return await gens[0].run()
-    tasks = [asyncio.ensure_future(g.run()) for g in gens]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()  # nothing for those done
+    await _all_or_none([g.run for g in gens])
 
 
 async def _complete(state: ServerState, gens: list[_Generation], request: Request) -> JSONResponse:

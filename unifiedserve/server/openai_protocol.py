@@ -305,9 +305,10 @@ class CompletionRequest(SamplingRequest):
         return list(self.prompt)
 
     def _check(self) -> None:
-        for i, prompt in enumerate(self.prompts):
+        prompts = self.prompts
+        for i, prompt in enumerate(prompts):
             if isinstance(prompt, str) and not prompt:
-                raise ValueError("prompt is empty" if len(self.prompts) == 1 else f"prompt[{i}] is empty")
+                raise ValueError("prompt is empty" if len(prompts) == 1 else f"prompt[{i}] is empty")
         if self.echo and self.logprobs is not None:
             raise ValueError("echo with logprobs asks for the prompt's log-probabilities, which this server does not "
                              "compute; send one of them")

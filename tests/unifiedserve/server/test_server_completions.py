@@ -181,6 +181,7 @@ def test_a_batch_whose_client_goes_away_frees_every_choice(server):
     ({"prompt": ["a", [5] * (2**20 + 1)]}, 400, "prompt[1] has 1048577 token ids; at most 1048576", "prompt"),
     ({"prompt": ["a"] * 5, "n": 4}, 400, "a batch of 5 prompts with n=4 asks for 20 choices; this server returns "
                                          "at most 16", "prompt"),
+    ({"prompt": ["a"] * 200_000}, 400, "a batch of 200000 prompts with n=1 asks for 200000 choices", "prompt"),
     ({"prompt": ["hi", "word " * 600]}, 400, "the prompt[1] alone needs", None),
     ({"prompt": ["hi", list(range(600))]}, 400, "prompt[1] has 600 token ids; this server's context", "prompt"),
     ({"prompt": ["hi", "x <|video_pad|>"]}, 400, "prompt[1] holds the video placeholder token", "prompt"),
