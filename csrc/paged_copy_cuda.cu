@@ -1,5 +1,6 @@
-// Paged embedding-buffer copies, CUDA kernels: the CUDA dispatch key of unifiedserve::paged_scatter and
-// unifiedserve::paged_gather (schemas in ops.cpp, index semantics in paged_copy.cpp, checks in paged_copy.h).
+// Paged embedding-buffer copies, the CUDA kernel of unifiedserve::paged_scatter and unifiedserve::paged_gather
+// (schemas in ops.cpp, index semantics in paged_copy.cpp, checks in paged_copy.h, host side in
+// paged_copy_cuda_host.cpp).
 //
 // One launch per call. Block (j, c) copies chunk c of listed page j's run: the rows of one request that
 // fall in that page, which are contiguous on both sides (a run of whole rows inside one page, and a
@@ -7,28 +8,15 @@
 // type (16, 8, 4, 2 or 1 bytes) that divides the row size and both base addresses; every run starts at a
 // whole row, so one choice per call keeps every access aligned.
 //
-// Validation needs the index values on the host (a bad index must raise before any byte moves, and a
-// kernel cannot raise): the four index tensors are concatenated on the device and copied to the host
-// once per call, which waits for the work already queued on the current stream. That is the one host
-// sync of this op. The kernel then reads the index from device memory, never from the host copy.
-//
-// Only c10/cuda headers are included (not ATen/cuda/CUDAContext.h, which pulls in the cuBLAS/cuSPARSE/
-// cuSOLVER headers), so nvcc and the CUDA runtime headers are all the build needs.
+// This file is the kernel and its launch only; the op's entry points, checks and registration are host
+// code in paged_copy_cuda_host.cpp (why: paged_copy_cuda.h). Nothing here throws or touches a tensor.
 
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/cat.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <limits>
-#include <vector>
 
-#include "paged_copy.h"
+#include "paged_copy_cuda.h"
 
 namespace unifiedserve {
 namespace {
@@ -87,35 +75,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-struct DeviceIndex {
-  const int64_t* indptr;
-  const int64_t* page_indptr;
-  const int64_t* page_indices;
-  const int64_t* cu_page_len;
-  int64_t num_requests;
-  int64_t num_entries;
-  int64_t num_rows;  // pv_indptr[-1], read from the validated host copy
-};
-
-// The index checks of one CUDA call (same as the CPU kernel's), then the device pointers for the kernel.
-// The buffer was checked by the caller.
-DeviceIndex check_cuda(const at::Tensor& buffer, const at::Tensor& pv_indptr, const at::Tensor& pv_page_indptr,
-                       const at::Tensor& pv_page_indices, const at::Tensor& pv_cu_page_len) {
-  check_index_tensors(pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len, buffer.device());
-  const int64_t B = pv_cu_page_len.size(0);
-  const int64_t P = pv_page_indices.size(0);
-  // One device-to-host copy for all four tensors (the op's one host sync, see the header comment).
-  const at::Tensor host = at::cat({pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len}).cpu();
-  const Index checked =
-      check_index_values(host.narrow(0, 0, B + 1), host.narrow(0, B + 1, B + 1), host.narrow(0, 2 * B + 2, P),
-                         host.narrow(0, 2 * B + 2 + P, B), buffer.size(0), buffer.size(1));
-  TORCH_CHECK(P <= std::numeric_limits<int32_t>::max(), "too many listed pages for one launch: ", P);
-  return {pv_indptr.data_ptr<int64_t>(), pv_page_indptr.data_ptr<int64_t>(), pv_page_indices.data_ptr<int64_t>(),
-          pv_cu_page_len.data_ptr<int64_t>(), B, P, checked.indptr[B]};
-}
-
 template <bool kToPages, typename Vec>
-void launch_as(void* pages, void* rows, int64_t page_size, int64_t row_bytes, const DeviceIndex& ix) {
+cudaError_t launch_as(void* pages, void* rows, int64_t page_size, int64_t row_bytes, const DeviceIndex& ix,
+                      cudaStream_t stream) {
   const int64_t row_vecs = row_bytes / static_cast<int64_t>(sizeof(Vec));
   const int64_t page_vecs = page_size * row_vecs;  // the most one block's run can hold
   // one warp while a page holds <= 32 x kVecsPerThread Vecs, doubling up to kThreads, so blocks of small
@@ -125,63 +87,34 @@ void launch_as(void* pages, void* rows, int64_t page_size, int64_t row_bytes, co
   const int64_t chunk = int64_t{threads} * kVecsPerThread;
   const int64_t chunks_per_page = (page_vecs + chunk - 1) / chunk;
   const dim3 grid(static_cast<unsigned>(ix.num_entries), static_cast<unsigned>(std::min(chunks_per_page, kMaxGridY)));
-  paged_copy_kernel<kToPages, Vec><<<grid, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+  paged_copy_kernel<kToPages, Vec><<<grid, threads, 0, stream>>>(
       static_cast<Vec*>(pages), static_cast<Vec*>(rows), ix.indptr, ix.page_indptr, ix.page_indices, ix.cu_page_len,
       ix.num_requests, page_size, row_vecs);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return cudaGetLastError();
 }
 
 // Picks the widest copy unit that keeps every access aligned, and launches once.
 template <bool kToPages>
-void launch(void* pages, void* rows, int64_t page_size, int64_t row_bytes, const DeviceIndex& ix) {
-  if (ix.num_entries == 0 || row_bytes == 0) return;  // nothing to move
+cudaError_t launch(void* pages, void* rows, int64_t page_size, int64_t row_bytes, const DeviceIndex& ix,
+                   cudaStream_t stream) {
+  if (ix.num_entries == 0 || row_bytes == 0) return cudaSuccess;  // nothing to move
   const auto aligned = [&](int64_t v) {
     return row_bytes % v == 0 && reinterpret_cast<uintptr_t>(pages) % v == 0 &&
            reinterpret_cast<uintptr_t>(rows) % v == 0;
   };
-  if (aligned(16)) {
-    launch_as<kToPages, uint4>(pages, rows, page_size, row_bytes, ix);
-  } else if (aligned(8)) {
-    launch_as<kToPages, uint2>(pages, rows, page_size, row_bytes, ix);
-  } else if (aligned(4)) {
-    launch_as<kToPages, uint32_t>(pages, rows, page_size, row_bytes, ix);
-  } else if (aligned(2)) {
-    launch_as<kToPages, uint16_t>(pages, rows, page_size, row_bytes, ix);
-  } else {
-    launch_as<kToPages, uint8_t>(pages, rows, page_size, row_bytes, ix);
-  }
-}
-
-void paged_scatter_cuda(const at::Tensor& buffer, const at::Tensor& src, const at::Tensor& pv_indptr,
-                        const at::Tensor& pv_page_indptr, const at::Tensor& pv_page_indices,
-                        const at::Tensor& pv_cu_page_len) {
-  // Every check before the device guard, as the fused ops do (the path seen raising cleanly on the device): a
-  // bad input then throws with no guard to unwind. check_cuda's copy sets its own device.
-  check_buffer(buffer, c10::DeviceType::CUDA);
-  const DeviceIndex ix = check_cuda(buffer, pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len);
-  check_src(buffer, src, ix.num_rows);
-  const c10::cuda::CUDAGuard guard(buffer.device());
-  const at::Tensor rows = src.contiguous();  // [N, ...]
-  launch<true>(buffer.data_ptr(), rows.data_ptr(), buffer.size(1), row_bytes_of(buffer), ix);
-}
-
-at::Tensor paged_gather_cuda(const at::Tensor& buffer, const at::Tensor& pv_indptr, const at::Tensor& pv_page_indptr,
-                             const at::Tensor& pv_page_indices, const at::Tensor& pv_cu_page_len) {
-  check_buffer(buffer, c10::DeviceType::CUDA);  // every check before the guard, as in paged_scatter_cuda
-  const DeviceIndex ix = check_cuda(buffer, pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len);
-  const c10::cuda::CUDAGuard guard(buffer.device());
-  std::vector<int64_t> shape(buffer.sizes().begin() + 1, buffer.sizes().end());
-  shape[0] = ix.num_rows;
-  at::Tensor out = at::empty(shape, buffer.options());  // [N, ...]
-  launch<false>(buffer.data_ptr(), out.data_ptr(), buffer.size(1), row_bytes_of(buffer), ix);
-  return out;
+  if (aligned(16)) return launch_as<kToPages, uint4>(pages, rows, page_size, row_bytes, ix, stream);
+  if (aligned(8)) return launch_as<kToPages, uint2>(pages, rows, page_size, row_bytes, ix, stream);
+  if (aligned(4)) return launch_as<kToPages, uint32_t>(pages, rows, page_size, row_bytes, ix, stream);
+  if (aligned(2)) return launch_as<kToPages, uint16_t>(pages, rows, page_size, row_bytes, ix, stream);
+  return launch_as<kToPages, uint8_t>(pages, rows, page_size, row_bytes, ix, stream);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(unifiedserve, CUDA, m) {
-  m.impl("paged_scatter", &paged_scatter_cuda);
-  m.impl("paged_gather", &paged_gather_cuda);
+cudaError_t launch_paged_copy(bool to_pages, void* pages, void* rows, int64_t page_size, int64_t row_bytes,
+                              const DeviceIndex& ix, cudaStream_t stream) noexcept {
+  return to_pages ? launch<true>(pages, rows, page_size, row_bytes, ix, stream)
+                  : launch<false>(pages, rows, page_size, row_bytes, ix, stream);
 }
 
 }  // namespace unifiedserve

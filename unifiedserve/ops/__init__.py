@@ -45,8 +45,9 @@ logger = logging.getLogger(__name__)
 _EXTENSION_NAME = "unifiedserve_ops"
 _CSRC = pathlib.Path(__file__).resolve().parents[2] / "csrc"
 _SOURCES = [_CSRC / "ops.cpp", _CSRC / "paged_copy.cpp", _CSRC / "fused_ops.cpp", _CSRC / "paged_attention.cpp"]
-# added when torch is a CUDA build and nvcc is found
-_CUDA_SOURCES = [_CSRC / "paged_copy_cuda.cu", _CSRC / "fused_ops_cuda.cu"]
+# added when torch is a CUDA build and nvcc is found (paged_copy_cuda_host.cpp, the host side of the .cu
+# beside it, needs the CUDA headers)
+_CUDA_SOURCES = [_CSRC / "paged_copy_cuda.cu", _CSRC / "paged_copy_cuda_host.cpp", _CSRC / "fused_ops_cuda.cu"]
 # -fopenmp: at::parallel_for is inline OpenMP; without it the copy runs serially.
 # -ffp-contract=off: no fused multiply-adds, which round once where the reference rounds twice (fused_ops.h).
 _CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]

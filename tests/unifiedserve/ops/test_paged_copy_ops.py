@@ -168,22 +168,57 @@ def test_bad_input_raises_and_writes_nothing_reference():
     check_bad_inputs(reference.paged_scatter, native=False)
 
 
-def check_in_child(code: str) -> None:
+# Loaded into a child that crashed, on its second run: prints the native frames of a fatal signal (faulthandler
+# shows only the Python ones, then re-raises the signal into this handler).
+_NATIVE_TRACE_C = r"""
+#include <execinfo.h>
+#include <signal.h>
+static void on_fatal(int sig) {
+  void* frames[64];
+  backtrace_symbols_fd(frames, backtrace(frames, 64), 2);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+__attribute__((constructor)) static void install(void) {
+  signal(SIGSEGV, on_fatal); signal(SIGBUS, on_fatal); signal(SIGFPE, on_fatal); signal(SIGILL, on_fatal);
+}
+"""
+
+
+def _native_trace(argv: list[str], env: dict, tmp: pathlib.Path) -> str:
+    """The child's stderr when run again with the native-trace handler preloaded ('' without a C compiler)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return ""
+    (tmp / "trace.c").write_text(_NATIVE_TRACE_C)
+    built = subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp / "trace.so"), str(tmp / "trace.c")],
+                           capture_output=True, text=True)
+    if built.returncode != 0:
+        return f"(native trace handler did not build: {built.stderr[-500:]})"
+    run = subprocess.run(argv, capture_output=True, text=True, env={**env, "LD_PRELOAD": str(tmp / "trace.so")},
+                         timeout=240)
+    return run.stderr[-6000:]
+
+
+def check_in_child(code: str, tmp: pathlib.Path | None = None) -> None:
     """Run ``code`` (ending in a print of 'all bad inputs raised') in a child process: a native crash then fails
-    the calling test with its trace instead of killing the whole pytest run."""
+    the calling test with its trace instead of killing the whole pytest run. Given ``tmp``, a child killed by a
+    signal runs once more with a handler that adds its native frames to the failure."""
     here = pathlib.Path(__file__).resolve()
     path = os.pathsep.join([str(here.parent), str(here.parents[3]), os.environ.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": path}, timeout=240)
+    argv = [sys.executable, "-X", "faulthandler", "-c", code]
+    env = {**os.environ, "PYTHONPATH": path}
+    run = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=240)
+    native = _native_trace(argv, env, tmp) if run.returncode < 0 and tmp is not None else ""
     assert run.returncode == 0 and "all bad inputs raised" in run.stdout, (
-        f"exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
+        f"exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}\n{native}")
 
 
-def test_bad_input_raises_and_writes_nothing_native(native):
+def test_bad_input_raises_and_writes_nothing_native(native, tmp_path):
     check_in_child("import torch; from unifiedserve import ops; import test_paged_copy_ops as t\n"
                    "assert ops.native_available(), ops.build_info()\n"
                    "t.check_bad_inputs(lambda b, s, ix: torch.ops.unifiedserve.paged_scatter(b, s, *ix), trace=True)\n"
-                   "print('all bad inputs raised')")
+                   "print('all bad inputs raised')", tmp_path)
 
 
 def test_no_native_env_forces_reference():
@@ -288,13 +323,14 @@ def check_cuda_bad_inputs() -> None:
 
 
 @pytest.mark.cuda
-def test_cuda_bad_input_raises_and_writes_nothing(cuda_native):
-    """In a child process, as the CPU kernels' test: a crash in an error path (the device once saw a
-    segfault there) fails this test with its trace instead of ending the whole GPU pytest run."""
+def test_cuda_bad_input_raises_and_writes_nothing(cuda_native, tmp_path):
+    """In a child process, as the CPU kernels' test: a crash in an error path (the H100 saw a segfault at the
+    first bad index on 2026-11-26, before the op's host code moved out of the .cu) fails this test with its
+    Python and native frames instead of ending the whole GPU pytest run."""
     check_in_child("from unifiedserve import ops; import test_paged_copy_ops as t\n"
                    "assert ops.native_available() and ops.build_info()['cuda'], ops.build_info()\n"
                    "t.check_cuda_bad_inputs()\n"
-                   "print('all bad inputs raised')")
+                   "print('all bad inputs raised')", tmp_path)
 
 
 @pytest.mark.slow
