@@ -114,8 +114,7 @@ def test_summarize_kernels_by_kind_with_overlap_and_gaps():
 def test_cuda_kernel_profile_sees_a_graph_replays_kernels(tmp_path):
     """CUPTI records the kernels inside a decode graph's replay, and the kinds name the GEMMs and attention."""
     pytest.importorskip("flashinfer")  # the attention group's run (the decode group's wheels have none)
-    from unifiedserve import LLM, SamplingParams
-    from unifiedserve.engine.config import EngineConfig
+    from unifiedserve.engine import LLM, EngineConfig, SamplingParams
     from unifiedserve.model.demo import write_demo_model
 
     engine = LLM(write_demo_model(tmp_path / "demo"), EngineConfig(device="cuda", num_kv_blocks=64,

@@ -15,11 +15,18 @@ from flashcodec.image import ImageDecodeError, decode_image
 from flashcodec.image_batch import ImageBatchDecoder, apply_orientation, decode_images, is_jpeg
 
 
-def _jpeg(width=97, height=61, seed=0, mode="RGB", orientation=None, quality=92) -> bytes:
+def _jpeg(width=97, height=61, seed=0, mode="RGB", orientation=None, quality=92, smooth=False) -> bytes:
+    """Gradients in red and green; blue is per-pixel noise, or with ``smooth`` noise drawn on a grid 16 times
+    coarser and upsampled (band-limited, as a photo's chroma is)."""
     rng = np.random.default_rng(seed)
     yy, xx = np.mgrid[0:height, 0:width]
-    rgb = np.stack([(xx * 255 // max(width - 1, 1)), (yy * 255 // max(height - 1, 1)),
-                    rng.integers(0, 256, (height, width))], axis=-1).astype(np.uint8)
+    if smooth:
+        coarse = Image.fromarray(rng.integers(0, 256, (height // 16 + 2, width // 16 + 2), dtype=np.uint8), "L")
+        blue = np.asarray(coarse.resize((width, height), Image.BILINEAR))
+    else:
+        blue = rng.integers(0, 256, (height, width))
+    rgb = np.stack([(xx * 255 // max(width - 1, 1)), (yy * 255 // max(height - 1, 1)), blue],
+                   axis=-1).astype(np.uint8)
     im = Image.fromarray(rgb, "RGB").convert(mode)
     buf = io.BytesIO()
     exif = Image.Exif()
@@ -200,12 +207,16 @@ def test_bad_arguments():
 
 @pytest.mark.cuda
 def test_nvjpeg_matches_the_cpu_decode():
-    sources = [_jpeg(width=1280, height=720, seed=s) for s in range(6)] + [_png(), _jpeg(seed=20, mode="L"),
-                                                                           _jpeg(seed=21, orientation=8)]
+    sources = [_jpeg(width=1280, height=720, seed=s, smooth=True) for s in range(5)] + [
+        _jpeg(width=1280, height=720, seed=5), _png(), _jpeg(seed=20, mode="L"), _jpeg(seed=21, orientation=8)]
+    noisy = {5, 8}  # per-pixel noise in blue: every pixel is a chroma edge
     out = decode_images(sources, device="cuda", batch_size=4)
-    for src, got in zip(sources, out):
+    for i, (src, got) in enumerate(zip(sources, out)):
         want = decode_image(src)
         assert got.pixels.device.type == "cuda"
         assert got.size == want.size and got.original_size == want.original_size
-        # nvJPEG's IDCT and chroma upsampling differ from libjpeg's by a level or two at edges
-        assert _mean_diff(got.pixels.cpu(), want.pixels) <= 2.0
+        # nvJPEG's IDCT and chroma upsampling differ from libjpeg's (PIL's, what the model's processor decodes
+        # with) by a level or two where chroma changes. On chroma that is noise at every pixel the mean gap
+        # measured 4.74 levels (H100, 2026-11-26): bounded here, so a swapped or shifted plane (tens of levels)
+        # still fails
+        assert _mean_diff(got.pixels.cpu(), want.pixels) <= (6.0 if i in noisy else 2.0), i

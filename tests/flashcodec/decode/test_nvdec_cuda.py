@@ -85,7 +85,10 @@ def test_av1_goes_to_the_cpu_rank_and_the_output_still_lands_on_the_gpu(video_fa
 
 def test_corrupt_then_good_on_the_same_pool(video_factory, gpu_engine, cpu_engine, tmp_path):
     good = video_factory(codec="h264", bframes=2, suffix=".mp4", **CLIP)
-    truncated = synthetic_video.truncate_file(good, tmp_path / "cut.mp4", keep_fraction=0.4)
+    # faststart: the index is at the front, so the cut file opens and its tail is missing (a plain mp4 cut short
+    # loses its index and is refused at open, before any session sees it)
+    indexed = video_factory(codec="h264", bframes=2, suffix=".mp4", faststart=True, **CLIP)
+    truncated = synthetic_video.truncate_file(indexed, tmp_path / "cut.mp4", keep_fraction=0.4)
     damaged = synthetic_video.corrupt_middle(good, tmp_path / "corrupt.mp4", seed=3)
     with pytest.raises(flashcodec.CorruptVideoError, match="could not be decoded"):
         gpu_engine.decode_video(truncated, fps=24)
