@@ -19,8 +19,7 @@
 #              bench/kernels (paged copy, fused layer ops)
 #   engine     (attention's wheels) bench/engine on the 7B preset (decode timed sync and with async scheduling,
 #              and split into graph replay and host time), then its decode with the fused ops off
-#   serve      (attention's wheels) the multi-process server on the GPU, behind the unverified-CUDA gate
-#              (UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER=1), under a private MPS daemon: one long video's
+#   serve      (attention's wheels) the multi-process server on the GPU, under a private MPS daemon: one long video's
 #              TTFT breakdown (streaming vs whole ingest) with 4 requests decoding, on the 7B preset; then
 #              an injected CUDA fault under serve-node.sh's MPS and its restart
 #   policies   (attention's wheels) issue 14's serving table, one policy per run (three runs for the table):
@@ -30,16 +29,19 @@
 #              `bench/policies/bench_policies.py --merge` turns into the three-policy table; rates whose
 #              arrivals would outlast the run are skipped (64 requests at 0.2 req/s alone are 320 s), so a
 #              policy's rates may take several runs (RATES=...), which --merge joins
+#   tests      the `cuda` tests named in CUDA_TESTS again (pytest paths or node ids; default: every one), with the
+#              csrc/ build they need, on whichever wheels are carried (GPU_WHEELS); DECODE_BENCH=1 adds
+#              bench/decode/bench_gpu.py --short after them. For a short run that checks fixes.
 # The steps' limits add up to more than the device's 10 minutes only where a step usually ends early;
 # what ran is in OUTDIR/status.txt either way.
 # Each step has its own time limit so that a hang in one still leaves the others' results in OUTDIR; at the end
 # they are packed into OUTDIR/results.tar.gz (the device tool returns at most 8 files).
 # FULL_SUITE=1 also runs the whole CPU suite on the device's stack (torch 2.11, Python 3.12).
 set -uo pipefail
-out=${1:?usage: scripts/gpu_check.sh OUTDIR decode|attention|engine|serve|policies}
+out=${1:?usage: scripts/gpu_check.sh OUTDIR decode|attention|engine|serve|policies|tests}
 group=${2:-decode}
-case $group in decode|attention|engine|serve|policies) ;;
-  *) echo "gpu_check.sh: error: group must be decode, attention, engine, serve or policies" >&2; exit 2 ;; esac
+case $group in decode|attention|engine|serve|policies|tests) ;;
+  *) echo "gpu_check.sh: error: group must be decode, attention, engine, serve, policies or tests" >&2; exit 2 ;; esac
 policy=${POLICY:-unified}
 case $policy in unified|monolithic|split) ;;
   *) echo "gpu_check.sh: error: POLICY must be unified, monolithic or split" >&2; exit 2 ;; esac
@@ -133,7 +135,7 @@ if [ -f "$wheels/flashinfer-kernels.tar.xz" ] && [ "$group" != decode ]; then
 fi
 
 ops_build=""
-case $group in attention|engine|serve|policies)
+case $group in attention|engine|serve|policies|tests)
   # csrc/ (paged copy, fused layer ops) compiles with the device's nvcc, about a minute on its cores, while the
   # machine is probed and the 7B preset written; warm_kernels waits for it
   step "csrc/ ops build started in the background"
@@ -178,10 +180,10 @@ warm_kernels() {  # the demo model's shapes (head dim 64, the cuda tests) and th
   ops_build=""
 }
 
-# The groups that start the multi-process server on the GPU: past its unverified-CUDA gate, the 7B preset,
-# a private MPS daemon (stopped by the group at its end)
+# The groups that start the multi-process server on the GPU: the 7B preset, a private MPS daemon (stopped by the
+# group at its end)
 serve_under_mps() {
-  export UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER=1 UNIFIEDSERVE_MPS_DIR=/tmp/unifiedserve-mps-check
+  export UNIFIEDSERVE_MPS_DIR=/tmp/unifiedserve-mps-check
   prepare_7b
   step "MPS daemon (private folders; stopped at the end, or on any exit)"
   trap 'launch/mps.sh stop >/dev/null 2>&1 || true' EXIT
@@ -275,6 +277,18 @@ policies)
     --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16 --patch-buffer-gb 4 --no-prefix-caching --media-cache-gb 0" \
     --out "$out/policies-$policy"
   stop_mps
+  ;;
+tests)
+  step "waiting for the csrc/ ops build"
+  wait "$ops_build"
+  step "cuda tests: ${CUDA_TESTS:-tests}"
+  # shellcheck disable=SC2086  # CUDA_TESTS is a list of paths / node ids
+  run 300 pytest-cuda python3 -m pytest -v --timeout=120 -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" \
+    ${CUDA_TESTS:-tests}
+  if [ "${DECODE_BENCH:-0}" = 1 ]; then
+    step "bench/decode/bench_gpu.py --short"
+    run 270 bench-decode python3 bench/decode/bench_gpu.py --short --out "$out/bench_decode"
+  fi
   ;;
 esac
 

@@ -229,4 +229,4 @@ def test_cuda_fault_under_mps_fails_the_request_and_the_node_restarts(tmp_path):
     if not (model / "config.json").exists():
         pytest.skip(f"no model at {model} (scripts/gpu_check.sh writes the 7B preset there)")
     _fault_and_restart(tmp_path, ["--device", "cuda", "--model", str(model), "--kv-cache-gb", "8"],
-                       {"UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER": "1"}, startup_s=400, cuda=True)
+                       {}, startup_s=400, cuda=True)

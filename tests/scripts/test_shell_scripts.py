@@ -27,7 +27,7 @@ def test_script_parses(script):
 
 @pytest.mark.parametrize("args, env, needle", [
     ([], {}, "usage: scripts/gpu_check.sh OUTDIR"),
-    (["OUT", "benchmarks"], {}, "gpu_check.sh: error: group must be decode, attention, engine, serve or policies"),
+    (["OUT", "benchmarks"], {}, "gpu_check.sh: error: group must be decode, attention, engine, serve, policies or tests"),
     (["OUT", "policies"], {"POLICY": "fast"}, "gpu_check.sh: error: POLICY must be unified, monolithic or split"),
     (["OUT", "decode"], {"GPU_CHECK_LIMIT_S": "9.5"}, "gpu_check.sh: error: GPU_CHECK_LIMIT_S must be whole seconds"),
 ])

@@ -267,8 +267,6 @@ def _sm_percent(value: str) -> int:
 
 
 DEFAULT_DECODE_SM_PERCENT = 30
-#: Set to 1 to let ``serve`` run on CUDA before its CUDA paths have run on a device (issue 14; docs/gpu.md).
-UNVERIFIED_CUDA_ENV = "UNIFIEDSERVE_UNVERIFIED_CUDA_SERVER"
 
 
 def gpu_placement_fields(args: argparse.Namespace, device: str, num_visible_gpus: int,
@@ -313,34 +311,6 @@ def _device_arg(value: str) -> str:
     if not _DEVICE_RE.match(value):
         raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from auto, cpu, cuda, cuda:N)")
     return value
-
-
-def _resolve_device(device: str) -> str:
-    """The server's device: CPU until the multi-process runtime's CUDA pools (issue 14) are verified on a GPU.
-
-    Raises:
-        ValueError: CUDA asked for explicitly (the one line says why and what to use instead).
-    """
-    from unifiedserve.engine.device import resolve_device
-
-    if device == "cpu":
-        return device
-    unverified = os.environ.get(UNVERIFIED_CUDA_ENV) == "1"
-    if device == "auto":
-        if resolve_device("auto") == "cpu":
-            return "cpu"
-        if unverified:
-            return "cuda"
-        log.warning("CUDA is available, but the server runs on CPU: the multi-process server on CUDA has run on "
-                    "a GPU, but its output is not yet checked against the engine's there (docs/gpu.md; "
-                    "--device cpu silences this)")
-        return "cpu"
-    if unverified:
-        resolve_device(device)  # a clear error without a GPU
-        return device
-    raise ValueError(f"--device {device}: the multi-process server does not run on CUDA yet (it ran on a GPU, "
-                     f"but its output is not yet checked against the engine's there: docs/gpu.md); use --device "
-                     f"cpu, or the in-process engine unifiedserve.engine.LLM, which runs on CUDA")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -423,11 +393,11 @@ def build_runtime(args: argparse.Namespace):
     Raises:
         ValueError: a flag the device or the model folder refuses.
     """
-    from unifiedserve.engine.device import resolve_dtype
+    from unifiedserve.engine.device import resolve_device, resolve_dtype
     from unifiedserve.runtime.worker import FAULT_ENV, parse_fault
 
     parse_fault(os.environ.get(FAULT_ENV), "decode")  # a malformed testing hook: one error line, before any worker
-    device = _resolve_device(args.device)
+    device = resolve_device(args.device)  # auto: the GPU when torch sees one; cuda without one: one error line
     utilization = args.gpu_memory_utilization
     if utilization is not None:
         if device == "cpu":

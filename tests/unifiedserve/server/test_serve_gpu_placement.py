@@ -87,23 +87,6 @@ def test_mps_running_looks_for_the_control_socket(tmp_path, monkeypatch):
         assert mps_running()
 
 
-def test_cuda_is_refused_unless_the_unverified_gate_is_set(monkeypatch):
-    import torch
-
-    from unifiedserve.server.serve import UNVERIFIED_CUDA_ENV, _resolve_device
-
-    monkeypatch.delenv(UNVERIFIED_CUDA_ENV, raising=False)
-    with pytest.raises(ValueError, match="does not run on CUDA yet"):
-        _resolve_device("cuda")
-    monkeypatch.setenv(UNVERIFIED_CUDA_ENV, "1")
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="torch sees no CUDA GPU"):
-            _resolve_device("cuda:0")
-        assert _resolve_device("auto") == "cpu"
-    else:
-        assert _resolve_device("auto") == "cuda" and _resolve_device("cuda:0") == "cuda:0"
-
-
 @pytest.mark.parametrize("argv, expected", [
     ([], 0.9),  # no KV size given: vLLM's default share
     (["--gpu-memory-utilization", "0.5"], 0.5),
@@ -115,7 +98,6 @@ def test_a_cuda_server_sizes_its_kv_cache_by_utilization_unless_given_a_size(mon
     from unifiedserve.runtime import memory_plan
     from unifiedserve.server import serve
 
-    monkeypatch.setattr(serve, "_resolve_device", lambda device: "cuda")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr("unifiedserve.runtime.gpu_placement.mps_running", lambda: False)
     monkeypatch.setattr("unifiedserve.engine.device.resolve_dtype", lambda dtype, device: "bfloat16")

@@ -9,14 +9,12 @@ and whole-video hand-off keep the two schedules' kernels the same shapes, one re
 
 from __future__ import annotations
 
-import os
 import signal
 
 import openai
 import pytest
 
 from serve_helpers import Server, leftovers, tiny_clip
-from unifiedserve.server.serve import UNVERIFIED_CUDA_ENV
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
@@ -68,16 +66,8 @@ def reference(files):
 @pytest.fixture(scope="module")
 def server(media):
     d, _ = media
-    saved = os.environ.get(UNVERIFIED_CUDA_ENV)
-    os.environ[UNVERIFIED_CUDA_ENV] = "1"
-    try:
-        srv = Server("--device", "cuda", "--dtype", "float32", "--vision-device", "cpu", "--ingest", "whole",
-                     media_dir=d, startup_timeout=400.0)
-    finally:
-        if saved is None:
-            os.environ.pop(UNVERIFIED_CUDA_ENV, None)
-        else:
-            os.environ[UNVERIFIED_CUDA_ENV] = saved
+    srv = Server("--device", "cuda", "--dtype", "float32", "--vision-device", "cpu", "--ingest", "whole",
+                 media_dir=d, startup_timeout=400.0)
     yield srv
     assert srv.stop(signal.SIGTERM) == 0, srv.log()[-3000:]
     assert leftovers(srv.instance) == []
@@ -106,16 +96,9 @@ def test_a_server_sized_by_gpu_memory_utilization_stays_inside_its_share(media):
     d, files = media
     share = 0.4
     torch.cuda.mem_get_info()  # this process's own context exists before the server measures what is in use
-    saved = os.environ.get(UNVERIFIED_CUDA_ENV)
-    os.environ[UNVERIFIED_CUDA_ENV] = "1"
-    try:  # the KV cache from the share; the buffers small, as in every server test
-        srv = Server("--device", "cuda", "--gpu-memory-utilization", str(share), media_dir=d, startup_timeout=400.0,
-                     pools=["--patch-buffer-gb", "0.25", "--visual-buffer-gb", "0.0625"])
-    finally:
-        if saved is None:
-            os.environ.pop(UNVERIFIED_CUDA_ENV, None)
-        else:
-            os.environ[UNVERIFIED_CUDA_ENV] = saved
+    # the KV cache from the share; the buffers small, as in every server test
+    srv = Server("--device", "cuda", "--gpu-memory-utilization", str(share), media_dir=d, startup_timeout=400.0,
+                 pools=["--patch-buffer-gb", "0.25", "--visual-buffer-gb", "0.0625"])
     try:
         assert "KV pool:" in srv.log() and "x --gpu-memory-utilization 0.40" in srv.log(), srv.log()[-3000:]
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
