@@ -31,7 +31,7 @@
 #              policy's rates may take several runs (RATES=...), which --merge joins
 #   tests      the `cuda` tests named in CUDA_TESTS again (pytest paths or node ids; default: every one), with the
 #              csrc/ build they need, on whichever wheels are carried (GPU_WHEELS); DECODE_BENCH=1 adds
-#              bench/decode/bench_gpu.py --short after them. For a short run that checks fixes.
+#              bench/decode/bench_gpu.py --short $DECODE_BENCH_ARGS after them. For a short run that checks fixes.
 # The steps' limits add up to more than the device's 10 minutes only where a step usually ends early;
 # what ran is in OUTDIR/status.txt either way.
 # Each step has its own time limit so that a hang in one still leaves the others' results in OUTDIR; at the end
@@ -287,7 +287,8 @@ tests)
     ${CUDA_TESTS:-tests}
   if [ "${DECODE_BENCH:-0}" = 1 ]; then
     step "bench/decode/bench_gpu.py --short"
-    run 270 bench-decode python3 bench/decode/bench_gpu.py --short --out "$out/bench_decode"
+    # shellcheck disable=SC2086  # DECODE_BENCH_ARGS: more flags, e.g. "--codecs h264 --repeat 2"
+    run 270 bench-decode python3 bench/decode/bench_gpu.py --short ${DECODE_BENCH_ARGS:-} --out "$out/bench_decode"
   fi
   ;;
 esac

@@ -79,6 +79,9 @@ def test_frame_mappings_mark_keyframes_and_durations(tiny_h264):
     assert [f["pts"] for f in frames] == info.frame_pts.tolist()
     assert sum(f["key_frame"] for f in frames) == info.num_keyframes
     assert all(f["duration"] > 0 for f in frames)
+    assert nvdec.frame_mappings_json(info) is nvdec.frame_mappings_json(info)  # built once per probe, not per session
+    other = probe(Source.of(tiny_h264))
+    assert nvdec.frame_mappings_json(other) == nvdec.frame_mappings_json(info)
 
 
 class FlakyDecoder:
