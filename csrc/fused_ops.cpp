@@ -27,90 +27,91 @@
 #include <cmath>
 #include <cstdint>
 
+#include "check_msg.h"
 #include "fused_ops.h"
 
 namespace unifiedserve {
 
 void check_fused_dtype(const at::Tensor& t, const char* name) {
   const auto dtype = t.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, name,
+  US_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, name,
               " must be float32, bfloat16 or float16, got ", dtype);
 }
 
 static void check_device(const at::Tensor& t, const char* name, c10::DeviceType device_type) {
-  TORCH_CHECK(t.device().type() == device_type, name, " must be on ", c10::DeviceTypeName(device_type),
+  US_CHECK(t.device().type() == device_type, name, " must be on ", c10::DeviceTypeName(device_type),
               " for this kernel, got ", t.device());
 }
 
 static void check_same(const at::Tensor& t, const at::Tensor& like, const char* name, const char* like_name) {
-  TORCH_CHECK(t.device() == like.device(), name, " is on ", t.device(), " but ", like_name, " is on ", like.device());
-  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " is ", t.scalar_type(), " but ", like_name, " is ",
+  US_CHECK(t.device() == like.device(), name, " is on ", t.device(), " but ", like_name, " is on ", like.device());
+  US_CHECK(t.scalar_type() == like.scalar_type(), name, " is ", t.scalar_type(), " but ", like_name, " is ",
               like.scalar_type());
 }
 
 void check_norm_args(const at::Tensor& x, const at::Tensor& weight, double eps, c10::DeviceType device_type) {
   check_device(x, "x", device_type);
   check_fused_dtype(x, "x");
-  TORCH_CHECK(x.dim() == 2, "x must be [N, hidden], got shape ", x.sizes());
-  TORCH_CHECK(x.size(1) > 0, "x's hidden size must be positive, got shape ", x.sizes());
-  TORCH_CHECK(x.stride(1) == 1, "x's last dim must be contiguous");
+  US_CHECK(x.dim() == 2, "x must be [N, hidden], got shape ", x.sizes());
+  US_CHECK(x.size(1) > 0, "x's hidden size must be positive, got shape ", x.sizes());
+  US_CHECK(x.stride(1) == 1, "x's last dim must be contiguous");
   check_same(weight, x, "weight", "x");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "weight must be [", x.size(1), "], got shape ",
+  US_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "weight must be [", x.size(1), "], got shape ",
               weight.sizes());
-  TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
+  US_CHECK(weight.is_contiguous(), "weight must be contiguous");
+  US_CHECK(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
 }
 
 void check_rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps,
                     c10::DeviceType device_type) {
   check_norm_args(x, weight, eps, device_type);
   check_same(out, x, "out", "x");
-  TORCH_CHECK(out.sizes() == x.sizes(), "out must be shaped like x ", x.sizes(), ", got ", out.sizes());
-  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
+  US_CHECK(out.sizes() == x.sizes(), "out must be shaped like x ", x.sizes(), ", got ", out.sizes());
+  US_CHECK(out.is_contiguous(), "out must be contiguous");
 }
 
 void check_fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                               double eps, c10::DeviceType device_type) {
   check_norm_args(x, weight, eps, device_type);
   check_same(residual, x, "residual", "x");
-  TORCH_CHECK(residual.sizes() == x.sizes(), "residual must be shaped like x ", x.sizes(), ", got ",
+  US_CHECK(residual.sizes() == x.sizes(), "residual must be shaped like x ", x.sizes(), ", got ",
               residual.sizes());
-  TORCH_CHECK(residual.stride(1) == 1, "residual's last dim must be contiguous");
+  US_CHECK(residual.stride(1) == 1, "residual's last dim must be contiguous");
 }
 
 void check_silu_and_mul(const at::Tensor& out, const at::Tensor& gate_up, c10::DeviceType device_type) {
   check_device(gate_up, "gate_up", device_type);
   check_fused_dtype(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) > 0 && gate_up.size(1) % 2 == 0,
+  US_CHECK(gate_up.dim() == 2 && gate_up.size(1) > 0 && gate_up.size(1) % 2 == 0,
               "gate_up must be [N, 2 * intermediate] with intermediate > 0, got shape ", gate_up.sizes());
-  TORCH_CHECK(gate_up.stride(1) == 1, "gate_up's last dim must be contiguous");
+  US_CHECK(gate_up.stride(1) == 1, "gate_up's last dim must be contiguous");
   check_same(out, gate_up, "out", "gate_up");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == gate_up.size(0) && out.size(1) == gate_up.size(1) / 2,
+  US_CHECK(out.dim() == 2 && out.size(0) == gate_up.size(0) && out.size(1) == gate_up.size(1) / 2,
               "out must be [", gate_up.size(0), ", ", gate_up.size(1) / 2, "], got shape ", out.sizes());
-  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
+  US_CHECK(out.is_contiguous(), "out must be contiguous");
 }
 
 void check_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
                   c10::DeviceType device_type) {
   check_device(q, "q", device_type);
   check_fused_dtype(q, "q");
-  TORCH_CHECK(q.dim() == 3, "q must be [N, heads, head_dim], got shape ", q.sizes());
-  TORCH_CHECK(q.size(2) > 0 && q.size(2) % 2 == 0, "head_dim must be even and positive, got shape ", q.sizes());
+  US_CHECK(q.dim() == 3, "q must be [N, heads, head_dim], got shape ", q.sizes());
+  US_CHECK(q.size(2) > 0 && q.size(2) % 2 == 0, "head_dim must be even and positive, got shape ", q.sizes());
   check_same(k, q, "k", "q");
-  TORCH_CHECK(k.dim() == 3 && k.size(0) == q.size(0) && k.size(2) == q.size(2), "k must be [", q.size(0),
+  US_CHECK(k.dim() == 3 && k.size(0) == q.size(0) && k.size(2) == q.size(2), "k must be [", q.size(0),
               ", heads, ", q.size(2), "], got shape ", k.sizes());
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "q's and k's last dims must be contiguous");
+  US_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "q's and k's last dims must be contiguous");
   for (const auto* pair : {&cos, &sin}) {
     const at::Tensor& t = *pair;
     const char* name = pair == &cos ? "cos" : "sin";
-    TORCH_CHECK(t.device() == q.device(), name, " is on ", t.device(), " but q is on ", q.device());
-    TORCH_CHECK(t.scalar_type() == q.scalar_type() || t.scalar_type() == at::kFloat, name, " must be float32 or ",
+    US_CHECK(t.device() == q.device(), name, " is on ", t.device(), " but q is on ", q.device());
+    US_CHECK(t.scalar_type() == q.scalar_type() || t.scalar_type() == at::kFloat, name, " must be float32 or ",
                 q.scalar_type(), " (q's dtype), got ", t.scalar_type());
-    TORCH_CHECK(t.dim() == 2 && t.size(0) == q.size(0) && t.size(1) == q.size(2), name, " must be [", q.size(0),
+    US_CHECK(t.dim() == 2 && t.size(0) == q.size(0) && t.size(1) == q.size(2), name, " must be [", q.size(0),
                 ", ", q.size(2), "], got shape ", t.sizes());
-    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+    US_CHECK(t.is_contiguous(), name, " must be contiguous");
   }
-  TORCH_CHECK(cos.scalar_type() == sin.scalar_type(), "cos and sin must share a dtype, got ", cos.scalar_type(),
+  US_CHECK(cos.scalar_type() == sin.scalar_type(), "cos and sin must share a dtype, got ", cos.scalar_type(),
               " and ", sin.scalar_type());
 }
 
@@ -120,23 +121,23 @@ void check_rotary_cache(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         c10::DeviceType device_type) {
   check_rotary(q, k, cos, sin, device_type);
   check_same(v, k, "v", "k");
-  TORCH_CHECK(v.sizes() == k.sizes(), "v must be shaped like k ", k.sizes(), ", got ", v.sizes());
-  TORCH_CHECK(v.stride(2) == 1, "v's last dim must be contiguous");
+  US_CHECK(v.sizes() == k.sizes(), "v must be shaped like k ", k.sizes(), ", got ", v.sizes());
+  US_CHECK(v.stride(2) == 1, "v's last dim must be contiguous");
   for (const auto* pair : {&k_cache, &v_cache}) {
     const at::Tensor& c = *pair;
     const char* name = pair == &k_cache ? "k_cache" : "v_cache";
     check_same(c, k, name, "k");
-    TORCH_CHECK(c.dim() == 3 && c.size(1) == k.size(1) && c.size(2) == k.size(2), name, " must be [slots, ",
+    US_CHECK(c.dim() == 3 && c.size(1) == k.size(1) && c.size(2) == k.size(2), name, " must be [slots, ",
                 k.size(1), ", ", k.size(2), "], got shape ", c.sizes());
-    TORCH_CHECK(c.is_contiguous(), name, " must be contiguous");
+    US_CHECK(c.is_contiguous(), name, " must be contiguous");
   }
-  TORCH_CHECK(v_cache.size(0) == k_cache.size(0), "k_cache and v_cache must have as many slots, got ",
+  US_CHECK(v_cache.size(0) == k_cache.size(0), "k_cache and v_cache must have as many slots, got ",
               k_cache.size(0), " and ", v_cache.size(0));
   const int64_t rows = q.size(0);
   auto check_index = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.device() == q.device(), name, " is on ", t.device(), " but q is on ", q.device());
-    TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
-    TORCH_CHECK(t.dim() == 1 && t.size(0) == rows && t.is_contiguous(), name, " must be a contiguous [", rows,
+    US_CHECK(t.device() == q.device(), name, " is on ", t.device(), " but q is on ", q.device());
+    US_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
+    US_CHECK(t.dim() == 1 && t.size(0) == rows && t.is_contiguous(), name, " must be a contiguous [", rows,
                 "], got shape ", t.sizes());
   };
   check_index(slot_mapping, "slot_mapping");
@@ -245,9 +246,9 @@ void rotary_cache_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   const int64_t* source = write_rows.has_value() ? write_rows->data_ptr<int64_t>() : nullptr;
   for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(slot[r] >= 0 && slot[r] < slots, "slot_mapping[", r, "] = ", slot[r], " is outside the cache's ",
+    US_CHECK(slot[r] >= 0 && slot[r] < slots, "slot_mapping[", r, "] = ", slot[r], " is outside the cache's ",
                 slots, " slots");
-    TORCH_CHECK(source == nullptr || (source[r] >= 0 && source[r] < rows), "write_rows[", r, "] = ",
+    US_CHECK(source == nullptr || (source[r] >= 0 && source[r] < rows), "write_rows[", r, "] = ",
                 source ? source[r] : 0, " is not a row of q (", rows, " rows)");
   }
   const int64_t heads = k.size(1), dim = q.size(2), half = dim / 2;

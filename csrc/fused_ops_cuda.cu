@@ -31,6 +31,7 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "check_msg.h"
 #include "fused_ops.h"
 
 namespace unifiedserve {
@@ -304,7 +305,7 @@ void silu_and_mul_cuda(const at::Tensor& out, const at::Tensor& gate_up) {
   const int64_t rows = out.size(0), inter = out.size(1);
   if (rows == 0) return;
   const int64_t chunks = (inter + kSiluThreads - 1) / kSiluThreads;  // one-element chunks: the most there can be
-  TORCH_CHECK(chunks <= kMaxGridY, "silu_and_mul: intermediate size ", inter, " is over the kernel's limit of ",
+  US_CHECK(chunks <= kMaxGridY, "silu_and_mul: intermediate size ", inter, " is over the kernel's limit of ",
               kMaxGridY * kSiluThreads);
   const bool wide = packs_fit(inter, gate_up.element_size(), {gate_up.stride(0)}, {gate_up.data_ptr(), out.data_ptr()});
   const auto stream = c10::cuda::getCurrentCUDAStream();

@@ -27,35 +27,37 @@
 #include <limits>
 #include <vector>
 
+#include "check_msg.h"
+
 namespace unifiedserve {
 namespace {
 
 void check_decode_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& slots, const at::Tensor& valid) {
-  TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention: this kernel runs on CPU tensors, got ", q.device());
+  US_CHECK(q.device().is_cpu(), "paged_decode_attention: this kernel runs on CPU tensors, got ", q.device());
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+  US_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "q must be float32, bfloat16 or float16, got ", dtype);
-  TORCH_CHECK(q.dim() == 3 && q.size(2) > 0, "q must be [B, q_heads, head_dim], got shape ", q.sizes());
-  TORCH_CHECK(q.stride(2) == 1, "q's last dim must be contiguous");
+  US_CHECK(q.dim() == 3 && q.size(2) > 0, "q must be [B, q_heads, head_dim], got shape ", q.sizes());
+  US_CHECK(q.stride(2) == 1, "q's last dim must be contiguous");
   for (const auto* pair : {&k_cache, &v_cache}) {
     const at::Tensor& c = *pair;
     const char* name = pair == &k_cache ? "k_cache" : "v_cache";
-    TORCH_CHECK(c.device() == q.device(), name, " is on ", c.device(), " but q is on ", q.device());
-    TORCH_CHECK(c.scalar_type() == dtype, name, " is ", c.scalar_type(), " but q is ", dtype);
-    TORCH_CHECK(c.dim() == 3 && c.size(2) == q.size(2) && c.size(1) > 0, name, " must be [slots, kv_heads, ",
+    US_CHECK(c.device() == q.device(), name, " is on ", c.device(), " but q is on ", q.device());
+    US_CHECK(c.scalar_type() == dtype, name, " is ", c.scalar_type(), " but q is ", dtype);
+    US_CHECK(c.dim() == 3 && c.size(2) == q.size(2) && c.size(1) > 0, name, " must be [slots, kv_heads, ",
                 q.size(2), "], got shape ", c.sizes());
-    TORCH_CHECK(c.is_contiguous(), name, " must be contiguous");
+    US_CHECK(c.is_contiguous(), name, " must be contiguous");
   }
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache must be shaped like k_cache ", k_cache.sizes(), ", got ",
+  US_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache must be shaped like k_cache ", k_cache.sizes(), ", got ",
               v_cache.sizes());
-  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "q_heads (", q.size(1), ") must be a multiple of kv_heads (",
+  US_CHECK(q.size(1) % k_cache.size(1) == 0, "q_heads (", q.size(1), ") must be a multiple of kv_heads (",
               k_cache.size(1), ")");
-  TORCH_CHECK(slots.device() == q.device() && slots.scalar_type() == at::kLong && slots.dim() == 2 &&
+  US_CHECK(slots.device() == q.device() && slots.scalar_type() == at::kLong && slots.dim() == 2 &&
                   slots.size(0) == q.size(0) && slots.is_contiguous(),
               "slots must be a contiguous int64 [", q.size(0), ", L] on q's device, got ", slots.scalar_type(), " ",
               slots.sizes());
-  TORCH_CHECK(valid.device() == q.device() && valid.scalar_type() == at::kBool && valid.sizes() == slots.sizes() &&
+  US_CHECK(valid.device() == q.device() && valid.scalar_type() == at::kBool && valid.sizes() == slots.sizes() &&
                   valid.is_contiguous(),
               "valid must be a contiguous bool tensor shaped like slots ", slots.sizes(), ", got ",
               valid.scalar_type(), " ", valid.sizes());
@@ -142,12 +144,12 @@ void decode_attention(const at::Tensor& out, const at::Tensor& q, const at::Tens
 at::Tensor paged_decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                       const at::Tensor& slots, const at::Tensor& valid, double scale) {
   check_decode_args(q, k_cache, v_cache, slots, valid);
-  TORCH_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
+  US_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
   const int64_t num_slots = k_cache.size(0);
   const int64_t* sl = slots.data_ptr<int64_t>();
   const bool* ok = valid.data_ptr<bool>();
   for (int64_t i = 0; i < slots.numel(); ++i)
-    TORCH_CHECK(!ok[i] || (sl[i] >= 0 && sl[i] < num_slots), "slots[", i / slots.size(1), ", ", i % slots.size(1),
+    US_CHECK(!ok[i] || (sl[i] >= 0 && sl[i] < num_slots), "slots[", i / slots.size(1), ", ", i % slots.size(1),
                 "] = ", sl[i], " is outside the cache's ", num_slots, " slots");
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_decode_attention_cpu",

@@ -21,6 +21,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "check_msg.h"
 #include "paged_copy.h"
 
 #include <algorithm>
@@ -36,18 +37,18 @@ constexpr int64_t kGrainBytes = 64 * 1024;
 }  // namespace
 
 void check_buffer(const at::Tensor& buffer, c10::DeviceType device_type) {
-  TORCH_CHECK(buffer.dim() >= 2, "buffer must be [num_pages, page_size, ...], got shape ", buffer.sizes());
-  TORCH_CHECK(buffer.device().type() == device_type, "buffer must be on ", c10::DeviceTypeName(device_type),
+  US_CHECK(buffer.dim() >= 2, "buffer must be [num_pages, page_size, ...], got shape ", buffer.sizes());
+  US_CHECK(buffer.device().type() == device_type, "buffer must be on ", c10::DeviceTypeName(device_type),
               " for this kernel, got ", buffer.device());
-  TORCH_CHECK(buffer.is_contiguous(), "buffer must be contiguous");
-  TORCH_CHECK(buffer.size(1) > 0, "buffer's page_size (dim 1) must be positive, got shape ", buffer.sizes());
+  US_CHECK(buffer.is_contiguous(), "buffer must be contiguous");
+  US_CHECK(buffer.size(1) > 0, "buffer's page_size (dim 1) must be positive, got shape ", buffer.sizes());
 }
 
 static void check_index_tensor(const at::Tensor& t, const char* name, c10::Device device) {
-  TORCH_CHECK(t.dim() == 1, name, " must be 1-D, got shape ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
-  TORCH_CHECK(t.device() == device, name, " must be on the buffer's device ", device, ", got ", t.device());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  US_CHECK(t.dim() == 1, name, " must be 1-D, got shape ", t.sizes());
+  US_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
+  US_CHECK(t.device() == device, name, " must be on the buffer's device ", device, ", got ", t.device());
+  US_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
 void check_index_tensors(const at::Tensor& pv_indptr, const at::Tensor& pv_page_indptr,
@@ -57,8 +58,8 @@ void check_index_tensors(const at::Tensor& pv_indptr, const at::Tensor& pv_page_
   check_index_tensor(pv_page_indices, "pv_page_indices", device);
   check_index_tensor(pv_cu_page_len, "pv_cu_page_len", device);
   const int64_t B = pv_cu_page_len.size(0);
-  TORCH_CHECK(pv_indptr.size(0) == B + 1, "pv_indptr must have ", B + 1, " entries (B+1), got ", pv_indptr.size(0));
-  TORCH_CHECK(pv_page_indptr.size(0) == B + 1, "pv_page_indptr must have ", B + 1, " entries (B+1), got ",
+  US_CHECK(pv_indptr.size(0) == B + 1, "pv_indptr must have ", B + 1, " entries (B+1), got ", pv_indptr.size(0));
+  US_CHECK(pv_page_indptr.size(0) == B + 1, "pv_page_indptr must have ", B + 1, " entries (B+1), got ",
               pv_page_indptr.size(0));
 }
 
@@ -67,44 +68,44 @@ Index check_index_values(const at::Tensor& pv_indptr, const at::Tensor& pv_page_
                          int64_t page_size) {
   // Only now are values read: the lengths were checked by check_index_tensors, and the data_ptr<int64_t>()
   // calls cannot throw on a dtype mismatch any more.
-  TORCH_CHECK(page_size > 0, "page_size must be positive, got ", page_size);
+  US_CHECK(page_size > 0, "page_size must be positive, got ", page_size);
   Index ix{pv_indptr.data_ptr<int64_t>(), pv_page_indptr.data_ptr<int64_t>(),
            pv_page_indices.data_ptr<int64_t>(), pv_cu_page_len.data_ptr<int64_t>(),
            pv_cu_page_len.size(0), pv_page_indices.size(0)};
   const int64_t B = ix.num_requests;
-  TORCH_CHECK(ix.indptr[0] == 0 && ix.page_indptr[0] == 0, "pv_indptr and pv_page_indptr must start at 0");
-  TORCH_CHECK(ix.page_indptr[B] == ix.num_entries, "pv_page_indptr[-1] (", ix.page_indptr[B],
+  US_CHECK(ix.indptr[0] == 0 && ix.page_indptr[0] == 0, "pv_indptr and pv_page_indptr must start at 0");
+  US_CHECK(ix.page_indptr[B] == ix.num_entries, "pv_page_indptr[-1] (", ix.page_indptr[B],
               ") must equal len(pv_page_indices) (", ix.num_entries, ")");
   for (int64_t b = 0; b < B; ++b) {
     // Compare before subtracting: both offsets are then >= 0 (induction from [0] == 0), so no overflow.
-    TORCH_CHECK(ix.indptr[b + 1] >= ix.indptr[b] && ix.page_indptr[b + 1] >= ix.page_indptr[b] &&
+    US_CHECK(ix.indptr[b + 1] >= ix.indptr[b] && ix.page_indptr[b + 1] >= ix.page_indptr[b] &&
                     ix.cu_page_len[b] >= 0,
                 "request ", b, ": negative row count, page count or pv_cu_page_len");
     const int64_t n = ix.indptr[b + 1] - ix.indptr[b];
     const int64_t have = ix.page_indptr[b + 1] - ix.page_indptr[b];
     // have <= num_entries (page_indptr is non-decreasing up to num_entries), so a request with
     // need == have has n < (have + 1) * page_size: offsets computed from n cannot overflow either.
-    TORCH_CHECK(have <= ix.num_entries && n <= (have + 1) * page_size, "request ", b, ": ", n, " rows cannot fit in ",
+    US_CHECK(have <= ix.num_entries && n <= (have + 1) * page_size, "request ", b, ": ", n, " rows cannot fit in ",
                 have, " listed pages of ", page_size);
     const int64_t need = n == 0 ? 0 : (ix.cu_page_len[b] % page_size + n + page_size - 1) / page_size;
-    TORCH_CHECK(have == need, "request ", b, ": ", n, " rows from token ", ix.cu_page_len[b], " span ", need,
+    US_CHECK(have == need, "request ", b, ": ", n, " rows from token ", ix.cu_page_len[b], " span ", need,
                 " pages of ", page_size, ", but the index lists ", have);
   }
   for (int64_t j = 0; j < ix.num_entries; ++j) {
-    TORCH_CHECK(ix.page_indices[j] >= 0 && ix.page_indices[j] < num_pages, "pv_page_indices[", j, "] = ",
+    US_CHECK(ix.page_indices[j] >= 0 && ix.page_indices[j] < num_pages, "pv_page_indices[", j, "] = ",
                 ix.page_indices[j], " is out of range for a buffer of ", num_pages, " pages");
   }
   return ix;
 }
 
 void check_src(const at::Tensor& buffer, const at::Tensor& src, int64_t num_rows) {
-  TORCH_CHECK(src.scalar_type() == buffer.scalar_type(), "src dtype ", src.scalar_type(), " must match buffer dtype ",
+  US_CHECK(src.scalar_type() == buffer.scalar_type(), "src dtype ", src.scalar_type(), " must match buffer dtype ",
               buffer.scalar_type());
-  TORCH_CHECK(src.device() == buffer.device(), "src must be on the buffer's device ", buffer.device(), ", got ",
+  US_CHECK(src.device() == buffer.device(), "src must be on the buffer's device ", buffer.device(), ", got ",
               src.device());
-  TORCH_CHECK(src.dim() == buffer.dim() - 1 && src.sizes().slice(1) == buffer.sizes().slice(2),
+  US_CHECK(src.dim() == buffer.dim() - 1 && src.sizes().slice(1) == buffer.sizes().slice(2),
               "src must be [N, ", buffer.sizes().slice(2), "] to match buffer ", buffer.sizes(), ", got ", src.sizes());
-  TORCH_CHECK(src.size(0) == num_rows, "src has ", src.size(0), " rows, pv_indptr[-1] is ", num_rows);
+  US_CHECK(src.size(0) == num_rows, "src has ", src.size(0), " rows, pv_indptr[-1] is ", num_rows);
 }
 
 int64_t row_bytes_of(const at::Tensor& buffer) {

@@ -1,9 +1,6 @@
 // The boundary between the paged-copy CUDA op's host code (paged_copy_cuda_host.cpp, compiled by the host
 // compiler: every check, every tensor, every throw) and its kernel (paged_copy_cuda.cu, compiled by nvcc: one
-// launch, no tensors, no exceptions). No C++ exception ever unwinds through an nvcc-compiled frame: on the GPU
-// machine (torch 2.11, g++ 13, nvcc 13) a bad index that threw from inside the .cu's host code, with tensors
-// to destroy on the way out, killed the process with a segfault (issue 13), where the same checks raise
-// cleanly from host-compiled code.
+// launch, no tensors, no exceptions), so no C++ exception unwinds through an nvcc-compiled frame.
 
 #pragma once
 

@@ -20,6 +20,7 @@
 #include <limits>
 #include <vector>
 
+#include "check_msg.h"
 #include "paged_copy.h"
 #include "paged_copy_cuda.h"
 
@@ -37,7 +38,7 @@ DeviceIndex check_cuda(const at::Tensor& buffer, const at::Tensor& pv_indptr, co
   const Index checked =
       check_index_values(host.narrow(0, 0, B + 1), host.narrow(0, B + 1, B + 1), host.narrow(0, 2 * B + 2, P),
                          host.narrow(0, 2 * B + 2 + P, B), buffer.size(0), buffer.size(1));
-  TORCH_CHECK(P <= std::numeric_limits<int32_t>::max(), "too many listed pages for one launch: ", P);
+  US_CHECK(P <= std::numeric_limits<int32_t>::max(), "too many listed pages for one launch: ", P);
   return {pv_indptr.data_ptr<int64_t>(), pv_page_indptr.data_ptr<int64_t>(), pv_page_indices.data_ptr<int64_t>(),
           pv_cu_page_len.data_ptr<int64_t>(), B, P, checked.indptr[B]};
 }

@@ -139,7 +139,13 @@ case $group in attention|engine|serve|policies|tests)
   # csrc/ (paged copy, fused layer ops) compiles with the device's nvcc, about a minute on its cores, while the
   # machine is probed and the 7B preset written; warm_kernels waits for it
   step "csrc/ ops build started in the background"
-  run 300 ops-build python3 -c "from unifiedserve import ops; print(ops.build_info())" &
+  # then, for the record: the compiler, and the C++ standard library code the library defines itself (none
+  # expected: a private copy of libstdc++'s stream code crashed the first error message there, csrc/check_msg.h)
+  run 300 ops-build bash -c 'python3 -c "from unifiedserve import ops; print(ops.build_info())" &&
+    c++ --version | head -1 && echo "libstdc++.so for the link: $(c++ -print-file-name=libstdc++.so)" &&
+    lib=$(ls "$UNIFIEDSERVE_CACHE_DIR"/ops/*/cuda/*.so 2>/dev/null | head -1) && [ -n "$lib" ] &&
+    echo "std:: stream/locale symbols defined in $lib: $(nm -DC --defined-only "$lib" |
+      grep -c "std::basic_ostream\|std::ostream\|std::locale\|std::codecvt")"' &
   ops_build=$! ;;
 esac
 
