@@ -325,8 +325,8 @@ def check_cuda_bad_inputs() -> None:
 @pytest.mark.cuda
 def test_cuda_bad_input_raises_and_writes_nothing(cuda_native, tmp_path):
     """In a child process, as the CPU kernels' test: a crash in an error path (the H100 saw a segfault at the
-    first bad index on 2026-11-26, before the op's host code moved out of the .cu) fails this test with its
-    Python and native frames instead of ending the whole GPU pytest run."""
+    first bad index on 2026-11-26, csrc/README.md) fails this test with its Python and native frames instead of
+    ending the whole GPU pytest run."""
     check_in_child("from unifiedserve import ops; import test_paged_copy_ops as t\n"
                    "assert ops.native_available() and ops.build_info()['cuda'], ops.build_info()\n"
                    "t.check_cuda_bad_inputs()\n"
