@@ -43,9 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", type=_model_name, default=None,
                    help="model id in the API (default: the folder's name)")
     g.add_argument("--device", type=_device_arg, default="auto", metavar="{auto,cpu,cuda,cuda:N}",
-                   help="where the model runs (default auto: CUDA when available and supported, else CPU; the "
-                        "multi-process server runs on CPU until its output on CUDA is checked against the engine's "
-                        "on a GPU, see docs/gpu.md)")
+                   help="where the model runs (default auto: CUDA when torch sees a GPU, else CPU)")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="weights and activations (default auto: float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("--enforce-eager", action="store_true",

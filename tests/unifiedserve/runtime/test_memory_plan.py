@@ -113,7 +113,7 @@ def test_the_server_refuses_conflicting_or_misplaced_flags(monkeypatch):
     serve.add_arguments(p)
     with pytest.raises(ValueError, match="applies to a CUDA server"):
         serve.build_runtime(p.parse_args(["--device", "cpu", "--gpu-memory-utilization", "0.9"]))
-    monkeypatch.setattr(serve, "_resolve_device", lambda device: "cuda")  # the checks before any GPU is touched
+    monkeypatch.setattr("unifiedserve.engine.device.resolve_device", lambda device: "cuda")  # checks before any GPU
     for extra in (["--kv-cache-gb", "4"], ["--num-kv-blocks", "100"]):
         with pytest.raises(ValueError, match="not both"):
             serve.build_runtime(p.parse_args(["--gpu-memory-utilization", "0.9", *extra]))
