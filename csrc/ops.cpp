@@ -1,5 +1,5 @@
 // The schemas of every op in the `unifiedserve` torch namespace (the one TORCH_LIBRARY block). The kernels
-// register per dispatch key next to their code: paged_copy.cpp / paged_copy_cuda.cu, fused_ops.cpp /
+// register per dispatch key next to their code: paged_copy.cpp / paged_copy_cuda_host.cpp, fused_ops.cpp /
 // fused_ops_cuda.cu. Python reaches them only through unifiedserve/ops/__init__.py.
 
 #include <torch/library.h>

@@ -13,7 +13,7 @@
 // a single memcpy. at::parallel_for splits the flat list of pages, so a long request is spread over
 // threads as well as many short ones.
 //
-// The CPU kernels live here; csrc/paged_copy_cuda.cu registers the CUDA kernels against the
+// The CPU kernels live here; csrc/paged_copy_cuda_host.cpp registers the CUDA kernels against the
 // same schemas, and paged_copy.h holds the checks both run, so they reject exactly the same inputs.
 
 #include <ATen/Parallel.h>

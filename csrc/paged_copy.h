@@ -1,4 +1,4 @@
-// Shared between the CPU kernel (paged_copy.cpp) and the CUDA kernel (paged_copy_cuda.cu): the index
+// Shared between the CPU kernel (paged_copy.cpp) and the CUDA op (paged_copy_cuda_host.cpp): the index
 // layout and the checks, so both raise on exactly the same inputs. Index semantics: paged_copy.cpp's
 // header comment and unifiedserve/memory/pages.py (RaggedIndex).
 //

@@ -245,6 +245,12 @@ class RankScheduler:
                     return job, job._pop_largest_tail()
         return None
 
+    def _pop_stale(self, decoders: dict[int, SegmentDecoder]) -> list[SegmentDecoder]:
+        """Take out of ``decoders`` those of requests no rank holds any more (call with ``cond`` held; close them
+        after releasing it: closing flushes a session)."""
+        live = self.group.live_keys()
+        return [decoders.pop(k) for k in [k for k in decoders if k not in live]]
+
     def _run_slot(self, slot: int) -> None:
         decoders: dict[int, SegmentDecoder] = {}  # this thread's open decoder per request
         current: RankJob | None = None
@@ -257,8 +263,7 @@ class RankScheduler:
                     # return to the backend's pool (torchcodec's cache) before the next request asks for
                     # sessions; held here, the next request would create new ones (measured on the H100: its
                     # first request after another paid for 13 of 14 sessions).
-                    live = self.group.live_keys()
-                    stale = [decoders.pop(k) for k in [k for k in decoders if k not in live]]
+                    stale = self._pop_stale(decoders)
                     if stale:
                         break
                     self._cond.wait()
@@ -268,7 +273,7 @@ class RankScheduler:
                 if task is not None:
                     job, segment = task
                     job.in_flight += 1
-            for decoder in stale:  # with the lock released: closing flushes the session
+            for decoder in stale:
                 decoder.close()
             if task is None:
                 continue
@@ -299,10 +304,10 @@ class RankScheduler:
                 if finished:
                     owner_jobs.remove(job)
                     self._cond.notify_all()  # idle slots holding this request's decoders give them back
-                live = self.group.live_keys()
+                stale = self._pop_stale(decoders)
             if finished:
                 job.on_finished(job, job.error)
-            for key_id in [k for k in decoders if k not in live]:
-                decoders.pop(key_id).close()
+            for decoder in stale:
+                decoder.close()
         for decoder in decoders.values():
             decoder.close()
