@@ -28,7 +28,7 @@ __all__ = [
     "CPU_THREAD_FPS", "DEFAULT_NVDEC_SESSIONS", "DEVICE_KINDS", "NVDEC_RANK_FPS", "DeviceError", "RankLayout",
     "ResolvedDevices", "canonical_codec", "log_once", "make_layout", "num_visible_gpus", "nvdec_reject_reason",
     "nvdec_unavailable_reason", "parse_device", "parse_devices", "pix_fmt_layout", "resolve_devices",
-    "resolve_output_device", "video_nvdec_reason",
+    "resolve_output_device", "video_nvdec_engines", "video_nvdec_reason",
 ]
 
 #: What the device knob accepts besides ``cuda:N``.
@@ -274,6 +274,20 @@ def canonical_codec(decoder_name: str) -> str:
         return decoder_name
 
 
+def video_nvdec_engines(info, device_index: int) -> int | None:
+    """NVDEC engines of GPU ``device_index`` that decode this video's configuration; None when the driver
+    cannot say (no driver, or a configuration :func:`video_nvdec_reason` rejects)."""
+    from flashcodec.nvcuvid import decoder_caps
+
+    layout = pix_fmt_layout(info.pix_fmt)
+    if layout is None:
+        return None
+    try:
+        return decoder_caps(canonical_codec(info.codec), layout[0], layout[1], device_index).num_engines or None
+    except Exception:  # an estimate's input: unknown is an answer
+        return None
+
+
 def video_nvdec_reason(info, device_index: int) -> str | None:
     """:func:`nvdec_reject_reason` for a probed video on GPU ``device_index`` (asks the driver)."""
     from flashcodec.nvcuvid import NvcuvidError, decoder_caps
@@ -335,6 +349,29 @@ class RankLayout:
             raise DeviceError(f"NVDEC cannot decode this video ({reason}) and the engine has no CPU rank; "
                               "give it cpu_threads > 0")
         return speeds, frozenset(allowed), reason
+
+
+    def slot_speeds(self, speeds: Sequence[float], nvdec_engines: Callable[[int], int | None]) -> list[float]:
+        """One decoder slot's speed per rank while it runs, for the planner's finish times.
+
+        A CPU thread has a core: the rank's speed over its threads. NVDEC sessions share the GPU's
+        engines (two per engine by default), and a session left running alone has an engine to itself,
+        so it runs at the rank's speed over ``min(sessions, engines)`` (on the H100, 2026-11-23: one
+        session 498-529 frames/s, 14 sessions 3617 together).
+
+        Args:
+            speeds: each rank's planning speed (:meth:`shares`).
+            nvdec_engines: ``nvdec_engines(gpu_ordinal)`` -> engines that decode this video there, or None
+                when unknown (then the sessions are taken as sharing nothing: the rank's speed over them).
+        """
+        out = []
+        for rank, gpu in enumerate(self.gpus):
+            engines = nvdec_engines(gpu) if speeds[rank] > 0 else None
+            units = min(self.nvdec_sessions, engines) if engines else self.nvdec_sessions
+            out.append(speeds[rank] / units)
+        if self.cpu_threads:
+            out.append(speeds[len(self.gpus)] / self.cpu_threads)
+        return out
 
 
 #: Decoder threads of a CPU rank at most: each is an OS thread with its own decoder; past a few per core

@@ -240,7 +240,10 @@ def bench_codec(clip, args) -> dict:
             if diff > MAX_SANE_DIFF:
                 raise AssertionError(f"GPU output differs from CPU output by mean {diff:.2f}; refusing to time")
         seconds = min(_fc_decode(engine, path, dense, gpu)[0] for _ in range(args.repeat))
-        return {"seconds": seconds, "fps": must_decode / seconds, "sessions": S}
+        cpu_before = time.process_time()  # one more run: how many of the host's cores NVDEC's threads keep busy
+        wall = _fc_decode(engine, path, dense, gpu)[0]
+        host_cores = (time.process_time() - cpu_before) / wall
+        return {"seconds": seconds, "fps": must_decode / seconds, "sessions": S, "host_cores_busy": host_cores}
 
     def one_session():
         need_gpu()
@@ -277,8 +280,10 @@ def bench_codec(clip, args) -> dict:
             raise Skip("needs both GPU-alone and CPU-alone timings")
         speeds = {f"cuda:{gpu}": g["fps"], "cpu": c["fps"]}  # the planner splits in these proportions
         with _engine(gpu, S, C, use_gpu=True, use_cpu=True, speeds=speeds) as engine:
+            plan = engine.analyse_bitstream(path, frame_indices=dense).plan  # the split the timed runs get
             seconds, _ = _fc_timed(engine, path, dense, gpu, args.repeat)
-        return {"seconds": seconds, "fps": must_decode / seconds, "rank_speeds": speeds}
+        split = {name: len(rank.segments) for name, rank in zip(speeds, plan.ranks)}
+        return {"seconds": seconds, "fps": must_decode / seconds, "rank_speeds": speeds, "segments_per_rank": split}
 
     def engines_busy():
         need_gpu()

@@ -30,6 +30,7 @@ def ratios(m: dict, gpu_vs_cpu: float | None, sessions: int) -> dict:
         "ceiling_vs_one_session": div(sessions * s("one_session"), s("ceiling")) if s("one_session") else None,
         "gpu_vs_cpu_alone": div(gpu_fps, cpu_fps),
         "collaborative_fraction": div(both_fps, (gpu_fps + cpu_fps) if gpu_fps and cpu_fps else None),
+        "gpu_and_cpu_vs_gpu_alone": div(fc, s("gpu_and_cpu")),
         "sparse_speedup_vs_one_session": div(s("sparse_one_session"), s("sparse_gpu")),
         "gpu_vs_cpu_mean_abs_diff": gpu_vs_cpu,
         "nvdec_engines_busy": busy.get("num_nvdec_busy"),
@@ -41,6 +42,18 @@ def check_targets(ratios_: dict) -> dict:
     ops = {">=": lambda a, b: a >= b, ">": lambda a, b: a > b, "<=": lambda a, b: a <= b}
     return {key: (None if ratios_.get(key) is None else bool(ops[op](ratios_[key], bound)))
             for key, op, bound, _ in TARGETS}
+
+
+def _note(v: dict) -> str:
+    """What a measurement says beyond its time: engines busy, the host's cores, the planner's split."""
+    if "num_nvdec_busy" in v:
+        return f"{v['num_nvdec_busy']} NVDEC busy >= 50%, means {v['nvdec_mean_pct']}"
+    parts = []
+    if v.get("host_cores_busy") is not None:
+        parts.append(f"host cores busy {v['host_cores_busy']:.1f}")
+    if v.get("segments_per_rank"):
+        parts.append("segments " + ", ".join(f"{k} {n}" for k, n in v["segments_per_rank"].items()))
+    return "; ".join(parts)
 
 
 def markdown(report: dict) -> str:
@@ -61,8 +74,7 @@ def markdown(report: dict) -> str:
         for name, v in r["measurements"].items():
             secs = f"{v['seconds']:.3f}" if "seconds" in v else "-"
             fps = f"{v['fps']:.0f}" if "fps" in v else "-"
-            note = v.get("skipped") or v.get("error") or (
-                f"{v['num_nvdec_busy']} NVDEC busy >= 50%, means {v['nvdec_mean_pct']}" if "num_nvdec_busy" in v else "")
+            note = v.get("skipped") or v.get("error") or _note(v)
             lines.append(f"| {name} | {secs} | {fps} | {note} |")
         lines += ["", "| target | value | goal | met |", "|---|---|---|---|"]
         for key, op, bound, what in TARGETS:

@@ -24,7 +24,7 @@ from flashcodec._errors import CorruptVideoError, DecodeCancelledError, VideoToo
 from flashcodec.decode.backends import Backend, get_backend
 from flashcodec.decode.scheduler import RankGroup, RankJob, RankScheduler
 from flashcodec.devices import (DEFAULT_NVDEC_SESSIONS, make_layout, parse_devices, resolve_output_device,
-                                video_nvdec_reason)
+                                video_nvdec_engines, video_nvdec_reason)
 from flashcodec.plan.sampling import MAX_FRAME_PIXELS, SamplingOptions
 from flashcodec.plan.video import VideoPlan, plan_video
 from flashcodec._probe import VideoInfo, probe
@@ -422,8 +422,9 @@ class DecodeEngine:
         speeds, allowed, reason = self.layout.shares(lambda gpu: video_nvdec_reason(info, gpu))
         if reason is not None:
             log.warning("flashcodec: %s decodes on the CPU rank: %s", src.name, reason)
+        slot_speeds = self.layout.slot_speeds(speeds, lambda gpu: video_nvdec_engines(info, gpu))
         plan = plan_video(info, options, num_ranks=self.num_ranks, decoders_per_rank=[r.num_slots for r in self._ranks],
-                          frame_indices=frame_indices, rank_speeds=speeds)
+                          frame_indices=frame_indices, rank_speeds=speeds, slot_speeds=slot_speeds)
         analysis = BitstreamAnalysis(next(self._keys), info, plan, time.perf_counter() - started, src,
                                      allowed if len(allowed) < self.num_ranks else None)
         with self._lock:

@@ -8,8 +8,9 @@ own lane first (its decoder is already positioned there, so no seek is needed); 
 empty it takes an unclaimed lane, then steals from the tail of the lane with the most work left,
 and only then moves to the next request. No slot idles while a segment of any request remains.
 
-Ranks differ in speed (an H100's 7 NVDEC engines vs a few CPU cores), and the planner's
-speed-weighted split is only an estimate. So a rank that runs dry takes work from another rank:
+Ranks differ in speed (an H100's 7 NVDEC engines vs a few CPU cores), and the planner's split
+(by estimated finish times, :func:`flashcodec.plan.segments.partition_by_finish_time`) is only an
+estimate. So a rank that runs dry takes work from another rank:
 from the tail of the busiest lane of the rank that would finish last, but only when it would
 finish that segment sooner than the victim would finish its backlog (:func:`should_steal`); a slow
 rank therefore never takes the last segments from a fast one and stalls it. All ranks of an

@@ -12,6 +12,7 @@ Pure bookkeeping over integer frame positions; no media, no torch. Vocabulary:
 from __future__ import annotations
 
 import bisect
+import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -143,6 +144,106 @@ def partition_contiguous(costs: Sequence[int], num_parts: int,
     return [range(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
+class _RankClock:
+    """A rank's estimated finish time as segments are added to its share, in order.
+
+    Two bounds, the larger wins: the *work bound* (every frame of the share at the rank's
+    throughput ``speed``) and the *list schedule* of the segments over the rank's ``slots``
+    decoders, each segment going to the decoder that frees first and running at ``slot_speed``.
+    ``slot_speed`` is a decoder's speed while it runs: a CPU thread has a core, so the rank's speed
+    over its threads; NVDEC sessions share engines (two per engine by default), and one left
+    running alone has an engine to itself, so more than the speed over the sessions. The list
+    schedule is what a speed-weighted split misses: a CPU thread decodes a 2-s 1080p GOP in about
+    0.7 s (H100 machine, 2026-11-26: 16 threads at 1199 frames/s, 53-frame GOPs), longer than
+    NVDEC's 14 sessions take for the whole 60-s clip (0.63 s), so a share of one GOP per thread,
+    which the work bound calls small, holds the request past the GPU's end.
+    """
+
+    __slots__ = ("speed", "slot_speed", "free", "work", "last")
+
+    def __init__(self, speed: float, slots: int, slot_speed: float):
+        self.speed, self.slot_speed = speed, slot_speed
+        self.free = [0.0] * slots  # a min-heap of each decoder's finish time
+        self.work = 0
+        self.last = 0.0  # the latest decoder's finish time
+
+    def finish_with(self, cost: int) -> float:
+        """The rank's finish time if it also decoded a segment of ``cost`` frames."""
+        return max((self.work + cost) / self.speed, self.free[0] + cost / self.slot_speed, self.last)
+
+    def add(self, cost: int) -> None:
+        end = self.free[0] + cost / self.slot_speed
+        heapq.heapreplace(self.free, end)
+        self.work += cost
+        self.last = max(self.last, end)
+
+
+def rank_finish_time(costs: Sequence[int], speed: float, slots: int, slot_speed: float | None = None) -> float:
+    """Estimated time for a rank to decode segments of ``costs`` (in order); see :class:`_RankClock`.
+
+    ``speed``: the rank's frames/s over all its decoders; ``slot_speed``: one decoder's frames/s
+    while it runs (default ``speed / slots``). Units are the caller's (relative speeds give
+    relative times).
+    """
+    clock = _RankClock(speed, slots, min(speed, slot_speed or speed / slots))
+    finish = 0.0
+    for c in costs:
+        finish = clock.finish_with(c)
+        clock.add(c)
+    return finish
+
+
+def _cuts_within(costs: Sequence[int], ranks: Sequence[tuple[float, int, float]], limit: float) -> list[int] | None:
+    """Cut points when each rank in turn takes the longest run of segments it finishes by ``limit``;
+    None if segments are left over."""
+    cuts, i, limit = [0], 0, limit * (1 + 1e-9)
+    for speed, slots, slot_speed in ranks:
+        clock = _RankClock(speed, max(1, min(slots, len(costs) - i)), slot_speed)
+        while i < len(costs) and clock.finish_with(costs[i]) <= limit:
+            clock.add(costs[i])
+            i += 1
+        cuts.append(i)
+    return cuts if i == len(costs) else None
+
+
+def partition_by_finish_time(costs: Sequence[int], speeds: Sequence[float], slots: Sequence[int],
+                             slot_speeds: Sequence[float]) -> list[range]:
+    """Split ``costs`` into contiguous runs, one per rank, so that the last rank to finish finishes soonest.
+
+    Each rank's finish time is estimated by :class:`_RankClock` (work bound and list schedule). The
+    split is the speed-weighted one (:func:`partition_contiguous`) when that is as good; otherwise a
+    bisection on the finish time, each rank in turn taking the longest run it finishes in time. A
+    rank whose one decoder would finish a segment after the others finish everything gets none
+    (a CPU thread beside NVDEC on a short clip), which the weighted split cannot see.
+
+    All speeds must be positive (leave ranks that take no part out).
+    """
+    ranks = [(float(v), int(n), min(float(v), float(s))) for v, n, s in zip(speeds, slots, slot_speeds)]
+    weighted = partition_contiguous(costs, len(ranks), [v for v, _, _ in ranks])
+    if len(ranks) == 1 or not costs:
+        return weighted
+
+    def makespan(parts: Sequence[range]) -> float:
+        return max(rank_finish_time([costs[i] for i in part], v, n, s) for part, (v, n, s) in zip(parts, ranks))
+
+    hi = makespan(weighted)
+    best = _cuts_within(costs, ranks, hi)
+    if best is None:
+        return weighted
+    lo = sum(costs) / sum(v for v, _, _ in ranks)  # no split beats every rank's throughput together
+    for _ in range(60):
+        if hi - lo <= 1e-4 * hi:
+            break
+        mid = (lo + hi) / 2
+        cuts = _cuts_within(costs, ranks, mid)
+        if cuts is None:
+            lo = mid
+        else:
+            hi, best = mid, cuts
+    parts = [range(a, b) for a, b in zip(best, best[1:])]
+    return parts if makespan(parts) < makespan(weighted) else weighted
+
+
 def align_rank_boundaries(counts: Sequence[int], factor: int = 2) -> tuple[list[int], int]:
     """Make every rank's frame count but the last divisible by ``factor`` by *increasing* it.
 
@@ -171,8 +272,9 @@ def plan_distribution(
     decoders_per_rank: int | Sequence[int] = 1,
     temporal_patch_size: int = 2,
     rank_speeds: Sequence[float] | None = None,
+    slot_speeds: Sequence[float] | None = None,
 ) -> list[RankPlan]:
-    """Spread the target frames over ranks x decoders by decode cost, weighted by rank speed.
+    """Spread the target frames over ranks x decoders by decode cost, so the last rank finishes soonest.
 
     Ranks receive contiguous runs of frames (so each rank's temporal patches are whole and the
     concatenated output equals a single-rank decode); within a rank, decoders receive contiguous
@@ -185,8 +287,14 @@ def plan_distribution(
         decoders_per_rank: decoder slots (lanes) per rank: one number for all, or one per rank.
         temporal_patch_size: every rank but the last one with frames outputs a multiple of this.
         rank_speeds: relative throughput per rank (default: equal). A rank gets work in
-            proportion to its speed; a rank of speed 0 (one that cannot decode this video, e.g.
-            NVDEC on AV1) gets an empty plan and never the padding.
+            proportion to its speed while its decoders have several segments each; a rank of speed
+            0 (one that cannot decode this video, e.g. NVDEC on AV1) gets an empty plan and never
+            the padding.
+        slot_speeds: one decoder's throughput per rank while it runs, in the units of
+            ``rank_speeds`` (default: the rank's speed over its decoders). With few segments per
+            decoder the split follows finish times, not speeds (:func:`partition_by_finish_time`):
+            a rank whose decoder takes longer for one segment than the others take for the rest
+            gets nothing.
 
     Returns:
         one :class:`RankPlan` per rank, in rank order.
@@ -205,12 +313,17 @@ def plan_distribution(
     if frame_indices != sorted(frame_indices):
         raise ValueError("frame indices must be in display order")
     segments = build_segments(frame_indices, table)
+    one = [v / n for v, n in zip(speeds, slots)] if slot_speeds is None else [float(v) for v in slot_speeds]
+    if len(one) != num_ranks or any(not v > 0 for v, speed in zip(one, speeds) if speed > 0):
+        raise ValueError(f"slot_speeds must be {num_ranks} numbers, positive where the rank's speed is; "
+                         f"got {slot_speeds}")
     # Ranks of speed 0 take no part in the split, the alignment or the padding.
     active = [r for r in range(num_ranks) if speeds[r] > 0]
 
-    # 1. Active ranks by cost (weighted by speed), at segment granularity, then as frame counts.
+    # 1. Active ranks by cost (by finish time), at segment granularity, then as frame counts.
     counts = []
-    for part in partition_contiguous([s.cost for s in segments], len(active), [speeds[r] for r in active]):
+    for part in partition_by_finish_time([s.cost for s in segments], [speeds[r] for r in active],
+                                         [slots[r] for r in active], [one[r] for r in active]):
         members = {d for s in segments[part.start:part.stop] for d in s.target_indices}
         counts.append(sum(1 for d in frame_indices if d in members))
     # 2. Temporal-patch alignment across ranks.

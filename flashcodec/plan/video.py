@@ -63,13 +63,15 @@ def plan_video(
     decoders_per_rank: int | Sequence[int] = 1,
     frame_indices: list[int] | None = None,
     rank_speeds: Sequence[float] | None = None,
+    slot_speeds: Sequence[float] | None = None,
 ) -> VideoPlan:
     """Plan a request from a probe's ``VideoInfo``: Qwen frame selection, size, GOP segments.
 
     ``frame_indices`` overrides the Qwen sampling (e.g. a benchmark's uniform sparse sampling);
     ``sample_fps`` is then derived from the indices' span. ``decoders_per_rank`` (one number or
-    one per rank) and ``rank_speeds`` (relative throughput; 0 for a rank that cannot decode this
-    video) are passed to :func:`~flashcodec.plan.segments.plan_distribution`.
+    one per rank), ``rank_speeds`` (relative throughput; 0 for a rank that cannot decode this
+    video) and ``slot_speeds`` (one decoder's throughput while it runs) are passed to
+    :func:`~flashcodec.plan.segments.plan_distribution`.
     """
     if frame_indices is None:
         indices, sample_fps = sample_frame_indices(info.num_frames, info.average_fps, options)
@@ -82,6 +84,7 @@ def plan_video(
     ranks = plan_distribution(
         indices, gop_table(info), num_ranks=num_ranks, decoders_per_rank=decoders_per_rank,
         temporal_patch_size=FRAME_FACTOR, rank_speeds=rank_speeds,
+        slot_speeds=slot_speeds,
     )
     return VideoPlan(tuple(indices), sample_fps, height, width, tuple(ranks))
 

@@ -65,8 +65,10 @@ def test_gop_split_is_static_contiguous_and_gop_aligned():
 
 
 def test_ratios_and_targets():
-    m = {"gpu_alone": {"seconds": 1.0, "fps": 3000.0}, "cpu_alone": {"seconds": 2.0, "fps": 1500.0},
-         "gpu_and_cpu": {"seconds": 0.7, "fps": 4000.0}, "one_session": {"seconds": 7.0},
+    m = {"gpu_alone": {"seconds": 1.0, "fps": 3000.0, "host_cores_busy": 3.25},
+         "cpu_alone": {"seconds": 2.0, "fps": 1500.0},
+         "gpu_and_cpu": {"seconds": 0.7, "fps": 4000.0, "segments_per_rank": {"cuda:0": 59, "cpu": 16}},
+         "one_session": {"seconds": 7.0},
          "ceiling": {"seconds": 12.6}, "naive_split": {"seconds": 1.4}, "sparse_gpu": {"seconds": 0.1},
          "sparse_one_session": {"seconds": 0.3},
          "engines_busy": {"num_nvdec_busy": 7, "nvdec_mean_pct": [90.0] * 7}}
@@ -75,6 +77,7 @@ def test_ratios_and_targets():
     assert r["fraction_of_ceiling"] == pytest.approx(12.6 / 14)
     assert r["speedup_vs_naive_split"] == pytest.approx(1.4)
     assert r["collaborative_fraction"] == pytest.approx(4000 / 4500)
+    assert r["gpu_and_cpu_vs_gpu_alone"] == pytest.approx(1 / 0.7)
     assert r["ceiling_vs_one_session"] == pytest.approx(14 * 7 / 12.6)
     assert r["sparse_speedup_vs_one_session"] == pytest.approx(3.0) and r["nvdec_engines"] == 7
     assert check_targets(r) == {"speedup_vs_one_session": True, "fraction_of_ceiling": True,
@@ -93,6 +96,8 @@ def test_ratios_and_targets():
                        "nvjpeg_bare": {"skipped": "no torchvision"}, "nvjpeg_speedup_vs_cpu": 3.25}}
     md = markdown(report)
     assert "| flashcodec GPU vs one NVDEC session | 3.50 | >= 6.0 | NO |" in md
+    assert "| gpu_and_cpu | 0.700 | 4000 | segments cuda:0 59, cpu 16 |" in md
+    assert "| gpu_alone | 1.000 | 3000 | host cores busy 3.2 |" in md
     assert "nvJPEG vs CPU: 3.25x" in md and "nvjpeg_bare: no torchvision" in md
 
 

@@ -145,6 +145,30 @@ def test_layout_ranks_speeds_and_who_takes_which_video(fake_probes):
     assert make_layout("auto", 2, **fake_probes(1)).shares(lambda gpu: None)[1] == frozenset({0, 1})
 
 
+def test_slot_speeds_a_cpu_thread_has_a_core_an_nvdec_session_alone_an_engine(fake_probes):
+    layout = make_layout("cuda:1,cpu", 8, 14, {"cuda:1": 2800.0, "cpu": 1000.0}, **fake_probes(2))
+    speeds, _, _ = layout.shares(lambda gpu: None)
+    asked = []
+    assert layout.slot_speeds(speeds, lambda gpu: asked.append(gpu) or 7) == [400.0, 125.0]
+    assert asked == [1]  # the GPU the rank runs on
+    assert layout.slot_speeds(speeds, lambda gpu: 28) == [200.0, 125.0]  # more engines than sessions
+    assert layout.slot_speeds(speeds, lambda gpu: None) == [200.0, 125.0]  # unknown: the sessions share nothing
+    # a GPU that does not take the video is not asked about
+    no_gpu = layout.slot_speeds([0.0, 1000.0], lambda gpu: pytest.fail("asked"))
+    assert no_gpu == [0.0, 125.0]
+
+
+def test_nvdec_engines_of_a_video_is_none_when_the_driver_cannot_say():
+    class Info:
+        codec, pix_fmt = "h264", "yuv420p"
+
+    # this machine's answer (no driver here: None; on the device, the driver's count)
+    engines = devices.video_nvdec_engines(Info, 0)
+    assert engines is None or engines >= 1
+    Info.pix_fmt = "rgb24"  # not a YUV layout NVDEC decodes
+    assert devices.video_nvdec_engines(Info, 0) is None
+
+
 def test_layout_errors(fake_probes):
     with pytest.raises(ValueError, match="cpu_threads"):
         make_layout("cpu", 0, **fake_probes(1))

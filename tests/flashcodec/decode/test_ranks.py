@@ -9,7 +9,7 @@ import pytest
 
 from flashcodec.decode.backends import Backend, SegmentDecoder, never
 from flashcodec.decode.scheduler import RankGroup, RankJob, RankScheduler, should_steal
-from flashcodec.plan.segments import GopTable, plan_distribution
+from flashcodec.plan.segments import GopTable, partition_contiguous, plan_distribution
 
 SLOTS = 2
 
@@ -129,6 +129,30 @@ def test_a_slow_rank_never_takes_work_a_fast_rank_finishes_sooner():
         group.shutdown()
     assert sorted(d for d, _ in collector.decoded) == TARGETS
     assert group.ranks[1].num_stolen == 0  # 6 frames at 20 fps > the GPU's whole backlog
+
+
+def test_slow_decoders_beside_fast_ones_get_no_segment_they_would_end_last():
+    """NVDEC beside CPU threads on a short clip: one CPU thread takes longer for one segment than the GPU for
+    the whole video, so the split by speed (which gave the CPU a few segments) would hold the request."""
+    group = RankGroup()
+    gpu_spf, cpu_spf, slots = 0.02 / 6, 0.4 / 6, 8  # a segment of 6 frames: 20 ms on a GPU slot, 0.4 s on a CPU one
+    for device, spf in (("cuda:0", gpu_spf), ("cpu", cpu_spf)):
+        RankScheduler(SleepBackend(device, spf), slots, device, speed=slots / spf, group=group)
+    speeds = [r.speed for r in group.ranks]
+    costs = [6] * 40
+    by_speed = partition_contiguous(costs, 2, speeds)
+    assert len(by_speed[1]) >= 1  # the speed-weighted split gave the CPU segments (2): 0.4 s each
+    plans = plan_distribution(TARGETS, TABLE, num_ranks=2, decoders_per_rank=slots, rank_speeds=speeds)
+    assert plans[1].cost == 0
+    started = time.perf_counter()
+    try:
+        collector = run(group, plans)
+    finally:
+        group.shutdown()
+    elapsed = time.perf_counter() - started
+    assert sorted(d for d, _ in collector.decoded) == TARGETS
+    assert group.ranks[1].backend.started == []  # no CPU thread took a segment, nor stole one
+    assert elapsed < 0.35, f"{elapsed:.2f} s: 5 rounds of 20 ms on the GPU rank; a CPU segment alone is 0.4 s"
 
 
 def test_a_rank_not_allowed_for_a_video_never_decodes_it():
