@@ -49,7 +49,7 @@ from flashcodec.plan.video import floor_cost  # noqa: E402
 from flashcodec.resize import resize_frames_on_device  # noqa: E402
 from flashcodec.telemetry import TelemetrySampler, TelemetryUnavailable, nvml_index, open_nvml  # noqa: E402
 from gpu_media import ClipSpec, make_clip, make_jpegs  # noqa: E402
-from gpu_report import check_targets, markdown, ratios  # noqa: E402
+from gpu_report import check_targets, markdown, ratios, trace_summary  # noqa: E402
 
 #: Chunk of frames one session asks torchcodec for at a time (as flashcodec's NVDEC sessions do).
 CHUNK = 8
@@ -168,6 +168,16 @@ def _fc_decode(engine, path: str, indices, gpu: int):
     return time.perf_counter() - started, out
 
 
+def _fc_traced(engine, path: str, indices, gpu: int, slots: dict[str, int]) -> dict:
+    """One more run, traced: which slot opened and decoded what, and when (gpu_report.trace_summary)."""
+    analysis = engine.analyse_bitstream(path, frame_indices=indices)
+    started = time.perf_counter()
+    engine.add_decoding_request(analysis.key_id, trace=True)
+    out = engine.get_decoding_output(analysis.key_id)
+    _sync(gpu)
+    return trace_summary(out.trace, time.perf_counter() - started, slots)
+
+
 def _fc_timed(engine, path, indices, gpu, repeat):
     _, warm = _fc_decode(engine, path, indices, gpu)
     best = min(_fc_decode(engine, path, indices, gpu)[0] for _ in range(repeat))
@@ -243,7 +253,9 @@ def bench_codec(clip, args) -> dict:
         cpu_before = time.process_time()  # one more run: how many of the host's cores NVDEC's threads keep busy
         wall = _fc_decode(engine, path, dense, gpu)[0]
         host_cores = (time.process_time() - cpu_before) / wall
-        return {"seconds": seconds, "fps": must_decode / seconds, "sessions": S, "host_cores_busy": host_cores}
+        trace = _fc_traced(engine, path, dense, gpu, {f"cuda:{gpu}": S})
+        return {"seconds": seconds, "fps": must_decode / seconds, "sessions": S, "host_cores_busy": host_cores,
+                "trace": trace}
 
     def one_session():
         need_gpu()
@@ -282,8 +294,10 @@ def bench_codec(clip, args) -> dict:
         with _engine(gpu, S, C, use_gpu=True, use_cpu=True, speeds=speeds) as engine:
             plan = engine.analyse_bitstream(path, frame_indices=dense).plan  # the split the timed runs get
             seconds, _ = _fc_timed(engine, path, dense, gpu, args.repeat)
+            trace = _fc_traced(engine, path, dense, gpu, {f"cuda:{gpu}": S, "cpu": C})
         split = {name: len(rank.segments) for name, rank in zip(speeds, plan.ranks)}
-        return {"seconds": seconds, "fps": must_decode / seconds, "rank_speeds": speeds, "segments_per_rank": split}
+        return {"seconds": seconds, "fps": must_decode / seconds, "rank_speeds": speeds, "segments_per_rank": split,
+                "trace": trace}
 
     def engines_busy():
         need_gpu()

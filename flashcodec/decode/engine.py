@@ -22,7 +22,7 @@ import torch
 
 from flashcodec._errors import CorruptVideoError, DecodeCancelledError, VideoTooLargeError
 from flashcodec.decode.backends import Backend, get_backend
-from flashcodec.decode.scheduler import RankGroup, RankJob, RankScheduler
+from flashcodec.decode.scheduler import RankGroup, RankJob, RankScheduler, SlotEvent
 from flashcodec.devices import (DEFAULT_NVDEC_SESSIONS, make_layout, parse_devices, resolve_output_device,
                                 video_nvdec_engines, video_nvdec_reason)
 from flashcodec.plan.sampling import MAX_FRAME_PIXELS, SamplingOptions
@@ -65,6 +65,9 @@ class DecodedVideo:
     failed_frame_indices: list[int]  # targets that could not be decoded (see on_corrupt)
     probe_s: float
     decode_s: float
+    #: with ``add_decoding_request(..., trace=True)``: every decoder open and segment decode of the request,
+    #: in the order they ended (:class:`~flashcodec.decode.scheduler.SlotEvent`, times from the queueing)
+    trace: list[SlotEvent] | None = None
 
     @property
     def frame_times_s(self) -> list[float]:
@@ -127,7 +130,7 @@ class _Request:
     def __init__(self, analysis: BitstreamAnalysis, output: str, on_corrupt: str, patch_spec,
                  progress: Callable[[int, int], None] | None, done: Callable[["_Request"], None],
                  device: torch.device = torch.device("cpu"), stream: bool = False,
-                 patch_dtype: torch.dtype = torch.float32):
+                 patch_dtype: torch.dtype = torch.float32, trace: bool = False):
         self.analysis = analysis
         self.patch_dtype = patch_dtype
         self.stream = stream
@@ -161,6 +164,7 @@ class _Request:
         self.ranks_left = len(analysis.plan.ranks)
         self.cost_done = 0
         self.started = time.perf_counter()
+        self.trace: tuple[float, list[SlotEvent]] | None = (self.started, []) if trace else None
         self.result: DecodedVideo | None = None
         self.error: BaseException | None = None
         self._lock = threading.Lock()
@@ -287,6 +291,7 @@ class _Request:
                     key_id=a.key_id, frames=frames, patches=patches, grid_thw=tuple(grid),
                     frame_indices=list(a.plan.frame_indices), sample_fps=a.plan.sample_fps, info=a.info,
                     failed_frame_indices=failed, probe_s=a.probe_s, decode_s=time.perf_counter() - self.started,
+                    trace=None if self.trace is None else list(self.trace[1]),
                 )
         except BaseException as e:
             self.error = e
@@ -434,7 +439,7 @@ class DecodeEngine:
     def add_decoding_request(self, key_id: int, *, output: str = "rgb", on_corrupt: str = "error",
                              patch_spec=None, progress: Callable[[int, int], None] | None = None,
                              resize: str = DEFAULT_RESIZE_MODE, stream: bool = False,
-                             patch_dtype: torch.dtype = torch.float32) -> None:
+                             patch_dtype: torch.dtype = torch.float32, trace: bool = False) -> None:
         """Queue the decode of an analysed video. Returns at once.
 
         Args:
@@ -452,6 +457,8 @@ class DecodeEngine:
             patch_dtype: the patches' dtype (``output="patches"``): a floating type. The values are
                 computed in float32 and rounded once to it, as a model casting float32 patches to its
                 own dtype would (a bfloat16 server asks for bfloat16 and holds half the memory).
+            trace: record when each decoder slot opened its decoder and decoded each segment
+                (``DecodedVideo.trace``; a benchmark's view of where a request's time went).
         """
         check_resize_mode(resize)
         if not isinstance(patch_dtype, torch.dtype) or not patch_dtype.is_floating_point:
@@ -460,13 +467,15 @@ class DecodeEngine:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
         if on_corrupt not in ON_CORRUPT:
             raise ValueError(f"on_corrupt must be one of {ON_CORRUPT}, got {on_corrupt!r}")
+        if trace and stream:
+            raise ValueError("trace=True is for whole outputs (DecodedVideo.trace); a streamed request has none")
         with self._lock:
             analysis = self._analyses.pop(key_id, None)
             if analysis is None:
                 raise KeyError(f"unknown or already queued key id {key_id}")
             self._in_flight.add(key_id)
         request = _Request(analysis, output, on_corrupt, patch_spec, progress, self._request_done, self.output_device,
-                           stream=stream, patch_dtype=patch_dtype)
+                           stream=stream, patch_dtype=patch_dtype, trace=trace)
         if stream:
             with self._done:
                 self._streams[key_id] = request
@@ -476,7 +485,7 @@ class DecodeEngine:
                 key_id, rank_plan,
                 open_decoder=lambda b: b.open(analysis.source, analysis.info, plan.height, plan.width, resize=resize),
                 emit=request.emit, on_segment_done=request.segment_done, on_finished=request.rank_finished,
-                allowed_ranks=analysis.allowed_ranks,
+                allowed_ranks=analysis.allowed_ranks, trace=request.trace,
             ))
 
     def cancel(self, key_id: int) -> bool:

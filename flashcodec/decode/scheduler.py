@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 from flashcodec.decode.backends import Backend, SegmentDecoder
@@ -50,18 +52,35 @@ def should_steal(segment_cost: int, thief_slot_speed: float, victim_backlog_cost
     return segment_cost / thief_slot_speed < victim_backlog_cost / victim_speed
 
 
+@dataclass(frozen=True)
+class SlotEvent:
+    """One piece of a slot's work on a traced request: opening a decoder, or decoding a segment."""
+
+    rank: str  # the slot's rank (``"cpu"``, ``"cuda:0"``)
+    slot: int
+    kind: str  # ``"open"`` or ``"decode"``
+    start_s: float  # from ``t0`` of the trace (the request's queueing)
+    end_s: float
+    start_position: int  # the segment's first packet
+    cost: int  # frames the segment decodes
+    stolen: bool  # the segment was planned for another rank
+
+
 class RankJob:
     """One request's work on one rank. Bookkeeping only; the rank group's lock guards it.
 
     ``open_decoder(backend)`` opens a segment decoder for this request on ``backend`` (the
     owner rank's, or a thief rank's); ``allowed_ranks`` names the ranks that may decode this
     request's segments (``None``: any), e.g. only CPU ranks for a video NVDEC cannot decode.
+    ``trace``: ``(t0, events)``, a ``time.perf_counter()`` origin and a list every slot appends its
+    :class:`SlotEvent` to (the request's ranks share one), or None (no tracing).
     """
 
     def __init__(self, key_id: int, plan: RankPlan, open_decoder: Callable[[Backend], SegmentDecoder],
                  emit: Callable[[int, object], None], on_segment_done: Callable[[GopSegment, list[int]], None],
                  on_finished: Callable[["RankJob", BaseException | None], None],
-                 allowed_ranks: frozenset[int] | None = None):
+                 allowed_ranks: frozenset[int] | None = None,
+                 trace: tuple[float, list[SlotEvent]] | None = None):
         self.key_id = key_id
         self.plan = plan
         self.open_decoder = open_decoder
@@ -69,6 +88,7 @@ class RankJob:
         self.on_segment_done = on_segment_done
         self.on_finished = on_finished
         self.allowed_ranks = allowed_ranks
+        self.trace = trace
         self.lanes = [deque(lane) for lane in plan.lanes]
         self.lane_owner: list[int | None] = [None] * len(self.lanes)
         self.in_flight = 0
@@ -246,6 +266,12 @@ class RankScheduler:
                     return job, job._pop_largest_tail()
         return None
 
+    def _record(self, job: RankJob, slot: int, kind: str, began: float, segment: GopSegment) -> None:
+        if job.trace is not None:
+            t0, events = job.trace
+            events.append(SlotEvent(self.name, slot, kind, began - t0, time.perf_counter() - t0,
+                                    segment.start_position, segment.cost, job.owner is not self))
+
     def _pop_stale(self, decoders: dict[int, SegmentDecoder]) -> list[SegmentDecoder]:
         """Take out of ``decoders`` those of requests no rank holds any more (call with ``cond`` held; close them
         after releasing it: closing flushes a session)."""
@@ -285,8 +311,12 @@ class RankScheduler:
                 if job.error is None:
                     decoder = decoders.get(job.key_id)
                     if decoder is None:
+                        opened = time.perf_counter()
                         decoder = decoders[job.key_id] = job.open_decoder(self.backend)
+                        self._record(job, slot, "open", opened, segment)
+                    began = time.perf_counter()
                     failed = decoder.decode_segment(segment, job.emit, job.should_stop)
+                    self._record(job, slot, "decode", began, segment)
             except BaseException as e:  # reported to the request, never kills the slot
                 log.debug("segment %s of request %s failed on %s", segment, job.key_id, self.name, exc_info=True)
                 error = e

@@ -211,3 +211,26 @@ def test_pictures_over_max_source_pixels_are_refused_before_decoding(tiny_h264):
         exact.close()
     with pytest.raises(ValueError, match="max_source_pixels must be at least 1"):
         DecodeEngine(cpu_threads=1, max_source_pixels=0)
+
+
+def test_a_traced_request_says_which_slot_opened_and_decoded_what_and_when(video_factory, engine):
+    path = video_factory(codec="h264", suffix=".mp4", bframes=2, seed=5, width=128, height=96, duration_s=4.0,
+                         fps=24.0, gop=12)  # 8 GOPs over the engine's 2 slots
+    analysis = engine.analyse_bitstream(path, num_frames=16)
+    engine.add_decoding_request(analysis.key_id, trace=True)
+    out = engine.get_decoding_output(analysis.key_id)
+    decodes = [e for e in out.trace if e.kind == "decode"]
+    opens = [e for e in out.trace if e.kind == "open"]
+    planned = analysis.plan.ranks[0].segments
+    assert sorted((e.start_position, e.cost) for e in decodes) == [(s.start_position, s.cost) for s in planned]
+    assert 1 <= len(opens) <= 2 and len({e.slot for e in opens}) == len(opens)  # one open per slot that worked
+    for e in out.trace:
+        assert e.rank == "cpu" and e.slot in (0, 1) and not e.stolen
+        assert 0 <= e.start_s <= e.end_s <= out.decode_s
+    for e in opens:  # a slot opens the video before its first segment
+        assert e.end_s <= min(d.start_s for d in decodes if d.slot == e.slot)
+    untraced = engine.decode_video(path, num_frames=16)
+    assert untraced.trace is None and torch.equal(untraced.frames, out.frames)
+    analysis = engine.analyse_bitstream(path, num_frames=16)
+    with pytest.raises(ValueError, match="trace"):
+        engine.add_decoding_request(analysis.key_id, trace=True, stream=True)
