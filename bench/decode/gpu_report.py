@@ -52,7 +52,8 @@ def trace_summary(events, wall_s: float, slots: dict[str, int]) -> dict:
         work = sum(e.end_s - e.start_s for e in mine)
         out["ranks"][rank] = {
             "slots": n, "slots_used": len({e.slot for e in mine}), "segments": len(decodes),
-            "stolen": sum(e.stolen for e in decodes), "frames": sum(e.cost for e in decodes),
+            "stolen": sum(e.stolen for e in decodes), "backups": sum(e.backup for e in decodes),
+            "frames": sum(e.cost for e in decodes),
             "open_s_sum": sum(opens), "open_s_max": max(opens, default=0.0),
             "decode_s_sum": sum(e.end_s - e.start_s for e in decodes),
             "first_decode_s": min((e.start_s for e in decodes), default=None),

@@ -13,8 +13,13 @@ Ranks differ in speed (an H100's 7 NVDEC engines vs a few CPU cores), and the pl
 estimate. So a rank that runs dry takes work from another rank:
 from the tail of the busiest lane of the rank that would finish last, but only when it would
 finish that segment sooner than the victim would finish its backlog (:func:`should_steal`); a slow
-rank therefore never takes the last segments from a fast one and stalls it. All ranks of an
-engine share one lock (:class:`RankGroup`); segments take milliseconds, so it is not contended.
+rank therefore never takes the last segments from a fast one and stalls it. When nothing is
+left to take, a dry slot *backs up* a segment another rank is still decoding, if it would end it
+much sooner than that rank is expected to (:func:`should_back_up`): both decode it, each frame is
+written by whichever run emits it first, the first run to end completes the segment and the other
+stops at its next packet. So a segment that a slow rank holds (its speed misjudged, or its core
+taken by another process) cannot hold the request. All ranks of an engine share one lock
+(:class:`RankGroup`); segments take milliseconds, so it is not contended.
 """
 
 from __future__ import annotations
@@ -52,6 +57,34 @@ def should_steal(segment_cost: int, thief_slot_speed: float, victim_backlog_cost
     return segment_cost / thief_slot_speed < victim_backlog_cost / victim_speed
 
 
+#: A backup starts only when the dry slot's own estimate is below this fraction of the holder's
+#: expected remaining time: both estimates are rough, and a backup costs a decoder's work.
+BACKUP_MARGIN = 0.5
+
+
+def should_back_up(segment_cost: int, thief_slot_speed: float, holder_slot_speed: float, elapsed_s: float) -> bool:
+    """Whether a dry slot should decode a segment another rank's slot has been decoding for ``elapsed_s``.
+
+    The holder is expected to need ``cost / holder_slot_speed`` in all; once it is past that (it is
+    late: its speed was misjudged), it is taken to need as long again as it has had. The thief
+    backs the segment up when it would need less than :data:`BACKUP_MARGIN` of that.
+    """
+    if segment_cost <= 0 or thief_slot_speed <= 0:
+        return False
+    expected = segment_cost / holder_slot_speed if holder_slot_speed > 0 else float("inf")
+    left = max(expected - elapsed_s, elapsed_s)
+    return segment_cost / thief_slot_speed < BACKUP_MARGIN * left
+
+
+@dataclass
+class _Run:
+    """A segment being decoded: by whom, since when, and whether a second slot backs it up."""
+
+    rank: "RankScheduler"
+    began: float
+    backed_up: bool = False
+
+
 @dataclass(frozen=True)
 class SlotEvent:
     """One piece of a slot's work on a traced request: opening a decoder, or decoding a segment."""
@@ -64,6 +97,7 @@ class SlotEvent:
     start_position: int  # the segment's first packet
     cost: int  # frames the segment decodes
     stolen: bool  # the segment was planned for another rank
+    backup: bool = False  # a second run of a segment another slot was decoding
 
 
 class RankJob:
@@ -89,6 +123,10 @@ class RankJob:
         self.on_finished = on_finished
         self.allowed_ranks = allowed_ranks
         self.trace = trace
+        self.running: dict[GopSegment, _Run] = {}  # segments a slot is decoding and no run has ended
+        self.ended: set[GopSegment] = set()  # segments a run has completed
+        self.claimed: set[int] = set()  # display indices emitted (so a backed-up segment's frames are written once)
+        self._claim_lock = threading.Lock()
         self.lanes = [deque(lane) for lane in plan.lanes]
         self.lane_owner: list[int | None] = [None] * len(self.lanes)
         self.in_flight = 0
@@ -99,6 +137,14 @@ class RankJob:
     def should_stop(self) -> bool:
         """Polled by decoders at each packet: a cancelled or failed request stops where it is."""
         return self.cancelled
+
+    def emit_once(self, display: int, frame) -> None:
+        """``emit``, unless another run of the same segment (a backup) has emitted this frame already."""
+        with self._claim_lock:
+            if display in self.claimed:
+                return
+            self.claimed.add(display)
+        self.emit(display, frame)
 
     @property
     def has_pending(self) -> bool:
@@ -206,6 +252,7 @@ class RankScheduler:
         self._jobs: deque[RankJob] = deque()
         self._stopping = False
         self.num_stolen = 0  # segments this rank's slots took from other ranks
+        self.num_backups = 0  # segments this rank's slots decoded beside another rank's slot
         self._threads = [
             threading.Thread(target=self._run_slot, args=(slot,), name=f"flashcodec-{name}-{slot}", daemon=True)
             for slot in range(num_slots)
@@ -243,16 +290,54 @@ class RankScheduler:
         """Frames queued on this rank and not yet taken by a slot (call with the lock held)."""
         return sum(job.pending_cost for job in self._jobs)
 
-    def _next(self, slot: int, current: RankJob | None) -> tuple[RankJob, GopSegment] | None:
+    def _next(self, slot: int, current: RankJob | None) -> tuple[RankJob, GopSegment, bool] | None:
+        """The slot's next segment and whether it backs up another slot's run (call with the lock held)."""
         if current is not None and current.owner is self and current in self._jobs:
             segment = current.take(slot)
             if segment is not None:
-                return current, segment
+                return current, segment, False
         for job in self._jobs:  # oldest request first
             segment = job.take(slot)
             if segment is not None:
-                return job, segment
-        return self._steal()
+                return job, segment, False
+        stolen = self._steal()
+        if stolen is not None:
+            return stolen[0], stolen[1], False
+        return self._backup()
+
+    def _backup(self) -> tuple[RankJob, GopSegment, bool] | None:
+        """A segment another rank's slot is decoding that this dry slot would end much sooner, the latest first."""
+        now, best, best_left = time.perf_counter(), None, 0.0
+        for job, segment, run in self._others_runs():
+            elapsed = now - run.began
+            if should_back_up(segment.cost, self.slot_speed, run.rank.slot_speed, elapsed):
+                left = max(segment.cost / run.rank.slot_speed - elapsed, elapsed)
+                if best is None or left > best_left:
+                    best, best_left = (job, segment, run), left
+        if best is None:
+            return None
+        job, segment, run = best
+        run.backed_up = True
+        self.num_backups += 1
+        return job, segment, True
+
+    def _others_runs(self):
+        """``(job, segment, run)`` of every segment another rank's slot is decoding alone that this rank may take."""
+        for rank in self.group.ranks:
+            for job in rank._jobs:
+                if job.cancelled or not job.can_run_on(self.index):
+                    continue
+                for segment, run in job.running.items():
+                    if not run.backed_up and run.rank is not self:
+                        yield job, segment, run
+
+    def _backup_wait(self) -> float | None:
+        """Seconds until a run on another rank becomes worth backing up here (None: there is none to wait for)."""
+        now, wait = time.perf_counter(), None
+        for _, segment, run in self._others_runs():
+            due = segment.cost / self.slot_speed / BACKUP_MARGIN - (now - run.began)  # when it is late enough
+            wait = due if wait is None else min(wait, due)
+        return None if wait is None else max(wait, 0.001)
 
     def _steal(self) -> tuple[RankJob, GopSegment] | None:
         """A segment from the rank that would finish last, if taking it brings the end forward."""
@@ -266,11 +351,11 @@ class RankScheduler:
                     return job, job._pop_largest_tail()
         return None
 
-    def _record(self, job: RankJob, slot: int, kind: str, began: float, segment: GopSegment) -> None:
+    def _record(self, job: RankJob, slot: int, kind: str, began: float, segment: GopSegment, backup: bool) -> None:
         if job.trace is not None:
             t0, events = job.trace
             events.append(SlotEvent(self.name, slot, kind, began - t0, time.perf_counter() - t0,
-                                    segment.start_position, segment.cost, job.owner is not self))
+                                    segment.start_position, segment.cost, job.owner is not self, backup))
 
     def _pop_stale(self, decoders: dict[int, SegmentDecoder]) -> list[SegmentDecoder]:
         """Take out of ``decoders`` those of requests no rank holds any more (call with ``cond`` held; close them
@@ -293,13 +378,17 @@ class RankScheduler:
                     stale = self._pop_stale(decoders)
                     if stale:
                         break
-                    self._cond.wait()
+                    self._cond.wait(self._backup_wait())  # timed while a run elsewhere may need backing up
                     task = self._next(slot, current)
                 if task is None and not stale:
                     break
                 if task is not None:
-                    job, segment = task
+                    job, segment, backup = task
                     job.in_flight += 1
+                    if not backup:
+                        job.running[segment] = _Run(self, time.perf_counter())
+                        if len(self.group.ranks) > 1:  # idle slots of other ranks time their backup checks anew
+                            self._cond.notify_all()
             for decoder in stale:
                 decoder.close()
             if task is None:
@@ -307,22 +396,35 @@ class RankScheduler:
             current = job
             failed: list[int] = []
             error = None
+
+            def should_stop(job=job, segment=segment) -> bool:  # the request stopped, or the segment's other run ended
+                return job.cancelled or segment in job.ended
+
             try:
                 if job.error is None:
                     decoder = decoders.get(job.key_id)
                     if decoder is None:
                         opened = time.perf_counter()
                         decoder = decoders[job.key_id] = job.open_decoder(self.backend)
-                        self._record(job, slot, "open", opened, segment)
+                        self._record(job, slot, "open", opened, segment, backup)
                     began = time.perf_counter()
-                    failed = decoder.decode_segment(segment, job.emit, job.should_stop)
-                    self._record(job, slot, "decode", began, segment)
+                    failed = decoder.decode_segment(segment, job.emit_once, should_stop)
+                    self._record(job, slot, "decode", began, segment, backup)
             except BaseException as e:  # reported to the request, never kills the slot
                 log.debug("segment %s of request %s failed on %s", segment, job.key_id, self.name, exc_info=True)
                 error = e
-            if error is None:
+            with self._cond:
+                if error is not None and (backup or segment in job.ended):
+                    error = None  # one run of a backed-up segment failed: the other one stands for it
+                    completes = False
+                else:
+                    completes = error is None and segment not in job.ended
+                if completes:  # the first run to end completes the segment; the other stops at its next packet
+                    job.ended.add(segment)
+                    job.running.pop(segment, None)
+            if completes:
                 try:
-                    job.on_segment_done(segment, failed)
+                    job.on_segment_done(segment, [d for d in failed if d not in job.claimed])
                 except BaseException as e:
                     error = e
             with self._cond:

@@ -122,18 +122,18 @@ def test_jpegs_are_distinct_baseline_jpegs():
 def test_trace_summary_says_where_a_requests_time_went():
     from flashcodec.decode.scheduler import SlotEvent
 
-    def ev(rank, slot, kind, a, b, cost=10, stolen=False):
-        return SlotEvent(rank, slot, kind, a, b, 0, cost, stolen)
+    def ev(rank, slot, kind, a, b, cost=10, stolen=False, backup=False):
+        return SlotEvent(rank, slot, kind, a, b, 0, cost, stolen, backup)
 
     events = [ev("cuda:0", 0, "open", 0.0, 0.05), ev("cuda:0", 0, "decode", 0.05, 0.25),
               ev("cuda:0", 1, "open", 0.0, 0.02), ev("cuda:0", 1, "decode", 0.02, 0.30),
               ev("cuda:0", 1, "decode", 0.30, 0.40, stolen=True), ev("cpu", 0, "open", 0.0, 0.01),
-              ev("cpu", 0, "decode", 0.01, 0.70, cost=12)]
+              ev("cpu", 0, "decode", 0.01, 0.70, cost=12), ev("cuda:0", 0, "decode", 0.40, 0.45, cost=12, backup=True)]
     s = trace_summary(events, 0.8, {"cuda:0": 4, "cpu": 16})
     g, c = s["ranks"]["cuda:0"], s["ranks"]["cpu"]
-    assert (g["slots_used"], g["segments"], g["stolen"], g["frames"]) == (2, 3, 1, 30)
+    assert (g["slots_used"], g["segments"], g["stolen"], g["backups"], g["frames"]) == (2, 4, 1, 1, 42)
     assert g["open_s_sum"] == pytest.approx(0.07) and g["open_s_max"] == pytest.approx(0.05)
-    assert g["busy"] == pytest.approx(0.65 / (4 * 0.8))  # opens 0.07 + decodes 0.58 over 4 slots x 0.8 s and g["end_s"] == pytest.approx(0.40)
+    assert g["busy"] == pytest.approx(0.70 / (4 * 0.8))  # opens 0.07 + decodes 0.63 over 4 slots x 0.8 s and g["end_s"] == pytest.approx(0.40)
     assert c["first_decode_s"] == pytest.approx(0.01) and c["frames"] == 12
     assert s["last"]["rank"] == "cpu" and s["last"]["end_s"] == pytest.approx(0.70)
     assert trace_summary([], 0.5, {"cpu": 2})["ranks"]["cpu"]["segments"] == 0

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from flashcodec.decode.backends import Backend, SegmentDecoder, never
-from flashcodec.decode.scheduler import RankGroup, RankJob, RankScheduler, should_steal
+from flashcodec.decode.scheduler import RankGroup, RankJob, RankScheduler, should_back_up, should_steal
 from flashcodec.plan.segments import GopTable, partition_contiguous, plan_distribution
 
 SLOTS = 2
@@ -153,6 +153,62 @@ def test_slow_decoders_beside_fast_ones_get_no_segment_they_would_end_last():
     assert sorted(d for d, _ in collector.decoded) == TARGETS
     assert group.ranks[1].backend.started == []  # no CPU thread took a segment, nor stole one
     assert elapsed < 0.35, f"{elapsed:.2f} s: 5 rounds of 20 ms on the GPU rank; a CPU segment alone is 0.4 s"
+
+
+def test_should_back_up_when_the_holder_would_end_much_later():
+    # holder expected 0.3 s in all (6 frames at 20 fps); the thief needs 6 ms
+    assert should_back_up(6, thief_slot_speed=1000, holder_slot_speed=20, elapsed_s=0.0)
+    # a holder about as fast: never, while it keeps to its estimate
+    assert not should_back_up(6, thief_slot_speed=1000, holder_slot_speed=800, elapsed_s=0.001)
+    # ... but once it is late (its speed misjudged), it is taken to need as long again as it has had
+    assert not should_back_up(6, thief_slot_speed=1000, holder_slot_speed=1000, elapsed_s=0.011)
+    assert should_back_up(6, thief_slot_speed=1000, holder_slot_speed=1000, elapsed_s=0.013)
+    assert not should_back_up(6, thief_slot_speed=0, holder_slot_speed=20, elapsed_s=1.0)
+
+
+def test_a_dry_fast_rank_backs_up_what_a_misjudged_slow_rank_holds():
+    """The planner was told the CPU rank is as fast as the GPU rank; it is 50x slower. Once the GPU rank has
+    done its share and stolen the CPU's queue, the CPU's slots still hold a segment each (0.3 s): the GPU's
+    slots decode those too, the frames are written once, and the CPU's runs stop."""
+    group = make_ranks(("cuda:0", 0.001), ("cpu", 0.001))
+    group.ranks[1].backend.seconds_per_frame = 0.05  # really 50x slower than declared
+    plans = plan_distribution(TARGETS, TABLE, num_ranks=2, decoders_per_rank=SLOTS)
+    started = time.perf_counter()
+    try:
+        collector = run(group, plans)
+        elapsed = time.perf_counter() - started
+        time.sleep(0.05)  # the CPU's stopped runs return
+    finally:
+        group.shutdown()
+    assert sorted(d for d, _ in collector.decoded) == TARGETS  # every target written exactly once
+    assert group.ranks[0].num_backups >= 1 and group.ranks[1].num_backups == 0
+    assert group.ranks[1].backend.stopped  # the CPU's run of a backed-up segment stopped early
+    assert elapsed < 0.25, f"{elapsed:.2f} s: a CPU segment alone is 0.3 s"
+
+
+class FailingBackend(SleepBackend):
+    def open(self, source, info, height, width, resize="exact"):
+        raise RuntimeError("this rank cannot open the video")
+
+
+def test_a_failed_backup_leaves_the_request_to_the_run_it_backed_up():
+    group = RankGroup()
+    cpu = RankScheduler(SleepBackend("cpu", 0.02), SLOTS, "cpu", speed=SLOTS / 0.02, group=group)
+    (plan,) = plan_distribution(TARGETS[:4], TABLE, decoders_per_rank=SLOTS)  # 2 segments of 0.12 s, one per slot
+    collector = Collector(1)
+    cpu.submit(RankJob(1, plan, open_decoder=lambda backend: backend.open(None, None, 0, 0), emit=collector.emit,
+                       on_segment_done=lambda s, f: None, on_finished=collector.finished))
+    try:
+        deadline = time.monotonic() + 5
+        while len(cpu.backend.started) < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        # a fast rank arrives with nothing queued: it backs up both running segments, and cannot open the video
+        gpu = RankScheduler(FailingBackend("cuda:0", 0.0001), SLOTS, "cuda:0", speed=SLOTS / 0.0001, group=group)
+        wait(collector)  # no error reaches the request
+    finally:
+        group.shutdown()
+    assert sorted(d for d, _ in collector.decoded) == TARGETS[:4]
+    assert gpu.num_backups >= 1 and all(device == "cpu" for _, device in collector.decoded)
 
 
 def test_a_rank_not_allowed_for_a_video_never_decodes_it():
