@@ -93,6 +93,17 @@ def run(group, plans, allowed=None, key_id=1):
     return wait(submit(group, plans, allowed, key_id))
 
 
+def timed_run(group, plans):
+    """``run`` one request, then shut the ranks down; returns the collector and the request's seconds."""
+    started = time.perf_counter()
+    try:
+        collector = run(group, plans)
+        return collector, time.perf_counter() - started
+    finally:
+        time.sleep(0.02)  # runs stopped early (backed-up segments) return
+        group.shutdown()
+
+
 TABLE = GopTable(list(range(400)), list(range(0, 400, 10)))  # 40 GOPs of 10 frames
 TARGETS = list(range(0, 400, 5))  # 2 targets per GOP: 40 segments of cost 6
 
@@ -107,12 +118,7 @@ def test_a_fast_rank_that_runs_dry_takes_the_slow_ranks_work():
     group = make_ranks(("cuda:0", 0.001), ("cpu", 0.02))  # 20x apart
     # The planner was told they are equally fast: the slow rank alone would need 10 segments x 0.12 s.
     plans = plan_distribution(TARGETS, TABLE, num_ranks=2, decoders_per_rank=SLOTS)
-    started = time.perf_counter()
-    try:
-        collector = run(group, plans)
-    finally:
-        group.shutdown()
-    elapsed = time.perf_counter() - started
+    collector, elapsed = timed_run(group, plans)
     assert sorted(d for d, _ in collector.decoded) == TARGETS  # every target exactly once
     by_gpu = sum(1 for _, device in collector.decoded if device == "cuda:0")
     assert group.ranks[0].num_stolen > 0 and by_gpu >= 60
@@ -144,12 +150,7 @@ def test_slow_decoders_beside_fast_ones_get_no_segment_they_would_end_last():
     assert len(by_speed[1]) >= 1  # the speed-weighted split gave the CPU segments (2): 0.4 s each
     plans = plan_distribution(TARGETS, TABLE, num_ranks=2, decoders_per_rank=slots, rank_speeds=speeds)
     assert plans[1].cost == 0
-    started = time.perf_counter()
-    try:
-        collector = run(group, plans)
-    finally:
-        group.shutdown()
-    elapsed = time.perf_counter() - started
+    collector, elapsed = timed_run(group, plans)
     assert sorted(d for d, _ in collector.decoded) == TARGETS
     assert group.ranks[1].backend.started == []  # no CPU thread took a segment, nor stole one
     assert elapsed < 0.35, f"{elapsed:.2f} s: 5 rounds of 20 ms on the GPU rank; a CPU segment alone is 0.4 s"
@@ -173,13 +174,7 @@ def test_a_dry_fast_rank_backs_up_what_a_misjudged_slow_rank_holds():
     group = make_ranks(("cuda:0", 0.001), ("cpu", 0.001))
     group.ranks[1].backend.seconds_per_frame = 0.05  # really 50x slower than declared
     plans = plan_distribution(TARGETS, TABLE, num_ranks=2, decoders_per_rank=SLOTS)
-    started = time.perf_counter()
-    try:
-        collector = run(group, plans)
-        elapsed = time.perf_counter() - started
-        time.sleep(0.05)  # the CPU's stopped runs return
-    finally:
-        group.shutdown()
+    collector, elapsed = timed_run(group, plans)
     assert sorted(d for d, _ in collector.decoded) == TARGETS  # every target written exactly once
     assert group.ranks[0].num_backups >= 1 and group.ranks[1].num_backups == 0
     assert group.ranks[1].backend.stopped  # the CPU's run of a backed-up segment stopped early
