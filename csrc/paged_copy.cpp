@@ -114,6 +114,12 @@ int64_t row_bytes_of(const at::Tensor& buffer) {
   return row_elems * static_cast<int64_t>(buffer.element_size());
 }
 
+at::Tensor empty_rows(const at::Tensor& buffer, int64_t num_rows) {
+  std::vector<int64_t> shape(buffer.sizes().begin() + 1, buffer.sizes().end());
+  shape[0] = num_rows;
+  return at::empty(shape, buffer.options());
+}
+
 namespace {
 
 // All checks of one CPU call, in order: buffer, index metadata, index values.
@@ -166,9 +172,7 @@ void paged_scatter_cpu(const at::Tensor& buffer, const at::Tensor& src, const at
 at::Tensor paged_gather_cpu(const at::Tensor& buffer, const at::Tensor& pv_indptr, const at::Tensor& pv_page_indptr,
                             const at::Tensor& pv_page_indices, const at::Tensor& pv_cu_page_len) {
   const Index ix = check_cpu(buffer, pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len);
-  std::vector<int64_t> shape(buffer.sizes().begin() + 1, buffer.sizes().end());
-  shape[0] = ix.indptr[ix.num_requests];
-  at::Tensor out = at::empty(shape, buffer.options());  // [N, dim]
+  at::Tensor out = empty_rows(buffer, ix.indptr[ix.num_requests]);  // [N, ...]
   copy_runs<false>(static_cast<char*>(buffer.data_ptr()), static_cast<char*>(out.data_ptr()), buffer.size(1),
                    row_bytes_of(buffer), ix);
   return out;

@@ -4,7 +4,7 @@
 //
 // Order of the checks matters: every tensor's metadata (dim, dtype, device, contiguity, length) is
 // checked before any index value is read, and every index value before any byte of the buffer moves.
-// A failed check throws c10::Error (TORCH_CHECK), which the dispatcher turns into a Python RuntimeError;
+// A failed check throws c10::Error (US_CHECK, check_msg.h), which the dispatcher turns into a Python RuntimeError;
 // nothing is ever thrown from inside a parallel region or a kernel.
 
 #pragma once
@@ -45,5 +45,8 @@ void check_src(const at::Tensor& buffer, const at::Tensor& src, int64_t num_rows
 
 // Bytes of one row (one token's trailing dims) of a [num_pages, page_size, ...] buffer.
 int64_t row_bytes_of(const at::Tensor& buffer);
+
+// An uninitialised [num_rows, <buffer's trailing dims>] tensor like buffer: a gather's output.
+at::Tensor empty_rows(const at::Tensor& buffer, int64_t num_rows);
 
 }  // namespace unifiedserve

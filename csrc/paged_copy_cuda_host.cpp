@@ -10,7 +10,6 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
-#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -18,7 +17,6 @@
 
 #include <cstdint>
 #include <limits>
-#include <vector>
 
 #include "check_msg.h"
 #include "paged_copy.h"
@@ -63,9 +61,7 @@ at::Tensor paged_gather_cuda(const at::Tensor& buffer, const at::Tensor& pv_indp
   check_buffer(buffer, c10::DeviceType::CUDA);
   const DeviceIndex ix = check_cuda(buffer, pv_indptr, pv_page_indptr, pv_page_indices, pv_cu_page_len);
   const c10::cuda::CUDAGuard guard(buffer.device());
-  std::vector<int64_t> shape(buffer.sizes().begin() + 1, buffer.sizes().end());
-  shape[0] = ix.num_rows;
-  at::Tensor out = at::empty(shape, buffer.options());  // [N, ...]
+  at::Tensor out = empty_rows(buffer, ix.num_rows);  // [N, ...]
   launch(false, buffer, out, ix);
   return out;
 }

@@ -71,9 +71,14 @@ def should_back_up(segment_cost: int, thief_slot_speed: float, holder_slot_speed
     """
     if segment_cost <= 0 or thief_slot_speed <= 0:
         return False
+    return segment_cost / thief_slot_speed < BACKUP_MARGIN * holder_time_left(segment_cost, holder_slot_speed,
+                                                                              elapsed_s)
+
+
+def holder_time_left(segment_cost: int, holder_slot_speed: float, elapsed_s: float) -> float:
+    """A running segment's expected time left: its estimate less ``elapsed_s``, or ``elapsed_s`` once it is late."""
     expected = segment_cost / holder_slot_speed if holder_slot_speed > 0 else float("inf")
-    left = max(expected - elapsed_s, elapsed_s)
-    return segment_cost / thief_slot_speed < BACKUP_MARGIN * left
+    return max(expected - elapsed_s, elapsed_s)
 
 
 @dataclass
@@ -311,7 +316,7 @@ class RankScheduler:
         for job, segment, run in self._others_runs():
             elapsed = now - run.began
             if should_back_up(segment.cost, self.slot_speed, run.rank.slot_speed, elapsed):
-                left = max(segment.cost / run.rank.slot_speed - elapsed, elapsed)
+                left = holder_time_left(segment.cost, run.rank.slot_speed, elapsed)
                 if best is None or left > best_left:
                     best, best_left = (job, segment, run), left
         if best is None:

@@ -226,7 +226,7 @@ def partition_by_finish_time(costs: Sequence[int], speeds: Sequence[float], slot
     def makespan(parts: Sequence[range]) -> float:
         return max(rank_finish_time([costs[i] for i in part], v, n, s) for part, (v, n, s) in zip(parts, ranks))
 
-    hi = makespan(weighted)
+    hi = weighted_end = makespan(weighted)
     best = _cuts_within(costs, ranks, hi)
     if best is None:
         return weighted
@@ -241,7 +241,7 @@ def partition_by_finish_time(costs: Sequence[int], speeds: Sequence[float], slot
         else:
             hi, best = mid, cuts
     parts = [range(a, b) for a, b in zip(best, best[1:])]
-    return parts if makespan(parts) < makespan(weighted) else weighted
+    return parts if makespan(parts) < weighted_end else weighted
 
 
 def align_rank_boundaries(counts: Sequence[int], factor: int = 2) -> tuple[list[int], int]:
