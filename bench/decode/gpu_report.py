@@ -27,6 +27,7 @@ def ratios(m: dict, gpu_vs_cpu: float | None, sessions: int) -> dict:
         "speedup_vs_one_session": div(s("one_session"), fc),
         "fraction_of_ceiling": div(s("ceiling"), sessions * fc) if fc else None,
         "speedup_vs_naive_split": div(s("naive_split"), fc),
+        "speedup_vs_naive_split_opened": div(s("naive_split_opened"), fc),  # not a target: opens in both timers
         "ceiling_vs_one_session": div(sessions * s("one_session"), s("ceiling")) if s("one_session") else None,
         "gpu_vs_cpu_alone": div(gpu_fps, cpu_fps),
         "collaborative_fraction": div(both_fps, (gpu_fps + cpu_fps) if gpu_fps and cpu_fps else None),
