@@ -234,3 +234,19 @@ def test_a_traced_request_says_which_slot_opened_and_decoded_what_and_when(video
     analysis = engine.analyse_bitstream(path, num_frames=16)
     with pytest.raises(ValueError, match="trace"):
         engine.add_decoding_request(analysis.key_id, trace=True, stream=True)
+
+
+def test_segment_decoders_of_one_probe_share_its_pts_index(tiny_h264):
+    from flashcodec.decode.backends import PyAVSegmentDecoder, pts_index
+    from flashcodec.source import Source
+
+    info = flashcodec.probe(tiny_h264)
+    a = PyAVSegmentDecoder(Source.of(tiny_h264), info, 32, 32)
+    b = PyAVSegmentDecoder(Source.of(tiny_h264), info, 32, 32)
+    assert a._pts_by_position is b._pts_by_position and a._display_by_pts is b._display_by_pts  # built once
+    pts_by_position, display_by_pts = pts_index(info)
+    assert pts_by_position[info.decode_positions].tolist() == info.frame_pts.tolist()
+    assert [display_by_pts[int(p)] for p in info.frame_pts] == list(range(info.num_frames))
+    with pytest.raises(ValueError):  # shared by every thread's decoder: nobody may write it
+        pts_by_position[0] = 1
+    assert pts_index(flashcodec.probe(tiny_h264))[0] is not pts_by_position  # a new probe, its own index
