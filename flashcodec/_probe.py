@@ -7,9 +7,13 @@ on streams no decoder can read. Its cost is a small fraction of a full decode.
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
+import weakref
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Callable, TypeVar
 
 import av
 import numpy as np
@@ -113,6 +117,28 @@ class VideoInfo:
             "keyframe_indices": self.keyframe_indices,
             "frame_pts": self.frame_pts.tolist(),
         }
+
+
+_T = TypeVar("_T")
+
+
+def per_probe(build: Callable[[VideoInfo], _T]) -> Callable[[VideoInfo], _T]:
+    """``build(info)`` once per probe, kept while the probe lives and shared by every thread (read it, never
+    write it). For what a request's decoders all derive from the probe when they open: a request opens one
+    per slot at once (14 NVDEC sessions per GPU, one per CPU thread), and for a long video each derivation is
+    milliseconds of Python under the GIL."""
+    cache: weakref.WeakKeyDictionary[VideoInfo, _T] = weakref.WeakKeyDictionary()
+    lock = threading.Lock()
+
+    @functools.wraps(build)
+    def get(info: VideoInfo) -> _T:
+        with lock:
+            value = cache.get(info)
+            if value is None:
+                value = cache[info] = build(info)
+        return value
+
+    return get
 
 
 def _open_container(source: Source):

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-import weakref
 from abc import ABC, abstractmethod
 from typing import Callable
 
@@ -31,7 +29,7 @@ import numpy as np
 import torch
 
 from flashcodec.plan.segments import GopSegment
-from flashcodec._probe import VideoInfo
+from flashcodec._probe import VideoInfo, per_probe
 from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode, resize_frames_uint8
 from flashcodec.source import Source
 
@@ -114,24 +112,14 @@ def convert_frame(frame: av.VideoFrame, height: int, width: int, resize: str = D
     return small[0].permute(1, 2, 0).numpy()  # [h, w, 3], contiguous
 
 
-#: Per probe, shared by every segment decoder of the video: decode position -> pts, and pts -> display index.
-#: Built once, not at each open: a request opens one decoder per thread at once (16 on a 16-core host), and for
-#: a 2-hour video (216,000 frames) the dict alone is tens of milliseconds of Python under the GIL.
-_PTS_INDEX: weakref.WeakKeyDictionary[VideoInfo, tuple[np.ndarray, dict[int, int]]] = weakref.WeakKeyDictionary()
-_PTS_INDEX_LOCK = threading.Lock()
-
-
+@per_probe  # a 2-hour video's dict (216,000 frames) alone took 50 ms here
 def pts_index(info: VideoInfo) -> tuple[np.ndarray, dict[int, int]]:
-    """``(pts_by_position, display_by_pts)`` of a probe, built once and kept while the probe lives (read-only)."""
-    with _PTS_INDEX_LOCK:
-        index = _PTS_INDEX.get(info)
-        if index is None:
-            pts_by_position = np.empty(info.num_frames, dtype=np.int64)
-            pts_by_position[info.decode_positions] = info.frame_pts
-            pts_by_position.flags.writeable = False
-            index = _PTS_INDEX[info] = (pts_by_position,
-                                        {int(p): i for i, p in enumerate(info.frame_pts.tolist())})
-    return index
+    """``(pts_by_position, display_by_pts)`` of a probe: decode position -> pts, and pts -> display index,
+    shared by every segment decoder of the video (read-only)."""
+    pts_by_position = np.empty(info.num_frames, dtype=np.int64)
+    pts_by_position[info.decode_positions] = info.frame_pts
+    pts_by_position.flags.writeable = False
+    return pts_by_position, {int(p): i for i, p in enumerate(info.frame_pts.tolist())}
 
 
 class PyAVSegmentDecoder(SegmentDecoder):

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-import weakref
 from typing import Sequence
 
 import numpy as np
@@ -42,7 +40,7 @@ import torch
 from flashcodec.decode.backends import Backend, Emit, SegmentDecoder, ShouldStop, never
 from flashcodec.devices import DEFAULT_NVDEC_SESSIONS, log_once
 from flashcodec.plan.segments import GopSegment
-from flashcodec._probe import VideoInfo
+from flashcodec._probe import VideoInfo, per_probe
 from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode, resize_frames_on_device
 from flashcodec.source import Source
 
@@ -55,23 +53,10 @@ FRAMES_PER_CALL = 8
 
 
 
-#: frame_mappings_json's text per probe: a request's sessions (14 per GPU by default) open at once, and the text
-#: of a long video takes milliseconds to build (a 60 s 30 fps clip: 2-8 ms on two cores) under the GIL
-_MAPPINGS: weakref.WeakKeyDictionary[VideoInfo, str] = weakref.WeakKeyDictionary()
-_MAPPINGS_LOCK = threading.Lock()
-
-
+@per_probe  # a 60 s 30 fps clip's text takes 2-8 ms to build on two cores
 def frame_mappings_json(info: VideoInfo) -> str:
     """torchcodec's ``custom_frame_mappings`` from our probe, so a session does not rescan the file (built once
     per probe, kept while the probe lives)."""
-    with _MAPPINGS_LOCK:
-        text = _MAPPINGS.get(info)
-        if text is None:
-            text = _MAPPINGS[info] = _frame_mappings_json(info)
-    return text
-
-
-def _frame_mappings_json(info: VideoInfo) -> str:
     pts = info.frame_pts
     last = int(pts[-1] - pts[-2]) if info.num_frames > 1 else 1
     durations = np.diff(pts, append=pts[-1] + last)
