@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from flashcodec.devices import NVDEC_HOST_CORES
+
 #: Show a progress bar when a decode has at least this many frames to decode.
 PROGRESS_MIN_FRAMES = 1000
 
@@ -82,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(d)
     d.add_argument("--backend", default="auto", help="decoder backend: auto, pyav or torchcodec (default auto)")
     d.add_argument("--threads", type=_positive_int, default=None,
-                   help=f"CPU decoder threads (default: one per core, {os.cpu_count()} here)")
+                   help=f"CPU decoder threads (default: one per core, {os.cpu_count()} here, less "
+                        f"{NVDEC_HOST_CORES} per GPU decoding: the host cores its NVDEC threads keep busy)")
     d.add_argument("--device", default="cpu",
                    help="cpu (default); cuda (every GPU's NVDEC), cuda:N, or a list such as cuda:0,cpu (GPUs and "
                         "CPU together); auto: every GPU whose NVDEC works, and the CPU. What NVDEC cannot "

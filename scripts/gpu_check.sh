@@ -294,7 +294,8 @@ tests)
   if [ "${DECODE_BENCH:-0}" = 1 ]; then
     step "bench/decode/bench_gpu.py --short"
     # shellcheck disable=SC2086  # DECODE_BENCH_ARGS: more flags, e.g. "--codecs h264 --repeat 2"
-    run 270 bench-decode python3 bench/decode/bench_gpu.py --short ${DECODE_BENCH_ARGS:-} --out "$out/bench_decode"
+    # up to the run's end (two 150-s codecs take about 450 s): the bench saves each codec as it finishes
+    run 600 bench-decode python3 bench/decode/bench_gpu.py --short ${DECODE_BENCH_ARGS:-} --out "$out/bench_decode"
   fi
   ;;
 esac

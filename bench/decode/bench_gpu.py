@@ -45,8 +45,9 @@ import torch  # noqa: E402
 
 import flashcodec  # noqa: E402
 from flashcodec.benchmark import best_time, machine_info, sampling_indices  # noqa: E402
-from flashcodec.decode.nvdec import frame_mappings_json  # noqa: E402
-from flashcodec.devices import DEFAULT_NVDEC_SESSIONS, nvdec_unavailable_reason  # noqa: E402
+from flashcodec.decode.frame_mappings import frame_mappings  # noqa: E402
+from flashcodec.devices import (DEFAULT_NVDEC_SESSIONS, NVDEC_HOST_CORES, default_cpu_threads,  # noqa: E402
+                               nvdec_unavailable_reason)
 from flashcodec.image_batch import ImageBatchDecoder, nvjpeg_unavailable_reason  # noqa: E402
 from flashcodec.plan.video import floor_cost  # noqa: E402
 from flashcodec.resize import resize_frames_on_device  # noqa: E402
@@ -80,6 +81,9 @@ def parse_args(argv=None):
     p.add_argument("--sessions", type=int, default=DEFAULT_NVDEC_SESSIONS,
                    help=f"NVDEC sessions of flashcodec, the ceiling and the naive split (default {DEFAULT_NVDEC_SESSIONS})")
     p.add_argument("--cpu-threads", type=int, default=os.cpu_count() or 1, help="CPU decoder threads (default: all cores)")
+    p.add_argument("--mixed-cpu-threads", type=int, default=None,
+                   help="CPU decoder threads beside the GPU in the GPU+CPU run (default: the engine's own, "
+                        f"--cpu-threads less the {NVDEC_HOST_CORES} host cores an NVDEC rank keeps busy)")
     p.add_argument("--jpegs", type=int, default=256, help="JPEGs in the image batch (default 256)")
     p.add_argument("--jpeg-size", default="1280x720", help="JPEG size WxH (default 1280x720)")
     p.add_argument("--repeat", type=int, default=1, help="timed runs per measurement, best kept (default 1)")
@@ -88,8 +92,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.fps >= 1 and args.gop is None:
         args.gop = 2 * args.fps
-    for name in ("sessions", "cpu_threads", "jpegs", "repeat", "gop", "fps"):
-        if getattr(args, name) < 1:
+    for name in ("sessions", "cpu_threads", "mixed_cpu_threads", "jpegs", "repeat", "gop", "fps"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     try:
         args.width, args.height = (int(v) for v in args.size.lower().split("x"))
@@ -127,7 +131,7 @@ def _measure(results: dict, name: str, fn) -> dict:
 # ---- one NVDEC session, the ceiling and the naive split (torchcodec CUDA decoders) ----
 
 def _session(path: str, gpu: int, mappings: str | None = None):
-    """A torchcodec CUDA decoder: with ``mappings`` (frame_mappings_json) opened as flashcodec's slots open theirs,
+    """A torchcodec CUDA decoder: with ``mappings`` (frame_mappings) opened as flashcodec's slots open theirs,
     without a file scan; else in exact mode (a scan of the file, for decoders made before a timer)."""
     from torchcodec.decoders import VideoDecoder
 
@@ -298,7 +302,7 @@ def bench_codec(clip, args) -> dict:
         which opens before its timer, to tell the cost of opening from the cost of scheduling."""
         need_gpu()
         runs = gop_split(info, dense, S)
-        mappings = frame_mappings_json(info)
+        mappings = frame_mappings(info)
 
         def decode_runs():
             with ThreadPoolExecutor(len(runs)) as pool:
@@ -309,19 +313,29 @@ def bench_codec(clip, args) -> dict:
         seconds, _ = best_time(decode_runs, args.repeat)
         return {"seconds": seconds, "fps": must_decode / seconds, "sessions": len(runs)}
 
-    def gpu_and_cpu():
+    def mixed(threads: int) -> dict:
+        """flashcodec on the GPU and ``threads`` CPU decoder threads at once, the planner told each rank's speed
+        alone (the CPU's scaled from its ``C`` threads)."""
         need_gpu()
         g, c = m.get("gpu_alone", {}), m.get("cpu_alone", {})
         if "fps" not in g or "fps" not in c:
             raise Skip("needs both GPU-alone and CPU-alone timings")
-        speeds = {f"cuda:{gpu}": g["fps"], "cpu": c["fps"]}  # the planner splits in these proportions
-        with _engine(gpu, S, C, use_gpu=True, use_cpu=True, speeds=speeds) as engine:
+        speeds = {f"cuda:{gpu}": g["fps"], "cpu": c["fps"] * threads / C}  # the planner splits in these proportions
+        with _engine(gpu, S, threads, use_gpu=True, use_cpu=True, speeds=speeds) as engine:
             plan = engine.analyse_bitstream(path, frame_indices=dense).plan  # the split the timed runs get
             seconds, _ = _fc_timed(engine, path, dense, gpu, args.repeat)
-            trace = _fc_traced(engine, path, dense, gpu, {f"cuda:{gpu}": S, "cpu": C})
+            trace = _fc_traced(engine, path, dense, gpu, {f"cuda:{gpu}": S, "cpu": threads})
         split = {name: len(rank.segments) for name, rank in zip(speeds, plan.ranks)}
-        return {"seconds": seconds, "fps": must_decode / seconds, "rank_speeds": speeds, "segments_per_rank": split,
-                "trace": trace}
+        return {"seconds": seconds, "fps": must_decode / seconds, "cpu_threads": threads, "rank_speeds": speeds,
+                "segments_per_rank": split, "trace": trace}
+
+    def gpu_and_cpu():
+        # the engine's own CPU thread count beside a GPU rank (devices.default_cpu_threads: the cores CPU-alone
+        # used, less the host cores the NVDEC rank keeps busy); the target's measurement
+        return mixed(args.mixed_cpu_threads or default_cpu_threads(1, cores=C))
+
+    def gpu_and_cpu_all_threads():
+        return mixed(C)  # a CPU decoder thread on every core CPU-alone used, beside the GPU rank: not a target
 
     def engines_busy():
         need_gpu()
@@ -354,6 +368,7 @@ def bench_codec(clip, args) -> dict:
     for name, fn in (("cpu_alone", cpu_alone), ("gpu_alone", gpu_alone), ("one_session", one_session),
                      ("ceiling", ceiling), ("naive_split", naive_split),
                      ("naive_split_opened", naive_split_opened), ("gpu_and_cpu", gpu_and_cpu),
+                     ("gpu_and_cpu_all_threads", gpu_and_cpu_all_threads),
                      ("engines_busy", engines_busy), ("sparse_gpu", sparse_gpu),
                      ("sparse_one_session", sparse_one_session)):
         _measure(m, name, fn)

@@ -32,6 +32,9 @@ def ratios(m: dict, gpu_vs_cpu: float | None, sessions: int) -> dict:
         "gpu_vs_cpu_alone": div(gpu_fps, cpu_fps),
         "collaborative_fraction": div(both_fps, (gpu_fps + cpu_fps) if gpu_fps and cpu_fps else None),
         "gpu_and_cpu_vs_gpu_alone": div(fc, s("gpu_and_cpu")),
+        # not a target: a CPU decoder thread on every core CPU-alone used, beside the GPU rank
+        "collaborative_fraction_all_threads": div(m.get("gpu_and_cpu_all_threads", {}).get("fps"),
+                                                  (gpu_fps + cpu_fps) if gpu_fps and cpu_fps else None),
         "sparse_speedup_vs_one_session": div(s("sparse_one_session"), s("sparse_gpu")),
         "gpu_vs_cpu_mean_abs_diff": gpu_vs_cpu,
         "nvdec_engines_busy": busy.get("num_nvdec_busy"),
@@ -81,6 +84,8 @@ def _note(v: dict) -> str:
     parts = []
     if v.get("host_cores_busy") is not None:
         parts.append(f"host cores busy {v['host_cores_busy']:.1f}")
+    if v.get("cpu_threads") is not None:
+        parts.append(f"{v['cpu_threads']} CPU threads")
     if v.get("segments_per_rank"):
         parts.append("segments " + ", ".join(f"{k} {n}" for k, n in v["segments_per_rank"].items()))
     for rank, t in (v.get("trace") or {}).get("ranks", {}).items():

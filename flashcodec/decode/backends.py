@@ -19,7 +19,6 @@ engines create from their ``devices``, not by name.
 
 from __future__ import annotations
 
-import json
 import logging
 from abc import ABC, abstractmethod
 from typing import Callable
@@ -28,6 +27,7 @@ import av
 import numpy as np
 import torch
 
+from flashcodec.decode.frame_mappings import frame_mappings
 from flashcodec.plan.segments import GopSegment
 from flashcodec._probe import VideoInfo, per_probe
 from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode, resize_frames_uint8
@@ -36,6 +36,19 @@ from flashcodec.source import Source
 log = logging.getLogger(__name__)
 
 Emit = Callable[[int, "np.ndarray | torch.Tensor"], None]
+
+
+def emit_many(emit: Emit, displays: list[int], frames: torch.Tensor) -> None:
+    """Hand a decoder's batch of frames (``[n, H, W, 3]``, display indices ``displays``) to ``emit``: in one call
+    where ``emit`` takes batches (an ``emit.many(displays, frames)`` attribute, as the scheduler's has), else one
+    frame at a time. For GPU frames a batch is one copy instead of ``n`` (each a few torch calls, every one giving
+    up and taking back the GIL that a rank's other slots wait on)."""
+    many = getattr(emit, "many", None)
+    if many is not None:
+        many(displays, frames)
+        return
+    for display, frame in zip(displays, frames):
+        emit(display, frame)
 ShouldStop = Callable[[], bool]
 
 
@@ -81,6 +94,11 @@ class Backend(ABC):
     def open(self, source: Source, info: VideoInfo, height: int, width: int,
              resize: str = DEFAULT_RESIZE_MODE) -> SegmentDecoder:
         """A decoder of ``source`` emitting ``[height, width, 3]`` frames resized per ``resize``."""
+
+    def prepare(self, info: VideoInfo) -> None:
+        """Build, once per probe, what every decoder of this video derives from the probe when it opens (called
+        when the video is planned): a request's slots then open at once without each waiting on the GIL for one
+        thread's build of it."""
 
 
 def rotate_display(frame: np.ndarray, rotation: int) -> np.ndarray:
@@ -226,6 +244,9 @@ class PyAVSegmentDecoder(SegmentDecoder):
 class PyAVBackend(Backend):
     name = "pyav"
 
+    def prepare(self, info):
+        pts_index(info)
+
     def open(self, source, info, height, width, resize=DEFAULT_RESIZE_MODE):
         return PyAVSegmentDecoder(source, info, height, width, resize)
 
@@ -241,19 +262,12 @@ class TorchCodecSegmentDecoder(SegmentDecoder):
         # exact: torchcodec converts at full resolution and we resize; fast: its own Resize transform
         self._resize_to = (height, width) if check_resize_mode(resize) == "exact" else None
 
-        durations = np.diff(info.frame_pts, append=info.frame_pts[-1] + (info.frame_pts[-1] - info.frame_pts[-2]
-                                                                          if info.num_frames > 1 else 1))
-        keyframes = set(int(p) for p in info.frame_pts[np.isin(info.decode_positions, info.keyframe_positions)])
-        mappings = json.dumps({"frames": [
-            {"pts": int(p), "duration": int(d), "key_frame": int(int(p) in keyframes)}
-            for p, d in zip(info.frame_pts.tolist(), durations.tolist())
-        ]})
         self._decoder = VideoDecoder(
             source.path if source.path is not None else source.data,
             stream_index=info.stream_index,
             dimension_order="NHWC",
             num_ffmpeg_threads=1,
-            custom_frame_mappings=mappings,
+            custom_frame_mappings=frame_mappings(info),
             transforms=[] if self._resize_to else [Resize((height, width))],
         )
 
@@ -290,6 +304,9 @@ class TorchCodecSegmentDecoder(SegmentDecoder):
 
 class TorchCodecBackend(Backend):
     name = "torchcodec"
+
+    def prepare(self, info):
+        frame_mappings(info)
 
     def open(self, source, info, height, width, resize=DEFAULT_RESIZE_MODE):
         return TorchCodecSegmentDecoder(source, info, height, width, resize)

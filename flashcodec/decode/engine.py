@@ -204,6 +204,26 @@ class _Request:
         if self.stream:
             self._mark_final([self.rank_start[rank] + row for rank, row in places])
 
+    def emit_many(self, displays: list[int], frames: torch.Tensor) -> None:
+        """``emit`` for a GPU rank's batch (``[n, H, W, 3]`` on its GPU, ``frames[i]`` is ``displays[i]``): one copy
+        when the frames fill consecutive rows of one rank's buffer (a segment's targets, each sampled once), else
+        one by one."""
+        if not displays:
+            return
+        places = [self._rows[d] for d in displays]
+        rank, first = places[0][0]
+        if all(len(p) == 1 and p[0] == (rank, first + i) for i, p in enumerate(places)):
+            buffer = self._rank_buffer(rank)
+            if buffer is not None:
+                buffer[first:first + len(displays)].copy_(frames)
+                self.produced.update(displays)
+                if self.stream:
+                    start = self.rank_start[rank] + first
+                    self._mark_final(range(start, start + len(displays)))
+                return
+        for display, frame in zip(displays, frames):
+            self.emit(display, frame)
+
     def _mark_final(self, rows) -> None:
         """Streamed: these output rows hold their final pixels; grow the prefix and wake the reader."""
         with self.changed:
@@ -340,7 +360,8 @@ class DecodeEngine:
         devices: ``"cpu"`` (default), ``"cuda"`` (every GPU), ``"cuda:N"``, ``"auto"`` (every GPU
             whose NVDEC works, and the CPU) or a list. With GPUs alone the CPU rank decodes only
             videos NVDEC cannot (AV1 on H100, H.264 4:4:4, ...); name ``"cpu"`` too to decode with both.
-        cpu_threads: decoder slots of the CPU rank; default one per core; 0: no CPU rank.
+        cpu_threads: decoder slots of the CPU rank; default one per core, less 3 per GPU rank (the host cores
+            that rank's NVDEC threads keep busy, ``devices.NVDEC_HOST_CORES``); 0: no CPU rank.
         nvdec_sessions: NVDEC sessions per GPU (default 14: two per engine of an H100).
         output_device: where outputs live; default the first GPU of ``devices``, else the CPU. GPU outputs
             are written on that device's default stream (every decoder thread's current stream) and handed
@@ -428,6 +449,8 @@ class DecodeEngine:
         if reason is not None:
             log.warning("flashcodec: %s decodes on the CPU rank: %s", src.name, reason)
         slot_speeds = self.layout.slot_speeds(speeds, lambda gpu: video_nvdec_engines(info, gpu))
+        for rank in sorted(allowed):  # what the ranks' decoders derive from the probe, built once before they open
+            self._ranks[rank].backend.prepare(info)
         plan = plan_video(info, options, num_ranks=self.num_ranks, decoders_per_rank=[r.num_slots for r in self._ranks],
                           frame_indices=frame_indices, rank_speeds=speeds, slot_speeds=slot_speeds)
         analysis = BitstreamAnalysis(next(self._keys), info, plan, time.perf_counter() - started, src,
@@ -485,7 +508,7 @@ class DecodeEngine:
                 key_id, rank_plan,
                 open_decoder=lambda b: b.open(analysis.source, analysis.info, plan.height, plan.width, resize=resize),
                 emit=request.emit, on_segment_done=request.segment_done, on_finished=request.rank_finished,
-                allowed_ranks=analysis.allowed_ranks, trace=request.trace,
+                allowed_ranks=analysis.allowed_ranks, trace=request.trace, emit_many=request.emit_many,
             ))
 
     def cancel(self, key_id: int) -> bool:

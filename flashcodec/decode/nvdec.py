@@ -11,8 +11,8 @@ Frames never leave the GPU. torchcodec hands each decoded picture over as full-r
 pool is only as deep as the DPB, so nothing holds a surface). Each chunk is resized there with
 :func:`flashcodec.resize.resize_frames_on_device` (the reference antialiased bicubic, as one fused
 kernel when Triton is installed: no float32 copy of the full-resolution frames), turned to display
-orientation if torchcodec has not done so, and emitted as ``[h, w, 3]`` GPU views that the
-engine copies into the request's GPU output.
+orientation if torchcodec has not done so, and emitted as one ``[n, h, w, 3]`` GPU view per chunk that the
+engine copies into the request's GPU output (one copy where the chunk's rows are consecutive).
 
 Colour: torchcodec 0.16's CUDA path builds its YUV->RGB matrix from the stream's colour-space and
 range tags (``compute_color_conversion_matrix(AVColorSpace, AVColorRange)`` in its library); this
@@ -30,17 +30,16 @@ device-free logic, the ``cuda`` tests in tests/flashcodec/decode/test_nvdec_cuda
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Sequence
 
-import numpy as np
 import torch
 
-from flashcodec.decode.backends import Backend, Emit, SegmentDecoder, ShouldStop, never
+from flashcodec.decode.backends import Backend, Emit, SegmentDecoder, ShouldStop, emit_many, never
 from flashcodec.devices import DEFAULT_NVDEC_SESSIONS, log_once
 from flashcodec.plan.segments import GopSegment
-from flashcodec._probe import VideoInfo, per_probe
+from flashcodec.decode.frame_mappings import frame_mappings
+from flashcodec._probe import VideoInfo
 from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode, resize_frames_on_device
 from flashcodec.source import Source
 
@@ -51,20 +50,6 @@ log = logging.getLogger(__name__)
 #: same GOP, which torchcodec decodes on without seeking.
 FRAMES_PER_CALL = 8
 
-
-
-@per_probe  # a 60 s 30 fps clip's text takes 2-8 ms to build on two cores
-def frame_mappings_json(info: VideoInfo) -> str:
-    """torchcodec's ``custom_frame_mappings`` from our probe, so a session does not rescan the file (built once
-    per probe, kept while the probe lives)."""
-    pts = info.frame_pts
-    last = int(pts[-1] - pts[-2]) if info.num_frames > 1 else 1
-    durations = np.diff(pts, append=pts[-1] + last)
-    keyframes = set(int(p) for p in pts[np.isin(info.decode_positions, info.keyframe_positions)])
-    return json.dumps({"frames": [
-        {"pts": int(p), "duration": int(d), "key_frame": int(int(p) in keyframes)}
-        for p, d in zip(pts.tolist(), durations.tolist())
-    ]})
 
 
 def to_display(frames: torch.Tensor, rotation: int, display_hw: tuple[int, int]) -> torch.Tensor:
@@ -100,7 +85,7 @@ class NvdecSegmentDecoder(SegmentDecoder):
             stream_index=info.stream_index,
             dimension_order="NCHW",
             device=str(self._device),
-            custom_frame_mappings=frame_mappings_json(info),
+            custom_frame_mappings=frame_mappings(info),
         )
         fallback = self._decoder.cpu_fallback
         if fallback:  # torchcodec decodes on the CPU and uploads: right frames, no NVDEC speed
@@ -137,8 +122,7 @@ class NvdecSegmentDecoder(SegmentDecoder):
         frames = to_display(frames, self._info.rotation,
                             (self._info.display_height, self._info.display_width))  # [n, 3, H0, W0]
         small = resize_frames_on_device(frames, *self._size)  # [n, 3, h, w] on the same GPU
-        for display, frame in zip(indices, small):
-            emit(display, frame.permute(1, 2, 0))  # [h, w, 3] view
+        emit_many(emit, list(indices), small.permute(0, 2, 3, 1))  # [n, h, w, 3] view
 
     def close(self) -> None:
         self._decoder = None  # returns the hardware decoder to torchcodec's per-GPU cache
@@ -164,6 +148,9 @@ class NvdecBackend(Backend):
 
         if get_nvdec_cache_capacity() < num_sessions:
             set_nvdec_cache_capacity(num_sessions)
+
+    def prepare(self, info):
+        frame_mappings(info)
 
     def open(self, source, info, height, width, resize=DEFAULT_RESIZE_MODE):
         return NvdecSegmentDecoder(source, info, height, width, self.device_index, resize)

@@ -105,6 +105,22 @@ class SlotEvent:
     backup: bool = False  # a second run of a segment another slot was decoding
 
 
+class _Emitter:
+    """A request's ``emit`` as its segment decoders see it: ``emitter(display, frame)``, and ``emitter.many(displays,
+    frames)`` for a batch (see :func:`flashcodec.decode.backends.emit_many`)."""
+
+    __slots__ = ("_job",)
+
+    def __init__(self, job: "RankJob"):
+        self._job = job
+
+    def __call__(self, display: int, frame) -> None:
+        self._job.emit_once(display, frame)
+
+    def many(self, displays: list[int], frames) -> None:
+        self._job.emit_once_many(displays, frames)
+
+
 class RankJob:
     """One request's work on one rank. Bookkeeping only; the rank group's lock guards it.
 
@@ -119,11 +135,13 @@ class RankJob:
                  emit: Callable[[int, object], None], on_segment_done: Callable[[GopSegment, list[int]], None],
                  on_finished: Callable[["RankJob", BaseException | None], None],
                  allowed_ranks: frozenset[int] | None = None,
-                 trace: tuple[float, list[SlotEvent]] | None = None):
+                 trace: tuple[float, list[SlotEvent]] | None = None,
+                 emit_many: Callable[[list[int], object], None] | None = None):
         self.key_id = key_id
         self.plan = plan
         self.open_decoder = open_decoder
         self.emit = emit
+        self.emit_many = emit_many
         self.on_segment_done = on_segment_done
         self.on_finished = on_finished
         self.allowed_ranks = allowed_ranks
@@ -138,6 +156,7 @@ class RankJob:
         self.error: BaseException | None = None
         self.cancelled = False
         self.owner: RankScheduler | None = None  # set by submit
+        self.emitter = _Emitter(self)  # what its segment decoders emit to: emit_once, and .many for batches
 
     def should_stop(self) -> bool:
         """Polled by decoders at each packet: a cancelled or failed request stops where it is."""
@@ -150,6 +169,18 @@ class RankJob:
                 return
             self.claimed.add(display)
         self.emit(display, frame)
+
+    def emit_once_many(self, displays: list[int], frames) -> None:
+        """``emit_once`` for a batch (``frames[i]`` is ``displays[i]``): one ``emit_many`` call when no frame of it
+        was emitted before (the usual case), else the others one by one."""
+        with self._claim_lock:
+            keep = [i for i, d in enumerate(displays) if d not in self.claimed]
+            self.claimed.update(displays[i] for i in keep)
+        if len(keep) == len(displays) and self.emit_many is not None:
+            self.emit_many(displays, frames)
+            return
+        for i in keep:
+            self.emit(displays[i], frames[i])
 
     @property
     def has_pending(self) -> bool:
@@ -413,7 +444,7 @@ class RankScheduler:
                         decoder = decoders[job.key_id] = job.open_decoder(self.backend)
                         self._record(job, slot, "open", opened, segment, backup)
                     began = time.perf_counter()
-                    failed = decoder.decode_segment(segment, job.emit_once, should_stop)
+                    failed = decoder.decode_segment(segment, job.emitter, should_stop)
                     self._record(job, slot, "decode", began, segment, backup)
             except BaseException as e:  # reported to the request, never kills the slot
                 log.debug("segment %s of request %s failed on %s", segment, job.key_id, self.name, exc_info=True)

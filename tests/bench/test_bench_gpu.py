@@ -67,7 +67,9 @@ def test_gop_split_is_static_contiguous_and_gop_aligned():
 def test_ratios_and_targets():
     m = {"gpu_alone": {"seconds": 1.0, "fps": 3000.0, "host_cores_busy": 3.25},
          "cpu_alone": {"seconds": 2.0, "fps": 1500.0},
-         "gpu_and_cpu": {"seconds": 0.7, "fps": 4000.0, "segments_per_rank": {"cuda:0": 59, "cpu": 16}},
+         "gpu_and_cpu": {"seconds": 0.7, "fps": 4000.0, "cpu_threads": 13,
+                         "segments_per_rank": {"cuda:0": 59, "cpu": 16}},
+         "gpu_and_cpu_all_threads": {"seconds": 0.8, "fps": 3600.0, "cpu_threads": 16},
          "one_session": {"seconds": 7.0},
          "ceiling": {"seconds": 12.6}, "naive_split": {"seconds": 1.4},
          "naive_split_opened": {"seconds": 1.6}, "sparse_gpu": {"seconds": 0.1},
@@ -80,6 +82,8 @@ def test_ratios_and_targets():
     assert r["speedup_vs_naive_split_opened"] == pytest.approx(1.6)  # reported, not a target
     assert "speedup_vs_naive_split_opened" not in check_targets(r)
     assert r["collaborative_fraction"] == pytest.approx(4000 / 4500)
+    assert r["collaborative_fraction_all_threads"] == pytest.approx(3600 / 4500)  # reported, not a target
+    assert "collaborative_fraction_all_threads" not in check_targets(r)
     assert r["gpu_and_cpu_vs_gpu_alone"] == pytest.approx(1 / 0.7)
     assert r["ceiling_vs_one_session"] == pytest.approx(14 * 7 / 12.6)
     assert r["sparse_speedup_vs_one_session"] == pytest.approx(3.0) and r["nvdec_engines"] == 7
@@ -99,7 +103,7 @@ def test_ratios_and_targets():
                        "nvjpeg_bare": {"skipped": "no torchvision"}, "nvjpeg_speedup_vs_cpu": 3.25}}
     md = markdown(report)
     assert "| flashcodec GPU vs one NVDEC session | 3.50 | >= 6.0 | NO |" in md
-    assert "| gpu_and_cpu | 0.700 | 4000 | segments cuda:0 59, cpu 16 |" in md
+    assert "| gpu_and_cpu | 0.700 | 4000 | 13 CPU threads; segments cuda:0 59, cpu 16 |" in md
     assert "| gpu_alone | 1.000 | 3000 | host cores busy 3.2 |" in md
     assert "nvJPEG vs CPU: 3.25x" in md and "nvjpeg_bare: no torchvision" in md
 

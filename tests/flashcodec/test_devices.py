@@ -145,6 +145,17 @@ def test_layout_ranks_speeds_and_who_takes_which_video(fake_probes):
     assert make_layout("auto", 2, **fake_probes(1)).shares(lambda gpu: None)[1] == frozenset({0, 1})
 
 
+def test_default_cpu_threads_leave_each_gpu_rank_its_host_cores(fake_probes, monkeypatch):
+    assert devices.default_cpu_threads(0, cores=16) == 16
+    assert devices.default_cpu_threads(1, cores=16) == 16 - devices.NVDEC_HOST_CORES
+    assert devices.default_cpu_threads(8, cores=16) == 1  # never none: a video NVDEC cannot take still decodes
+    monkeypatch.setattr(devices.os, "cpu_count", lambda: 16)
+    assert make_layout("cpu").cpu_threads == 16
+    assert make_layout("cuda:0,cpu", **fake_probes(1)).cpu_threads == 16 - devices.NVDEC_HOST_CORES
+    assert make_layout("cuda", **fake_probes(2)).cpu_threads == 16 - 2 * devices.NVDEC_HOST_CORES
+    assert make_layout("cuda:0,cpu", 16, **fake_probes(1)).cpu_threads == 16  # given: kept
+
+
 def test_slot_speeds_a_cpu_thread_has_a_core_an_nvdec_session_alone_an_engine(fake_probes):
     layout = make_layout("cuda:1,cpu", 8, 14, {"cuda:1": 2800.0, "cpu": 1000.0}, **fake_probes(2))
     speeds, _, _ = layout.shares(lambda gpu: None)

@@ -4,7 +4,6 @@ test_nvdec_cuda.py."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 import flashcodec
 from flashcodec.decode import engine as engine_module
 from flashcodec.decode import nvdec
-from flashcodec.decode.backends import Backend, PyAVBackend, SegmentDecoder, never
+from flashcodec.decode.backends import Backend, PyAVBackend, SegmentDecoder, emit_many, never
 from flashcodec.devices import DeviceError, canonical_codec, make_layout, nvdec_reject_reason
 from flashcodec._probe import probe
 from flashcodec.source import Source
@@ -73,17 +72,6 @@ def test_to_display_turns_only_frames_still_in_stored_orientation():
     assert nvdec.to_display(stored, 0, (4, 6)) is stored
 
 
-def test_frame_mappings_mark_keyframes_and_durations(tiny_h264):
-    info = probe(Source.of(tiny_h264))
-    frames = json.loads(nvdec.frame_mappings_json(info))["frames"]
-    assert [f["pts"] for f in frames] == info.frame_pts.tolist()
-    assert sum(f["key_frame"] for f in frames) == info.num_keyframes
-    assert all(f["duration"] > 0 for f in frames)
-    assert nvdec.frame_mappings_json(info) is nvdec.frame_mappings_json(info)  # built once per probe, not per session
-    other = probe(Source.of(tiny_h264))
-    assert nvdec.frame_mappings_json(other) == nvdec.frame_mappings_json(info)
-
-
 class FlakyDecoder:
     """A torchcodec stand-in: batches containing ``bad`` fail, and so does ``bad`` alone."""
 
@@ -118,14 +106,28 @@ def test_a_corrupt_frame_is_reported_and_its_neighbours_still_come_out(monkeypat
 
 
 class TensorEmitting(SegmentDecoder):
-    """PyAV decoding that emits torch tensors, as NVDEC ranks do (here on the CPU)."""
+    """PyAV decoding that emits torch tensors in batches of up to 3 frames, as NVDEC ranks do (here on the CPU)."""
 
     def __init__(self, inner, calls):
         self.inner, self.calls = inner, calls
 
     def decode_segment(self, segment, emit, should_stop=never):
         self.calls.append(segment)
-        return self.inner.decode_segment(segment, lambda d, f: emit(d, torch.from_numpy(f.copy())), should_stop)
+        pending = []
+
+        def flush():
+            if pending:
+                emit_many(emit, [d for d, _ in pending], torch.stack([f for _, f in pending]))
+                pending.clear()
+
+        def collect(display, frame):
+            pending.append((display, torch.from_numpy(frame.copy())))
+            if len(pending) == 3:
+                flush()
+
+        failed = self.inner.decode_segment(segment, collect, should_stop)
+        flush()
+        return failed
 
     def close(self):
         self.inner.close()
@@ -156,7 +158,11 @@ def fake_gpus(monkeypatch, fake_probes, h100_caps):
     return FakeNvdecBackend.calls
 
 
-def test_gpu_and_cpu_ranks_together_equal_the_cpu_decode(tiny_h264, fake_gpus):
+def test_gpu_and_cpu_ranks_together_equal_the_cpu_decode(tiny_h264, fake_gpus, monkeypatch):
+    batches = []
+    one_copy = engine_module._Request.emit_many
+    monkeypatch.setattr(engine_module._Request, "emit_many",
+                        lambda self, displays, frames: (batches.append(len(displays)), one_copy(self, displays, frames)))
     with flashcodec.DecodeEngine("pyav", num_threads=2) as cpu:
         reference = cpu.decode_video(tiny_h264, fps=24)
     with flashcodec.DecodeEngine("pyav", devices="cuda,cpu", cpu_threads=2, nvdec_sessions=2,
@@ -165,6 +171,7 @@ def test_gpu_and_cpu_ranks_together_equal_the_cpu_decode(tiny_h264, fake_gpus):
         result = mixed.decode_video(tiny_h264, fps=24)
         patches = mixed.decode_video(tiny_h264, fps=24, output="patches")
     assert fake_gpus["cuda:0"] and fake_gpus["cuda:1"]  # both GPU ranks decoded segments
+    assert batches and max(batches) == 3  # the GPU ranks' frames went in batches, equal to the CPU's one by one
     assert torch.equal(result.frames, reference.frames)
     assert torch.equal(patches.patches, flashcodec.patches.frames_to_patches(reference.frames)[0])
 

@@ -9,7 +9,7 @@ import pytest
 
 from flashcodec.decode.backends import Backend, SegmentDecoder, never
 from flashcodec.decode.scheduler import RankGroup, RankJob, RankScheduler, should_back_up, should_steal
-from flashcodec.plan.segments import GopTable, partition_contiguous, plan_distribution
+from flashcodec.plan.segments import GopTable, RankPlan, partition_contiguous, plan_distribution
 
 SLOTS = 2
 
@@ -293,3 +293,18 @@ def test_idle_slots_give_back_a_finished_requests_decoders():
         assert state["opened"] >= 2  # more than one slot took part
     finally:
         rank.shutdown()
+
+
+# --- batched emits ----------------------------------------------------------------------------------------------
+
+
+def test_a_backups_batch_emits_only_the_frames_not_emitted_yet():
+    singles, batches = [], []
+    job = RankJob(1, RankPlan(0, (), 0, ()), open_decoder=None,
+                  emit=lambda d, f: singles.append((d, f)), on_segment_done=None, on_finished=None,
+                  emit_many=lambda ds, fs: batches.append((list(ds), fs)))
+    job.emitter.many([4, 5], ["f4", "f5"])
+    job.emitter(6, "f6")
+    job.emitter.many([5, 6, 7], ["f5", "f6", "f7"])  # the other run of the segment: only frame 7 is new
+    job.emitter.many([4, 5], ["f4", "f5"])
+    assert batches == [([4, 5], ["f4", "f5"])] and singles == [(6, "f6"), (7, "f7")]

@@ -211,3 +211,41 @@ def test_a_corrupt_frame_ends_the_stream_with_the_error_after_the_frames_before_
                 parts.append(part)
         assert engine._streams == {} and engine._finished == {}
     assert parts[-1].stop == 9  # every frame before the lost one (the 10th), and nothing past it
+
+
+# --- batched emits (a GPU rank's chunk of frames in one copy) ----------------------------------------------------
+
+
+def _request(engine, source, frame_indices, stream):
+    analysis = engine.analyse_bitstream(source, frame_indices=frame_indices)
+    return analysis, _Request(analysis, "rgb", "error", None, None, lambda request: None, stream=stream)
+
+
+def _frames(displays, h, w):
+    return torch.stack([torch.full((h, w, 3), d, dtype=torch.uint8) for d in displays])  # frame d is all d
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_consecutive_rows_is_one_copy_and_streams_its_rows(tiny_h264, stream):
+    with DecodeEngine("pyav", num_threads=1) as engine:
+        analysis, request = _request(engine, tiny_h264, [0, 1, 2, 3, 4, 5], stream)
+    plan = analysis.plan
+    request.emit = lambda display, frame: pytest.fail("one by one for a batch of consecutive rows")
+    request.emit_many([0, 1, 2, 3], _frames([0, 1, 2, 3], plan.height, plan.width))
+    out = request.rank_outputs[0]
+    assert [int(out[row, 0, 0, 0]) for row in range(4)] == [0, 1, 2, 3]
+    assert request.produced == {0, 1, 2, 3}
+    assert request.num_ready == (4 if stream else 0)
+
+
+def test_a_batch_with_a_frame_sampled_twice_goes_one_by_one(tiny_h264):
+    with DecodeEngine("pyav", num_threads=1) as engine:
+        analysis, request = _request(engine, tiny_h264, [0, 1, 1, 2], stream=True)  # frame 1 fills rows 1 and 2
+    plan = analysis.plan
+    assert plan.ranks[0].frame_indices == (0, 1, 1, 2)
+    request.emit_many([1, 2], _frames([1, 2], plan.height, plan.width))
+    out = request.rank_outputs[0]
+    assert [int(out[row, 0, 0, 0]) for row in (1, 2, 3)] == [1, 1, 2]
+    assert request.num_ready == 0  # row 0 not written yet
+    request.emit_many([0], _frames([0], plan.height, plan.width))
+    assert request.num_ready == 4
