@@ -6,6 +6,8 @@ import pytest
 
 import flashcodec
 from flashcodec import NoFramesError, NotAVideoError, SourceNotFoundError, UnsupportedCodecError
+from flashcodec import _probe as probe_module
+from flashcodec._probe import probe
 
 TINY = dict(width=128, height=96, duration_s=2.0, fps=24.0, gop=12)
 
@@ -121,3 +123,42 @@ def test_unsupported_codec(tmp_path, video_factory):
     path.write_bytes(bytes(data))
     with pytest.raises(UnsupportedCodecError):
         flashcodec.probe(path)
+
+
+# --- the fast open: FFmpeg's stream-info pass decodes no picture ----------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", [
+    dict(codec="h264", bframes=2, suffix=".mp4"),
+    dict(codec="h264", pix_fmt="yuv444p", suffix=".mp4"),
+    dict(codec="h264", pix_fmt="yuv420p10le", suffix=".mkv"),
+    dict(codec="h264", rotation=90, suffix=".mp4"),
+    dict(codec="h264", vfr=True, suffix=".mkv"),
+    dict(codec="h264", bframes=2, suffix=".mov"),
+    dict(codec="hevc", bframes=2, suffix=".mp4"),
+    dict(codec="vp9", suffix=".webm"),
+    dict(codec="av1", suffix=".mkv"),
+    dict(codec="mpeg4", bframes=1, suffix=".avi"),
+])
+def test_the_fast_probe_reads_what_a_full_open_reads(video_factory, monkeypatch, spec):
+    path = video_factory(duration_s=1.0, **spec)
+    fast = probe(path)
+    monkeypatch.setattr(probe_module, "FAST_PROBE_OPTIONS", None)
+    full = probe(path)
+    assert fast.to_dict() == full.to_dict()
+    assert fast.pix_fmt == full.pix_fmt and fast.pix_fmt  # from the first keyframe when the fast pass left it out
+    assert (fast.decode_positions == full.decode_positions).all()
+
+
+def test_a_stream_the_fast_pass_cannot_size_is_opened_again(tiny_h264, monkeypatch):
+    opened = []
+    real_open = probe_module._open_container
+
+    def spy(source, options=None):
+        opened.append(options)
+        return real_open(source, options)
+
+    monkeypatch.setattr(probe_module, "_open_container", spy)
+    monkeypatch.setattr(probe_module, "_stream_known", lambda container: False)
+    assert probe(tiny_h264).num_frames == 48
+    assert opened == [probe_module.FAST_PROBE_OPTIONS, None]
