@@ -37,6 +37,7 @@ from flashcodec.source import Source
 log = logging.getLogger(__name__)
 
 Emit = Callable[[int, "np.ndarray | torch.Tensor"], None]
+ShouldStop = Callable[[], bool]
 
 
 def emit_many(emit: Emit, displays: list[int], frames: torch.Tensor) -> None:
@@ -50,7 +51,6 @@ def emit_many(emit: Emit, displays: list[int], frames: torch.Tensor) -> None:
         return
     for display, frame in zip(displays, frames):
         emit(display, frame)
-ShouldStop = Callable[[], bool]
 
 
 def never() -> bool:

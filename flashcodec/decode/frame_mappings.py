@@ -53,7 +53,9 @@ def use_parsed_mappings() -> bool:
     5 ms for a 4500-frame video on the development machine, against 1.6 ms for the rest of the open). A request
     opens one decoder per slot at the same moment, 14 per GPU, beside the slots already decoding, and in the
     third H100 run those opens took 0.19 s each (first decode 0.15 s into a 1.35 s request). Measured here with
-    14 threads opening at once: 14 ms per open with the parse, 3 ms without.
+    14 threads opening at once: 14 ms per open with the parse, 3 ms without. On the H100 (fourth run, 150-s
+    H.264) the 14 opens fell from 2.70 s in all to 1.43 s, the first decode from 0.146 s to 0.093 s; what is
+    left there is FFmpeg's stream-info decode of each H.264 open, which torchcodec gives no way to skip.
 
     How: torchcodec's public API takes the mappings only as JSON; its module-level parser
     (``torchcodec.decoders._video_decoder._read_custom_frame_mappings``, torchcodec 0.13-0.16) is wrapped so that

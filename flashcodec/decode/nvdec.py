@@ -24,8 +24,8 @@ decoders in a per-GPU LRU cache (default 20, reused for the same codec and size)
 sessions close, the next video of the same codec and size reuses every one of them. The rank's
 threads themselves live as long as the engine.
 
-Nothing here has been run on a GPU by the session that wrote it: the CPU tests cover the
-device-free logic, the ``cuda`` tests in tests/flashcodec/decode/test_nvdec_cuda.py cover the rest.
+Ran on an H100 (docs/gpu.md, issue 12's table): the CPU tests cover the device-free logic, the ``cuda`` tests in
+tests/flashcodec/decode/test_nvdec_cuda.py the rest.
 """
 
 from __future__ import annotations
