@@ -30,7 +30,7 @@ import torch
 
 from flashcodec.decode.frame_mappings import frame_mappings
 from flashcodec.plan.segments import GopSegment
-from flashcodec._probe import VideoInfo, per_probe
+from flashcodec._probe import SKIP_STREAM_INFO_DECODE, VideoInfo, per_probe
 from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode, resize_frames_uint8
 from flashcodec.source import Source
 
@@ -131,13 +131,11 @@ def convert_frame(frame: av.VideoFrame, height: int, width: int, resize: str = D
     return small[0].permute(1, 2, 0).numpy()  # [h, w, 3], contiguous
 
 
-#: Options for FFmpeg's stream-info pass when PyAV opens a video of this codec. For H.264 that pass decodes the
-#: first 7 or more pictures in software only to guess the reorder depth (``has_b_frames``): 164 ms per open of a
-#: 1080p clip on the development machine (0.4 ms for HEVC), about 0.1 s on the H100 machine's host, and a request
-#: opens one decoder per CPU thread at once. Told to skip every picture there, the pass only parses, and the
-#: depth comes from our own probe instead (:func:`reorder_depth`).
-FAST_OPEN_OPTIONS = {"h264": {"skip_frame": "all"}}
-_HAS_REORDER_DEPTH = hasattr(VideoCodecContext, "reorder_depth")  # PyAV >= 15
+#: ``av.open`` options per codec for a segment decoder's open (a request opens one per CPU thread at once): H.264's
+#: stream-info pass decodes no picture (:data:`flashcodec._probe.SKIP_STREAM_INFO_DECODE`), and the reorder depth
+#: it would have guessed comes from our probe (:func:`reorder_depth`). Other codecs' opens decode nothing already.
+FAST_OPEN_OPTIONS = {"h264": SKIP_STREAM_INFO_DECODE}
+_HAS_REORDER_DEPTH = hasattr(VideoCodecContext, "reorder_depth")  # the setter is not in every PyAV the pin allows
 
 
 @per_probe
