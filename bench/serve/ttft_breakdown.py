@@ -12,7 +12,11 @@ requests' TBT is reported for the quiet window and for the video request's encod
 decoding started, as a fraction of the decode time (the server's
 ``unifiedserve_request_first_encode_lag_seconds``: vision's decode start to the start of core's
 first encode step for the request, both stamped in the server), and the TTFT gained by streaming
-as a fraction of the decode time.
+as a fraction of the decode time. Each run also prints the request's timeline: seconds from its
+arrival to each milestone on the way to its first token (the server's
+``unifiedserve_request_milestone_seconds``: probed, decode start, added and admitted by core, its first
+rows of patches handed over by FlashCodec, written by vision and announced to core, all media ready,
+first encode step, first prefill chunk, first token), which says where a late first encode waits.
 
     python bench/serve/ttft_breakdown.py [--ingest both|streaming|whole] [--num-decoding 0] [--result-json out.json]
 """
@@ -35,6 +39,7 @@ sys.path.insert(0, str(ROOT / "datasets"))
 sys.path.insert(0, str(HERE))
 
 import synthetic_video  # noqa: E402
+from unifiedserve.server.metrics import MILESTONES  # noqa: E402
 from server_process import (ServerProcess, engine_counters, histogram_totals, iteration_summary,  # noqa: E402
                             run_main)
 
@@ -54,6 +59,36 @@ def stage_sums(metrics: dict[str, float]) -> dict[str, float]:
     if lag:
         out["first_encode_lag"] = lag[0]
     return out
+
+
+def milestone_sums(metrics: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """``(sum, count)`` of ``unifiedserve_request_milestone_seconds`` per milestone."""
+    return histogram_totals(metrics, "unifiedserve_request_milestone_seconds", "milestone")
+
+
+def timeline(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """The one request's milestones between two scrapes (seconds from its arrival), in :data:`MILESTONES`
+    order; a milestone it did not reach (or that more than one request reached meanwhile) is left out."""
+    out = {}
+    for name in MILESTONES:
+        (s1, c1), (s0, c0) = after.get(name, (0.0, 0.0)), before.get(name, (0.0, 0.0))
+        if round(c1 - c0) == 1:
+            out[name] = s1 - s0
+    return out
+
+
+def print_timelines(runs: dict[str, dict]) -> None:
+    """Milestones of each run side by side, with the step from the previous one."""
+    modes = list(runs)
+    print(f"\n{'timeline (s from arrival)':28}" + "".join(f"{m:>12}{'step':>8}" for m in modes))
+    last = {m: 0.0 for m in modes}
+    for name in MILESTONES:
+        row = f"{name:28}"
+        for m in modes:
+            at = runs[m]["timeline_s"].get(name)
+            row += f"{'n/a':>12}{'':>8}" if at is None else f"{at:>12.3f}{at - last[m]:>+8.3f}"
+            last[m] = last[m] if at is None else at
+        print(row)
 
 
 def main(argv=None) -> int:
@@ -91,6 +126,7 @@ def main(argv=None) -> int:
             print(f"{'stage ' + stage + ' s':28}{_fmt(s['stages_s'][stage]):>12}{_fmt(w['stages_s'][stage]):>12}")
         print(f"TTFT whole - streaming = {result['ttft_gain_s']:.2f} s = "
               f"{_fmt(result['ttft_gain_over_decode'])} x the decode time ({decode_s:.2f} s, whole run)")
+    print_timelines(results)
     print(json.dumps(result, indent=2))
     if args.result_json:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
@@ -132,6 +168,7 @@ def run_one(clip: Path, mode: str, args) -> dict:
         time.sleep(args.quiet_window)
         metrics = server.metrics()
         before, iterations_before = stage_sums(metrics), engine_counters(metrics)
+        milestones_before = milestone_sums(metrics)
         sent = time.perf_counter()
         stream = client.chat.completions.create(
             model=client.models.list().data[0].id, stream=True, max_tokens=16, temperature=0,
@@ -151,6 +188,7 @@ def run_one(clip: Path, mode: str, args) -> dict:
         stop.set()
         metrics = server.metrics()
         after, iterations = stage_sums(metrics), iteration_summary(iterations_before, engine_counters(metrics))
+        milestones = timeline(milestones_before, milestone_sums(metrics))
         for t in threads:
             t.join(30)
 
@@ -167,6 +205,8 @@ def run_one(clip: Path, mode: str, args) -> dict:
         "prompt_tokens": usage.prompt_tokens if usage else None,
         "ttft_s": first - sent, "e2e_s": done - sent,
         "stages_s": stages,
+        # seconds from the request's arrival to each milestone, stamped in the server (MILESTONES)
+        "timeline_s": milestones,
         "first_encode_after_decode_start_s": encode_after,
         "first_encode_over_decode": encode_after / stages["video_decode"] if encode_after is not None and stages["video_decode"]
         else None,

@@ -334,6 +334,33 @@ def test_engine_counters_and_iteration_summary():
     assert core["encode_tokens_per_iteration"] == pytest.approx(4096.0) and core["encode_s"] == pytest.approx(0.5)
 
 
+def test_ttft_breakdown_timeline_from_two_readings(capsys):
+    """ttft_breakdown's timeline: the one request's milestones between two /metrics readings, in the server's
+    order; one another request also reached (count 2) or none reached is left out."""
+    import ttft_breakdown as tb
+
+    def reading(**milestones):
+        out = {}
+        for name, (total, count) in milestones.items():
+            out[f'unifiedserve_request_milestone_seconds_sum{{milestone="{name}",model_name="m"}}'] = total
+            out[f'unifiedserve_request_milestone_seconds_count{{milestone="{name}",model_name="m"}}'] = count
+            out[f'unifiedserve_request_milestone_seconds_bucket{{le="+Inf",milestone="{name}",model_name="m"}}'] = count
+        return tb.milestone_sums(out)
+
+    before = reading(probed=(1.0, 4), first_token=(9.0, 4), added=(2.0, 4))
+    after = reading(probed=(1.1, 5), first_token=(12.5, 5), added=(2.4, 6), encode_start=(0.5, 1))
+    line = tb.timeline(before, after)
+    assert list(line) == ["probed", "encode_start", "first_token"]  # added: two requests; MILESTONES order
+    assert line["probed"] == pytest.approx(0.1) and line["first_token"] == pytest.approx(3.5)
+    tb.print_timelines({"streaming": {"timeline_s": line}, "whole": {"timeline_s": {"first_token": 4.0}}})
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == ["timeline", "(s", "from", "arrival)", "streaming", "step", "whole", "step"]
+    rows = {row.split()[0]: row.split()[1:] for row in out[2:]}
+    assert set(rows) == set(tb.MILESTONES)
+    assert rows["encode_start"] == ["0.500", "+0.400", "n/a"]
+    assert rows["first_token"] == ["3.500", "+3.000", "4.000", "+4.000"]
+
+
 # ---------------------------------------------------------------------------
 # bench_choices.py: its argument errors (a full run takes minutes: see docs/benchmarks.md)
 # ---------------------------------------------------------------------------

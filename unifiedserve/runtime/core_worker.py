@@ -115,6 +115,9 @@ class CoreWorker(Worker):
                 stages = self.stages[rid]
                 if message.decode_start and not (0 < stages.video_decode_start <= message.decode_start):
                     stages.video_decode_start = message.decode_start
+                if not stages.first_part_ready:  # the request's first rows: where streaming's head start goes
+                    stages.first_part_ready = time.time()
+                    stages.first_part_decoded, stages.first_part_written = message.decoded_at, message.written_at
                 if not was_whole and message.media_index in req.ready_media:  # now whole: its decode time
                     stages.video_decode_s += message.video_decode_s
                 if len(req.ready_media) == req.num_media:

@@ -58,6 +58,11 @@ class StageTimes(msgspec.Struct):
     media_ready: float = 0.0  # the last media's patches were written
     video_decode_s: float = 0.0  # video/image decoding time (vision, FlashCodec), summed over its media
     video_decode_start: float = 0.0  # vision started decoding its first media (0: no media decoded)
+    # the first MediaReady core received (the first streamed part, or a whole media): when FlashCodec handed
+    # vision its rows, when vision had written them into the pages, when core had the message
+    first_part_decoded: float = 0.0
+    first_part_written: float = 0.0
+    first_part_ready: float = 0.0
     encode_start: float = 0.0
     encode_end: float = 0.0
     prefill_start: float = 0.0
@@ -123,6 +128,8 @@ class MediaReady(msgspec.Struct, tag=True):
     video_decode_s: float  # seconds decoding this media: so far in a partial message, all of it in the final one
     num_rows: int | None = None  # rows written from the media's first row; None: the whole media (the last message)
     decode_start: float = 0.0  # when vision started decoding this media (time.time())
+    decoded_at: float = 0.0  # when FlashCodec handed vision the newest rows announced here (time.time())
+    written_at: float = 0.0  # when they had landed in the pages (time.time(), after the pool barrier)
 
 
 class ReleaseBlocks(msgspec.Struct, tag=True):

@@ -42,6 +42,7 @@ from flashcodec.devices import log_once
 from flashcodec.image import decode_image
 from flashcodec.image_batch import ImageBatchDecoder, nvjpeg_unavailable_reason
 from flashcodec.source import Source
+from unifiedserve import ops
 from unifiedserve.memory.buffers import PagedBuffer
 from unifiedserve.memory.pages import RaggedIndex
 from unifiedserve.model.processor import load_processor
@@ -166,6 +167,7 @@ class _Job:
     parts: dict[int, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
     decode_s: dict[int, float] = field(default_factory=dict)  # so far, for a video still streaming
     decode_start: dict[int, float] = field(default_factory=dict)  # time.time() its decode began, per media
+    decoded_at: dict[int, float] = field(default_factory=dict)  # time.time() FlashCodec handed over its newest rows
     rows_decoded: dict[int, int] = field(default_factory=dict)  # streamed videos: rows decoded so far
     rows_written: dict[int, int] = field(default_factory=dict)  # rows in the pages, per media
     written: set[int] = field(default_factory=set)  # media whose every row is written and announced
@@ -198,6 +200,10 @@ class VisionWorker(Worker):
         self.engine = DecodeEngine("auto", cfg.vision_threads or None,
                                    devices=decode_devices(cfg.vision_device, device), output_device=device)
         self._published = pool_barrier(device)
+        # the paged write's native op (csrc/), built or loaded now rather than inside the first request's first
+        # patch write: loading the built extension took 0.10-0.13 s on the 2-core CPU machine, on that request's
+        # way to its first encode step (the milestones first_part_decoded -> first_part_written)
+        ops.native_available()
         if device.type == "cuda":
             warm_gpu_kernels(self.spec, device, self.patch_buffer.dtype)
         image_gpu = image_decode_gpu(cfg.vision_device, device)
@@ -218,7 +224,7 @@ class VisionWorker(Worker):
         self.held_bytes = 0  # ahead of admission: videos' planned patches (decoding or decoded), images' decoded ones
         self.ahead_limit = int(cfg.vision_ahead_gb * 2**30)
         images = "cpu" if self.image_decoder is None else f"nvjpeg {image_gpu} + cpu threads"
-        return {"decoder": describe_decoders(self.engine), "image_decoder": images,
+        return {"decoder": describe_decoders(self.engine), "image_decoder": images, "patch_write": _write_op(device),
                 "patch_buffer": f"{storage.shape[0]} pages x {storage.shape[1]} rows x {storage.shape[2]} on {device}"}
 
     def has_work(self) -> bool:
@@ -336,18 +342,20 @@ class VisionWorker(Worker):
                 t, h, w = plans[index].grid_thw
                 self.waiting.append((job, index, analysis, t * h * w * row_bytes))
         elif kind == "decoded":
-            index, patches, decode_s = payload
+            index, patches, decode_s, decoded_at = payload
             if index not in job.skip:
                 job.patches[index] = patches
                 job.decode_s[index] = decode_s
+                job.decoded_at[index] = decoded_at
                 self._write_ready(job)
         elif kind == "part":
-            index, start, patches, decode_s, _ = payload
+            index, start, patches, decode_s, decoded_at, _ = payload
             if index not in job.skip:
                 assert start == job.rows_decoded.get(index, 0), f"media {index}: part at row {start} out of order"
                 job.parts.setdefault(index, []).append((start, patches))
                 job.rows_decoded[index] = start + patches.shape[0]
                 job.decode_s[index] = decode_s
+                job.decoded_at[index] = decoded_at
                 self._write_ready(job)
 
     def _started(self) -> None:
@@ -527,7 +535,7 @@ class VisionWorker(Worker):
         except Exception as e:  # corrupt data, unsupported stream: the client's media, not our crash
             self.events.put(("failed", job.request_id, f"media {index}: {_one_line(e, job.media[index])}", index))
             return
-        self.events.put(("decoded", job.request_id, index, decoded.patches, time.perf_counter() - start))
+        self.events.put(("decoded", job.request_id, index, decoded.patches, time.perf_counter() - start, time.time()))
 
     def _decode_streamed(self, job: _Job, index: int, analysis) -> None:
         """Decode a video as a FlashCodec stream: each new prefix of whole temporal slices becomes a "part"
@@ -537,7 +545,8 @@ class VisionWorker(Worker):
             self.engine.add_decoding_request(analysis.key_id, output="patches", patch_spec=self.spec, stream=True,
                                              patch_dtype=self.patch_buffer.dtype)
             for part in self.engine.stream_decoding_output(analysis.key_id):
-                self.events.put(("part", job.request_id, index, part.start, part.patches, part.decode_s, part.is_last))
+                self.events.put(("part", job.request_id, index, part.start, part.patches, part.decode_s, time.time(),
+                                 part.is_last))
                 ended = part.is_last
         except DecodeCancelledError:
             if not ended:
@@ -577,7 +586,8 @@ class VisionWorker(Worker):
             self._published()  # core reads the rows as soon as it hears of them: they must have landed
             self.send("core", protocol.MediaReady(job.request_id, index, job.decode_s.get(index, 0.0),
                                                   None if whole else job.rows_written[index],
-                                                  job.decode_start.get(index, 0.0)))
+                                                  job.decode_start.get(index, 0.0), job.decoded_at.get(index, 0.0),
+                                                  time.time()))
         if job.is_done:
             self.jobs.pop(job.request_id, None)
 
@@ -597,6 +607,16 @@ class VisionWorker(Worker):
             if getattr(self, "image_decoder", None) is not None:
                 self.image_decoder.close()
         super().close()
+
+
+def _write_op(device: torch.device) -> str:
+    """Which paged write the patch buffer gets: csrc's native op, or the torch reference and why."""
+    info = ops.build_info()
+    if not info.get("native"):
+        return f"torch reference ({info.get('reason') or 'native ops off'})"
+    if device.type == "cuda" and not info.get("cuda"):
+        return f"torch reference on CUDA ({info.get('cuda_reason') or 'no CUDA kernels built'})"
+    return f"native ({'built' if info.get('built') else 'loaded'} in {info.get('seconds', 0.0):.2f} s)"
 
 
 def _one_line(e: BaseException, ref: protocol.MediaRef | None = None) -> str:

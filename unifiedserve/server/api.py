@@ -428,6 +428,7 @@ class _Admitted:
     ids: list[int]  # expanded
     plans: list[protocol.MediaPlan]
     probe_s: float
+    probed_at: float  # time.time() the probe answered (0: no media)
     params: SamplingParams
     stop_ids: frozenset[int]
 
@@ -491,12 +492,13 @@ async def _admit(state: ServerState, body: SamplingRequest, request: Request, st
         RequestError: over the context (400), or vision's error.
         ValueError: a sampling parameter the engine refuses.
     """
-    probe_s = 0.0
+    probe_s = probed_at = 0.0
     plans: list[protocol.MediaPlan] = []
     if prompt.media:
         t0 = time.time()
         probed = await _wait(state.client.probe(stream, prompt.media), request)
-        plans, probe_s = probed.plans, time.time() - t0
+        probed_at = time.time()
+        plans, probe_s = probed.plans, probed_at - t0
     _check_visual_tokens(state, plans, len(prompt.ids), name)  # before expanding: a huge grid costs nothing yet
     ids = _expanded(state, prompt.ids, plans)
     prompt_len = len(ids)
@@ -522,7 +524,7 @@ async def _admit(state: ServerState, body: SamplingRequest, request: Request, st
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=_given(body.repetition_penalty, defaults.repetition_penalty, 1.0),
         min_p=_given(body.min_p, defaults.min_p, 0.0), logit_bias=body.logit_bias_pairs(), **response_format)
-    return _Admitted(index, request_id, stream, prompt, ids, plans, probe_s, params,
+    return _Admitted(index, request_id, stream, prompt, ids, plans, probe_s, probed_at, params,
                      params.stop_ids(state.eos_token_ids))
 
 
@@ -551,7 +553,8 @@ async def _start(state: ServerState, body: SamplingRequest, a: _Admitted, open_s
     first = await a.stream.queue.get()
     if isinstance(first, RequestError):
         raise first
-    common = dict(prompt_len=len(a.ids), arrival=arrival, probe_s=a.probe_s, response_id=response_id, shape=shape,
+    common = dict(prompt_len=len(a.ids), arrival=arrival, probe_s=a.probe_s, probed_at=a.probed_at,
+                  response_id=response_id, shape=shape,
                   echo=a.prompt.echo, prompt_index=a.index)
     gens = [_Generation(state, a.request_id, a.stream, a.params, a.stop_ids, index=base, first=first, **common)]
     # the other choices come once the first has its first token: the prompt's KV blocks (and the media's
@@ -721,7 +724,8 @@ class _Generation:
     batch; ``first``: the choice's first output, read before the response starts (each prompt's first choice)."""
 
     def __init__(self, state: ServerState, request_id: str, stream: RequestStream, params: SamplingParams,
-                 stop_ids: frozenset[int], prompt_len: int, arrival: float, probe_s: float, index: int = 0,
+                 stop_ids: frozenset[int], prompt_len: int, arrival: float, probe_s: float, probed_at: float = 0.0,
+                 index: int = 0,
                  response_id: str | None = None, first: protocol.TokenOutput | None = None, shape: _Shape = _CHAT,
                  echo: str = "", prompt_index: int = 0):
         self.state, self.request_id, self.stream, self.params = state, request_id, stream, params
@@ -731,7 +735,7 @@ class _Generation:
         self.index, self.response_id = index, response_id or request_id
         self._first = first  # already read from the stream (choice 0's, before the response starts)
         self.stop_ids = stop_ids
-        self.prompt_len, self.arrival, self.probe_s = prompt_len, arrival, probe_s
+        self.prompt_len, self.arrival, self.probe_s, self.probed_at = prompt_len, arrival, probe_s, probed_at
         self.output = text_output(state.processor, params)
         self.num_tokens = 0
         self.finish_reason: str | None = None
@@ -745,7 +749,7 @@ class _Generation:
         if out.index == 0:
             if self.leads:  # the prompt's first token; its other choices' prefill mostly hit the cache
                 metrics.ttft.observe(now - self.arrival)
-                self._stage_metrics(out.stages)
+                self._stage_metrics(out.stages, now)
         else:
             metrics.itl.observe(now - self.last_time)
         self.last_time = now
@@ -779,9 +783,18 @@ class _Generation:
 
         return {**piece(token_id, logprob), "top_logprobs": [piece(t, lp) for t, lp in top]}
 
-    def _stage_metrics(self, st: protocol.StageTimes | None) -> None:
+    def _stage_metrics(self, st: protocol.StageTimes | None, first_token: float) -> None:
         stage = self.state.metrics.stage
         stage["probe"].observe(self.probe_s)
+        times = {"probed": self.probed_at, "first_token": first_token}
+        if st is not None:
+            times.update(decode_start=st.video_decode_start, added=st.added, admitted=st.admitted,
+                         first_part_decoded=st.first_part_decoded, first_part_written=st.first_part_written,
+                         first_part_ready=st.first_part_ready, media_ready=st.media_ready,
+                         encode_start=st.encode_start, prefill_start=st.prefill_start)
+        for name, at in times.items():
+            if at:  # 0: never reached
+                self.state.metrics.milestone[name].observe(max(0.0, at - self.arrival))
         if st is None:
             return
         stage["video_decode"].observe(st.video_decode_s)

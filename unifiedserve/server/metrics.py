@@ -12,6 +12,10 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.
 
 STAGES = ("probe", "video_decode", "queue", "encode", "prefill")
 
+#: a request's way to its first token, in the order it usually goes (unifiedserve_request_milestone_seconds)
+MILESTONES = ("probed", "decode_start", "added", "admitted", "first_part_decoded", "first_part_written",
+              "first_part_ready", "media_ready", "encode_start", "prefill_start", "first_token")
+
 #: worker gauges exported as pool usage: (pool, used key, total key)
 _POOLS = (("kv_blocks", "kv_blocks_used", "kv_blocks_total"), ("patch_pages", "patch_pages_used", "patch_pages_total"),
           ("visual_pages", "visual_pages_used", "visual_pages_total"))
@@ -41,6 +45,17 @@ class Metrics:
             "(core): how long encoding waits on decoding. Streaming ingest keeps it near one temporal slice's "
             "decode; whole-video hand-off makes it at least the whole decode.",
             ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        milestone = Histogram(
+            "unifiedserve_request_milestone_seconds",
+            "Seconds from a request's arrival to each milestone on its way to its first token, each stamped by the "
+            "process that saw it (one host's wall clock): probed (api has the media's grids), decode_start (vision "
+            "began decoding its first video), added (core has the request), admitted (core gave it patch pages), "
+            "first_part_decoded / first_part_written / first_part_ready (its first rows of patches: FlashCodec "
+            "handed them to vision, vision had written them into the pages, core had the message), media_ready "
+            "(every media written), encode_start, prefill_start, first_token. A milestone the request never "
+            "reached (a text prompt's decode) is not observed.",
+            ["model_name", "milestone"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.milestone = {m: milestone.labels(milestone=m, **labels) for m in MILESTONES}
         self.requests = Counter("unifiedserve_requests", "Finished requests by finish reason.",
                                 ["model_name", "finish_reason"], registry=r)
         self.prompt_tokens = Counter("unifiedserve_prompt_tokens", "Prompt tokens (visual tokens included).",

@@ -277,6 +277,11 @@ def test_decoders_follow_the_patch_buffer(tmp_path, demo_model):
         assert not worker.engine.layout.gpus and worker.engine.output_device == cpu
         assert info["decoder"] == describe_decoders(worker.engine)
         assert info["decoder"].endswith("x 2 threads, output on cpu") and "nvdec" not in info["decoder"]
+        # the paged write's op is loaded at start-up, not by the first request's first write
+        from unifiedserve import ops
+
+        native = ops.build_info()["native"]
+        assert info["patch_write"].startswith("native (" if native else "torch reference (")
     finally:
         worker.close()
 

@@ -148,6 +148,42 @@ def test_metrics_count_the_engine_iterations(server, client, media):
     assert 0 < grew(("encode_seconds", "core")) <= grew(("busy_seconds", "core"))
 
 
+def test_milestones_give_a_video_requests_timeline(server, client, media):
+    """unifiedserve_request_milestone_seconds: one new video request reaches every milestone once, each stamped by
+    the process that saw it, in the order its way to the first token forces."""
+    _, files = media
+
+    def totals():
+        out = {}
+        for key, value in server.metrics().items():
+            name, _, labels = key.partition("{")
+            if name.startswith("unifiedserve_request_milestone_seconds_") and name.endswith(("_sum", "_count")):
+                milestone = re.search(r'milestone="([^"]*)"', labels).group(1)
+                out[(milestone, name.rsplit("_", 1)[1])] = value
+        return out
+
+    before = totals()
+    started = time.monotonic()
+    # fps 1.75: a sampling no earlier test asked for, so no cache serves it and the video is decoded again
+    client.chat.completions.create(model="demo-model", messages=video_message(files["video"], fps=1.75), **GREEDY)
+    ttft_bound = time.monotonic() - started
+    after = totals()
+    at = {}
+    for (milestone, field), value in after.items():
+        if field == "count":
+            assert value - before.get((milestone, "count"), 0) == 1, milestone  # this request, once
+            at[milestone] = after[(milestone, "sum")] - before.get((milestone, "sum"), 0)
+    assert set(at) == {"probed", "decode_start", "added", "admitted", "first_part_decoded", "first_part_written",
+                       "first_part_ready", "media_ready", "encode_start", "prefill_start", "first_token"}, at
+    assert all(0 <= t <= ttft_bound for t in at.values()), at
+    order = ["probed", "added", "admitted", "first_part_written", "first_part_ready", "encode_start", "first_token"]
+    assert [at[m] for m in order] == sorted(at[m] for m in order), sorted(at.items(), key=lambda kv: kv[1])
+    assert at["decode_start"] <= at["first_part_decoded"] <= at["first_part_written"], at
+    assert at["first_part_ready"] <= at["media_ready"] <= at["first_token"], at
+    # the text before the video is prefilled from the step that admits the request (stamped at its start)
+    assert at["added"] <= at["prefill_start"] <= at["first_token"], at
+
+
 def test_media_crosses_no_process_boundary(server, client, media):
     """Zero copies between stages, by count: a new video's patches (megabytes) are written by vision into
     the shared patch buffer and read there by core, its visual tokens and KV stay in the pools, and the
