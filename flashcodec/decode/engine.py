@@ -503,12 +503,17 @@ class DecodeEngine:
             with self._done:
                 self._streams[key_id] = request
         plan = analysis.plan
+        allowed, cpu = analysis.allowed_ranks, len(self.layout.gpus)
+        # GPUs alone take this video; should every one of them fail it (a session that cannot be created),
+        # the CPU rank decodes it rather than the request failing
+        fallback = frozenset({cpu}) if allowed is not None and self.layout.cpu_threads and cpu not in allowed \
+            else frozenset()
         for rank_plan, scheduler in zip(plan.ranks, self._ranks):
             scheduler.submit(RankJob(  # a rank that steals a segment opens the video on its own backend
                 key_id, rank_plan,
                 open_decoder=lambda b: b.open(analysis.source, analysis.info, plan.height, plan.width, resize=resize),
                 emit=request.emit, on_segment_done=request.segment_done, on_finished=request.rank_finished,
-                allowed_ranks=analysis.allowed_ranks, trace=request.trace, emit_many=request.emit_many,
+                allowed_ranks=allowed, trace=request.trace, emit_many=request.emit_many, fallback_ranks=fallback,
             ))
 
     def cancel(self, key_id: int) -> bool:

@@ -18,7 +18,10 @@ left to take, a dry slot *backs up* a segment another rank is still decoding, if
 much sooner than that rank is expected to (:func:`should_back_up`): both decode it, each frame is
 written by whichever run emits it first, the first run to end completes the segment and the other
 stops at its next packet. So a segment that a slow rank holds (its speed misjudged, or its core
-taken by another process) cannot hold the request. All ranks of an engine share one lock
+taken by another process) cannot hold the request. A rank that fails a request (an NVDEC session that
+cannot be created, a decoder that raises) hands the segment back when another rank may decode the
+request: the failing rank takes no more of it, and the others take the segment and the rest of its
+lanes (:meth:`RankScheduler._hand_over`); the request fails only when no rank is left. All ranks of an engine share one lock
 (:class:`RankGroup`); segments take milliseconds, so it is not contended.
 """
 
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from flashcodec.decode.backends import Backend, SegmentDecoder
+from flashcodec.devices import log_once
 from flashcodec.plan.segments import GopSegment, RankPlan
 
 log = logging.getLogger(__name__)
@@ -126,7 +130,9 @@ class RankJob:
 
     ``open_decoder(backend)`` opens a segment decoder for this request on ``backend`` (the
     owner rank's, or a thief rank's); ``allowed_ranks`` names the ranks that may decode this
-    request's segments (``None``: any), e.g. only CPU ranks for a video NVDEC cannot decode.
+    request's segments (``None``: any), e.g. only CPU ranks for a video NVDEC cannot decode;
+    ``fallback_ranks`` those that take it only once every allowed rank has failed it (the CPU rank of an
+    engine whose GPUs alone take the video).
     ``trace``: ``(t0, events)``, a ``time.perf_counter()`` origin and a list every slot appends its
     :class:`SlotEvent` to (the request's ranks share one), or None (no tracing).
     """
@@ -136,7 +142,8 @@ class RankJob:
                  on_finished: Callable[["RankJob", BaseException | None], None],
                  allowed_ranks: frozenset[int] | None = None,
                  trace: tuple[float, list[SlotEvent]] | None = None,
-                 emit_many: Callable[[list[int], object], None] | None = None):
+                 emit_many: Callable[[list[int], object], None] | None = None,
+                 fallback_ranks: frozenset[int] = frozenset()):
         self.key_id = key_id
         self.plan = plan
         self.open_decoder = open_decoder
@@ -145,6 +152,8 @@ class RankJob:
         self.on_segment_done = on_segment_done
         self.on_finished = on_finished
         self.allowed_ranks = allowed_ranks
+        self.fallback_ranks = fallback_ranks
+        self.excluded: set[int] = set()  # ranks that failed this request: they take none of its segments any more
         self.trace = trace
         self.running: dict[GopSegment, _Run] = {}  # segments a slot is decoding and no run has ended
         self.ended: set[GopSegment] = set()  # segments a run has completed
@@ -195,7 +204,16 @@ class RankJob:
         return 0 if self.cancelled else sum(s.cost for lane in self.lanes for s in lane)
 
     def can_run_on(self, rank_index: int) -> bool:
-        return self.allowed_ranks is None or rank_index in self.allowed_ranks
+        if rank_index in self.excluded:
+            return False
+        if self.allowed_ranks is None or rank_index in self.allowed_ranks:
+            return True
+        return rank_index in self.fallback_ranks and self.allowed_ranks <= self.excluded
+
+    def give_back(self, segment: GopSegment) -> None:
+        """Queue a segment again, in a lane of its own that no slot holds (a failed rank's run of it)."""
+        self.lanes.append(deque([segment]))
+        self.lane_owner.append(None)
 
     def take(self, slot: int) -> GopSegment | None:
         """Next segment for ``slot``: own lane, else an unclaimed lane, else steal the largest tail."""
@@ -328,12 +346,12 @@ class RankScheduler:
 
     def _next(self, slot: int, current: RankJob | None) -> tuple[RankJob, GopSegment, bool] | None:
         """The slot's next segment and whether it backs up another slot's run (call with the lock held)."""
-        if current is not None and current.owner is self and current in self._jobs:
+        if current is not None and current.owner is self and current in self._jobs and current.can_run_on(self.index):
             segment = current.take(slot)
             if segment is not None:
                 return current, segment, False
         for job in self._jobs:  # oldest request first
-            segment = job.take(slot)
+            segment = job.take(slot) if job.can_run_on(self.index) else None
             if segment is not None:
                 return job, segment, False
         stolen = self._steal()
@@ -382,10 +400,26 @@ class RankScheduler:
             backlog = victim.pending_cost()
             for job in victim._jobs:
                 segment = job.peek_tail() if job.can_run_on(self.index) else None
-                if segment is not None and should_steal(segment.cost, self.slot_speed, backlog, victim.speed):
+                # a victim that failed this request decodes none of it: its segments go whatever the speeds
+                if segment is not None and (not job.can_run_on(victim.index)
+                                            or should_steal(segment.cost, self.slot_speed, backlog, victim.speed)):
                     self.num_stolen += 1
                     return job, job._pop_largest_tail()
         return None
+
+    def _hand_over(self, job: RankJob, segment: GopSegment, error: Exception) -> bool:
+        """This rank failed ``segment`` of ``job``: if another rank may decode the request, queue the segment again
+        for it, and take none of the request here any more. False (the request fails) when no rank is left.
+        Call with ``cond`` held."""
+        job.excluded.add(self.index)  # (a fallback rank may take the request only once this one is out)
+        if job.cancelled or not any(job.can_run_on(rank.index) for rank in self.group.ranks):
+            job.excluded.discard(self.index)
+            return False
+        job.running.pop(segment, None)
+        job.give_back(segment)
+        log_once(f"{self.name} failed a video ({type(error).__name__}: {error}); the other ranks decode it")
+        self._cond.notify_all()  # idle slots of the other ranks: there is work for them now
+        return True
 
     def _record(self, job: RankJob, slot: int, kind: str, began: float, segment: GopSegment, backup: bool) -> None:
         if job.trace is not None:
@@ -452,6 +486,9 @@ class RankScheduler:
             with self._cond:
                 if error is not None and (backup or segment in job.ended):
                     error = None  # one run of a backed-up segment failed: the other one stands for it
+                    completes = False
+                elif isinstance(error, Exception) and self._hand_over(job, segment, error):
+                    error = None  # another rank decodes it
                     completes = False
                 else:
                     completes = error is None and segment not in job.ended

@@ -190,6 +190,30 @@ def test_what_nvdec_cannot_decode_goes_to_the_cpu_with_one_log_line(tiny_av1, ti
     assert h264.plan.ranks[-1].cost == 0 and h264.allowed_ranks == frozenset({0, 1})
 
 
+@pytest.mark.parametrize("broken", [("cuda:0",), ("cuda:0", "cuda:1")], ids=["one-gpu", "every-gpu"])
+def test_a_gpu_that_cannot_open_the_video_leaves_it_to_the_others(tiny_h264, fake_gpus, monkeypatch, broken):
+    """NVDEC sessions that cannot be created (another process holds them all, say): with "cuda" the GPUs alone
+    take H.264, so a broken GPU's segments go to the other GPU, and once every GPU has failed, to the CPU rank;
+    the frames equal the CPU decode either way."""
+    real_open = FakeNvdecBackend.open
+
+    def open_or_fail(self, *args, **kwargs):
+        if self.device in broken:
+            raise RuntimeError(f"{self.device}: no NVDEC session available")
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(FakeNvdecBackend, "open", open_or_fail)
+    with flashcodec.DecodeEngine("pyav", num_threads=2) as cpu:
+        reference = cpu.decode_video(tiny_h264, fps=24)
+    with flashcodec.DecodeEngine("pyav", devices="cuda", cpu_threads=2, nvdec_sessions=2, output_device="cpu") as engine:
+        analysis = engine.analyse_bitstream(tiny_h264, fps=24)
+        assert analysis.allowed_ranks == frozenset({0, 1})
+        engine.cancel(analysis.key_id)
+        result = engine.decode_video(tiny_h264, fps=24)
+    assert torch.equal(result.frames, reference.frames)
+    assert not fake_gpus["cuda:0"] and bool(fake_gpus["cuda:1"]) == (len(broken) == 1)
+
+
 def test_no_rank_for_a_video_is_a_clear_error(tiny_av1, fake_gpus):
     with flashcodec.DecodeEngine("pyav", devices="cuda:0", cpu_threads=0, output_device="cpu") as engine:
         with pytest.raises(DeviceError, match="NVDEC cannot decode this video .* no CPU rank"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -204,6 +205,105 @@ def test_a_failed_backup_leaves_the_request_to_the_run_it_backed_up():
         group.shutdown()
     assert sorted(d for d, _ in collector.decoded) == TARGETS[:4]
     assert gpu.num_backups >= 1 and all(device == "cpu" for _, device in collector.decoded)
+
+
+class BreakingDecoder(SleepDecoder):
+    """Emits a segment's first target, then raises: a decoder that fails part-way through."""
+
+    def decode_segment(self, segment, emit, should_stop=never):
+        emit(segment.target_indices[0], self.backend.device)
+        raise RuntimeError("the hardware decoder went away")
+
+
+class BreakingBackend(SleepBackend):
+    def open(self, source, info, height, width, resize="exact"):
+        return BreakingDecoder(self)
+
+
+def failing_ranks(gpu_backend, cpu_spf=0.0002):
+    """A fast fake GPU rank on ``gpu_backend`` (it gets most of the plan), then a slower working CPU rank."""
+    group = RankGroup()
+    RankScheduler(gpu_backend, SLOTS, gpu_backend.device, speed=SLOTS / 0.00005, group=group)
+    RankScheduler(SleepBackend("cpu", cpu_spf), SLOTS, "cpu", speed=SLOTS / cpu_spf, group=group)
+    return group
+
+
+def submit_with(group, plans, **job_options):
+    collector = Collector(len(plans))
+    for plan, rank in zip(plans, group.ranks):
+        rank.submit(RankJob(1, plan, open_decoder=lambda backend: backend.open(None, None, 0, 0), emit=collector.emit,
+                            on_segment_done=lambda s, f: None, on_finished=collector.finished, **job_options))
+    assert collector.done.wait(10), "a rank stalled"
+    return collector
+
+
+@pytest.mark.parametrize("gpu_backend", [FailingBackend("cuda:0", 0.00005), BreakingBackend("cuda:0", 0.00005)],
+                         ids=["cannot-open", "fails-mid-segment"])
+def test_a_rank_that_fails_a_request_hands_it_to_the_other_ranks(gpu_backend, caplog, monkeypatch):
+    """The GPU rank holds most of the plan and fails every segment it starts (at the open, or after emitting a
+    frame): its segments, queued and failed, go to the CPU rank, each frame is emitted once, the request
+    succeeds, and one warning says why."""
+    from flashcodec import devices
+
+    monkeypatch.setattr(devices, "_logged", set())  # (log_once: another test may have logged the same line)
+    group = failing_ranks(gpu_backend)
+    plans = plan_distribution(TARGETS, TABLE, num_ranks=2, decoders_per_rank=SLOTS,
+                              rank_speeds=[r.speed for r in group.ranks])
+    assert plans[0].cost > plans[1].cost > 0
+    try:
+        with caplog.at_level(logging.WARNING, logger="flashcodec.devices"):
+            collector = submit_with(group, plans)
+    finally:
+        group.shutdown()
+    assert not collector.errors
+    displays = [d for d, _ in collector.decoded]
+    assert sorted(displays) == TARGETS  # every target exactly once
+    gpu_frames = {d for d, device in collector.decoded if device == "cuda:0"}
+    assert len(gpu_frames) <= SLOTS and all(d in TARGETS for d in gpu_frames)  # at most its first segments' heads
+    assert [r.getMessage() for r in caplog.records] == [
+        "flashcodec: cuda:0 failed a video (RuntimeError: "
+        + ("this rank cannot open the video" if isinstance(gpu_backend, FailingBackend)
+           else "the hardware decoder went away") + "); the other ranks decode it"]
+
+
+def test_a_request_fails_when_every_rank_that_may_take_it_failed_it():
+    group = RankGroup()
+    for device in ("cuda:0", "cpu"):
+        RankScheduler(FailingBackend(device, 0.0001), SLOTS, device, speed=SLOTS / 0.0001, group=group)
+    plans = plan_distribution(TARGETS, TABLE, num_ranks=2, decoders_per_rank=SLOTS)
+    try:
+        collector = submit_with(group, plans)
+    finally:
+        group.shutdown()
+    assert collector.errors and all(str(e) == "this rank cannot open the video" for e in collector.errors)
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+def test_the_cpu_rank_takes_a_gpu_only_video_once_every_gpu_failed_it(fallback):
+    """allowed_ranks {GPU}: the CPU rank decodes none of it while the GPU may; fallback_ranks {CPU}: it takes the
+    request once the GPU has failed it; without, the request fails."""
+    group = failing_ranks(FailingBackend("cuda:0", 0.00005))
+    plans = plan_distribution(TARGETS, TABLE, num_ranks=2, decoders_per_rank=SLOTS, rank_speeds=[1, 0])
+    try:
+        collector = submit_with(group, plans, allowed_ranks=frozenset({0}),
+                                fallback_ranks=frozenset({1}) if fallback else frozenset())
+    finally:
+        group.shutdown()
+    if fallback:
+        assert not collector.errors and sorted(d for d, _ in collector.decoded) == TARGETS
+        assert {device for _, device in collector.decoded} == {"cpu"}
+    else:
+        assert collector.errors and not collector.decoded
+
+
+def test_a_fallback_rank_waits_while_an_allowed_rank_works():
+    job = RankJob(1, RankPlan(0, (), 0, ()), open_decoder=None, emit=None, on_segment_done=None, on_finished=None,
+                  allowed_ranks=frozenset({0, 1}), fallback_ranks=frozenset({2}))
+    assert job.can_run_on(0) and job.can_run_on(1) and not job.can_run_on(2)
+    job.excluded.add(0)
+    assert not job.can_run_on(0) and job.can_run_on(1) and not job.can_run_on(2)
+    job.excluded.add(1)
+    assert job.can_run_on(2) and not job.can_run_on(3)
 
 
 def test_a_rank_not_allowed_for_a_video_never_decodes_it():
