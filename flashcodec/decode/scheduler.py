@@ -18,11 +18,12 @@ left to take, a dry slot *backs up* a segment another rank is still decoding, if
 much sooner than that rank is expected to (:func:`should_back_up`): both decode it, each frame is
 written by whichever run emits it first, the first run to end completes the segment and the other
 stops at its next packet. So a segment that a slow rank holds (its speed misjudged, or its core
-taken by another process) cannot hold the request. A rank that fails a request (an NVDEC session that
-cannot be created, a decoder that raises) hands the segment back when another rank may decode the
-request: the failing rank takes no more of it, and the others take the segment and the rest of its
-lanes (:meth:`RankScheduler._hand_over`); the request fails only when no rank is left. All ranks of an engine share one lock
-(:class:`RankGroup`); segments take milliseconds, so it is not contended.
+taken by another process) cannot hold the request. A rank that fails a request (an NVDEC session
+that cannot be created, a decoder that raises) hands the segment back when another rank may decode
+the request: the failing rank takes no more of it, and the others take the segment and the rest of
+its lanes (:meth:`RankScheduler._hand_over`); the request fails only when no rank is left. All
+ranks of an engine share one lock (:class:`RankGroup`); segments take milliseconds, so it is not
+contended.
 """
 
 from __future__ import annotations
@@ -346,7 +347,8 @@ class RankScheduler:
 
     def _next(self, slot: int, current: RankJob | None) -> tuple[RankJob, GopSegment, bool] | None:
         """The slot's next segment and whether it backs up another slot's run (call with the lock held)."""
-        if current is not None and current.owner is self and current in self._jobs and current.can_run_on(self.index):
+        own = current is not None and current.owner is self and current in self._jobs
+        if own and current.can_run_on(self.index):
             segment = current.take(slot)
             if segment is not None:
                 return current, segment, False

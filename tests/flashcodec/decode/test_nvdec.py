@@ -205,7 +205,8 @@ def test_a_gpu_that_cannot_open_the_video_leaves_it_to_the_others(tiny_h264, fak
     monkeypatch.setattr(FakeNvdecBackend, "open", open_or_fail)
     with flashcodec.DecodeEngine("pyav", num_threads=2) as cpu:
         reference = cpu.decode_video(tiny_h264, fps=24)
-    with flashcodec.DecodeEngine("pyav", devices="cuda", cpu_threads=2, nvdec_sessions=2, output_device="cpu") as engine:
+    with flashcodec.DecodeEngine("pyav", devices="cuda", cpu_threads=2, nvdec_sessions=2,
+                                 output_device="cpu") as engine:
         analysis = engine.analyse_bitstream(tiny_h264, fps=24)
         assert analysis.allowed_ranks == frozenset({0, 1})
         engine.cancel(analysis.key_id)
