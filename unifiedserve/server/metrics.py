@@ -32,20 +32,25 @@ class Metrics:
                              ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
         self.e2e = Histogram("unifiedserve_e2e_request_latency_seconds", "Request latency, arrival to last token.",
                              ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
-        stage = Histogram("unifiedserve_request_stage_seconds",
-                          "Time a request spent in each stage before its first token: probe (api sends the media "
-                          "to vision .. grids known), video_decode (frames decoded and patches written), queue (waiting "
-                          "for patch pages), encode (first .. last vision-encoder step), prefill (first .. last "
-                          "prefill chunk). Stages may overlap.",
-                          ["model_name", "stage"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.stage = {s: stage.labels(stage=s, **labels) for s in STAGES}
+
+        def latencies(name: str, doc: str, label: str, values) -> dict[str, Histogram]:
+            """A latency histogram per value of ``label``."""
+            family = Histogram(name, doc, ["model_name", label], buckets=_LATENCY_BUCKETS, registry=r)
+            return {v: family.labels(**{label: v}, **labels) for v in values}
+
+        self.stage = latencies(
+            "unifiedserve_request_stage_seconds",
+            "Time a request spent in each stage before its first token: probe (api sends the media to vision .. "
+            "grids known), video_decode (frames decoded and patches written), queue (waiting for patch pages), "
+            "encode (first .. last vision-encoder step), prefill (first .. last prefill chunk). Stages may overlap.",
+            "stage", STAGES)
         self.first_encode_lag = Histogram(
             "unifiedserve_request_first_encode_lag_seconds",
             "From the start of a request's media decoding (vision) to the start of its first vision-encoder step "
             "(core): how long encoding waits on decoding. Streaming ingest keeps it near one temporal slice's "
             "decode; whole-video hand-off makes it at least the whole decode.",
             ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
-        milestone = Histogram(
+        self.milestone = latencies(
             "unifiedserve_request_milestone_seconds",
             "Seconds from a request's arrival to each milestone on its way to its first token, each stamped by the "
             "process that saw it (one host's wall clock): probed (api has the media's grids), decode_start (vision "
@@ -54,8 +59,7 @@ class Metrics:
             "handed them to vision, vision had written them into the pages, core had the message), media_ready "
             "(every media written), encode_start, prefill_start, first_token. A milestone the request never "
             "reached (a text prompt's decode) is not observed.",
-            ["model_name", "milestone"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.milestone = {m: milestone.labels(milestone=m, **labels) for m in MILESTONES}
+            "milestone", MILESTONES)
         self.requests = Counter("unifiedserve_requests", "Finished requests by finish reason.",
                                 ["model_name", "finish_reason"], registry=r)
         self.prompt_tokens = Counter("unifiedserve_prompt_tokens", "Prompt tokens (visual tokens included).",
