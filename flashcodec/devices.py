@@ -350,6 +350,11 @@ class RankLayout:
                               "give it cpu_threads > 0")
         return speeds, frozenset(allowed), reason
 
+    def fallback_ranks(self, allowed: frozenset[int] | None) -> frozenset[int]:
+        """Ranks that take a video only once every rank in ``allowed`` (:meth:`shares`; None: all) has failed it
+        (a session that cannot be created): the CPU rank, when the GPUs alone take the video."""
+        cpu = len(self.gpus)
+        return frozenset({cpu}) if allowed is not None and self.cpu_threads and cpu not in allowed else frozenset()
 
     def slot_speeds(self, speeds: Sequence[float], nvdec_engines: Callable[[int], int | None]) -> list[float]:
         """One decoder slot's speed per rank while it runs, for the planner's finish times.

@@ -503,11 +503,8 @@ class DecodeEngine:
             with self._done:
                 self._streams[key_id] = request
         plan = analysis.plan
-        allowed, cpu = analysis.allowed_ranks, len(self.layout.gpus)
-        # GPUs alone take this video; should every one of them fail it (a session that cannot be created),
-        # the CPU rank decodes it rather than the request failing
-        fallback = frozenset({cpu}) if allowed is not None and self.layout.cpu_threads and cpu not in allowed \
-            else frozenset()
+        allowed = analysis.allowed_ranks
+        fallback = self.layout.fallback_ranks(allowed)  # the CPU rank, should every GPU that takes the video fail it
         for rank_plan, scheduler in zip(plan.ranks, self._ranks):
             scheduler.submit(RankJob(  # a rank that steals a segment opens the video on its own backend
                 key_id, rank_plan,
