@@ -29,7 +29,55 @@ def import_triton():
         import triton.language as tl
     except Exception:  # not installed, or a broken install: the torch paths serve
         return None
+    _interpreter_loop_bounds()
     return triton, tl
+
+
+def _interpreter_loop_bounds() -> None:
+    """Two mends to Triton's interpreter (3.6), which the CPU tests run the kernels under. Compiled kernels are
+    untouched: both act only inside the interpreter's launches.
+
+    - A loop bounded by a runtime scalar (``for i in range(tl.cdiv(K, BLOCK))``): the interpreter holds every
+      scalar as a one-element numpy array and converts it for ``range`` with ``int(array)``, which numpy 2.4 no
+      longer allows for arrays of one dimension (TypeError). Its per-launch patch of ``tl.tensor`` is wrapped so
+      that the conversion takes the element.
+    - ``tl.dot`` of bfloat16 tiles: the interpreter stores bfloat16 as its uint16 bits and multiplied those
+      bits as integers. Such tiles are now widened to float32 first (exact: bfloat16 is float32's top half).
+    """
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except Exception:
+        return
+    patch = getattr(interpreter, "_patch_lang", None)
+    if patch is None or getattr(patch, "_flashcodec_loop_bounds", False):
+        return
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    dot = getattr(builder, "create_dot", None)
+    if dot is not None:
+        import triton.language as tl
+
+        def widened(handle):
+            if handle.dtype.scalar == tl.bfloat16:
+                bits = handle.data.astype(np.uint32) << 16
+                return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+            return handle
+
+        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+            return dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+        builder.create_dot = create_dot
+
+    def patched(fn):
+        scope = patch(fn)
+        if hasattr(scope, "set_attr"):
+            import triton.language as tl
+
+            scope.set_attr(tl.core.tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        return scope
+
+    patched._flashcodec_loop_bounds = True
+    interpreter._patch_lang = patched
 
 
 def triton_usable(device: torch.device | str) -> bool:

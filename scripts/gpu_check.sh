@@ -18,7 +18,8 @@
 #              whole server on the GPU with the demo model (its own step), the MPS launcher test,
 #              bench/kernels (paged copy, fused layer ops)
 #   engine     (attention's wheels) bench/engine on the 7B preset (decode timed sync and with async scheduling,
-#              and split into graph replay and host time), then its decode with the fused ops off
+#              and split into graph replay and host time; the skinny decode GEMMs' start-up timing against cuBLAS),
+#              then its decode on cuBLAS alone, then with the fused ops off
 #   serve      (attention's wheels) the multi-process server on the GPU, under a private MPS daemon: one long video's
 #              TTFT breakdown (streaming vs whole ingest) with 4 requests decoding, on the 7B preset; then
 #              an injected CUDA fault under serve-node.sh's MPS and its restart
@@ -241,10 +242,17 @@ attention)
   run 40 bench-fused-ops python3 bench/kernels/bench_fused_ops.py --device cuda --quick --out "$out/bench_fused_ops.json"
   ;;
 engine)
+  step "the skinny decode GEMM against cuBLAS (its cuda tests: every config on the 7B's shapes, graph replay)"
+  run 90 pytest-cuda-skinny python3 -m pytest -v --timeout=80 -m cuda -p no:cacheprovider \
+    --junitxml="$out/pytest-cuda-skinny.xml" tests/unifiedserve/ops/test_skinny.py
   prepare_7b
   step "bench/engine on the 7B preset (issue 13's decode, prefill and ViT numbers)"
   run 270 bench-engine python3 bench/engine/bench_engine.py --model /tmp/qwen2.5-vl-7b --device cuda --short \
     --async-scheduling both --penalties --out "$out/bench_engine.json"
+  step "the same decode steps on cuBLAS alone (what the skinny decode GEMMs buy inside the CUDA graphs)"
+  UNIFIEDSERVE_SKINNY_GEMM=0 run 150 bench-engine-cublas python3 bench/engine/bench_engine.py \
+    --model /tmp/qwen2.5-vl-7b --device cuda --short --batches 1,8 --parts decode --agreement-steps 0 \
+    --out "$out/bench_engine_cublas.json"
   step "the same decode steps with the fused layer ops off (what the fusion buys inside the CUDA graphs)"
   UNIFIEDSERVE_NO_FUSED_OPS=1 run 200 bench-engine-unfused python3 bench/engine/bench_engine.py \
     --model /tmp/qwen2.5-vl-7b --device cuda --short --batches 1,8 --parts decode --agreement-steps 0 \

@@ -138,6 +138,7 @@ def main(argv=None) -> int:
     from unifiedserve.engine.device import DTYPES, resolve_device, resolve_dtype
     from unifiedserve.engine.runner import forward_tokens
     from unifiedserve.model.demo import write_demo_model
+    from unifiedserve.ops import skinny
 
     try:
         device_name = resolve_device(args.device)
@@ -249,7 +250,10 @@ def main(argv=None) -> int:
     peak, peak_source = em.peak_tflops(device, dtype_name, args.peak_tflops)
     results["device"] = {"copy_bandwidth_GBps": bandwidth / 1e9, "peak_tflops": peak, "peak_source": peak_source,
                          "cuda_graphs": runner.graphs is not None,
-                         "attention_backend": type(runner.attn).__name__}
+                         "attention_backend": type(runner.attn).__name__,
+                         # cuBLAS vs the skinny kernel per projection and decode row count, timed at start-up
+                         "skinny_gemm": [c.as_dict() for c in skinny.table()],
+                         "skinny_gemm_enabled": skinny.enabled()}
     save()
 
     # -- decode --------------------------------------------------------------------------------
@@ -505,6 +509,10 @@ def _print(results: dict, device: str, dtype: str) -> None:
     d = results["device"]
     print(f"{device}, {dtype}, {d['attention_backend']}, CUDA graphs: {d['cuda_graphs']}; copy bandwidth "
           f"{d['copy_bandwidth_GBps']:.0f} GB/s; peak {d['peak_tflops']} TFLOP/s ({d['peak_source']})")
+    for c in d.get("skinny_gemm", []):  # what start-up timed, per projection and decode row count
+        best = "-" if c["skinny_us"] is None else f"{c['skinny_us']:.1f} us ({c['config'] or 'not chosen'})"
+        print(f"GEMM {c['kind']:<18} [{c['n']}x{c['k']}] rows {c['rows']:>2}: cuBLAS {c['cublas_us']:.1f} us, "
+              f"skinny {best}")
     c = results["correctness"]
     print(f"correctness: greedy agreement {c['greedy_agreement']:.3f}, prefill logits cosine "
           f"{c['prefill_logits_cosine']:.5f}, vision cosine {c['vision_cosine']:.5f}")

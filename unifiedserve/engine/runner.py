@@ -242,12 +242,33 @@ class ModelRunner:
             warm_vision(self.model.config.vision, self.device, self.dtype)
         if max_cuda_graph_batch is None:
             return
-        if self.attn.supports_cuda_graph:
-            from unifiedserve.engine.device import graph_batch_sizes
+        from unifiedserve.engine.device import graph_batch_sizes
 
-            self.capture_decode_graphs(graph_batch_sizes(max_cuda_graph_batch))
+        sizes = graph_batch_sizes(max_cuda_graph_batch)
+        self.tune_decode_gemms(sizes)  # before the capture: the graphs record the kernels it chose
+        if self.attn.supports_cuda_graph:
+            self.capture_decode_graphs(sizes)
         else:
             log.info("decode runs eagerly: %s cannot capture CUDA graphs", type(self.attn).__name__)
+
+    def tune_decode_gemms(self, batch_sizes) -> list:
+        """Time the decoder's GEMMs at the decode batch sizes up to 16: cuBLAS against the skinny kernel
+        (:mod:`unifiedserve.ops.skinny`), on this model's weights; later steps take whichever was faster per
+        shape. CUDA with bfloat16/float16 weights only (else nothing is tuned). Returns the measurements."""
+        from unifiedserve.ops import skinny
+
+        if self.device.type != "cuda" or self.dtype not in (torch.bfloat16, torch.float16) or not skinny.enabled():
+            return []
+        if skinny.import_triton() is None:
+            log.info("decode GEMMs stay on cuBLAS: Triton does not import")
+            return []
+        start = time.perf_counter()
+        with torch.inference_mode():
+            results = skinny.tune(self.model.language_model.skinny_groups(), batch_sizes,
+                                  silu_and_mul=ops.silu_and_mul)
+        if results:
+            log.info("decode GEMMs tuned in %.1f s: %s", time.perf_counter() - start, skinny.summary(results))
+        return results
 
     def capture_decode_graphs(self, batch_sizes, max_seq_len: int | None = None) -> None:
         """Capture decode steps as CUDA graphs at these batch sizes (start-up only: no request may be running).

@@ -6,7 +6,10 @@ and attends over every sequence's cached prefix. Positions are M-RoPE positions 
 (temporal, height, width), see :mod:`unifiedserve.model.rope`.
 
 Two visible performance choices: Q/K/V are one fused projection (``qkv_proj``) and gate/up are one
-fused projection (``gate_up_proj``); the loader concatenates the checkpoint's separate tensors.
+fused projection (``gate_up_proj``); the loader concatenates the checkpoint's separate tensors. The decoder's
+projections and the LM head go through :mod:`unifiedserve.ops.skinny`, which runs a decode-sized GEMM (with the
+bias, or SwiGLU, in its epilogue) where the runner's start-up timing found it faster than cuBLAS, and
+``F.linear`` everywhere else.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from torch import nn
 from unifiedserve import ops
 from unifiedserve.attention import AttentionBackend
 from unifiedserve.model.config import TextConfig
-from unifiedserve.ops import reference
+from unifiedserve.ops import reference, skinny
 
 __all__ = ["LanguageModel", "RMSNorm", "activation", "mrope_cos_sin", "rotate_half"]
 
@@ -94,13 +97,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = skinny.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [N, Hq * D + 2 * Hkv * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_q_heads, self.head_dim)  # q: [N, Hq, D]
         k = k.view(n, self.num_kv_heads, self.head_dim)  # k: [N, Hkv, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)  # v: [N, Hkv, D]
         # rotary in the model dtype, and the K/V write, in one pass when fused
         out = attn.forward_rope(self.layer_idx, q, k, v, cos, sin)  # [N, Hq, D]
-        return self.o_proj(out.reshape(n, self.q_size))  # [N, hidden]
+        return skinny.linear(out.reshape(n, self.q_size), self.o_proj.weight)  # [N, hidden]
 
 
 class MLP(nn.Module):
@@ -148,11 +152,12 @@ class MLP(nn.Module):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [N, 2I]
-        if self.hidden_act == "silu":
-            return self.down_proj(ops.silu_and_mul(gate_up))  # one fused pass
-        gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
-        return self.down_proj(activation(self.hidden_act, gate) * up)
+        down = self.down_proj
+        if self.hidden_act == "silu":  # one fused pass after the GEMM, or in its epilogue (skinny)
+            act = skinny.gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias, ops.silu_and_mul)  # [N, I]
+            return skinny.linear(act, down.weight, down.bias)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, I] each
+        return down(activation(self.hidden_act, gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -229,7 +234,22 @@ class LanguageModel(nn.Module):
             x, residual = layer(x, residual, cos, sin, attn)  # [N, hidden] each
         return self.norm(x) if residual is None else self.norm.add(x, residual)[0]
 
+    def skinny_groups(self) -> list[skinny.Weights]:
+        """The decoder's projections and the LM head, each kind's weights in the order a step reads them (what
+        :func:`unifiedserve.ops.skinny.tune` times)."""
+        attn = [layer.self_attn for layer in self.layers]
+        mlps = [layer.mlp for layer in self.layers]
+        groups = [skinny.Weights("qkv_proj", [a.qkv_proj.weight for a in attn], [a.qkv_proj.bias for a in attn]),
+                  skinny.Weights("o_proj", [a.o_proj.weight for a in attn], [None] * len(attn))]
+        if self.config.hidden_act == "silu":
+            groups.append(skinny.Weights("gate_up_proj+silu", [m.gate_up_proj.weight for m in mlps],
+                                         [m.gate_up_proj.bias for m in mlps], silu_mul=True))
+        groups.append(skinny.Weights("down_proj", [m.down_proj.weight for m in mlps], [m.down_proj.bias for m in mlps]))
+        head = self.tok_embeddings.weight if self.lm_head is None else self.lm_head.weight
+        groups.append(skinny.Weights("lm_head", [head], [None]))
+        return groups
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[M, hidden]`` -> ``[M, vocab_size]`` (the tied embedding when there is no lm_head)."""
         weight = self.tok_embeddings.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return skinny.linear(hidden, weight)
