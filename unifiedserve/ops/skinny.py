@@ -351,6 +351,7 @@ def tune(groups: Iterable[Weights], rows: Iterable[int], *, silu_and_mul: Callab
     results: list[Choice] = []
     if not enabled() or not counts:
         return results
+    failed: dict[tuple, str] = {}  # (config, epilogue) -> why it cannot run here: not tried again, said once
     for group in groups:
         if not group.weights:
             continue
@@ -384,13 +385,20 @@ def tune(groups: Iterable[Weights], rows: Iterable[int], *, silu_and_mul: Callab
             if group.silu_mul:
                 reference = silu_and_mul(reference)
             for config in configs:
+                variant = (config, b0 is not None, group.silu_mul)
+                if variant in failed:
+                    continue
                 try:
                     skinny(config)
                     wrong = _disagreement(skinny_gemm(x, w0, b0, silu_mul=group.silu_mul, config=config), reference)
-                except Exception as e:  # a config this GPU or Triton cannot run: the others may
-                    wrong = str(e).splitlines()[0] if str(e) else type(e).__name__
+                except Exception as e:  # a config this GPU or Triton cannot compile or launch: the others may
+                    failed[variant] = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    log.warning("skinny GEMM: config %s (bias %s, SwiGLU %s) cannot run here, skipped: %s", config,
+                                b0 is not None, group.silu_mul, failed[variant])
+                    continue
                 if wrong:
-                    log.warning("skinny GEMM %s %s: config %s skipped: %s", group.kind, list(w0.shape), config, wrong)
+                    log.warning("skinny GEMM %s %s, %d rows: config %s skipped: %s", group.kind, list(w0.shape), m,
+                                config, wrong)
                     continue
                 us = timer(lambda config=config: skinny(config), repeats, w0.device) / len(pairs)
                 measured[str(config)] = us

@@ -145,8 +145,10 @@ TUNE = """
     sys.path.insert(0, {root!r})
     from unifiedserve.ops import reference, skinny
     from tests.unifiedserve.ops.test_skinny import fake_timer
+    import logging
+    logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="log %(message)s")
     C = skinny.SkinnyConfig
-    configs = (C(16, 32, 2), C(16, 64, 2))
+    configs = (C(16, 32, 2), C(16, 48, 2), C(16, 64, 2))  # the middle one cannot compile (48 is no power of 2)
     g = torch.Generator().manual_seed(1)
     w = [(torch.randn(48, 64, generator=g) / 8).to(torch.bfloat16) for _ in range(2)]
     b = [torch.randn(48, generator=g).to(torch.bfloat16) for _ in range(2)]
@@ -187,7 +189,8 @@ TUNE = """
 def test_tune_chooses_per_shape_and_row_count_and_linear_follows(clean_table):
     """tune() keeps the skinny kernel only where its best config beats cuBLAS by the margin, per shape and row
     count; a call takes the choice of the smallest tuned row count that covers it, and cuBLAS past the largest
-    (or for another shape, or strided weights). A config whose output disagrees with the unfused path is skipped."""
+    (or for another shape, or strided weights). A config that cannot compile is tried once per epilogue, and one
+    whose output disagrees with the unfused path is skipped."""
     lines = run_interpreted(TUNE)
     choices = [line.split() for line in lines if line.startswith("choice")]
     assert choices == [
@@ -196,6 +199,9 @@ def test_tune_chooses_per_shape_and_row_count_and_linear_follows(clean_table):
         ["choice", "mlp", "1", "n16k32s2w4", "25.0", "20.0", "2"],
         ["choice", "mlp", "4", "n16k64s2w4", "25.0", "15.0", "2"],
     ]  # us per call: each timed run covers both layers' weights; rows 32 is past the kernel's 16
+    cannot = [line for line in lines if line.startswith("log") and "cannot run here" in line]
+    # once per epilogue and tune() call: the first call's two (bias, SwiGLU), the last call's one (SwiGLU)
+    assert len(cannot) == 3 and all("n16k48s2w4" in line for line in cannot), cannot
     summary = next(line for line in lines if line.startswith("summary"))
     assert "qkv [48x64]: skinny at rows [1]" in summary and "mlp [20x64]: skinny at rows [1, 4]" in summary
     linear = {int(line.split()[1]): line.split()[2] for line in lines if line.startswith("linear")}
