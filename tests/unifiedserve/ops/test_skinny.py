@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from unifiedserve.ops import reference, skinny
+from unifiedserve.ops import reference, skinny, skinny_kernel
 
 ROOT = Path(__file__).resolve().parents[3]
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -68,7 +68,8 @@ KERNEL = """
     w = (torch.randn(40, 96, generator=g) / 10).to(torch.float16)
     out = torch.zeros(4, 64, dtype=torch.float16)[:, 8:48]
     got = skinny.skinny_gemm(x, w, config=C(16, 32, 2), out=out)
-    print("out", int(got.data_ptr() == out.data_ptr()), (got.float() - expected(x, w, None, False).float()).abs().max().item())
+    err = (got.float() - expected(x, w, None, False).float()).abs().max().item()
+    print("out", int(got.data_ptr() == out.data_ptr()), err)
 """
 
 
@@ -174,7 +175,8 @@ TUNE = """
     got = skinny.gate_up_silu(x[:1], up[1], None, reference.silu_and_mul)
     want = reference.silu_and_mul(torch.nn.functional.linear(x[:1].float(), up[1].float()).to(torch.bfloat16))
     print("silu", calls[0] if calls else None, (got.float() - want.float()).abs().max().item())
-    print("other", skinny._lookup(x[:1], w[0], None, False), skinny._lookup(x[:1], w[0].t().contiguous().t(), b[0], False))
+    strided = w[0].t().contiguous().t()
+    print("other", skinny._lookup(x[:1], w[0], None, False), skinny._lookup(x[:1], strided, b[0], False))
     # a kernel whose output is not the unfused path's is never chosen, however fast (here the unfused path is
     # made to differ: the check compares the two)
     skinny.skinny_gemm = real
@@ -279,7 +281,7 @@ def test_kernel_compiles_for_hopper_with_pipelined_16_byte_loads():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel = skinny._kernel(False)[1]
+    kernel = skinny_kernel._kernel(False)[1]
     assert {p.name for p in kernel.params if p.do_not_specialize} == {"M", "N"}
     pointers = ("x", "w", "bias", "out")
     ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_om", "up_offset")
