@@ -12,6 +12,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
@@ -78,6 +79,24 @@ def _interpreter_loop_bounds() -> None:
 
     patched._flashcodec_loop_bounds = True
     interpreter._patch_lang = patched
+
+
+def kernel_builder(build: Callable[[Any, Any], Any]) -> Callable[[bool], tuple[Any, Any] | None]:
+    """A module's ``_kernel(interpret) -> (triton, kernel)``, or None when Triton does not import.
+
+    ``build(triton, tl)`` defines the ``triton.jit`` kernel and runs on first use, once per interpreter mode
+    (``interpret`` keys the cache: whether the interpreter runs a kernel is fixed when ``triton.jit`` runs, and the
+    tests switch it per process).
+    """
+
+    @functools.lru_cache(maxsize=2)
+    def kernel(interpret: bool):
+        found = import_triton()
+        if found is None:
+            return None
+        return found[0], build(*found)
+
+    return kernel
 
 
 def triton_usable(device: torch.device | str) -> bool:

@@ -12,11 +12,10 @@ float32 result may differ from the CPU reference in its last bit).
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
-from flashcodec._triton import CompileOnce, import_triton, interpreting, on_device, triton_usable
+from flashcodec._triton import CompileOnce, interpreting, kernel_builder, on_device, triton_usable
 
 __all__ = ["fused_patchify_available", "patches_fused"]
 
@@ -25,13 +24,8 @@ RUNTIME_ARGS = ("num_frames", "groups_h", "groups_w", "s_t", "s_c", "s_h", "row_
 _launches = CompileOnce()  # variants: (frames' rows dense, output dtype)
 
 
-@functools.lru_cache(maxsize=2)
-def _kernel(interpret: bool):
-    """The Triton kernel, built on first use (``interpret`` keys the cache, see resize_kernel)."""
-    found = import_triton()
-    if found is None:
-        return None
-    triton, tl = found
+def _build(triton, tl):
+    """The Triton kernel (:data:`_kernel` builds it on first use)."""
 
     # the video's sizes and the frame/row strides are runtime values, not specialised: a variant per pattern of
     # sizes divisible by 16 made the first video of each new size compile (about a second) on its request's
@@ -59,7 +53,10 @@ def _kernel(interpret: bool):
                                                                                             other=0.0)
         tl.store(dst + row * row_stride + j, value.to(dst.dtype.element_ty), mask=inside)
 
-    return triton, patchify_kernel
+    return patchify_kernel
+
+
+_kernel = kernel_builder(_build)  # (triton, the kernel) or None; the argument: interpreted
 
 
 def fused_patchify_available(device: torch.device | str) -> bool:

@@ -32,7 +32,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from flashcodec._triton import CompileOnce, import_triton, interpreting, on_device, triton_usable
+from flashcodec._triton import CompileOnce, interpreting, kernel_builder, on_device, triton_usable
 
 __all__ = ["aa_bicubic_weights", "fused_resize_available", "resize_frames_fused"]
 
@@ -84,14 +84,8 @@ def aa_bicubic_weights(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndar
     return starts, weights
 
 
-@functools.lru_cache(maxsize=2)
-def _kernel(interpret: bool):
-    """The Triton kernel, built on first use (``interpret`` keys the cache: the interpreter is chosen
-    when ``triton.jit`` runs)."""
-    found = import_triton()
-    if found is None:
-        return None
-    triton, tl = found
+def _build(triton, tl):
+    """The Triton kernel (:data:`_kernel` builds it on first use)."""
 
     # Sizes, tap counts and the frame/row strides are plain runtime values (not specialised): Triton would
     # otherwise compile a variant per tap count and per pattern of sizes divisible by 16, so the first video of
@@ -135,7 +129,10 @@ def _kernel(interpret: bool):
         rounded = tl.minimum(tl.maximum(rounded, 0.0), 255.0)
         tl.store(dst + frame * d_n + channel * d_c + oy * d_h + ox * d_w, rounded.to(tl.uint8), mask=inside)
 
-    return triton, resize_aa_kernel
+    return resize_aa_kernel
+
+
+_kernel = kernel_builder(_build)  # (triton, the kernel) or None; the argument: interpreted
 
 
 def fused_resize_available(device: torch.device | str) -> bool:

@@ -21,12 +21,11 @@ and the sums are deterministic (a CUDA graph replays the eager bits). Loads are 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from flashcodec._triton import CompileOnce, import_triton, interpreting, on_device
+from flashcodec._triton import CompileOnce, interpreting, kernel_builder, on_device
 
 __all__ = ["CONFIGS", "MAX_ROWS", "SkinnyConfig", "skinny_gemm"]
 
@@ -59,13 +58,8 @@ CONFIGS: tuple[SkinnyConfig, ...] = (
 )
 
 
-@functools.lru_cache(maxsize=2)
-def _kernel(interpret: bool):
-    """The Triton kernel, built on first use (``interpret`` keys the cache: the tests switch it per process)."""
-    found = import_triton()
-    if found is None:
-        return None
-    triton, tl = found
+def _build(triton, tl):
+    """The Triton kernel (:data:`_kernel` builds it on first use)."""
 
     # M and N are runtime values, not specialised: one compilation per (config, epilogue, dtype, K divisible by the
     # K block) serves every shape, so tune() compiles each once and no step compiles. K, the row strides and the
@@ -116,7 +110,10 @@ def _kernel(interpret: bool):
         o_ptrs = out + rm[None, :] * stride_om + rn[:, None]  # [BLOCK_N, BLOCK_M] of out [M, N]
         tl.store(o_ptrs, result.to(dtype), mask=n_ok[:, None] & m_ok[None, :])
 
-    return triton, skinny_kernel
+    return skinny_kernel
+
+
+_kernel = kernel_builder(_build)  # (triton, the kernel) or None; the argument: interpreted
 
 
 _launches = CompileOnce()
