@@ -30,11 +30,11 @@ def import_triton():
         import triton.language as tl
     except Exception:  # not installed, or a broken install: the torch paths serve
         return None
-    _interpreter_loop_bounds()
+    _mend_interpreter()
     return triton, tl
 
 
-def _interpreter_loop_bounds() -> None:
+def _mend_interpreter() -> None:
     """Two mends to Triton's interpreter (3.6), which the CPU tests run the kernels under. Compiled kernels are
     untouched: both act only inside the interpreter's launches.
 
@@ -51,7 +51,7 @@ def _interpreter_loop_bounds() -> None:
     except Exception:
         return
     patch = getattr(interpreter, "_patch_lang", None)
-    if patch is None or getattr(patch, "_flashcodec_loop_bounds", False):
+    if patch is None or getattr(patch, "_flashcodec_mended", False):
         return
     builder = getattr(interpreter, "InterpreterBuilder", None)
     dot = getattr(builder, "create_dot", None)
@@ -77,7 +77,7 @@ def _interpreter_loop_bounds() -> None:
             scope.set_attr(tl.core.tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
         return scope
 
-    patched._flashcodec_loop_bounds = True
+    patched._flashcodec_mended = True
     interpreter._patch_lang = patched
 
 

@@ -254,13 +254,11 @@ class ModelRunner:
     def tune_decode_gemms(self, batch_sizes) -> list:
         """Time the decoder's GEMMs at the decode batch sizes up to 16: cuBLAS against the skinny kernel
         (:mod:`unifiedserve.ops.skinny`), on this model's weights; later steps take whichever was faster per
-        shape. CUDA with bfloat16/float16 weights only (else nothing is tuned). Returns the measurements."""
+        shape. CUDA with bfloat16/float16 weights and Triton only (:func:`~unifiedserve.ops.skinny.tune` skips the
+        rest). Returns the measurements."""
         from unifiedserve.ops import skinny
 
-        if self.device.type != "cuda" or self.dtype not in (torch.bfloat16, torch.float16) or not skinny.enabled():
-            return []
-        if skinny.import_triton() is None:
-            log.info("decode GEMMs stay on cuBLAS: Triton does not import")
+        if self.device.type != "cuda":
             return []
         start = time.perf_counter()
         with torch.inference_mode():

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from flashcodec._triton import import_triton, interpreting
 from unifiedserve.ops.skinny_kernel import _DTYPES, CONFIGS, MAX_ROWS, SkinnyConfig, skinny_gemm
 
-__all__ = ["CONFIGS", "MAX_ROWS", "Choice", "SkinnyConfig", "Weights", "enabled", "gate_up_silu", "import_triton",
-           "linear", "reset", "skinny_gemm", "summary", "table", "tune"]
+__all__ = ["CONFIGS", "MAX_ROWS", "Choice", "SkinnyConfig", "Weights", "enabled", "gate_up_silu", "linear", "reset",
+           "skinny_gemm", "summary", "table", "tune"]
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,8 @@ def tune(groups: Iterable[Weights], rows: Iterable[int], *, silu_and_mul: Callab
 
     Each timed call runs the group's every weight in order (one step's reads of that projection, from HBM rather
     than L2), once to compile and warm, then ``repeats`` times. A config that fails to compile or launch, or whose
-    output on the first weight differs from cuBLAS's by more than 16-bit rounding, is skipped with a warning.
+    output on the last weight differs from cuBLAS's by more than 16-bit rounding, is skipped with a warning.
+    Without Triton nothing is tuned.
     Call before capturing CUDA graphs; it must not run inside one.
 
     Args:
@@ -186,6 +187,9 @@ def tune(groups: Iterable[Weights], rows: Iterable[int], *, silu_and_mul: Callab
     counts = sorted({r for r in rows if 1 <= r <= MAX_ROWS})
     results: list[Choice] = []
     if not enabled() or not counts:
+        return results
+    if import_triton() is None:
+        log.info("decode GEMMs stay on cuBLAS: Triton does not import")
         return results
     failed: dict[tuple, str] = {}  # (config, epilogue) -> why it cannot run here: not tried again, said once
     for group in groups:
@@ -217,7 +221,7 @@ def tune(groups: Iterable[Weights], rows: Iterable[int], *, silu_and_mul: Callab
             cublas_us = timer(cublas, repeats, w0.device) / len(pairs)
             measured: dict[str, float] = {}
             best: tuple[float, SkinnyConfig] | None = None
-            reference = F.linear(x, w0, b0)
+            reference = F.linear(x, *pairs[-1])  # what the warm-up pass leaves in out: the last weight's output
             if group.silu_mul:
                 reference = silu_and_mul(reference)
             for config in configs:
@@ -226,7 +230,7 @@ def tune(groups: Iterable[Weights], rows: Iterable[int], *, silu_and_mul: Callab
                     continue
                 try:
                     skinny(config)
-                    wrong = _disagreement(skinny_gemm(x, w0, b0, silu_mul=group.silu_mul, config=config), reference)
+                    wrong = _disagreement(out, reference)
                 except Exception as e:  # a config this GPU or Triton cannot compile or launch: the others may
                     failed[variant] = str(e).splitlines()[0] if str(e) else type(e).__name__
                     log.warning("skinny GEMM: config %s (bias %s, SwiGLU %s) cannot run here, skipped: %s", config,
