@@ -242,8 +242,9 @@ attention)
   run 40 bench-fused-ops python3 bench/kernels/bench_fused_ops.py --device cuda --quick --out "$out/bench_fused_ops.json"
   ;;
 engine)
-  step "the skinny decode GEMM against cuBLAS (its cuda tests: every config on the 7B's shapes, graph replay)"
-  run 90 pytest-cuda-skinny python3 -m pytest -v --timeout=80 -m cuda -p no:cacheprovider \
+  # ~50 Triton compilations (configs x epilogues x norm variants), which bench-engine's start-up then finds cached
+  step "the skinny decode GEMM against cuBLAS (cuda tests: every config on the 7B shapes, the norm folded in, graphs)"
+  run 150 pytest-cuda-skinny python3 -m pytest -v --timeout=140 -m cuda -p no:cacheprovider \
     --junitxml="$out/pytest-cuda-skinny.xml" tests/unifiedserve/ops/test_skinny.py
   prepare_7b
   step "bench/engine on the 7B preset (issue 13's decode, prefill and ViT numbers)"

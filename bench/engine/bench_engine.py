@@ -511,8 +511,8 @@ def _print(results: dict, device: str, dtype: str) -> None:
           f"{d['copy_bandwidth_GBps']:.0f} GB/s; peak {d['peak_tflops']} TFLOP/s ({d['peak_source']})")
     for c in d.get("skinny_gemm", []):  # what start-up timed, per projection and decode row count
         best = "-" if c["skinny_us"] is None else f"{c['skinny_us']:.1f} us ({c['config'] or 'not chosen'})"
-        print(f"GEMM {c['kind']:<18} [{c['n']}x{c['k']}] rows {c['rows']:>2}: cuBLAS {c['cublas_us']:.1f} us, "
-              f"skinny {best}")
+        print(f"GEMM {c['kind']:<23} [{c['n']}x{c['k']}] rows {c['rows']:>2}: {c.get('baseline', 'cuBLAS')} "
+              f"{c['cublas_us']:.1f} us, skinny {best}")
     c = results["correctness"]
     print(f"correctness: greedy agreement {c['greedy_agreement']:.3f}, prefill logits cosine "
           f"{c['prefill_logits_cosine']:.5f}, vision cosine {c['vision_cosine']:.5f}")

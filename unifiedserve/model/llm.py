@@ -8,8 +8,9 @@ and attends over every sequence's cached prefix. Positions are M-RoPE positions 
 Two visible performance choices: Q/K/V are one fused projection (``qkv_proj``) and gate/up are one
 fused projection (``gate_up_proj``); the loader concatenates the checkpoint's separate tensors. The decoder's
 projections and the LM head go through :mod:`unifiedserve.ops.skinny`, which runs a decode-sized GEMM (with the
-bias, or SwiGLU, in its epilogue) where the runner's start-up timing found it faster than cuBLAS, and
-``F.linear`` everywhere else.
+bias, or SwiGLU, in its epilogue, and for Q/K/V and gate/up the residual add and RMSNorm before them in its
+prologue) where the runner's start-up timing found it faster than cuBLAS (and the norm kernel), and ``F.linear``
+after the fused add + RMSNorm kernel everywhere else.
 """
 
 from __future__ import annotations
@@ -96,8 +97,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        n = x.shape[0]
-        qkv = skinny.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [N, Hq * D + 2 * Hkv * D]
+        return self.attend(skinny.linear(x, self.qkv_proj.weight, self.qkv_proj.bias), cos, sin, attn)
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """Everything after the Q/K/V projection ``qkv [N, Hq * D + 2 * Hkv * D]``: rotary, the K/V write,
+        attention, the output projection."""
+        n = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_q_heads, self.head_dim)  # q: [N, Hq, D]
         k = k.view(n, self.num_kv_heads, self.head_dim)  # k: [N, Hkv, D]
@@ -152,12 +157,15 @@ class MLP(nn.Module):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        down = self.down_proj
         if self.hidden_act == "silu":  # one fused pass after the GEMM, or in its epilogue (skinny)
             act = skinny.gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias, ops.silu_and_mul)  # [N, I]
-            return skinny.linear(act, down.weight, down.bias)
+            return self.down(act)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, I] each
-        return down(activation(self.hidden_act, gate) * up)
+        return self.down(activation(self.hidden_act, gate) * up)
+
+    def down(self, act: torch.Tensor) -> torch.Tensor:
+        """The down projection of the activations ``[N, I]``."""
+        return skinny.linear(act, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -172,14 +180,18 @@ class DecoderLayer(nn.Module):
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer on the split residual stream: the stream is ``residual + x`` (``x`` alone for the first
         layer, ``residual=None``). Returns the MLP's output and the stream before it, so that each residual
-        add is fused into the RMSNorm that follows it (the next layer's, or the final norm)."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm.add(x, residual)
-        x = self.self_attn(x, cos, sin, attn)
-        x, residual = self.post_attention_layernorm.add(x, residual)
-        return self.mlp(x), residual
+        add is fused into the RMSNorm that follows it (the next layer's, or the final norm), and each of those
+        norms into the projection after it where :func:`~unifiedserve.ops.skinny.norm_linear` found that faster."""
+        ln1, ln2, attention, mlp = self.input_layernorm, self.post_attention_layernorm, self.self_attn, self.mlp
+        qkv, residual = skinny.norm_linear(x, residual, ln1.weight, ln1.eps, attention.qkv_proj.weight,
+                                           attention.qkv_proj.bias)
+        x = attention.attend(qkv, cos, sin, attn)
+        if mlp.hidden_act != "silu":
+            x, residual = ln2.add(x, residual)
+            return mlp(x), residual
+        act, residual = skinny.norm_linear(x, residual, ln2.weight, ln2.eps, mlp.gate_up_proj.weight,
+                                           mlp.gate_up_proj.bias, ops.silu_and_mul)  # [N, I]
+        return mlp.down(act), residual
 
 
 class LanguageModel(nn.Module):
@@ -239,11 +251,15 @@ class LanguageModel(nn.Module):
         :func:`unifiedserve.ops.skinny.tune` times)."""
         attn = [layer.self_attn for layer in self.layers]
         mlps = [layer.mlp for layer in self.layers]
-        groups = [skinny.Weights("qkv_proj", [a.qkv_proj.weight for a in attn], [a.qkv_proj.bias for a in attn]),
+        eps = self.config.rms_norm_eps
+        groups = [skinny.Weights("qkv_proj", [a.qkv_proj.weight for a in attn], [a.qkv_proj.bias for a in attn],
+                                 norms=[layer.input_layernorm.weight for layer in self.layers], eps=eps),
                   skinny.Weights("o_proj", [a.o_proj.weight for a in attn], [None] * len(attn))]
         if self.config.hidden_act == "silu":
             groups.append(skinny.Weights("gate_up_proj+silu", [m.gate_up_proj.weight for m in mlps],
-                                         [m.gate_up_proj.bias for m in mlps], silu_mul=True))
+                                         [m.gate_up_proj.bias for m in mlps], silu_mul=True,
+                                         norms=[layer.post_attention_layernorm.weight for layer in self.layers],
+                                         eps=eps))
         groups.append(skinny.Weights("down_proj", [m.down_proj.weight for m in mlps], [m.down_proj.bias for m in mlps]))
         head = self.tok_embeddings.weight if self.lm_head is None else self.lm_head.weight
         groups.append(skinny.Weights("lm_head", [head], [None]))

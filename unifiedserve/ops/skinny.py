@@ -1,11 +1,14 @@
 """Which GEMM runs at decode batch sizes: cuBLAS, or the skinny kernel (:mod:`unifiedserve.ops.skinny_kernel`:
-one kernel per projection streaming the weight once, with the bias or SwiGLU in its epilogue).
+one kernel per projection streaming the weight once, with the bias or SwiGLU in its epilogue, and for the two
+projections that follow an RMSNorm, the residual add and the norm in its prologue).
 
 Which kernel runs is measured, not assumed: :func:`tune` times cuBLAS and each :data:`CONFIGS` entry on the
 model's own weights (every layer's, in order, so each read comes from HBM as in a step, not from L2) at each
 row count the engine will run, and :func:`linear` / :func:`gate_up_silu` take the skinny kernel only where it
-won. Untuned shapes, CPU tensors, float32 (whose ``tl.dot`` would round to TF32), more than 16 rows,
-autograd and ``UNIFIEDSERVE_SKINNY_GEMM=0`` all take cuBLAS (and ``silu_and_mul``) as before.
+won; :func:`norm_linear` takes the kernel with the norm folded in only where that beat the norm kernel followed
+by the faster of the two. Untuned shapes, CPU tensors, float32 (whose ``tl.dot`` would round to TF32), more than
+16 rows, autograd and ``UNIFIEDSERVE_SKINNY_GEMM=0`` all take cuBLAS (and ``silu_and_mul``, and the norm kernel)
+as before.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from flashcodec._triton import import_triton, interpreting
+from unifiedserve import ops
 from unifiedserve.ops.skinny_kernel import _DTYPES, CONFIGS, MAX_ROWS, SkinnyConfig, skinny_gemm
 
-__all__ = ["CONFIGS", "MAX_ROWS", "Choice", "SkinnyConfig", "Weights", "enabled", "gate_up_silu", "linear", "reset",
-           "skinny_gemm", "summary", "table", "tune"]
+__all__ = ["CONFIGS", "MAX_ROWS", "Choice", "SkinnyConfig", "Weights", "enabled", "gate_up_silu", "linear",
+           "norm_linear", "reset", "skinny_gemm", "summary", "table", "tune"]
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +38,21 @@ def enabled() -> bool:
 
 @dataclass(frozen=True)
 class Choice:
-    """What :func:`tune` measured for one weight shape at one row count (microseconds per call, all layers' mean)."""
+    """What :func:`tune` measured for one weight shape at one row count (microseconds per call, all layers' mean).
 
-    kind: str  # what the weights are (``qkv_proj``, ``gate_up_proj+silu``, ...)
+    For a ``norm+`` kind (the RMSNorm folded into the kernel), ``cublas_us`` is what it replaces: the norm kernel
+    followed by that projection's own choice at this row count (``baseline`` names it).
+    """
+
+    kind: str  # what the weights are (``qkv_proj``, ``gate_up_proj+silu``, ``norm+qkv_proj``, ...)
     rows: int
     n: int
     k: int
     cublas_us: float
     skinny_us: float | None  # the best config's
-    config: SkinnyConfig | None  # the best config; None when cuBLAS stays
+    config: SkinnyConfig | None  # the best config; None when the baseline stays
     configs_us: dict[str, float]  # every config that ran
+    baseline: str = "cuBLAS"
 
     @property
     def chosen(self) -> bool:
@@ -53,17 +62,18 @@ class Choice:
         return {"kind": self.kind, "rows": self.rows, "n": self.n, "k": self.k, "cublas_us": round(self.cublas_us, 2),
                 "skinny_us": None if self.skinny_us is None else round(self.skinny_us, 2),
                 "config": None if self.config is None else str(self.config),
+                "baseline": self.baseline,
                 "speedup": None if self.skinny_us is None else round(self.cublas_us / self.skinny_us, 3),
                 "configs_us": {name: round(us, 2) for name, us in self.configs_us.items()}}
 
 
-# (N rows of weight, K, dtype, has bias, silu_mul) -> [(rows bucket, config or None)], buckets ascending
+# (N rows of weight, K, dtype, has bias, silu_mul, norm folded in) -> [(rows bucket, config or None)], ascending
 _table: dict[tuple, list[tuple[int, SkinnyConfig | None]]] = {}
 _report: list[Choice] = []
 
 
-def _key(weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> tuple:
-    return weight.shape[0], weight.shape[1], weight.dtype, bias is not None, silu_mul
+def _key(weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, norm: bool = False) -> tuple:
+    return weight.shape[0], weight.shape[1], weight.dtype, bias is not None, silu_mul, norm
 
 
 def table() -> list[Choice]:
@@ -80,9 +90,9 @@ def summary(results: Sequence[Choice]) -> str:
     for kind, choices in kinds.items():
         won = [c.rows for c in choices if c.chosen]
         first = choices[0]
-        timing = f"{first.cublas_us:.1f} us cuBLAS" + (
+        timing = f"{first.cublas_us:.1f} us {first.baseline}" + (
             "" if first.skinny_us is None else f" vs {first.skinny_us:.1f} us skinny at {first.rows} row(s)")
-        where = f"skinny at rows {won}" if won else "cuBLAS"
+        where = f"skinny at rows {won}" if won else first.baseline
         parts.append(f"{kind} [{first.n}x{first.k}]: {where} ({timing})")
     return "; ".join(parts)
 
@@ -93,11 +103,12 @@ def reset() -> None:
     _report.clear()
 
 
-def _lookup(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> SkinnyConfig | None:
+def _lookup(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
+            norm: bool = False) -> SkinnyConfig | None:
     """The tuned config for this call, or None (cuBLAS). Runs per linear per step in eager mode: kept cheap."""
     if not _table or x.dim() != 2 or not (x.is_cuda or interpreting()):  # CPU tensors: the CPU tests' interpreter
         return None
-    buckets = _table.get(_key(weight, bias, silu_mul))
+    buckets = _table.get(_key(weight, bias, silu_mul, norm))
     if buckets is None:
         return None
     m = x.shape[0]
@@ -131,14 +142,48 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return skinny_gemm(x, weight, bias, silu_mul=True, config=config)
 
 
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None = None,
+                silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A projection after a residual add and Qwen2's RMSNorm: ``h = x + residual`` (``x`` when ``residual`` is
+    None), returns ``(linear(rms_norm(h)), h)``; with ``silu_and_mul``, the projection is :func:`gate_up_silu`.
+
+    One skinny kernel (add, norm, GEMM, epilogue) where :func:`tune` measured that faster than the norm kernel
+    followed by the projection's own choice; else those two, as :func:`unifiedserve.ops.fused_add_rms_norm`
+    (which may reuse ``x``'s and ``residual``'s memory: use the results, not the inputs).
+    """
+    silu = silu_and_mul is not None
+    config = _lookup(x, weight, bias, silu, norm=True)
+    if (config is not None and norm_weight.dtype == x.dtype and norm_weight.stride(0) == 1
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                      and residual.stride(-1) == 1))):
+        stream = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+        out = skinny_gemm(x, weight, bias, silu_mul=silu, norm_weight=norm_weight, eps=eps, residual=residual,
+                          stream_out=None if residual is None else stream, config=config)
+        return out, stream
+    if residual is None:
+        normed, stream = ops.rms_norm(x, norm_weight, eps), x
+    else:
+        normed, stream = ops.fused_add_rms_norm(x, residual, norm_weight, eps)
+    out = gate_up_silu(normed, weight, bias, silu_and_mul) if silu else linear(normed, weight, bias)
+    return out, stream
+
+
 @dataclass(frozen=True)
 class Weights:
-    """One kind of projection to tune: every layer's weight (and bias) of one shape, in the order a step reads them."""
+    """One kind of projection to tune: every layer's weight (and bias) of one shape, in the order a step reads them.
+
+    ``norms``: each layer's RMSNorm weight when an add + RMSNorm precedes the projection (:func:`norm_linear`);
+    tune() then also times the kernel with the norm folded in.
+    """
 
     kind: str
     weights: Sequence[torch.Tensor]
     biases: Sequence[torch.Tensor | None]
     silu_mul: bool = False
+    norms: Sequence[torch.Tensor] | None = None
+    eps: float = 1e-6
 
 
 def _time_us(run: Callable[[], None], repeats: int, device: torch.device) -> float:
@@ -163,16 +208,50 @@ def _disagreement(got: torch.Tensor, want: torch.Tensor) -> str:
     return f"its output differs from cuBLAS's by {err:.3g} (largest value {scale:.3g})"
 
 
+def _best(kind: str, m: int, n: int, k: int, baseline: str, baseline_us: float, run: Callable[[SkinnyConfig], None],
+          check: Callable[[], str], configs: Sequence[SkinnyConfig], epilogue: tuple, failed: dict[tuple, str],
+          time_us: Callable[[Callable[[], None]], float], margin: float) -> Choice:
+    """Time each config (``run(config)`` covers every layer) against ``baseline_us``; ``check()`` says why the output
+    the first, warming ``run`` left is wrong ('' when right). A config that cannot run goes into ``failed``."""
+    measured: dict[str, float] = {}
+    best: tuple[float, SkinnyConfig] | None = None
+    for config in configs:
+        variant = (config, *epilogue)
+        if variant in failed:
+            continue
+        try:
+            run(config)
+            wrong = check()
+        except Exception as e:  # a config this GPU or Triton cannot compile or launch: the others may
+            failed[variant] = str(e).splitlines()[0] if str(e) else type(e).__name__
+            log.warning("skinny GEMM: config %s (bias %s, SwiGLU %s, norm %s) cannot run here, skipped: %s", config,
+                        *epilogue, failed[variant])
+            continue
+        if wrong:
+            log.warning("skinny GEMM %s [%dx%d], %d rows: config %s skipped: %s", kind, n, k, m, config, wrong)
+            continue
+        us = time_us(lambda config=config: run(config))
+        measured[str(config)] = us
+        if best is None or us < best[0]:
+            best = (us, config)
+    win = best is not None and best[0] <= baseline_us * (1.0 - margin)
+    return Choice(kind, m, n, k, baseline_us, None if best is None else best[0], best[1] if win else None, measured,
+                  baseline)
+
+
 def tune(groups: Iterable[Weights], rows: Iterable[int], *, silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
          configs: Sequence[SkinnyConfig] = CONFIGS, repeats: int = 5, margin: float = 0.02,
          timer: Callable[[Callable[[], None], int, torch.device], float] | None = None) -> list[Choice]:
     """Time cuBLAS and each config on each group's weights at each row count; keep the skinny kernel where its best
     config is at least ``margin`` faster. Replaces the choices of earlier calls for these shapes.
 
+    A group with ``norms`` is then timed again with the add + RMSNorm in front: the norm kernel followed by the
+    choice just made, against each config with the norm folded in (``norm+`` kinds in the results).
+
     Each timed call runs the group's every weight in order (one step's reads of that projection, from HBM rather
     than L2), once to compile and warm, then ``repeats`` times. A config that fails to compile or launch, or whose
-    output on the last weight differs from cuBLAS's by more than 16-bit rounding, is skipped with a warning.
-    Without Triton nothing is tuned.
+    output on the last weight differs from the unfused path's by more than 16-bit rounding, is skipped with a
+    warning. Without Triton nothing is tuned.
     Call before capturing CUDA graphs; it must not run inside one.
 
     Args:
@@ -199,57 +278,84 @@ def tune(groups: Iterable[Weights], rows: Iterable[int], *, silu_and_mul: Callab
         if ((w0.device.type != "cuda" and not interpreting()) or w0.dtype not in _DTYPES
                 or (w0.requires_grad and torch.is_grad_enabled())):
             continue
-        b0 = group.biases[0]
-        n = w0.shape[0] // 2 if group.silu_mul else w0.shape[0]
-        buckets: list[tuple[int, SkinnyConfig | None]] = []
-        pairs = list(zip(group.weights, group.biases))
-        for m in counts:
-            x = torch.randn((m, w0.shape[1]), dtype=w0.dtype, device=w0.device)
-            out = torch.empty((m, n), dtype=w0.dtype, device=w0.device)
-
-            def cublas(x=x):
-                for w, b in pairs:
-                    y = F.linear(x, w, b)
-                    if group.silu_mul:
-                        silu_and_mul(y)
-
-            def skinny(config, x=x, out=out):
-                for w, b in pairs:
-                    skinny_gemm(x, w, b, silu_mul=group.silu_mul, config=config, out=out)
-
-            cublas()
-            cublas_us = timer(cublas, repeats, w0.device) / len(pairs)
-            measured: dict[str, float] = {}
-            best: tuple[float, SkinnyConfig] | None = None
-            reference = F.linear(x, *pairs[-1])  # what the warm-up pass leaves in out: the last weight's output
-            if group.silu_mul:
-                reference = silu_and_mul(reference)
-            for config in configs:
-                variant = (config, b0 is not None, group.silu_mul)
-                if variant in failed:
-                    continue
-                try:
-                    skinny(config)
-                    wrong = _disagreement(out, reference)
-                except Exception as e:  # a config this GPU or Triton cannot compile or launch: the others may
-                    failed[variant] = str(e).splitlines()[0] if str(e) else type(e).__name__
-                    log.warning("skinny GEMM: config %s (bias %s, SwiGLU %s) cannot run here, skipped: %s", config,
-                                b0 is not None, group.silu_mul, failed[variant])
-                    continue
-                if wrong:
-                    log.warning("skinny GEMM %s %s, %d rows: config %s skipped: %s", group.kind, list(w0.shape), m,
-                                config, wrong)
-                    continue
-                us = timer(lambda config=config: skinny(config), repeats, w0.device) / len(pairs)
-                measured[str(config)] = us
-                if best is None or us < best[0]:
-                    best = (us, config)
-            win = best is not None and best[0] <= cublas_us * (1.0 - margin)
-            choice = Choice(group.kind, m, n, w0.shape[1], cublas_us, None if best is None else best[0],
-                            best[1] if win else None, measured)
-            results.append(choice)
-            buckets.append((m, choice.config))
-        _table[_key(w0, b0, group.silu_mul)] = buckets
+        results += _tune_group(group, counts, silu_and_mul, configs, margin, failed,
+                               lambda run, n_layers: timer(run, repeats, w0.device) / n_layers)
     keys = {(c.kind, c.rows) for c in results}
     _report[:] = [c for c in _report if (c.kind, c.rows) not in keys] + results
+    return results
+
+
+def _tune_group(group: Weights, counts: list[int], silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+                configs: Sequence[SkinnyConfig], margin: float, failed: dict[tuple, str],
+                per_layer_us: Callable[[Callable[[], None], int], float]) -> list[Choice]:
+    """:func:`tune` for one group: the plain projection at each row count, then (``norms``) with the norm in front."""
+    w0, b0 = group.weights[0], group.biases[0]
+    silu = group.silu_mul
+    n, k = (w0.shape[0] // 2 if silu else w0.shape[0]), w0.shape[1]
+    pairs = list(zip(group.weights, group.biases))
+    layers = len(pairs)
+
+    def unfused(x, w, b):
+        y = F.linear(x, w, b)
+        return silu_and_mul(y) if silu else y
+
+    rng = torch.Generator(device=w0.device).manual_seed(0)  # the same inputs at every start-up
+
+    def randn(m):
+        return torch.randn((m, k), generator=rng, device=w0.device).to(w0.dtype)
+
+    results, buckets = [], []
+    for m in counts:
+        x = randn(m)
+        out = torch.empty((m, n), dtype=w0.dtype, device=w0.device)
+
+        def cublas(x=x):
+            for w, b in pairs:
+                unfused(x, w, b)
+
+        def run(config, x=x, out=out):
+            for w, b in pairs:
+                skinny_gemm(x, w, b, silu_mul=silu, config=config, out=out)
+
+        cublas()
+        reference = unfused(x, *pairs[-1])  # what the warm-up pass leaves in out: the last weight's output
+        choice = _best(group.kind, m, n, k, "cuBLAS", per_layer_us(cublas, layers), run,
+                       lambda out=out, reference=reference: _disagreement(out, reference), configs,
+                       (b0 is not None, silu, False), failed, lambda f: per_layer_us(f, layers), margin)
+        results.append(choice)
+        buckets.append((m, choice.config))
+    _table[_key(w0, b0, silu)] = buckets
+    if not group.norms:
+        return results
+    norm_buckets = []
+    layers_norms = list(zip(pairs, group.norms))
+    for m, (_, plain) in zip(counts, buckets):
+        x, residual = randn(m), randn(m)
+        stream = torch.empty_like(x)
+        out = torch.empty((m, n), dtype=w0.dtype, device=w0.device)
+        (w_last, b_last), g_last = layers_norms[-1]
+        normed, want_stream = ops.fused_add_rms_norm(x.clone(), residual.clone(), g_last, group.eps)
+        reference = unfused(normed, w_last, b_last)
+        xb, rb = x.clone(), residual.clone()  # the unfused path writes its inputs: buffers of its own
+
+        def norm_then_choice(xb=xb, rb=rb):
+            for (w, b), g in layers_norms:
+                y, _ = ops.fused_add_rms_norm(xb, rb, g, group.eps)
+                gate_up_silu(y, w, b, silu_and_mul) if silu else linear(y, w, b)
+
+        def run(config, x=x, residual=residual, stream=stream, out=out):
+            for (w, b), g in layers_norms:
+                skinny_gemm(x, w, b, silu_mul=silu, norm_weight=g, eps=group.eps, residual=residual,
+                            stream_out=stream, config=config, out=out)
+
+        def check(out=out, reference=reference, stream=stream, want_stream=want_stream):
+            return _disagreement(out, reference) or _disagreement(stream, want_stream)
+
+        norm_then_choice()
+        baseline = "norm kernel + " + ("cuBLAS" if plain is None else f"skinny {plain}")
+        choice = _best("norm+" + group.kind, m, n, k, baseline, per_layer_us(norm_then_choice, layers), run, check,
+                       configs, (b0 is not None, silu, True), failed, lambda f: per_layer_us(f, layers), margin)
+        results.append(choice)
+        norm_buckets.append((m, choice.config))
+    _table[_key(w0, b0, silu, True)] = norm_buckets
     return results

@@ -64,9 +64,10 @@ def _build(triton, tl):
     # M and N are runtime values, not specialised: one compilation per (config, epilogue, dtype, K divisible by the
     # K block) serves every shape, so tune() compiles each once and no step compiles. K, the row strides and the
     # pointers stay specialised: their divisibility by 16 is what lets Triton load 16 bytes at a time
-    @triton.jit(do_not_specialize=("M", "N"))
-    def skinny_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, up_offset,
-                      HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    @triton.jit(do_not_specialize=("M", "N", "k_float", "eps"))
+    def skinny_kernel(x, w, bias, out, r, g, h, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_hm,
+                      up_offset, k_float, eps, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
+                      NORM_M: tl.constexpr, NORM_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         rn = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # this program's output columns
@@ -74,9 +75,34 @@ def _build(triton, tl):
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn < N
         m_ok = rm < M
+        dtype = out.dtype.element_ty
+        if NORM != 0:
+            # the norm's first pass: each row's sum of squares of the stream (x + r, rounded as the add rounds);
+            # the first program also writes the stream out. x and r are a few KB, read from L2 by every program in
+            # [NORM_M, NORM_K] tiles (_norm_tile: at batch 1 one tile holds a 7B's whole row, so this pass is one
+            # load deep before the weight streams)
+            rp = tl.arange(0, NORM_M)
+            pk = tl.arange(0, NORM_K)
+            ss = tl.zeros((NORM_M,), dtype=tl.float32)
+            for i in range(tl.cdiv(K, NORM_K)):
+                kk = i * NORM_K + pk
+                s_mask = (rp < M)[:, None] & (kk < K)[None, :]
+                s = tl.load(x + rp[:, None] * stride_xm + kk[None, :], mask=s_mask, other=0.0)  # [NORM_M, NORM_K]
+                if NORM == 2:
+                    s = (s.to(tl.float32) + tl.load(r + rp[:, None] * stride_rm + kk[None, :], mask=s_mask,
+                                                    other=0.0).to(tl.float32)).to(dtype)
+                    tl.store(h + rp[:, None] * stride_hm + kk[None, :], s, mask=s_mask & (pid == 0))
+                sf = s.to(tl.float32)
+                ss += tl.sum(sf * sf, axis=1)
+            # 1 / sqrt(mean + eps) with correctly rounded steps, as csrc's inv_rms (and torch's rsqrt)
+            inv_rows = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ss, k_float) + eps))  # [NORM_M]
+            inv = tl.zeros((BLOCK_M,), dtype=tl.float32)  # the dot's padded rows: 0 past M
+            for j in tl.static_range(NORM_M):
+                inv = tl.where(rm == j, tl.sum(tl.where(rp == j, inv_rows, 0.0), axis=0), inv)
         w_ptrs = w + rn[:, None] * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
         u_ptrs = w + (rn + up_offset)[:, None] * stride_wn + rk[None, :]  # the up rows (SILU_MUL)
         x_ptrs = x + rm[None, :] * stride_xm + rk[:, None]  # [BLOCK_K, BLOCK_M]: x^T
+        r_ptrs = r + rm[None, :] * stride_rm + rk[:, None]  # the residual (NORM == 2), x's layout
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for i in range(tl.cdiv(K, BLOCK_K)):
@@ -88,6 +114,17 @@ def _build(triton, tl):
                 w_mask = n_ok[:, None] & k_ok[None, :]
                 x_mask = k_ok[:, None] & m_ok[None, :]
             xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            if NORM != 0:
+                # RMSNorm's output, rounded where Qwen2RMSNorm (and csrc's rms_scale) rounds: the stream, the
+                # normalised value, the product with the weight
+                if NORM == 2:
+                    xt = (xt.to(tl.float32) + tl.load(r_ptrs, mask=x_mask, other=0.0).to(tl.float32)).to(dtype)
+                    r_ptrs += BLOCK_K
+                if EVEN_K:
+                    gk = tl.load(g + i * BLOCK_K + rk).to(tl.float32)
+                else:
+                    gk = tl.load(g + i * BLOCK_K + rk, mask=rk < K - i * BLOCK_K, other=0.0).to(tl.float32)
+                xt = (gk[:, None] * (xt.to(tl.float32) * inv[None, :]).to(dtype).to(tl.float32)).to(dtype)
             acc = tl.dot(tl.load(w_ptrs, mask=w_mask, other=0.0), xt, acc)
             if SILU_MUL:
                 acc_up = tl.dot(tl.load(u_ptrs, mask=w_mask, other=0.0), xt, acc_up)
@@ -98,7 +135,6 @@ def _build(triton, tl):
             acc += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             if SILU_MUL:
                 acc_up += tl.load(bias + up_offset + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        dtype = out.dtype.element_ty
         if SILU_MUL:
             # rounded where GEMM + silu_and_mul round: the GEMM's two outputs, the SiLU, the product
             gate = acc.to(dtype).to(tl.float32)
@@ -144,19 +180,63 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sil
     return m, n, k
 
 
+#: elements of x (and of the residual) one step of the norm's first pass loads: 64 a thread at 4 warps
+NORM_TILE = 8192
+
+
+def _norm_tile(m: int, k: int) -> tuple[int, int]:
+    """The norm pass's ``(rows, columns)`` tile for ``m`` rows of ``k``: one row at batch 1 (a 7B's whole row in one
+    load), else all 16; the columns are the rest of :data:`NORM_TILE`, no wider than ``k`` needs. Two compilations
+    per config and epilogue, not one per row count."""
+    rows = 1 if m == 1 else MAX_ROWS
+    return rows, min(max(16, 1 << (k - 1).bit_length()), NORM_TILE // rows)
+
+
+def _check_norm(x: torch.Tensor, norm_weight: torch.Tensor | None, residual: torch.Tensor | None,
+                stream_out: torch.Tensor | None) -> None:
+    """``ValueError`` unless the norm's operands suit ``x``."""
+    if norm_weight is None:
+        if residual is not None or stream_out is not None:
+            raise ValueError("residual and stream_out come with norm_weight (the add feeds the RMSNorm)")
+        return
+    k = x.shape[1]
+    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or norm_weight.stride(0) != 1:
+        raise ValueError(f"norm_weight must be contiguous [{k}] {x.dtype}, got {list(norm_weight.shape)} "
+                         f"{norm_weight.dtype}")
+    if (residual is None) != (stream_out is None):
+        raise ValueError("residual needs stream_out (where x + residual goes), and stream_out needs residual")
+    for name, t in (("residual", residual), ("stream_out", stream_out)):
+        if t is not None and (t.shape != x.shape or t.dtype != x.dtype or t.stride(1) != 1):
+            raise ValueError(f"{name} must be {list(x.shape)} {x.dtype} with a contiguous last dim, got "
+                             f"{list(t.shape)} {t.dtype}")
+    if any(t is not None and t.device != x.device for t in (norm_weight, residual, stream_out)):
+        raise ValueError("x, norm_weight, residual and stream_out must be on one device")
+    if stream_out is not None and residual is not None and stream_out.data_ptr() in (x.data_ptr(),
+                                                                                     residual.data_ptr()):
+        raise ValueError("stream_out must not share memory with x or residual (other programs still read them)")
+
+
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu_mul: bool = False,
-                config: SkinnyConfig = CONFIGS[0], out: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` (``silu_mul``: then SwiGLU of its ``[gate | up]`` halves) in one kernel.
+                norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
+                stream_out: torch.Tensor | None = None, config: SkinnyConfig = CONFIGS[0],
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (``silu_mul``: then SwiGLU of its ``[gate | up]`` halves) in one kernel;
+    with ``norm_weight``, of ``rms_norm(x)`` or ``rms_norm(x + residual)`` instead of ``x``.
 
     Args:
         x: ``[M, K]``, ``1 <= M <= 16``, bfloat16 or float16, contiguous rows; weight ``[N, K]`` (``[2 * I, K]``
             with ``silu_mul``) and bias ``[N]`` of the same dtype, on the same device.
+        norm_weight, eps: Qwen2's RMSNorm (weight ``[K]``, x's dtype) applied to the input first, rounded as
+            :func:`unifiedserve.ops.rms_norm` rounds; the sum of squares is summed in another order.
+        residual, stream_out: with ``norm_weight``: the input is ``x + residual`` (rounded once, as torch's add),
+            which the kernel also writes into ``stream_out`` (``[M, K]``, memory of its own).
         config: the launch configuration (:func:`unifiedserve.ops.skinny.tune` picks one per shape).
         out: where to write ``[M, N]`` (``[M, I]``); a new tensor when None.
     Raises:
         ValueError: a call the kernel does not take (see Args); RuntimeError: Triton cannot run here.
     """
     m, n, k = _check(x, weight, bias, silu_mul)
+    _check_norm(x, norm_weight, residual, stream_out)
     found = _kernel(interpreting())
     if found is None:
         raise RuntimeError("the skinny GEMM needs Triton")
@@ -167,10 +247,16 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"out must be [{m}, {n}] {x.dtype} with a contiguous last dim")
     grid = (triton.cdiv(n, config.block_n),)
     even_k = k % config.block_k == 0
-    variant = (config, bias is not None, silu_mul, even_k, x.dtype)
+    norm = 0 if norm_weight is None else 1 if residual is None else 2
+    r = x if residual is None else residual
+    h = x if stream_out is None else stream_out
+    norm_m, norm_k = _norm_tile(m, k) if norm else (1, 16)
+    variant = (config, bias is not None, silu_mul, norm, norm_m, norm_k, even_k, x.dtype)
     with on_device(x.device):
         _launches.launch(variant, lambda: kernel[grid](
-            x, weight, x if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), n,
-            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=even_k, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k, num_stages=config.stages, num_warps=config.warps))
+            x, weight, x if bias is None else bias, out, r, x if norm_weight is None else norm_weight, h, m, n, k,
+            x.stride(0), weight.stride(0), out.stride(0), r.stride(0), h.stride(0), n, float(k), float(eps),
+            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm, NORM_M=norm_m, NORM_K=norm_k, EVEN_K=even_k,
+            BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_stages=config.stages,
+            num_warps=config.warps))
     return out

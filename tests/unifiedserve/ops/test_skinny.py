@@ -90,6 +90,82 @@ def test_kernel_under_the_triton_interpreter_matches_the_unfused_path():
     assert out[1] == "1" and float(out[2]) == 0.0
 
 
+def expected_norm(x, residual, norm_weight, w, b, silu_mul, eps=1e-6):
+    """The unfused path with the add + RMSNorm in front: ``(output, stream)``."""
+    if residual is None:
+        normed, stream = reference.rms_norm(x, norm_weight, eps), x
+    else:
+        normed, stream = reference.fused_add_rms_norm(x.clone(), residual.clone(), norm_weight, eps)
+    return expected(normed, w, b, silu_mul), stream
+
+
+def emulated_norm(x, residual, norm_weight, w, b, silu_mul, rnd, eps=1e-6):
+    """The fused path's arithmetic in float32 torch with each rounding done by ``rnd`` (float32 -> the dtype): the
+    add, 1 / sqrt(mean of squares + eps), the normalised value, the product with the weight, the GEMM's output(s),
+    the SiLU, SwiGLU's product. ``(output, stream)``."""
+    stream = x if residual is None else rnd(x.float() + residual.float())
+    s = stream.float()
+    inv = 1.0 / torch.sqrt((s * s).sum(-1, keepdim=True) / s.shape[-1] + eps)
+    normed = rnd(norm_weight.float() * rnd(s * inv).float()).float()
+    y = F.linear(normed, w.float(), None if b is None else b.float())
+    if not silu_mul:
+        return rnd(y), stream
+    gate, up = (rnd(t).float() for t in y.chunk(2, dim=-1))
+    return rnd(rnd(gate / (1.0 + torch.exp(-gate))).float() * up), stream
+
+
+NORM_KERNEL = """
+    import os, sys, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, {root!r})
+    from unifiedserve.ops import skinny
+    from tests.unifiedserve.ops.test_skinny import emulated_norm, expected_norm
+    g = torch.Generator().manual_seed(2)
+    C = skinny.SkinnyConfig
+
+    def truncated(t):  # float32 -> bfloat16 as the interpreter converts: dropping the low bits
+        return (t.float().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+    # (rows, output columns, K, bias, silu_mul, residual, config): the add or not, every epilogue, uneven K, the
+    # norm pass in one tile and in several (_norm_tile: 16 rows of 1000 columns take two [16, 512] tiles)
+    cases = [(1, 40, 96, True, False, True, C(16, 32, 2)), (3, 50, 64, False, True, False, C(16, 64, 2)),
+             (16, 33, 160, True, True, True, C(32, 64, 2)), (5, 24, 200, False, False, True, C(16, 64, 2)),
+             (2, 48, 256, False, True, True, skinny.CONFIGS[3]), (16, 16, 1000, True, False, True, C(16, 128, 2))]
+    for dtype in (torch.float16, torch.bfloat16):
+        rnd = truncated if dtype == torch.bfloat16 else (lambda t: t.to(torch.float16))
+        for m, n, k, bias, silu, add, config in cases:
+            x = torch.randn(m, k, generator=g).to(dtype)
+            r = torch.randn(m, k, generator=g).to(dtype) if add else None
+            nw = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype)
+            w = (torch.randn(2 * n if silu else n, k, generator=g) / k ** 0.5).to(dtype)
+            b = torch.randn(w.shape[0], generator=g).to(dtype) if bias else None
+            stream = torch.full_like(x, float("nan")) if add else None
+            got = skinny.skinny_gemm(x, w, b, silu_mul=silu, norm_weight=nw, residual=r, stream_out=stream,
+                                     config=config)
+            for name, (want, want_stream) in (("emulated", emulated_norm(x, r, nw, w, b, silu, rnd)),
+                                              ("unfused", expected_norm(x, r, nw, w, b, silu))):
+                floor = want.float().abs().max() / 64
+                steps = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(floor)).max().item()
+                same = stream is None or torch.equal(stream, want_stream)
+                print(name, str(dtype).split(".")[1], m, n, k, int(bias), int(silu), int(add), int(same),
+                      steps / torch.finfo(dtype).eps)
+"""
+
+
+@needs_triton
+def test_kernel_with_the_norm_folded_in_matches_the_unfused_path_under_the_interpreter():
+    """With the add + RMSNorm in its prologue the kernel rounds where the unfused path rounds: against those
+    roundings emulated in torch (as the interpreter makes them: bfloat16 by truncation, float16 to nearest) it is
+    within two steps of the dtype (the sums' order differs: one normalised value may round the other way), the
+    stream it writes is the add's exactly, and in float16, whose roundings the interpreter makes as the GPU does,
+    it matches the unfused path itself as closely."""
+    lines = [line.split() for line in run_interpreted(NORM_KERNEL)]
+    assert len(lines) == 24
+    for name, dtype, m, n, k, bias, silu, add, same, err in lines:
+        if name == "emulated" or dtype == "float16":
+            assert same == "1" and float(err) <= 2.0, (dtype, m, n, k, bias, silu, add, err)
+
+
 def test_calls_it_does_not_take_are_refused_with_the_reason():
     x = torch.zeros(2, 8, dtype=torch.bfloat16)
     w = torch.zeros(6, 8, dtype=torch.bfloat16)
@@ -107,6 +183,21 @@ def test_calls_it_does_not_take_are_refused_with_the_reason():
     for xi, wi, bi, silu, message in cases:
         with pytest.raises(ValueError, match=message):
             skinny.skinny_gemm(xi, wi, bi, silu_mul=silu)
+    g = torch.ones(8, dtype=torch.bfloat16)
+    r = torch.zeros_like(x)
+    norm_cases = [
+        (dict(residual=r, stream_out=torch.empty_like(x)), "come with norm_weight"),
+        (dict(norm_weight=g[:7]), r"norm_weight must be contiguous \[8\]"),
+        (dict(norm_weight=g.float()), "norm_weight must be"),
+        (dict(norm_weight=g, residual=r), "residual needs stream_out"),
+        (dict(norm_weight=g, stream_out=torch.empty_like(x)), "residual needs stream_out"),
+        (dict(norm_weight=g, residual=r[:1], stream_out=torch.empty_like(x)), r"residual must be \[2, 8\]"),
+        (dict(norm_weight=g, residual=r, stream_out=torch.empty(2, 8)), "stream_out must be"),
+        (dict(norm_weight=g, residual=r, stream_out=r), "must not share memory"),
+    ]
+    for kwargs, message in norm_cases:
+        with pytest.raises(ValueError, match=message):
+            skinny.skinny_gemm(x, w, **kwargs)
 
 
 @pytest.fixture
@@ -214,6 +305,63 @@ def test_tune_chooses_per_shape_and_row_count_and_linear_follows(clean_table):
     assert next(line for line in lines if line.startswith("wrong")) == "wrong None 0 None"
 
 
+TUNE_NORM = """
+    import os, sys, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, {root!r})
+    from unifiedserve.ops import reference, skinny
+    from tests.unifiedserve.ops.test_skinny import expected_norm, fake_timer
+    C = skinny.SkinnyConfig
+    configs = (C(16, 32, 2), C(16, 64, 2))
+    g = torch.Generator().manual_seed(3)
+    w = [(torch.randn(48, 64, generator=g) / 8).to(torch.bfloat16) for _ in range(2)]
+    b = [torch.randn(48, generator=g).to(torch.bfloat16) for _ in range(2)]
+    nw = [(1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16) for _ in range(2)]
+    # plain, rows 1: cuBLAS 100, the configs 60 and 50; rows 4: 100, 99, 99.5 (cuBLAS stays). With the norm, rows 1:
+    # the norm kernel + the plain choice 80, the configs 70 and 79; rows 4: 80, 79, 79.5 (under the margin)
+    times = [100.0, 60.0, 50.0, 100.0, 99.0, 99.5, 80.0, 70.0, 79.0, 80.0, 79.0, 79.5]
+    res = skinny.tune([skinny.Weights("qkv", w, b, norms=nw, eps=1e-5)], [1, 4], silu_and_mul=reference.silu_and_mul,
+                      configs=configs, timer=fake_timer(times))
+    for c in res:
+        print("choice", c.kind, c.rows, c.config, c.cublas_us, c.baseline.replace(" ", "_"))
+    calls = []
+    real = skinny.skinny_gemm
+    skinny.skinny_gemm = lambda *a, **k: calls.append(
+        (str(k["config"]), k.get("norm_weight") is not None, k.get("residual") is not None)) or real(*a, **k)
+    x = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    r = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    for rows, add in ((1, True), (1, False), (3, True)):
+        calls.clear()
+        res_in = r[:rows].clone() if add else None
+        out, stream = skinny.norm_linear(x[:rows].clone(), res_in, nw[0], 1e-5, w[0], b[0])
+        want, want_stream = expected_norm(x[:rows], r[:rows] if add else None, nw[0], w[0], b[0], False, eps=1e-5)
+        err = (out.float() - want.float()).abs().max().item() / want.float().abs().max().item()
+        stream_err = (stream.float() - want_stream.float()).abs().max().item()
+        print("norm_linear", rows, int(add), calls, err, stream_err)
+"""
+
+
+@needs_triton
+def test_tune_times_the_norm_folded_in_against_the_norm_kernel_and_the_projections_choice(clean_table):
+    """A group with norms is tuned twice: the plain projection, then with the add + RMSNorm in front, where the
+    baseline is the norm kernel followed by the plain choice at that row count (named in the results).
+    norm_linear then runs one kernel where the fused config won, with or without the add, and the norm kernel
+    followed by the plain choice elsewhere; both give the unfused path's output and stream."""
+    lines = run_interpreted(TUNE_NORM)
+    choices = [line.split()[1:] for line in lines if line.startswith("choice")]
+    assert choices == [["qkv", "1", "n16k64s2w4", "50.0", "cuBLAS"], ["qkv", "4", "None", "50.0", "cuBLAS"],
+                       ["norm+qkv", "1", "n16k32s2w4", "40.0", "norm_kernel_+_skinny_n16k64s2w4"],
+                       ["norm+qkv", "4", "None", "40.0", "norm_kernel_+_cuBLAS"]]
+    runs = [line for line in lines if line.startswith("norm_linear")]
+    assert runs[0].startswith("norm_linear 1 1 [('n16k32s2w4', True, True)] ")
+    assert runs[1].startswith("norm_linear 1 0 [('n16k32s2w4', True, False)] ")
+    assert runs[2].startswith("norm_linear 3 1 [] ")  # rows 3 take rows 4's choice: the norm kernel, then cuBLAS
+    for line in runs:
+        err, stream_err = map(float, line.split()[-2:])
+        # bfloat16 rounding (the interpreter truncates); the stream within one bfloat16 step of values up to ~8
+        assert err <= 0.02 and stream_err <= 0.07, line
+
+
 MODEL = """
     import os, sys, torch
     os.environ["TRITON_INTERPRET"] = "1"
@@ -244,16 +392,22 @@ MODEL = """
     with torch.inference_mode():
         before = step(ids)
         kinds = [g.kind for g in lm.skinny_groups()]
-        n = len(kinds) * 2  # rows 4 and 8: cuBLAS then the config, each kind
+        n = (len(kinds) + 2) * 2  # rows 4 and 8: the baseline then the config, each kind and both norm+ kinds
         res = skinny.tune(lm.skinny_groups(), [4, 8], silu_and_mul=ops.silu_and_mul,
                           configs=(skinny.SkinnyConfig(16, 32, 2),), timer=fake_timer([100.0, 50.0] * n))
         calls = []
         real = skinny.skinny_gemm
-        skinny.skinny_gemm = lambda *a, **k: calls.append(k.get("silu_mul", False)) or real(*a, **k)
+        skinny.skinny_gemm = lambda *a, **k: calls.append(
+            (k.get("silu_mul", False), k.get("norm_weight") is not None, k.get("residual") is not None)
+        ) or real(*a, **k)
+        norm_kernels = []
+        real_norm = ops.fused_add_rms_norm
+        ops.fused_add_rms_norm = lambda *a: norm_kernels.append(1) or real_norm(*a)
         after = step(ids)
     print("kinds", *kinds)
     print("chosen", sum(c.chosen for c in res), len(res))
-    print("calls", len(calls), sum(calls))
+    print("calls", len(calls), *(sum(c[i] for c in calls) for i in range(3)))
+    print("norm_kernels", len(norm_kernels))
     print("diff", (after - before).abs().max().item(), before.abs().max().item())
     print("argmax", int(torch.equal(after.argmax(-1), before.argmax(-1))))
 """
@@ -262,11 +416,14 @@ MODEL = """
 @needs_triton
 def test_the_language_model_runs_its_projections_through_the_tuned_kernel():
     """Once tuned, a 5-token step of a bfloat16 decoder runs every projection and the LM head through the skinny
-    kernel (the SwiGLU fused), and its logits stay within bfloat16 rounding of cuBLAS's."""
+    kernel (the SwiGLU fused, each RMSNorm but the final one folded into the projection after it), and its logits
+    stay within bfloat16 rounding of cuBLAS's."""
     lines = dict((line.split()[0], line.split()[1:]) for line in run_interpreted(MODEL))
     assert lines["kinds"] == ["qkv_proj", "o_proj", "gate_up_proj+silu", "down_proj", "lm_head"]
-    assert lines["chosen"] == ["10", "10"]
-    assert lines["calls"] == ["9", "2"]  # 4 per layer (one fused SwiGLU) and the head
+    assert lines["chosen"] == ["14", "14"]
+    # 4 per layer and the head: per layer one SwiGLU, two with the norm; the add in all but layer 0's first
+    assert lines["calls"] == ["9", "2", "4", "3"]
+    assert lines["norm_kernels"] == ["1"]  # the final norm's
     diff, scale = map(float, lines["diff"])
     assert 0 < scale and diff <= 0.02 * scale
     assert lines["argmax"] == ["1"]
@@ -274,33 +431,42 @@ def test_the_language_model_runs_its_projections_through_the_tuned_kernel():
 
 @needs_triton
 def test_kernel_compiles_for_hopper_with_pipelined_16_byte_loads():
-    """Every config and epilogue compiles for sm_90 here (Triton's own ptxas), fits in Hopper's shared memory
-    with room for a second program per SM on the narrow configs, streams the weight with 16-byte asynchronous
-    copies, and is not specialised on the row count or width (one compilation serves every shape)."""
+    """Every config and epilogue, with and without the norm in front, compiles for sm_90 here (Triton's own ptxas)
+    without spilling, fits in Hopper's shared memory with room for a second program per SM on the narrow plain
+    configs, streams the weight with 16-byte asynchronous copies, and is not specialised on the row count or width
+    (one compilation serves every shape)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernel = skinny_kernel._kernel(False)[1]
-    assert {p.name for p in kernel.params if p.do_not_specialize} == {"M", "N"}
-    pointers = ("x", "w", "bias", "out")
-    ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_om", "up_offset")
-    aligned = set(pointers) | {"K", "stride_xm", "stride_wn", "stride_om", "up_offset"}
+    assert {p.name for p in kernel.params if p.do_not_specialize} == {"M", "N", "k_float", "eps"}
+    pointers = ("x", "w", "bias", "out", "r", "g", "h")
+    ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_rm", "stride_hm", "up_offset")
+    aligned = set(pointers) | (set(ints) - {"M", "N"})
+    # (bias, SwiGLU, norm, the norm pass's tile): the norm with the add at batch 1 (one tile holds the 7B's row)
+    # and at 16 rows, without the add at batch 1
+    variants = [(False, False, 0, 1, 16), (True, False, 0, 1, 16), (False, True, 0, 1, 16),
+                (True, False, 2, 1, 4096), (False, True, 2, 16, 512), (True, False, 1, 1, 4096)]
     for config in skinny.CONFIGS:
-        for bias, silu in ((False, False), (True, False), (False, True)):
-            constants = {"HAS_BIAS": bias, "SILU_MUL": silu, "EVEN_K": True, "BLOCK_M": skinny.MAX_ROWS,
-                         "BLOCK_N": config.block_n, "BLOCK_K": config.block_k}
-            signature = {**{p: "*bf16" for p in pointers}, **{i: "i32" for i in ints},
-                         **{c: "constexpr" for c in constants}}
+        for bias, silu, norm, norm_m, norm_k in variants:
+            constants = {"HAS_BIAS": bias, "SILU_MUL": silu, "NORM": norm, "NORM_M": norm_m, "NORM_K": norm_k,
+                         "EVEN_K": True, "BLOCK_M": skinny.MAX_ROWS, "BLOCK_N": config.block_n,
+                         "BLOCK_K": config.block_k}
+            types = {**{p: "*bf16" for p in pointers}, **{i: "i32" for i in ints}, "k_float": "fp32", "eps": "fp32",
+                     **{c: "constexpr" for c in constants}}
+            signature = {p.name: types[p.name] for p in kernel.params}
             attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in aligned}
             compiled = triton.compile(ASTSource(kernel, signature=signature, constexprs=constants, attrs=attrs),
                                       target=GPUTarget("cuda", 90, 32),
                                       options={"num_warps": config.warps, "num_stages": config.stages})
             ptx = compiled.asm["ptx"]
-            assert compiled.metadata.shared <= 227 * 1024, (config, bias, silu, compiled.metadata.shared)
-            if not silu and config.block_n <= 32:
-                assert compiled.metadata.shared <= 113 * 1024, (config, compiled.metadata.shared)
-            assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx), (config, bias, silu)
+            where = (config, bias, silu, norm, compiled.metadata.shared)
+            assert compiled.metadata.shared <= 227 * 1024, where
+            if not silu and not norm and config.block_n <= 32:
+                assert compiled.metadata.shared <= 113 * 1024, where
+            assert ".local" not in ptx, where  # no spills
+            assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx), where
             assert "cp.async.wait_group" in ptx
 
 
@@ -330,27 +496,66 @@ def test_cuda_every_config_matches_cublas_on_the_7b_shapes(rows):
 
 @pytest.mark.cuda
 @cuda
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_cuda_the_norm_folded_in_matches_the_norm_kernel_then_cublas(rows):
+    """Q/K/V and gate/up of the 7B with the add + RMSNorm in front: the stream is torch's add bit for bit, the
+    output the native norm kernel followed by cuBLAS (and silu_and_mul) within bfloat16 rounding: every config with
+    the add, the first without (layer 0's)."""
+    from unifiedserve import ops
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    for kind, n, k, bias, silu in (SHAPES_7B[0], SHAPES_7B[2]):
+        x = torch.randn(rows, k, device="cuda", generator=g).to(torch.bfloat16)
+        r = (4 * torch.randn(rows, k, device="cuda", generator=g)).to(torch.bfloat16)
+        nw = (1 + 0.2 * torch.randn(k, device="cuda", generator=g)).to(torch.bfloat16)
+        w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+        b = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16) if bias else None
+        for add in (True, False):
+            if add:
+                normed, want_stream = ops.fused_add_rms_norm(x.clone(), r.clone(), nw, 1e-6)
+            else:
+                normed, want_stream = ops.rms_norm(x, nw, 1e-6), x
+            y = F.linear(normed, w, b)
+            want = ops.silu_and_mul(y) if silu else y
+            for config in skinny.CONFIGS if add else skinny.CONFIGS[:1]:  # (each variant compiles: ~1 s)
+                stream = torch.full_like(x, float("nan")) if add else None
+                got = skinny.skinny_gemm(x, w, b, silu_mul=silu, norm_weight=nw, eps=1e-6, residual=r if add else None,
+                                         stream_out=stream, config=config)
+                if add:
+                    assert torch.equal(stream, want_stream), (kind, config)
+                torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=2e-2,
+                                           msg=f"{kind} {config} add={add}")
+
+
+@pytest.mark.cuda
+@cuda
 def test_cuda_graph_replay_equals_eager_and_tune_measures_every_config():
-    """The kernel in a captured CUDA graph gives eager's bits (fixed summation order, no workspace), and tune() on
-    real weights measures cuBLAS and every config."""
+    """The kernel in a captured CUDA graph gives eager's bits (fixed summation order, no workspace), with the norm
+    in front too, and tune() on real weights measures cuBLAS and every config, with the norm and without."""
     g = torch.Generator(device="cuda").manual_seed(0)
     w = [(torch.randn(2 * 1024, 1024, device="cuda", generator=g) / 32).to(torch.bfloat16) for _ in range(4)]
     x = torch.randn(2, 1024, device="cuda", generator=g).to(torch.bfloat16)
+    r = torch.randn(2, 1024, device="cuda", generator=g).to(torch.bfloat16)
+    nw = torch.rand(1024, device="cuda", generator=g).to(torch.bfloat16)
     eager = skinny.skinny_gemm(x, w[0], silu_mul=True)
-    out = torch.empty_like(eager)
+    eager_stream = torch.empty_like(x)
+    eager_norm = skinny.skinny_gemm(x, w[1], silu_mul=True, norm_weight=nw, residual=r, stream_out=eager_stream)
+    out, out_norm, out_stream = torch.empty_like(eager), torch.empty_like(eager), torch.empty_like(x)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         skinny.skinny_gemm(x, w[0], silu_mul=True, out=out)
+        skinny.skinny_gemm(x, w[1], silu_mul=True, norm_weight=nw, residual=r, stream_out=out_stream, out=out_norm)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    assert torch.equal(out, eager) and torch.equal(out_norm, eager_norm) and torch.equal(out_stream, eager_stream)
     skinny.reset()
     try:
-        res = skinny.tune([skinny.Weights("mlp", w, [None] * 4, silu_mul=True)], [1, 2],
+        norms = [torch.rand(1024, device="cuda", generator=g).to(torch.bfloat16) for _ in w]
+        res = skinny.tune([skinny.Weights("mlp", w, [None] * 4, silu_mul=True, norms=norms)], [1, 2],
                           silu_and_mul=reference.silu_and_mul)
-        assert [c.rows for c in res] == [1, 2]
+        assert [(c.kind, c.rows) for c in res] == [("mlp", 1), ("mlp", 2), ("norm+mlp", 1), ("norm+mlp", 2)]
         assert all(c.cublas_us > 0 and len(c.configs_us) == len(skinny.CONFIGS) for c in res), res
     finally:
         skinny.reset()
