@@ -140,11 +140,12 @@ def decode_bytes(model, batch: int, context: int) -> int:
     return weights + kv
 
 
-#: kernel name (lower case) -> kind, first match wins; cuBLAS's Hopper GEMMs are ``nvjet_*`` and ``sm90_xmma_*``
+#: kernel name (lower case) -> kind, first match wins; cuBLAS's Hopper GEMMs are ``nvjet_*`` and ``sm90_xmma_*``, the
+#: project's decode GEMM (Triton) ``skinny_kernel`` (a norm folded into it counts as GEMM time)
 KERNEL_KINDS = (
     ("attention", re.compile(r"flashinfer|batchdecode|batchprefill|prefill_kernel|decode_kernel|merge_state|"
                              r"flash_fwd|fmha|attention")),
-    ("gemm", re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|splitk|sm90_|sm80_|ampere_|dot_kernel")),
+    ("gemm", re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|splitk|sm90_|sm80_|ampere_|dot_kernel|skinny")),
     ("norm/rotary/act", re.compile(r"rms_norm|rmsnorm|rotary|silu|gelu|layer_norm|softmax|norm")),
     ("copy/index", re.compile(r"copy|memcpy|memset|fill|cat|index|gather|scatter|pad|slice")),
     ("elementwise", re.compile(r"elementwise|vectorized|reduce|unrolled")),

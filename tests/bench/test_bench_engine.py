@@ -104,6 +104,7 @@ def test_summarize_kernels_by_kind_with_overlap_and_gaps():
     assert line.startswith("gemm 10.0 (1), attention 4.0 (1)") and "copy/index 0.5 (0.5)" in line
     assert line.endswith("busy 13.8 of 58.8 us (4 kernels)")
     assert em.format_kernels({"error": "the profiler recorded no kernel"}) == "the profiler recorded no kernel"
+    assert em.kernel_kind("skinny_kernel") == "gemm"  # the Triton decode GEMM (unifiedserve/ops/skinny_kernel.py)
     with pytest.raises(ValueError, match="calls"):
         em.summarize_kernels(kernels, calls=0)
     with pytest.raises(ValueError, match="CUDA"):
