@@ -253,6 +253,7 @@ def main(argv=None) -> int:
                          "attention_backend": type(runner.attn).__name__,
                          # cuBLAS vs the skinny kernel per projection and decode row count, timed at start-up
                          "skinny_gemm": [c.as_dict() for c in skinny.table()],
+                         "skinny_gemm_tune_s": round(skinny.tune_seconds(), 2),  # compilations included
                          "skinny_gemm_enabled": skinny.enabled()}
     save()
 
@@ -509,6 +510,8 @@ def _print(results: dict, device: str, dtype: str) -> None:
     d = results["device"]
     print(f"{device}, {dtype}, {d['attention_backend']}, CUDA graphs: {d['cuda_graphs']}; copy bandwidth "
           f"{d['copy_bandwidth_GBps']:.0f} GB/s; peak {d['peak_tflops']} TFLOP/s ({d['peak_source']})")
+    if d.get("skinny_gemm"):
+        print(f"decode GEMMs timed at start-up in {d.get('skinny_gemm_tune_s', 0.0):.1f} s (compilations included):")
     for c in d.get("skinny_gemm", []):  # what start-up timed, per projection and decode row count
         best = "-" if c["skinny_us"] is None else f"{c['skinny_us']:.1f} us ({c['config'] or 'not chosen'})"
         print(f"GEMM {c['kind']:<23} [{c['n']}x{c['k']}] rows {c['rows']:>2}: {c.get('baseline', 'cuBLAS')} "

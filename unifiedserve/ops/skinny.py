@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ from unifiedserve import ops
 from unifiedserve.ops.skinny_kernel import _DTYPES, CONFIGS, MAX_ROWS, SkinnyConfig, skinny_gemm
 
 __all__ = ["CONFIGS", "MAX_ROWS", "Choice", "SkinnyConfig", "Weights", "enabled", "gate_up_silu", "linear",
-           "norm_linear", "reset", "skinny_gemm", "summary", "table", "tune"]
+           "norm_linear", "reset", "skinny_gemm", "summary", "table", "tune", "tune_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class Choice:
 # (N rows of weight, K, dtype, has bias, silu_mul, norm folded in) -> [(rows bucket, config or None)], ascending
 _table: dict[tuple, list[tuple[int, SkinnyConfig | None]]] = {}
 _report: list[Choice] = []
+_seconds: list[float] = [0.0]  # the last tune()'s wall time (compilations included)
 
 
 def _key(weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, norm: bool = False) -> tuple:
@@ -79,6 +81,11 @@ def _key(weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, norm: 
 def table() -> list[Choice]:
     """What the last :func:`tune` measured, one entry per (shape, row count)."""
     return list(_report)
+
+
+def tune_seconds() -> float:
+    """Wall time of the last :func:`tune` that ran, Triton's compilations included (0 before any)."""
+    return _seconds[0]
 
 
 def summary(results: Sequence[Choice]) -> str:
@@ -271,6 +278,7 @@ def tune(groups: Iterable[Weights], rows: Iterable[int], *, silu_and_mul: Callab
         log.info("decode GEMMs stay on cuBLAS: Triton does not import")
         return results
     failed: dict[tuple, str] = {}  # (config, epilogue) -> why it cannot run here: not tried again, said once
+    start = time.perf_counter()
     for group in groups:
         if not group.weights:
             continue
@@ -280,6 +288,7 @@ def tune(groups: Iterable[Weights], rows: Iterable[int], *, silu_and_mul: Callab
             continue
         results += _tune_group(group, counts, silu_and_mul, configs, margin, failed,
                                lambda run, n_layers: timer(run, repeats, w0.device) / n_layers)
+    _seconds[0] = time.perf_counter() - start
     keys = {(c.kind, c.rows) for c in results}
     _report[:] = [c for c in _report if (c.kind, c.rows) not in keys] + results
     return results

@@ -254,6 +254,7 @@ TUNE = """
     for c in res:
         print("choice", c.kind, c.rows, c.config, round(c.cublas_us, 3), round(c.skinny_us, 3), len(c.configs_us))
     print("summary", skinny.summary(res))
+    print("seconds", int(skinny.tune_seconds() > 0))
     calls = []
     real = skinny.skinny_gemm
     skinny.skinny_gemm = lambda *a, **k: calls.append(k["config"]) or real(*a, **k)
@@ -295,6 +296,7 @@ def test_tune_chooses_per_shape_and_row_count_and_linear_follows(clean_table):
     cannot = [line for line in lines if line.startswith("log") and "cannot run here" in line]
     # once per epilogue and tune() call: the first call's two (bias, SwiGLU), the last call's one (SwiGLU)
     assert len(cannot) == 3 and all("n16k48s2w4" in line for line in cannot), cannot
+    assert "seconds 1" in lines
     summary = next(line for line in lines if line.startswith("summary"))
     assert "qkv [48x64]: skinny at rows [1]" in summary and "mlp [20x64]: skinny at rows [1, 4]" in summary
     linear = {int(line.split()[1]): line.split()[2] for line in lines if line.startswith("linear")}
