@@ -334,7 +334,7 @@ def _tune_group(group: Weights, counts: list[int], silu_and_mul: Callable[[torch
         results.append(choice)
         buckets.append((m, choice.config))
     _table[_key(w0, b0, silu)] = buckets
-    if not group.norms:
+    if not group.norms or any(g.dtype != w0.dtype for g in group.norms):  # (the kernel takes norms in x's dtype)
         return results
     norm_buckets = []
     layers_norms = list(zip(pairs, group.norms))

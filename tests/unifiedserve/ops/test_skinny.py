@@ -340,6 +340,12 @@ TUNE_NORM = """
         err = (out.float() - want.float()).abs().max().item() / want.float().abs().max().item()
         stream_err = (stream.float() - want_stream.float()).abs().max().item()
         print("norm_linear", rows, int(add), calls, err, stream_err)
+    skinny.skinny_gemm = real
+    # norms kept in float32 beside bfloat16 weights: the kernel cannot take them, so only the plain rows are timed
+    fp32 = skinny.Weights("qkv", w, b, norms=[t.float() for t in nw])
+    res = skinny.tune([fp32], [1], silu_and_mul=reference.silu_and_mul, configs=configs,
+                      timer=fake_timer([100.0, 60.0, 50.0]))
+    print("float32_norms", *[c.kind for c in res])
 """
 
 
@@ -358,6 +364,7 @@ def test_tune_times_the_norm_folded_in_against_the_norm_kernel_and_the_projectio
     assert runs[0].startswith("norm_linear 1 1 [('n16k32s2w4', True, True)] ")
     assert runs[1].startswith("norm_linear 1 0 [('n16k32s2w4', True, False)] ")
     assert runs[2].startswith("norm_linear 3 1 [] ")  # rows 3 take rows 4's choice: the norm kernel, then cuBLAS
+    assert "float32_norms qkv" in lines
     for line in runs:
         err, stream_err = map(float, line.split()[-2:])
         # bfloat16 rounding (the interpreter truncates); the stream within one bfloat16 step of values up to ~8
