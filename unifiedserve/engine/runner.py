@@ -260,12 +260,11 @@ class ModelRunner:
 
         if self.device.type != "cuda":
             return []
-        start = time.perf_counter()
         with torch.inference_mode():
             results = skinny.tune(self.model.language_model.skinny_groups(), batch_sizes,
                                   silu_and_mul=ops.silu_and_mul)
         if results:
-            log.info("decode GEMMs tuned in %.1f s: %s", time.perf_counter() - start, skinny.summary(results))
+            log.info("decode GEMMs tuned in %.1f s: %s", skinny.tune_seconds(), skinny.summary(results))
         return results
 
     def capture_decode_graphs(self, batch_sizes, max_seq_len: int | None = None) -> None:
