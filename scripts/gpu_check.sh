@@ -243,9 +243,11 @@ attention)
   ;;
 engine)
   # ~50 Triton compilations (configs x epilogues x norm variants), which bench-engine's start-up then finds cached
-  step "the skinny decode GEMM against cuBLAS (cuda tests: every config on the 7B shapes, the norm folded in, graphs)"
+  step "cuda tests: the skinny decode GEMM against cuBLAS (every config on the 7B shapes, the norm folded in, graphs);"\
+    "flashinfer's split-free decode graphs against its split ones"
   run 150 pytest-cuda-skinny python3 -m pytest -v --timeout=140 -m cuda -p no:cacheprovider \
-    --junitxml="$out/pytest-cuda-skinny.xml" tests/unifiedserve/ops/test_skinny.py
+    --junitxml="$out/pytest-cuda-skinny.xml" tests/unifiedserve/ops/test_skinny.py \
+    tests/unifiedserve/attention/test_split_kv.py
   prepare_7b
   step "bench/engine on the 7B preset (issue 13's decode, prefill and ViT numbers)"
   run 270 bench-engine python3 bench/engine/bench_engine.py --model /tmp/qwen2.5-vl-7b --device cuda --short \

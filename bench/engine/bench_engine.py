@@ -254,7 +254,9 @@ def main(argv=None) -> int:
                          # cuBLAS vs the skinny kernel per projection and decode row count, timed at start-up
                          "skinny_gemm": [c.as_dict() for c in skinny.table()],
                          "skinny_gemm_tune_s": round(skinny.tune_seconds(), 2),  # compilations included
-                         "skinny_gemm_enabled": skinny.enabled()}
+                         "skinny_gemm_enabled": skinny.enabled(),
+                         # split-KV vs split-free decode attention graphs per batch size and length, timed at start-up
+                         "decode_attention": [c.as_dict() for c in runner.decode_attention_tuning]}
     save()
 
     # -- decode --------------------------------------------------------------------------------
@@ -516,6 +518,11 @@ def _print(results: dict, device: str, dtype: str) -> None:
         best = "-" if c["skinny_us"] is None else f"{c['skinny_us']:.1f} us ({c['config'] or 'not chosen'})"
         print(f"GEMM {c['kind']:<23} [{c['n']}x{c['k']}] rows {c['rows']:>2}: {c.get('baseline', 'cuBLAS')} "
               f"{c['cublas_us']:.1f} us, skinny {best}")
+    for c in d.get("decode_attention", []):  # 28 layers' decode attention in one graph, per batch size and length
+        timed = ", ".join(f"{n}: {a:.1f}/{b:.1f}" for n, a, b in zip(c["lengths"], c["split_us"], c["whole_us"]))
+        kept = f"split-free up to {c['whole_kv_max']} tokens" if c["whole_kv_max"] else "split-KV only"
+        print(f"decode attention, batch {c['batch_size']:>2}: {kept} (tokens: split/split-free us: {timed})"
+              + (f"; {c['note']}" if c.get("note") else ""))
     c = results["correctness"]
     print(f"correctness: greedy agreement {c['greedy_agreement']:.3f}, prefill logits cosine "
           f"{c['prefill_logits_cosine']:.5f}, vision cosine {c['vision_cosine']:.5f}")

@@ -147,6 +147,10 @@ class AttentionBackend(ABC):
     3. ``forward`` then takes exactly ``B`` rows: rows ``len(seqs)..B-1`` are padding; their outputs
        are unspecified and they never change the cache (their K/V writes repeat row 0's write).
 
+    A backend may capture more than one graph per batch size (:meth:`graph_variants`: flashinfer's split-KV
+    decode and its split-free one); each step then replays the one :meth:`graph_variant` names for it, planned
+    with ``plan(seqs, graph_batch_size=B, graph_variant=...)``. Backends with one kind of graph name it ``""``.
+
     ``warmup()`` compiles or loads the kernels for this backend's shapes and dtype, so that first
     use (a JIT compile of tens of seconds for flashinfer) never lands on a request's path; call it
     once at start-up.
@@ -167,13 +171,16 @@ class AttentionBackend(ABC):
         self.metadata: AttentionMetadata | None = None
 
     @abstractmethod
-    def plan(self, seqs: Sequence[SeqSpec], graph_batch_size: int | None = None) -> None:
+    def plan(self, seqs: Sequence[SeqSpec], graph_batch_size: int | None = None,
+             graph_variant: str | None = None) -> None:
         """Build this step's metadata from the sequences, in row order (see the class docstring).
 
         Args:
             seqs: one :data:`SeqSpec` per sequence, in the order of their rows.
             graph_batch_size: plan a CUDA-graph decode step padded to this many rows (a size given
                 to :meth:`init_cuda_graph`); ``None`` for an eager step.
+            graph_variant: which graph of that size the step runs (:meth:`graph_variants`); ``None``: the one
+                :meth:`graph_variant` picks for these sequences.
 
         Raises:
             ValueError: empty or inconsistent sequences, or a graph plan the backend cannot serve.
@@ -211,6 +218,23 @@ class AttentionBackend(ABC):
                 or a size is not positive.
         """
         raise ValueError(f"{type(self).__name__} does not support CUDA-graph decode; run decode eagerly")
+
+    def graph_variants(self, batch_size: int) -> tuple[str, ...]:
+        """The decode graphs to capture at ``batch_size`` (after :meth:`init_cuda_graph`), by name."""
+        return ("",)
+
+    def graph_variant(self, seqs: Sequence[SeqSpec], batch_size: int) -> str:
+        """Which of :meth:`graph_variants` a graph step of these sequences, padded to ``batch_size``, replays."""
+        return ""
+
+    def tune_graph_variants(self, num_layers: int) -> list:
+        """Time this backend's graph variants on the device and keep, per batch size, the one each step length
+        runs fastest with (after :meth:`init_cuda_graph`, before capture and before any request: it writes K/V
+        into the cache). Returns what it measured; nothing for a backend with one kind of graph."""
+        return []
+
+    def offer_every_graph_variant(self) -> None:
+        """Capture every variant at every batch size (the memory profile: the most the graphs may hold)."""
 
     def warmup(self) -> None:
         """Compile/load this backend's kernels for its shapes once, before serving (no-op when none)."""

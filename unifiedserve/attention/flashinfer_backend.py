@@ -10,7 +10,10 @@
   project's cache layout per layer (``[blocks, block_size, kv_heads, head_dim]`` for K and for V) is
   flashinfer's ``NHD`` paged layout, passed to the kernels as a ``(k, v)`` tuple.
 * CUDA-graph decode: one decode wrapper per captured batch size, all reading fixed indptr/indices/
-  last-page-length buffers that ``plan`` overwrites in place (see :class:`AttentionBackend`).
+  last-page-length buffers that ``plan`` overwrites in place (see :class:`AttentionBackend`). In graph mode
+  flashinfer always plans split-KV (a merge kernel after each layer's attention), so where start-up timing
+  finds its split-free plan faster for short sequences a second graph is captured at that size
+  (:mod:`unifiedserve.attention.split_kv`): graph variants ``"split-kv"`` and ``"whole-kv"``.
 * A wrapper is planned again only once the host-to-device copy of its previous plan has run
   (:meth:`FlashInferAttention._plan`): flashinfer's ``plan`` writes its schedule into the wrapper's
   page-locked host buffer and queues the copy without waiting, so with async scheduling (step N+1
@@ -46,6 +49,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 PREFILL_BACKEND_ENV = "UNIFIEDSERVE_FLASHINFER_PREFILL_BACKEND"
 PREFILL_BACKENDS = ("auto", "fa2", "fa3")
+#: the decode graphs' variants: flashinfer's graph-mode plan (KV split into chunks, then merged) and its plan with
+#: ``disable_split_kv`` (each request's keys in one pass per KV head, no merge kernel)
+SPLIT_KV, WHOLE_KV = "split-kv", "whole-kv"
 
 
 def _copy_done_event(device: torch.device) -> Any:
@@ -132,7 +138,8 @@ class FlashInferAttention(AttentionBackend):
                                                                      backend=backend)
         self._decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD",
                                                                    use_tensor_cores=True)
-        self._graph_decode: dict[int, Any] = {}  # batch size -> wrapper bound to the fixed buffers
+        self._graph_decode: dict[int, dict[str, Any]] = {}  # batch size -> variant -> wrapper on the fixed buffers
+        self._whole_kv_max: dict[int, int] = {}  # batch size -> longest sequence the whole-KV graph serves (0: none)
         self._graph_bufs: dict[str, torch.Tensor] = {}
         self._graph_max_seq_len = 0
         self._step: _Step | None = None
@@ -167,10 +174,15 @@ class FlashInferAttention(AttentionBackend):
         dtype = self.kv_cache.dtype
         return dict(pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=dtype, kv_data_type=dtype)
 
-    def plan(self, seqs: Sequence[SeqSpec], graph_batch_size: int | None = None) -> None:
+    def plan(self, seqs: Sequence[SeqSpec], graph_batch_size: int | None = None,
+             graph_variant: str | None = None) -> None:
+        if graph_batch_size is None and graph_variant is not None:
+            raise ValueError(f"graph_variant {graph_variant!r} needs graph_batch_size: eager steps have no variants")
         batch = build_paged_batch(seqs, self.kv_cache.block_size)
         if graph_batch_size is not None:
-            self._step = self._plan_graph(batch, graph_batch_size)
+            if graph_variant is None:
+                graph_variant = self.graph_variant(seqs, graph_batch_size)
+            self._step = self._plan_graph(batch, graph_batch_size, graph_variant)
             return
         arrays = plan_tensors(batch)
         paged = [self._host(arrays[name]) for name in ("paged_kv_indptr", "paged_kv_indices",
@@ -204,19 +216,73 @@ class FlashInferAttention(AttentionBackend):
         }
         self._graph_bufs = bufs
         self._graph_max_seq_len = max_seq_len
-        self._graph_decode = {
-            size: self._fi.BatchDecodeWithPagedKVCacheWrapper(
+        self._graph_decode = {size: {} for size in sorted(set(batch_sizes))}
+        self._whole_kv_max = {size: 0 for size in self._graph_decode}  # split-KV only until tuned
+
+    def _graph_wrapper(self, size: int, variant: str) -> Any:
+        """The graph-mode decode wrapper of this size and variant, made on first use (each holds an 8 MB device
+        workspace and 8 MB of page-locked host memory, so whole-KV ones exist only where they are used)."""
+        if size not in self._graph_decode:
+            raise ValueError(f"graph batch size {size} was not given to init_cuda_graph "
+                             f"(sizes: {sorted(self._graph_decode)})")
+        if variant not in (SPLIT_KV, WHOLE_KV):
+            raise ValueError(f"unknown decode graph variant {variant!r}: choose {SPLIT_KV!r} or {WHOLE_KV!r}")
+        wrappers = self._graph_decode[size]
+        if variant not in wrappers:
+            bufs = self._graph_bufs
+            wrappers[variant] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace, kv_layout="NHD", use_cuda_graph=True, use_tensor_cores=True,
                 paged_kv_indptr_buffer=bufs["paged_kv_indptr"][:size + 1],
                 paged_kv_indices_buffer=bufs["paged_kv_indices"],
                 paged_kv_last_page_len_buffer=bufs["paged_kv_last_page_len"][:size])
-            for size in sorted(set(batch_sizes))}
+        return wrappers[variant]
 
-    def _plan_graph(self, batch: PagedBatch, graph_batch_size: int) -> _Step:
-        wrapper = self._graph_decode.get(graph_batch_size)
-        if wrapper is None:
-            raise ValueError(f"graph batch size {graph_batch_size} was not given to init_cuda_graph "
-                             f"(sizes: {sorted(self._graph_decode)})")
+    # -- graph variants: split-KV or not -----------------------------------------------------------
+
+    def graph_variants(self, batch_size: int) -> tuple[str, ...]:
+        return (SPLIT_KV, WHOLE_KV) if self._whole_kv_max.get(batch_size, 0) > 0 else (SPLIT_KV,)
+
+    def graph_variant(self, seqs: Sequence[SeqSpec], batch_size: int) -> str:
+        limit = self._whole_kv_max.get(batch_size, 0)
+        if limit and max(cached + new for cached, new, _ in seqs) <= limit:
+            return WHOLE_KV
+        return SPLIT_KV
+
+    @property
+    def graph_max_seq_len(self) -> int:
+        """The longest sequence a graph step may hold (``init_cuda_graph``'s ``max_seq_len``; 0 before it)."""
+        return self._graph_max_seq_len
+
+    def whole_kv_limits(self) -> dict[int, int]:
+        """Per captured batch size, the longest sequence (cached + new tokens) whose steps replay the whole-KV graph
+        (0: every step splits)."""
+        return dict(self._whole_kv_max)
+
+    def set_whole_kv_limits(self, limits: dict[int, int]) -> None:
+        """Set :meth:`whole_kv_limits` (after :meth:`init_cuda_graph`, before capture); sizes not given split.
+
+        Raises:
+            ValueError: a size not given to ``init_cuda_graph``, or a negative limit.
+        """
+        unknown = sorted(set(limits) - set(self._graph_decode))
+        if unknown or any(v < 0 for v in limits.values()):
+            raise ValueError(f"whole-KV limits need sizes given to init_cuda_graph ({sorted(self._graph_decode)}) and "
+                             f"limits >= 0, got {dict(limits)}")
+        self._whole_kv_max = {size: int(limits.get(size, 0)) for size in self._graph_decode}
+        for size, limit in self._whole_kv_max.items():
+            if not limit:
+                self._graph_decode[size].pop(WHOLE_KV, None)  # its workspaces go with it
+
+    def offer_every_graph_variant(self) -> None:
+        self.set_whole_kv_limits({size: self._graph_max_seq_len for size in self._graph_decode})
+
+    def tune_graph_variants(self, num_layers: int) -> list:
+        from unifiedserve.attention import split_kv
+
+        return split_kv.tune(self, num_layers)
+
+    def _plan_graph(self, batch: PagedBatch, graph_batch_size: int, variant: str) -> _Step:
+        wrapper = self._graph_wrapper(graph_batch_size, variant)
         if batch.max_kv_len > self._graph_max_seq_len:
             raise ValueError(f"a sequence of {batch.max_kv_len} tokens exceeds the graph's max_seq_len "
                              f"{self._graph_max_seq_len}")
@@ -230,7 +296,7 @@ class FlashInferAttention(AttentionBackend):
         indices = to_device(arrays["paged_kv_indices"], self.kv_cache.device)
         indptr, last = (self._host(arrays[name]) for name in ("paged_kv_indptr", "paged_kv_last_page_len"))
         self._plan(wrapper, indptr, indices, last, self.num_q_heads, self.num_kv_heads, self.head_dim,
-                   self.kv_cache.block_size, **self._plan_kwargs())
+                   self.kv_cache.block_size, disable_split_kv=variant == WHOLE_KV, **self._plan_kwargs())
         n = graph_batch_size
         rows = self._graph_bufs["rows"][:, :n]
         copy_host_ints(rows, np.stack((padded.slot_mapping, padded.write_rows)))  # queued: no host sync per replay

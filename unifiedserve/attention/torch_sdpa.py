@@ -80,7 +80,10 @@ class TorchPagedAttention(AttentionBackend):
         }
         self._graph_sizes = set(batch_sizes)
 
-    def plan(self, seqs: Sequence[SeqSpec], graph_batch_size: int | None = None) -> None:
+    def plan(self, seqs: Sequence[SeqSpec], graph_batch_size: int | None = None,
+             graph_variant: str | None = None) -> None:
+        if graph_variant not in (None, ""):
+            raise ValueError(f"{type(self).__name__} has one kind of decode graph (''), not {graph_variant!r}")
         batch = build_paged_batch(seqs, self.kv_cache.block_size)
         device = self.kv_cache.device
         if graph_batch_size is not None:

@@ -5,7 +5,9 @@ Follows the attention backends' CUDA-graph protocol (``unifiedserve/attention/ba
 replay, which only rewrites the backend's fixed metadata buffers. The runner's own static inputs
 (token ids and M-RoPE positions, ``B`` rows, padding rows zero) are written the same way, so a
 graph captured once serves every later step of at most ``B`` sequences. All graphs share one
-memory pool and are captured largest first (the smaller ones reuse its blocks).
+memory pool and are captured largest first (the smaller ones reuse its blocks). A backend may offer
+more than one graph per size (``graph_variants``: flashinfer's split-KV and split-free decode); each
+is captured, and a step replays the one the backend names for its sequences (``graph_variant``).
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ class DecodeGraphs:
         self.input_ids = self._inputs[0]  # [B_max]
         self.positions = self._inputs[1:]  # [3, B_max]
         attn.init_cuda_graph(self.batch_sizes, max_seq_len)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}  # [B, vocab] logits each graph writes
+        self._graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}  # (batch size, variant) -> graph
+        self._outputs: dict[tuple[int, str], torch.Tensor] = {}  # [B, vocab] logits each graph writes
+        self._last: dict[int, str] = {}  # batch size -> the variant its last prepared step runs
 
     @torch.inference_mode()
     def _body(self, size: int) -> torch.Tensor:
@@ -69,8 +72,15 @@ class DecodeGraphs:
     def captured(self) -> bool:
         return bool(self._graphs)
 
+    def variants(self) -> dict[int, tuple[str, ...]]:
+        """The variants captured per batch size (empty before :meth:`capture`)."""
+        out: dict[int, tuple[str, ...]] = {}
+        for size, variant in self._graphs:
+            out[size] = out.get(size, ()) + (variant,)
+        return out
+
     def capture(self) -> None:
-        """Capture every batch size, largest first, into one shared memory pool.
+        """Capture every batch size (each of the backend's variants), largest first, into one shared memory pool.
 
         Raises:
             ValueError: the model is not on a CUDA device.
@@ -80,18 +90,19 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         current = torch.cuda.current_stream(self.device)
         for size in reversed(self.batch_sizes):
-            self.attn.plan([_CAPTURE_SEQ], graph_batch_size=size)
-            # first runs on a side stream, as torch asks before capture (lazy inits, cuBLAS workspaces)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(current)
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._body(size)
-            current.wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[size] = self._body(size)
-            self._graphs[size] = graph
+            for variant in self.attn.graph_variants(size):
+                self.attn.plan([_CAPTURE_SEQ], graph_batch_size=size, graph_variant=variant)
+                # first runs on a side stream, as torch asks before capture (lazy inits, cuBLAS workspaces)
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(current)
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self._body(size)
+                current.wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._outputs[size, variant] = self._body(size)
+                self._graphs[size, variant] = graph
         torch.cuda.synchronize(self.device)
 
     def graph_size(self, num_seqs: int) -> int | None:
@@ -104,7 +115,7 @@ class DecodeGraphs:
         return (bool(seqs) and self.graph_size(len(seqs)) is not None
                 and all(new == 1 and cached + 1 <= self.max_seq_len for cached, new, _ in seqs))
 
-    def _prepare(self, seqs, input_ids: torch.Tensor, positions: torch.Tensor, fed=None) -> int:
+    def _prepare(self, seqs, input_ids: torch.Tensor, positions: torch.Tensor, fed=None) -> tuple[int, str]:
         n = len(seqs)
         size = self.graph_size(n)
         if size is None or not self.serves(seqs):
@@ -113,14 +124,16 @@ class DecodeGraphs:
         if input_ids.shape != (n,) or positions.shape != (3, n):
             raise ValueError(f"expected input_ids [{n}] and positions [3, {n}], got {list(input_ids.shape)} "
                              f"and {list(positions.shape)}")
-        self.attn.plan(seqs, graph_batch_size=size)
+        variant = self.attn.graph_variant(seqs, size)
+        self.attn.plan(seqs, graph_batch_size=size, graph_variant=variant)
+        self._last[size] = variant
         host = torch.zeros((4, size), dtype=torch.int64)  # padding rows: token 0 at position 0
         host[0, :n] = input_ids
         host[1:, :n] = positions
         self._inputs[:, :size].copy_(to_device(host, self.device), non_blocking=True)
         if fed is not None:  # rows whose token is still on the device (async scheduling)
             self.input_ids.index_copy_(0, *fed)
-        return size
+        return size, variant
 
     def run(self, seqs, input_ids: torch.Tensor, positions: torch.Tensor, fed=None) -> torch.Tensor:
         """Replay the graph for a decode step.
@@ -139,13 +152,14 @@ class DecodeGraphs:
         """
         if not self.captured:
             raise RuntimeError("DecodeGraphs.run before capture()")
-        size = self._prepare(seqs, input_ids, positions, fed)
-        self._graphs[size].replay()
-        return self._outputs[size][:len(seqs)].clone()
+        key = self._prepare(seqs, input_ids, positions, fed)
+        self._graphs[key].replay()
+        return self._outputs[key][:len(seqs)].clone()
 
     def graph_for(self, num_seqs: int) -> torch.cuda.CUDAGraph:
         """The captured graph a ``num_seqs``-sequence step replays (benchmarks time or profile its ``replay()``,
-        which reruns the last step prepared; see :meth:`replay_seconds`).
+        which reruns the last step prepared; see :meth:`replay_seconds`): the variant of the last step prepared at
+        that size, else the first captured.
 
         Raises:
             ValueError: no captured graph serves ``num_seqs``; RuntimeError: not captured.
@@ -155,7 +169,7 @@ class DecodeGraphs:
         size = self.graph_size(num_seqs)
         if size is None:
             raise ValueError(f"no captured decode graph serves {num_seqs} sequences (sizes {list(self.batch_sizes)})")
-        return self._graphs[size]
+        return self._graphs[size, self._last.get(size, self.variants()[size][0])]
 
     def replay_seconds(self, num_seqs: int, repeats: int = 20) -> float:
         """Device time of one replay of the graph a ``num_seqs``-sequence step uses: ``repeats`` replays back
@@ -180,5 +194,5 @@ class DecodeGraphs:
 
     def run_eager(self, seqs, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The same step as :meth:`run`, the same kernels launched one by one (to check replay against)."""
-        size = self._prepare(seqs, input_ids, positions)
+        size, _ = self._prepare(seqs, input_ids, positions)
         return self._body(size)[:len(seqs)].clone()

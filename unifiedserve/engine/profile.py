@@ -160,7 +160,8 @@ def _profile_decode(model, config, probe_blocks: int, per_block: int, batch: int
         longest = text.max_position_embeddings  # the decode process's graphs serve up to its KV capacity
         if isinstance(probe.attn, TorchPagedAttention):
             longest = min(longest, TORCH_GRAPH_MAX_SEQ_LEN)
-        probe.capture_decode_graphs(graph_batch_sizes(graph_batch), max_seq_len=longest)
+        # every variant at every size: the most the serving runner's tuned graphs may hold
+        probe.capture_decode_graphs(graph_batch_sizes(graph_batch), max_seq_len=longest, variants="all")
     torch.cuda.synchronize(device)
     held = max(0, torch.cuda.memory_reserved(device) - before - probe_blocks * per_block)
     base = torch.cuda.memory_allocated(device)

@@ -206,6 +206,7 @@ class ModelRunner:
                                          device=self.device) if num_visual_pages else None
         self.media_cache = MediaCache(media_cache_bytes) if media_cache_bytes > 0 else None
         self.graphs = None  # DecodeGraphs once captured
+        self.decode_attention_tuning: list = []  # what tune_decode_attention measured (bench_engine prints it)
         # build or load csrc/ now (the fused layer ops run in every forward): a first build takes seconds on
         # the CPU and about a minute with nvcc, which belongs to start-up, not to a request or a graph capture
         native = ops.native_available()
@@ -267,7 +268,7 @@ class ModelRunner:
             log.info("decode GEMMs tuned in %.1f s: %s", skinny.tune_seconds(), skinny.summary(results))
         return results
 
-    def capture_decode_graphs(self, batch_sizes, max_seq_len: int | None = None) -> None:
+    def capture_decode_graphs(self, batch_sizes, max_seq_len: int | None = None, variants: str = "tune") -> None:
         """Capture decode steps as CUDA graphs at these batch sizes (start-up only: no request may be running).
 
         Args:
@@ -275,6 +276,9 @@ class ModelRunner:
             max_seq_len: longest sequence a graph step serves (default: the KV cache's capacity,
                 capped by the model's ``max_position_embeddings`` and, for the torch backend, by
                 :data:`TORCH_GRAPH_MAX_SEQ_LEN`); longer steps run eagerly.
+            variants: the attention backend's graph variants per size (flashinfer: split-KV, and split-free for
+                short sequences): ``tune`` times them first and captures the ones that win, ``all`` captures every
+                one (the memory profile), ``one`` only the backend's default.
 
         Raises:
             ValueError: not on CUDA, requests are live, or the backend cannot capture.
@@ -285,6 +289,8 @@ class ModelRunner:
             raise ValueError(f"CUDA graphs need a CUDA device; this runner is on {self.device}")
         if self._tensors:
             raise ValueError("capture decode graphs at start-up, before any request is added")
+        if variants not in ("tune", "all", "one"):
+            raise ValueError(f"variants must be 'tune', 'all' or 'one', got {variants!r}")
         if max_seq_len is None:
             max_seq_len = min(self.kv_cache.num_blocks * self.block_size,
                               self.model.config.text.max_position_embeddings)
@@ -292,10 +298,28 @@ class ModelRunner:
                 max_seq_len = min(max_seq_len, TORCH_GRAPH_MAX_SEQ_LEN)
         start = time.perf_counter()
         graphs = DecodeGraphs(self.model, self.attn, self.rope, batch_sizes, max_seq_len)
+        if variants == "tune":
+            self.tune_decode_attention()
+        elif variants == "all":
+            self.attn.offer_every_graph_variant()
         graphs.capture()
         self.graphs = graphs
-        log.info("captured decode CUDA graphs for batch sizes %s (sequences up to %d tokens) in %.1f s",
-                 list(self.graphs.batch_sizes), max_seq_len, time.perf_counter() - start)
+        log.info("captured decode CUDA graphs for batch sizes %s (sequences up to %d tokens; variants %s) in %.1f s",
+                 list(self.graphs.batch_sizes), max_seq_len, graphs.variants(), time.perf_counter() - start)
+
+    def tune_decode_attention(self) -> list:
+        """Time the attention backend's decode-graph variants (flashinfer: split-KV against split-free, per batch
+        size and sequence length, :mod:`unifiedserve.attention.split_kv`) and keep the faster per length. Between
+        the backend's ``init_cuda_graph`` and the capture; returns the measurements (kept in
+        ``decode_attention_tuning``)."""
+        with torch.inference_mode():
+            results = self.attn.tune_graph_variants(self.model.config.text.num_hidden_layers)
+        self.decode_attention_tuning = results
+        if results:
+            from unifiedserve.attention import split_kv
+
+            log.info("decode attention graphs tuned in %.1f s: %s", split_kv.tune_seconds(), split_kv.summary(results))
+        return results
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request: Request, vision: list[VisionInput] | list[MediaGrid]) -> None:

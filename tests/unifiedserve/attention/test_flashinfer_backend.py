@@ -9,106 +9,15 @@ import pytest
 import torch
 
 from attention_cases import DECODE_SEQS, MIXED_SEQS, dense_reference, make_step
+from flashinfer_fakes import BS, fi
 from unifiedserve.attention import KVCache, TorchPagedAttention
 from unifiedserve.attention import flashinfer_backend as fib
 from unifiedserve.attention.metadata import build_paged_batch, pad_decode_batch
 
-BS = 4
-
-
-def _paged_reference(q, kv, qo_indptr, kv_indptr, indices, last_page_len, page_size, causal, scale):
-    """flashinfer's paged attention semantics, densely: request b's keys are the first
-    ``(pages - 1) * page_size + last_page_len`` slots of its pages; causal aligns bottom-right."""
-    k_cache, v_cache = kv  # [P, page, Hkv, D] each (NHD)
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for b in range(len(kv_indptr) - 1):
-        pages = indices[kv_indptr[b]:kv_indptr[b + 1]].long()
-        kv_len = (len(pages) - 1) * page_size + int(last_page_len[b])
-        k = k_cache[pages].flatten(0, 1)[:kv_len].double()
-        v = v_cache[pages].flatten(0, 1)[:kv_len].double()
-        qs, qe = int(qo_indptr[b]), int(qo_indptr[b + 1])
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        scores = torch.einsum("nhd,lhd->hnl", q[qs:qe].double(), k) * scale
-        if causal:
-            n = qe - qs
-            allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        out[qs:qe] = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
-    return out.to(q.dtype)
-
-
-class _FakeWrapper:
-    def __init__(self, workspace, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
-                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
-                 backend="auto"):
-        assert kv_layout == "NHD" and workspace.dtype == torch.uint8
-        self.backend = backend
-        self.use_cuda_graph, self.use_tensor_cores = use_cuda_graph, use_tensor_cores
-        if use_cuda_graph:
-            assert len(paged_kv_indptr_buffer) == len(paged_kv_last_page_len_buffer) + 1
-        self.bufs = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
-        self.plans = 0
-
-    def _store(self, qo_indptr, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size,
-               causal, sm_scale, q_data_type, kv_data_type, pos_encoding_mode):
-        assert all(t.dtype == torch.int32 for t in (qo_indptr, indptr, indices, last))
-        assert pos_encoding_mode == "NONE" and q_data_type == kv_data_type
-        if self.use_cuda_graph:  # flashinfer copies into the fixed buffers; the batch size is fixed
-            ind_buf, idx_buf, last_buf = self.bufs
-            if len(last) != len(last_buf):
-                raise ValueError("The batch size should be fixed in cudagraph mode")
-            ind_buf.copy_(indptr), last_buf.copy_(last), idx_buf[:len(indices)].copy_(indices)
-            indptr, indices, last = ind_buf, idx_buf, last_buf
-        self.plan_args = dict(qo_indptr=qo_indptr.clone(), indptr=indptr, indices=indices, last=last,
-                              heads=(num_qo_heads, num_kv_heads, head_dim), page_size=page_size, causal=causal,
-                              scale=sm_scale, dtype=q_data_type)
-        self.plans += 1
-
-    def run(self, q, paged_kv_cache):
-        a = self.plan_args
-        assert isinstance(paged_kv_cache, tuple) and q.dtype == a["dtype"]
-        assert (q.shape[1], paged_kv_cache[0].shape[2], q.shape[2]) == a["heads"]
-        return _paged_reference(q, paged_kv_cache, a["qo_indptr"].tolist(), a["indptr"].tolist(), a["indices"],
-                                a["last"].tolist(), a["page_size"], a["causal"], a["scale"])
-
-
-class _FakeDecode(_FakeWrapper):
-    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-             pos_encoding_mode="NONE", sm_scale=None, q_data_type="float16", kv_data_type=None):
-        qo = torch.arange(len(last_page_len) + 1, dtype=torch.int32)
-        self._store(qo, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, False,
-                    sm_scale, q_data_type, kv_data_type, pos_encoding_mode)
-
-
-class _FakePrefill(_FakeWrapper):
-    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-             num_kv_heads, head_dim_qk, page_size, causal=False, pos_encoding_mode="NONE", sm_scale=None,
-             q_data_type="float16", kv_data_type=None):
-        self._store(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-                    num_kv_heads, head_dim_qk, page_size, causal, sm_scale, q_data_type, kv_data_type,
-                    pos_encoding_mode)
-
-
-@pytest.fixture
-def fake_flashinfer(monkeypatch):
-    """FlashInferAttention on a CPU cache, with flashinfer's wrappers replaced by the stand-ins."""
-    fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=_FakeDecode,
-                                 BatchPrefillWithPagedKVCacheWrapper=_FakePrefill)
-    monkeypatch.setattr(fib, "import_flashinfer", lambda: fake)
-    monkeypatch.setattr(fib, "_copy_done_event", lambda device: types.SimpleNamespace(synchronize=lambda: None))
-    monkeypatch.setattr(fib, "WORKSPACE_BYTES", 1024)
-    monkeypatch.setattr(fib.FlashInferAttention, "_validate_cache", staticmethod(lambda cache: None))
-    return fake
-
-
-def _fi(hq=4, hkv=2, d=64, dtype=torch.bfloat16, device="cpu", blocks=16):
-    return fib.FlashInferAttention(KVCache(2, blocks, BS, hkv, d, dtype=dtype, device=device), hq, hkv, d)
-
 
 @pytest.mark.parametrize("seqs", [MIXED_SEQS, DECODE_SEQS], ids=["mixed", "decode"])
 def test_glue_matches_dense_reference(fake_flashinfer, seqs):
-    attn = _fi()
+    attn = fi()
     step = make_step(seqs, attn.kv_cache, 4, seed=7, layer=1)
     attn.plan(seqs)
     wrapper = attn._step.wrapper
@@ -120,10 +29,10 @@ def test_glue_matches_dense_reference(fake_flashinfer, seqs):
 
 
 def test_graph_decode_pads_and_rewrites_fixed_buffers(fake_flashinfer):
-    eager, graph = _fi(), _fi()
+    eager, graph = fi(), fi()
     graph.init_cuda_graph([1, 4, 8], max_seq_len=16)
     assert sorted(graph._graph_decode) == [1, 4, 8]
-    assert all(w.use_cuda_graph and w.use_tensor_cores for w in graph._graph_decode.values())
+    assert graph.whole_kv_limits() == {1: 0, 4: 0, 8: 0} and graph.graph_variants(8) == (fib.SPLIT_KV,)
     indptr_ptr = graph._graph_bufs["paged_kv_indptr"].data_ptr()
     for seed, seqs in enumerate((DECODE_SEQS, DECODE_SEQS[:3], DECODE_SEQS[2:])):
         e, g = (make_step(seqs, a.kv_cache, 4, seed=seed) for a in (eager, graph))
@@ -138,17 +47,21 @@ def test_graph_decode_pads_and_rewrites_fixed_buffers(fake_flashinfer):
         assert torch.equal(graph.kv_cache.tensor, eager.kv_cache.tensor)  # padding rows changed nothing
         assert graph._graph_bufs["paged_kv_indptr"].data_ptr() == indptr_ptr
         assert graph._graph_bufs["paged_kv_last_page_len"][len(seqs):8].tolist() == [1] * pad
+        wrapper = graph._step.wrapper
+        assert wrapper.use_cuda_graph and wrapper.use_tensor_cores and wrapper.disable_split_kv is False
+    assert list(graph._graph_decode[8]) == [fib.SPLIT_KV]  # no split-free wrapper (and its workspaces) unasked
 
 
 def test_a_wrapper_is_planned_again_only_after_its_last_plans_copy(fake_flashinfer, monkeypatch):
     """flashinfer's plan queues a copy from the wrapper's page-locked buffer: the next plan of the same wrapper
     first waits for the event recorded after the previous one (async scheduling plans a step while the one
     before may still be queued); a wrapper's first plan waits for nothing, and wrappers do not wait on each other."""
-    attn = _fi()
+    attn = fi()
     attn.init_cuda_graph([4], max_seq_len=16)
     log = []
-    names = {id(attn._decode): "decode", id(attn._prefill): "prefill", id(attn._graph_decode[4]): "graph"}
-    for wrapper in (attn._decode, attn._prefill, attn._graph_decode[4]):
+    graph_wrapper = attn._graph_wrapper(4, fib.SPLIT_KV)
+    names = {id(attn._decode): "decode", id(attn._prefill): "prefill", id(graph_wrapper): "graph"}
+    for wrapper in (attn._decode, attn._prefill, graph_wrapper):
         monkeypatch.setattr(wrapper, "plan", lambda *a, _w=wrapper, _plan=wrapper.plan, **k: (
             log.append(("plan", names[id(_w)])), _plan(*a, **k)))
 
@@ -170,11 +83,11 @@ def test_graph_plan_sends_the_page_indices_up_itself(fake_flashinfer, monkeypatc
     """flashinfer 0.6.13's graph-mode plan copies host page indices with a blocking copy (the device caught it under
     set_sync_debug_mode("error")): the backend queues them to the cache's device first (to_device) and hands
     flashinfer the device tensor; indptr and last-page lengths stay host arrays, which flashinfer also reads there."""
-    attn = _fi()
+    attn = fi()
     attn.init_cuda_graph([4], max_seq_len=16)
     sent = {}
     monkeypatch.setattr(fib, "to_device", lambda t, device: sent.setdefault(id(t), (t, device))[0])
-    wrapper, seen = attn._graph_decode[4], {}
+    wrapper, seen = attn._graph_wrapper(4, fib.SPLIT_KV), {}
     plan = wrapper.plan
     monkeypatch.setattr(wrapper, "plan", lambda indptr, indices, last, *a, **k: (
         seen.update(indptr=indptr, indices=indices, last=last), plan(indptr, indices, last, *a, **k)))
@@ -187,7 +100,7 @@ def test_graph_plan_sends_the_page_indices_up_itself(fake_flashinfer, monkeypatc
 
 
 def test_graph_decode_errors(fake_flashinfer):
-    attn = _fi()
+    attn = fi()
     with pytest.raises(ValueError, match="not given to init_cuda_graph"):
         attn.plan(DECODE_SEQS, graph_batch_size=4)
     attn.init_cuda_graph([4], max_seq_len=8)
@@ -197,20 +110,62 @@ def test_graph_decode_errors(fake_flashinfer):
         attn.plan([(1, 1, [i]) for i in range(5)], graph_batch_size=4)
 
 
+def test_graph_variants_split_free_below_the_limit(fake_flashinfer):
+    """A size with a whole-KV limit captures two graphs; a step whose longest sequence (cached + new) is within
+    the limit plans the split-free wrapper (flashinfer's disable_split_kv), a longer one the split wrapper, and both
+    give the reference attention. Eager steps have no variants."""
+    attn = fi()
+    attn.init_cuda_graph([4, 8], max_seq_len=16)
+    attn.set_whole_kv_limits({4: 6})
+    assert attn.whole_kv_limits() == {4: 6, 8: 0}
+    assert attn.graph_variants(4) == (fib.SPLIT_KV, fib.WHOLE_KV) and attn.graph_variants(8) == (fib.SPLIT_KV,)
+    short = [(5, 1, [0, 1]), (2, 1, [2])]  # longest: 6 tokens
+    long = [(6, 1, [3, 4]), (2, 1, [5])]  # 7
+    assert attn.graph_variant(short, 4) == fib.WHOLE_KV and attn.graph_variant(long, 4) == fib.SPLIT_KV
+    assert attn.graph_variant(short, 8) == fib.SPLIT_KV  # no limit at 8
+    eager = fi()
+    outs = {}
+    for seqs, variant in ((short, fib.WHOLE_KV), (long, fib.SPLIT_KV)):
+        step, e = make_step(seqs, attn.kv_cache, 4, seed=2), make_step(seqs, eager.kv_cache, 4, seed=2)
+        attn.plan(seqs, graph_batch_size=4)  # the variant follows from the lengths
+        wrapper = attn._step.wrapper
+        assert wrapper is attn._graph_decode[4][variant] and wrapper.disable_split_kv == (variant == fib.WHOLE_KV)
+        pad = torch.zeros(2, 2, 64).bfloat16()
+        out = attn.forward(0, torch.cat([step.q, torch.zeros(2, 4, 64).bfloat16()]), torch.cat([step.k, pad]),
+                           torch.cat([step.v, pad]))
+        eager.plan(seqs)
+        outs[variant] = out[:2]
+        assert torch.equal(out[:2], eager.forward(0, e.q, e.k, e.v))
+    attn.plan(long, graph_batch_size=4, graph_variant=fib.WHOLE_KV)  # a forced variant (what capture does)
+    assert attn._step.wrapper is attn._graph_decode[4][fib.WHOLE_KV]
+    attn.set_whole_kv_limits({})
+    assert fib.WHOLE_KV not in attn._graph_decode[4] and attn.graph_variants(4) == (fib.SPLIT_KV,)
+    attn.offer_every_graph_variant()
+    assert attn.whole_kv_limits() == {4: 16, 8: 16}
+    with pytest.raises(ValueError, match="unknown decode graph variant 'fast'"):
+        attn.plan(short, graph_batch_size=4, graph_variant="fast")
+    with pytest.raises(ValueError, match="needs graph_batch_size"):
+        attn.plan(short, graph_variant=fib.WHOLE_KV)
+    with pytest.raises(ValueError, match="sizes given to init_cuda_graph"):
+        attn.set_whole_kv_limits({2: 4})
+    with pytest.raises(ValueError, match="limits >= 0"):
+        attn.set_whole_kv_limits({4: -1})
+
+
 def test_prefill_backend_knob(fake_flashinfer, monkeypatch):
-    assert _fi()._prefill.backend == "auto" and fib.prefill_backend() == "auto"
+    assert fi()._prefill.backend == "auto" and fib.prefill_backend() == "auto"
     monkeypatch.setenv(fib.PREFILL_BACKEND_ENV, "fa2")
-    attn = _fi()
+    attn = fi()
     assert attn._prefill.backend == "fa2"
     assert attn._decode.backend == "auto"  # decode keeps flashinfer's tensor-core (FA2) kernel either way
     monkeypatch.setenv(fib.PREFILL_BACKEND_ENV, "fa4")
     with pytest.raises(ValueError, match="UNIFIEDSERVE_FLASHINFER_PREFILL_BACKEND='fa4': choose one of auto, fa2, fa3"):
-        _fi()
+        fi()
 
 
 def test_constructor_rejects_odd_head_dims(fake_flashinfer):
     with pytest.raises(ValueError, match="built for head dims 64/128/256, the model has 80"):
-        _fi(d=80)
+        fi(d=80)
 
 
 def test_selection_reasons_for_head_dim():
@@ -242,7 +197,7 @@ def test_plan_tensors_are_int32_host_arrays():
 def test_flashinfer_matches_sdpa_and_reference(hq, hkv):
     pytest.importorskip("flashinfer")
     for seqs in (MIXED_SEQS, DECODE_SEQS):
-        attn = _fi(hq, hkv, 128, torch.bfloat16, "cuda")
+        attn = fi(hq, hkv, 128, torch.bfloat16, "cuda")
         sdpa = TorchPagedAttention(KVCache(2, 16, BS, hkv, 128, dtype=torch.bfloat16, device="cuda"), hq, hkv, 128)
         step = make_step(seqs, attn.kv_cache, hq, seed=11)
         make_step(seqs, sdpa.kv_cache, hq, seed=11)
@@ -257,7 +212,7 @@ def test_flashinfer_matches_sdpa_and_reference(hq, hkv):
 @pytest.mark.cuda
 def test_flashinfer_graph_replay_equals_eager():
     pytest.importorskip("flashinfer")
-    attn = _fi(28, 4, 128, torch.bfloat16, "cuda", blocks=32)
+    attn = fi(28, 4, 128, torch.bfloat16, "cuda", blocks=32)
     attn.warmup()
     attn.init_cuda_graph([4], max_seq_len=64)
     first = make_step(DECODE_SEQS, attn.kv_cache, 28, seed=3)

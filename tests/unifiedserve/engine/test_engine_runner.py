@@ -182,3 +182,37 @@ def test_padded_graph_step_matches_the_plain_forward_on_cpu(model):
         graphs.replay_seconds(3)
     with pytest.raises(ValueError, match="CUDA graphs need"):
         graphs.capture()
+
+
+class _TwoVariants(TorchPagedAttention):
+    """The torch backend offering two graph variants: "short" for steps whose sequences hold at most 8 tokens."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.planned = []
+
+    def graph_variants(self, batch_size):
+        return ("long", "short")
+
+    def graph_variant(self, seqs, batch_size):
+        return "short" if max(c + n for c, n, _ in seqs) <= 8 else "long"
+
+    def plan(self, seqs, graph_batch_size=None, graph_variant=None):
+        self.planned.append(graph_variant)
+        super().plan(seqs, graph_batch_size)
+
+
+@torch.inference_mode()
+def test_graph_steps_plan_the_variant_the_backend_names(model):
+    from unifiedserve.engine.cuda_graph import DecodeGraphs
+
+    t = model.config.text
+    attn = _TwoVariants(KVCache(t.num_hidden_layers, 8, 16, t.num_key_value_heads, t.head_dim),
+                        t.num_attention_heads, t.num_key_value_heads, t.head_dim)
+    graphs = DecodeGraphs(model, attn, RopeTables(t, torch.device("cpu")), [2], max_seq_len=64)
+    ids, positions = torch.tensor([5, 6]), torch.tensor([[7, 20]] * 3)
+    graphs.run_eager([(7, 1, [0]), (3, 1, [1])], ids, torch.tensor([[7, 3]] * 3))
+    graphs.run_eager([(7, 1, [0]), (19, 1, [1, 2])], ids, positions)
+    assert attn.planned == ["short", "long"] and graphs._last == {2: "long"}
+    with pytest.raises(ValueError, match="one kind of decode graph"):
+        _attn(model).plan([(0, 1, [0])], graph_batch_size=1, graph_variant="short")
