@@ -16,6 +16,7 @@ split graph. Sequences in a real long-video request are long, so there the split
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -51,6 +52,11 @@ class SplitChoice:
 
 
 _seconds = 0.0
+
+
+def enabled() -> bool:
+    """``UNIFIEDSERVE_SPLIT_FREE_DECODE=0`` keeps every decode graph split-KV (flashinfer's graph-mode plan)."""
+    return os.environ.get("UNIFIEDSERVE_SPLIT_FREE_DECODE", "") not in ("0", "off", "false")
 
 
 def tune_seconds() -> float:
@@ -120,9 +126,13 @@ def tune(attn, num_layers: int, *, lengths: Sequence[int] = LENGTHS, margin: flo
 
     Each length's batch holds ``batch_size`` sequences of that length on distinct KV blocks (lengths past the
     graphs' ``max_seq_len`` or the cache's blocks are not timed). Start-up only: it writes random K/V into the blocks
-    it times (the first length's, so that the outputs compared are not all equal) and the new tokens' slots.
+    it times (the first length's, so that the outputs compared are not all equal) and the new tokens' slots. With
+    ``UNIFIEDSERVE_SPLIT_FREE_DECODE=0`` it times nothing and every graph splits.
     """
     global _seconds
+    if not enabled():
+        attn.set_whole_kv_limits({})
+        return []
     start = time.perf_counter()
     timer = timer or graph_timer()
     cache = attn.kv_cache

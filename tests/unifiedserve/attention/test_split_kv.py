@@ -80,6 +80,16 @@ def test_tune_never_keeps_a_split_free_graph_that_disagrees(fake_flashinfer):
     assert choice.as_dict()["note"] == choice.note
 
 
+def test_the_knob_keeps_every_graph_split(fake_flashinfer, monkeypatch):
+    attn = fi(blocks=16)
+    attn.init_cuda_graph([1], max_seq_len=64)
+    attn.set_whole_kv_limits({1: 64})
+    monkeypatch.setenv("UNIFIEDSERVE_SPLIT_FREE_DECODE", "0")
+    calls = []
+    assert split_kv.tune(attn, 2, lengths=(64,), timer=_timer({}, calls)) == [] and calls == []
+    assert attn.whole_kv_limits() == {1: 0}
+
+
 def test_the_first_length_runs_on_random_keys(fake_flashinfer):
     """The tune writes random K/V into the blocks it times first, so that the outputs it compares are not equal
     by accident (an all-zero cache gives every query the same average of nothing)."""
