@@ -25,6 +25,7 @@ image 140x252 + video 252x140   3.9e-6       -
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import numpy as np
@@ -162,8 +163,11 @@ def test_decode_step_matches_transformers_cache(ours, hf_model, processor):
         logits = model.compute_logits(hidden)[0]
 
         out = hf_model(**_hf_inputs(config, ids, images, videos), use_cache=True)
-        ref = hf_model(input_ids=torch.tensor([[next_id]]), past_key_values=out.past_key_values,
-                       use_cache=True).logits[0, -1]
+        # transformers 5.24 renamed the argument to `cache` (past_key_values is deprecated); earlier 5.x (the GPU
+        # machine's 5.17) take past_key_values
+        name = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
+        past = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+        ref = hf_model(input_ids=torch.tensor([[next_id]]), **{name: past}, use_cache=True).logits[0, -1]
     print(f"\ndecode step: logits max abs diff {(logits - ref).abs().max().item():.2e}")
     torch.testing.assert_close(logits, ref, atol=ATOL, rtol=ATOL)
 
