@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from unifiedserve.attention.flashinfer_backend import SPLIT_KV, WHOLE_KV
+from unifiedserve.ops.skinny import disagreement
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +70,6 @@ def summary(choices: Sequence[SplitChoice]) -> str:
     parts = [f"batch {c.batch_size}: " + (f"split-free up to {c.whole_kv_max} tokens" if c.whole_kv_max
                                          else "split-KV") for c in choices]
     return "; ".join(parts)
-
-
-def _disagreement(got: torch.Tensor, want: torch.Tensor) -> str:
-    """Why ``got`` is not ``want`` up to 16-bit rounding (each value within 2 % of the largest), or ''."""
-    scale = want.float().abs().max().item()
-    err = (got.float() - want.float()).abs().max().item()
-    if err == err and err <= 0.02 * scale + 1e-3:  # (err == err: not NaN)
-        return ""
-    return f"differs from the split-KV output by {err:.3g} (largest value {scale:.3g})"
 
 
 def graph_timer(repeats: int = 5) -> Timer:
@@ -152,7 +144,7 @@ def tune(attn, num_layers: int, *, lengths: Sequence[int] = LENGTHS, margin: flo
                 choice.lengths.append(length)
                 choice.split_us.append(round(split_us, 2))
                 choice.whole_us.append(round(whole_us, 2))
-                wrong = _disagreement(whole_out[:size], split_out[:size])
+                wrong = disagreement(whole_out[:size], split_out[:size], "the split-KV output")
                 if wrong:
                     choice.note = f"at {length} tokens the split-free output {wrong}"
                     choice.whole_kv_max = 0

@@ -278,7 +278,7 @@ class ModelRunner:
                 :data:`TORCH_GRAPH_MAX_SEQ_LEN`); longer steps run eagerly.
             variants: the attention backend's graph variants per size (flashinfer: split-KV, and split-free for
                 short sequences): ``tune`` times them first and captures the ones that win, ``all`` captures every
-                one (the memory profile), ``one`` only the backend's default.
+                one (the memory profile).
 
         Raises:
             ValueError: not on CUDA, requests are live, or the backend cannot capture.
@@ -289,8 +289,8 @@ class ModelRunner:
             raise ValueError(f"CUDA graphs need a CUDA device; this runner is on {self.device}")
         if self._tensors:
             raise ValueError("capture decode graphs at start-up, before any request is added")
-        if variants not in ("tune", "all", "one"):
-            raise ValueError(f"variants must be 'tune', 'all' or 'one', got {variants!r}")
+        if variants not in ("tune", "all"):
+            raise ValueError(f"variants must be 'tune' or 'all', got {variants!r}")
         if max_seq_len is None:
             max_seq_len = min(self.kv_cache.num_blocks * self.block_size,
                               self.model.config.text.max_position_embeddings)
@@ -300,7 +300,7 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.attn, self.rope, batch_sizes, max_seq_len)
         if variants == "tune":
             self.tune_decode_attention()
-        elif variants == "all":
+        else:
             self.attn.offer_every_graph_variant()
         graphs.capture()
         self.graphs = graphs
@@ -312,8 +312,7 @@ class ModelRunner:
         size and sequence length, :mod:`unifiedserve.attention.split_kv`) and keep the faster per length. Between
         the backend's ``init_cuda_graph`` and the capture; returns the measurements (kept in
         ``decode_attention_tuning``)."""
-        with torch.inference_mode():
-            results = self.attn.tune_graph_variants(self.model.config.text.num_hidden_layers)
+        results = self.attn.tune_graph_variants(self.model.config.text.num_hidden_layers)
         self.decode_attention_tuning = results
         if results:
             from unifiedserve.attention import split_kv

@@ -26,8 +26,8 @@ from flashcodec._triton import import_triton, interpreting
 from unifiedserve import ops
 from unifiedserve.ops.skinny_kernel import _DTYPES, CONFIGS, MAX_ROWS, SkinnyConfig, skinny_gemm
 
-__all__ = ["CONFIGS", "MAX_ROWS", "Choice", "SkinnyConfig", "Weights", "enabled", "gate_up_silu", "linear",
-           "norm_linear", "reset", "skinny_gemm", "summary", "table", "tune", "tune_seconds"]
+__all__ = ["CONFIGS", "MAX_ROWS", "Choice", "SkinnyConfig", "Weights", "disagreement", "enabled", "gate_up_silu",
+           "linear", "norm_linear", "reset", "skinny_gemm", "summary", "table", "tune", "tune_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -204,14 +204,21 @@ def _time_us(run: Callable[[], None], repeats: int, device: torch.device) -> flo
     return best
 
 
-def _disagreement(got: torch.Tensor, want: torch.Tensor) -> str:
-    """Why ``got`` (the kernel's) is not ``want`` (the unfused path's) up to 16-bit rounding (each value within 2 % of
-    the largest), or ''."""
+def disagreement(got: torch.Tensor, want: torch.Tensor, reference: str) -> str:
+    """Why a fast path's ``got`` is not ``want`` (``reference`` names it) up to 16-bit rounding (each value within 2 %
+    of the largest): ``"differs from <reference> by ..."``, or '' when it agrees. Start-up tunes (this module's and
+    :mod:`unifiedserve.attention.split_kv`) keep no path that disagrees."""
     scale = want.float().abs().max().item()
     err = (got.float() - want.float()).abs().max().item()
     if err == err and err <= 0.02 * scale + 1e-3:  # (err == err: not NaN)
         return ""
-    return f"its output differs from the unfused path's by {err:.3g} (largest value {scale:.3g})"
+    return f"differs from {reference} by {err:.3g} (largest value {scale:.3g})"
+
+
+def _disagreement(got: torch.Tensor, want: torch.Tensor) -> str:
+    """:func:`disagreement` of the kernel's output against the unfused path's, or ''."""
+    wrong = disagreement(got, want, "the unfused path's")
+    return wrong and f"its output {wrong}"
 
 
 def _best(kind: str, m: int, n: int, k: int, baseline: str, baseline_us: float, run: Callable[[SkinnyConfig], None],
