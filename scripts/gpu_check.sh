@@ -242,10 +242,11 @@ attention)
   run 40 bench-fused-ops python3 bench/kernels/bench_fused_ops.py --device cuda --quick --out "$out/bench_fused_ops.json"
   ;;
 engine)
-  # ~50 Triton compilations (configs x epilogues x norm variants), which bench-engine's start-up then finds cached
-  step "cuda tests: the skinny decode GEMM against cuBLAS (every config on the 7B shapes, the norm folded in, graphs);"\
-    "flashinfer's split-free decode graphs against its split ones"
-  run 150 pytest-cuda-skinny python3 -m pytest -v --timeout=140 -m cuda -p no:cacheprovider \
+  # ~60 Triton compilations (configs x epilogues x norm and rotary variants), which bench-engine's start-up then
+  # finds cached
+  step "cuda tests: the skinny decode GEMM against cuBLAS (every config on the 7B shapes, the norm folded in, rotary and"\
+    "the K/V write folded in, graphs); flashinfer's split-free decode graphs against its split ones"
+  run 190 pytest-cuda-skinny python3 -m pytest -v --timeout=170 -m cuda -p no:cacheprovider \
     --junitxml="$out/pytest-cuda-skinny.xml" tests/unifiedserve/ops/test_skinny.py \
     tests/unifiedserve/attention/test_split_kv.py
   prepare_7b

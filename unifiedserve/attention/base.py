@@ -18,6 +18,7 @@ import torch
 
 from unifiedserve.attention.metadata import SeqSpec
 from unifiedserve.memory.transfer import to_device
+from unifiedserve.ops.skinny_rope import RopeWrite
 
 
 class KVCache:
@@ -205,6 +206,28 @@ class AttentionBackend(ABC):
 
         q, k = ops.rotary(q, k, cos, sin)
         return self.forward(layer, q, k, v)
+
+    def rope_write(self, layer: int, cos: torch.Tensor, sin: torch.Tensor) -> RopeWrite | None:
+        """Where this step's rotary tables come from and its K/V go, for a Q/K/V projection that rotates and writes
+        them itself (:func:`unifiedserve.ops.skinny.norm_qkv_rope`): a :class:`~unifiedserve.ops.skinny_rope.RopeWrite`
+        over this layer's cache slots, then :meth:`forward_rotated`. None where the backend writes its own K/V
+        (no :meth:`_kv_write_rows`), before a plan, or for tables in another dtype than the cache's (the fused
+        write stores in the model's dtype): the model then calls :meth:`forward_rope`."""
+        rows = self._kv_write_rows()
+        if rows is None or cos.dtype != self.kv_cache.dtype:
+            return None
+        k_slots, v_slots = self.kv_cache.layer(layer)
+        return RopeWrite(cos, sin, self.num_q_heads, self.num_kv_heads, k_slots, v_slots, *rows)
+
+    def _kv_write_rows(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The planned step's ``(slot_mapping, write_rows)`` (int64 ``[N]`` on the cache's device; write_rows None
+        but for a padded graph step), for backends that can attend over K/V written by the projection; else None."""
+        return None
+
+    def forward_rotated(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q [N, Hq, D]``, already rotated, over the cache whose new K/V are already written (what
+        :meth:`rope_write` promised)."""
+        raise NotImplementedError(f"{type(self).__name__} writes its own K/V: call forward_rope")
 
     def init_cuda_graph(self, batch_sizes: Sequence[int], max_seq_len: int) -> None:
         """Allocate static metadata buffers for CUDA-graph decode at these batch sizes.

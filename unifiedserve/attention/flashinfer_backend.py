@@ -330,6 +330,13 @@ class FlashInferAttention(AttentionBackend):
         q = ops.rotary_cache(q, k, v, cos, sin, k_slots, v_slots, step.slot_mapping, step.write_rows)
         return self._attend(step, layer, q)
 
+    def _kv_write_rows(self):
+        step = self._step
+        return None if step is None else (step.slot_mapping, step.write_rows)
+
+    def forward_rotated(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        return self._attend(self._checked_step(q), layer, q)
+
     def _attend(self, step, layer: int, q: torch.Tensor) -> torch.Tensor:
         out = step.wrapper.run(q.to(self.kv_cache.dtype), self.kv_cache.paged_layer(layer))  # [N, q_heads, head_dim]
         return out.to(q.dtype)

@@ -175,6 +175,14 @@ class TorchPagedAttention(AttentionBackend):
         q = ops.rotary_cache(q, k, v, cos, sin, k_cache, v_cache, plan.slot_mapping, plan.write_rows)
         return self._attend(plan, q, k_cache, v_cache)
 
+    def _kv_write_rows(self):
+        plan = self._plan
+        return None if plan is None else (plan.slot_mapping, plan.write_rows)
+
+    def forward_rotated(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        plan = self._checked_plan(q)
+        return self._attend(plan, q, *self.kv_cache.layer(layer))
+
     def _attend(self, plan: _TorchPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Attention of the planned rows over the cache, whose new K/V are already written."""
         if plan.decode_slots is not None:  # on the CPU one kernel reads the keys in place; else gather + SDPA

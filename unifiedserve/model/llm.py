@@ -111,6 +111,12 @@ class Attention(nn.Module):
         out = attn.forward_rope(self.layer_idx, q, k, v, cos, sin)  # [N, Hq, D]
         return skinny.linear(out.reshape(n, self.q_size), self.o_proj.weight)  # [N, hidden]
 
+    def attend_rotated(self, q: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """:meth:`attend` where the projection has rotated ``q [N, Hq * D]`` and written K/V itself."""
+        n = q.shape[0]
+        out = attn.forward_rotated(self.layer_idx, q.view(n, self.num_q_heads, self.head_dim))  # [N, Hq, D]
+        return skinny.linear(out.reshape(n, self.q_size), self.o_proj.weight)  # [N, hidden]
+
 
 class MLP(nn.Module):
     """SwiGLU: ``down(act(gate(x)) * up(x))`` with gate and up fused."""
@@ -183,9 +189,14 @@ class DecoderLayer(nn.Module):
         add is fused into the RMSNorm that follows it (the next layer's, or the final norm), and each of those
         norms into the projection after it where :func:`~unifiedserve.ops.skinny.norm_linear` found that faster."""
         ln1, ln2, attention, mlp = self.input_layernorm, self.post_attention_layernorm, self.self_attn, self.mlp
-        qkv, residual = skinny.norm_linear(x, residual, ln1.weight, ln1.eps, attention.qkv_proj.weight,
-                                           attention.qkv_proj.bias)
-        x = attention.attend(qkv, cos, sin, attn)
+        qkv_w, qkv_b = attention.qkv_proj.weight, attention.qkv_proj.bias
+        write = attn.rope_write(attention.layer_idx, cos, sin) if skinny.rope_chosen(x, qkv_w, qkv_b) else None
+        if write is not None:  # one kernel: the add, the norm, Q/K/V, rotary and the K/V write
+            q, residual = skinny.norm_qkv_rope(x, residual, ln1.weight, ln1.eps, qkv_w, qkv_b, write)
+            x = attention.attend_rotated(q, attn)
+        else:
+            qkv, residual = skinny.norm_linear(x, residual, ln1.weight, ln1.eps, qkv_w, qkv_b)
+            x = attention.attend(qkv, cos, sin, attn)
         if mlp.hidden_act != "silu":
             x, residual = ln2.add(x, residual)
             return mlp(x), residual
@@ -253,7 +264,8 @@ class LanguageModel(nn.Module):
         mlps = [layer.mlp for layer in self.layers]
         eps = self.config.rms_norm_eps
         groups = [skinny.Weights("qkv_proj", [a.qkv_proj.weight for a in attn], [a.qkv_proj.bias for a in attn],
-                                 norms=[layer.input_layernorm.weight for layer in self.layers], eps=eps),
+                                 norms=[layer.input_layernorm.weight for layer in self.layers], eps=eps,
+                                 rope_heads=(self.config.num_attention_heads, self.config.num_key_value_heads)),
                   skinny.Weights("o_proj", [a.o_proj.weight for a in attn], [None] * len(attn))]
         if self.config.hidden_act == "silu":
             groups.append(skinny.Weights("gate_up_proj+silu", [m.gate_up_proj.weight for m in mlps],

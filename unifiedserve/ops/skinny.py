@@ -25,9 +25,11 @@ import torch.nn.functional as F
 from flashcodec._triton import import_triton, interpreting
 from unifiedserve import ops
 from unifiedserve.ops.skinny_kernel import _DTYPES, CONFIGS, MAX_ROWS, SkinnyConfig, skinny_gemm
+from unifiedserve.ops.skinny_rope import RopeWrite
 
-__all__ = ["CONFIGS", "MAX_ROWS", "Choice", "SkinnyConfig", "Weights", "disagreement", "enabled", "gate_up_silu",
-           "linear", "norm_linear", "reset", "skinny_gemm", "summary", "table", "tune", "tune_seconds"]
+__all__ = ["CONFIGS", "MAX_ROWS", "Choice", "RopeWrite", "SkinnyConfig", "Weights", "disagreement", "enabled",
+           "gate_up_silu", "linear", "norm_linear", "norm_qkv_rope", "reset", "rope_chosen", "skinny_gemm", "summary",
+           "table", "tune", "tune_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +70,16 @@ class Choice:
                 "configs_us": {name: round(us, 2) for name, us in self.configs_us.items()}}
 
 
-# (N rows of weight, K, dtype, has bias, silu_mul, norm folded in) -> [(rows bucket, config or None)], ascending
+# (N rows of weight, K, dtype, has bias, silu_mul, norm folded in, rope epilogue) -> [(rows bucket, config or None)],
+# ascending
 _table: dict[tuple, list[tuple[int, SkinnyConfig | None]]] = {}
 _report: list[Choice] = []
 _seconds: list[float] = [0.0]  # the last tune()'s wall time (compilations included)
 
 
-def _key(weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, norm: bool = False) -> tuple:
-    return weight.shape[0], weight.shape[1], weight.dtype, bias is not None, silu_mul, norm
+def _key(weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, norm: bool = False,
+         rope: bool = False) -> tuple:
+    return weight.shape[0], weight.shape[1], weight.dtype, bias is not None, silu_mul, norm, rope
 
 
 def table() -> list[Choice]:
@@ -111,11 +115,11 @@ def reset() -> None:
 
 
 def _lookup(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
-            norm: bool = False) -> SkinnyConfig | None:
+            norm: bool = False, rope: bool = False) -> SkinnyConfig | None:
     """The tuned config for this call, or None (cuBLAS). Runs per linear per step in eager mode: kept cheap."""
     if not _table or x.dim() != 2 or not (x.is_cuda or interpreting()):  # CPU tensors: the CPU tests' interpreter
         return None
-    buckets = _table.get(_key(weight, bias, silu_mul, norm))
+    buckets = _table.get(_key(weight, bias, silu_mul, norm, rope))
     if buckets is None:
         return None
     m = x.shape[0]
@@ -175,12 +179,35 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     return out, stream
 
 
+def rope_chosen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether :func:`tune` kept :func:`norm_qkv_rope`'s one kernel for this Q/K/V weight at ``x``'s row count (the
+    caller then asks its attention backend where the K/V go: ``AttentionBackend.rope_write``)."""
+    return _lookup(x, weight, bias, False, norm=True, rope=True) is not None
+
+
+def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                  weight: torch.Tensor, bias: torch.Tensor | None, write: RopeWrite
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Qwen2's attention input in one kernel: ``h = x + residual``, RMSNorm, the Q/K/V projection, rotary on Q and K,
+    K and V written into the paged cache (``write``). Returns ``(q [M, Hq * D] rotated, h)`` where :func:`tune`
+    measured that faster than :func:`norm_linear` followed by csrc's ``rotary_cache``; None elsewhere (the caller
+    runs those two)."""
+    config = _lookup(x, weight, bias, False, norm=True, rope=True)
+    if config is None:
+        return None
+    stream = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    q = skinny_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual,
+                    stream_out=None if residual is None else stream, rope=write, config=config)
+    return q, stream
+
+
 @dataclass(frozen=True)
 class Weights:
     """One kind of projection to tune: every layer's weight (and bias) of one shape, in the order a step reads them.
 
     ``norms``: each layer's RMSNorm weight when an add + RMSNorm precedes the projection (:func:`norm_linear`);
-    tune() then also times the kernel with the norm folded in.
+    tune() then also times the kernel with the norm folded in. ``rope_heads``: ``(q_heads, kv_heads)`` of a fused
+    Q/K/V projection (with ``norms``): tune() then also times :func:`norm_qkv_rope`'s kernel.
     """
 
     kind: str
@@ -189,6 +216,7 @@ class Weights:
     silu_mul: bool = False
     norms: Sequence[torch.Tensor] | None = None
     eps: float = 1e-6
+    rope_heads: tuple[int, int] | None = None
 
 
 def _time_us(run: Callable[[], None], repeats: int, device: torch.device) -> float:
@@ -237,8 +265,8 @@ def _best(kind: str, m: int, n: int, k: int, baseline: str, baseline_us: float, 
             wrong = check()
         except Exception as e:  # a config this GPU or Triton cannot compile or launch: the others may
             failed[variant] = str(e).splitlines()[0] if str(e) else type(e).__name__
-            log.warning("skinny GEMM: config %s (bias %s, SwiGLU %s, norm %s) cannot run here, skipped: %s", config,
-                        *epilogue, failed[variant])
+            log.warning("skinny GEMM: config %s (bias %s, SwiGLU %s, norm %s%s) cannot run here, skipped: %s", config,
+                        *epilogue[:3], ", rotary + K/V write" if epilogue[3:] else "", failed[variant])
             continue
         if wrong:
             log.warning("skinny GEMM %s [%dx%d], %d rows: config %s skipped: %s", kind, n, k, m, config, wrong)
@@ -373,4 +401,10 @@ def _tune_group(group: Weights, counts: list[int], silu_and_mul: Callable[[torch
         results.append(choice)
         norm_buckets.append((m, choice.config))
     _table[_key(w0, b0, silu, True)] = norm_buckets
+    if group.rope_heads is not None and not silu:
+        from unifiedserve.ops.skinny_rope import tune_rope
+
+        choices = tune_rope(group, counts, configs, margin, failed, per_layer_us)
+        _table[_key(w0, b0, False, True, True)] = [(c.rows, c.config) for c in choices]
+        results += choices
     return results

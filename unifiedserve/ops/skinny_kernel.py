@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from flashcodec._triton import CompileOnce, interpreting, kernel_builder, on_device
+from unifiedserve.ops.skinny_rope import RopeWrite
 
 __all__ = ["CONFIGS", "MAX_ROWS", "SkinnyConfig", "skinny_gemm"]
 
@@ -64,13 +65,15 @@ def _build(triton, tl):
     # M and N are runtime values, not specialised: one compilation per (config, epilogue, dtype, K divisible by the
     # K block) serves every shape, so tune() compiles each once and no step compiles. K, the row strides and the
     # pointers stay specialised: their divisibility by 16 is what lets Triton load 16 bytes at a time
-    @triton.jit(do_not_specialize=("M", "N", "k_float", "eps"))
+    @triton.jit(do_not_specialize=("M", "N", "k_float", "eps", "q_heads", "kv_heads", "num_slots"))
     def skinny_kernel(x, w, bias, out, r, g, h, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_hm,
-                      up_offset, k_float, eps, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
-                      NORM_M: tl.constexpr, NORM_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                      up_offset, k_float, eps, cos, sin, stride_cm, k_cache, v_cache, stride_slot, slot_mapping,
+                      write_rows, q_heads, kv_heads, num_slots, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+                      NORM: tl.constexpr, NORM_M: tl.constexpr, NORM_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      ROPE: tl.constexpr, HALF: tl.constexpr, WRITE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
-        rn = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # this program's output columns
+        rn = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # this program's output columns (ROPE: pairs)
         rm = tl.arange(0, BLOCK_M)  # activation rows, padded
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn < N
@@ -99,8 +102,15 @@ def _build(triton, tl):
             inv = tl.zeros((BLOCK_M,), dtype=tl.float32)  # the dot's padded rows: 0 past M
             for j in tl.static_range(NORM_M):
                 inv = tl.where(rm == j, tl.sum(tl.where(rp == j, inv_rows, 0.0), axis=0), inv)
-        w_ptrs = w + rn[:, None] * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
-        u_ptrs = w + (rn + up_offset)[:, None] * stride_wn + rk[None, :]  # the up rows (SILU_MUL)
+        if ROPE:  # pair j is (lo, hi) = columns (d, d + HALF) of head j // HALF, d = j % HALF: rotary's two halves
+            head = rn // HALF
+            lo_row = head * (2 * HALF) + rn % HALF
+            hi_row = lo_row + HALF
+        else:  # the output columns, and (SILU_MUL) the up rows beside them
+            lo_row = rn
+            hi_row = rn + up_offset
+        w_ptrs = w + lo_row[:, None] * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
+        u_ptrs = w + hi_row[:, None] * stride_wn + rk[None, :]  # the second rows (SILU_MUL, ROPE)
         x_ptrs = x + rm[None, :] * stride_xm + rk[:, None]  # [BLOCK_K, BLOCK_M]: x^T
         r_ptrs = r + rm[None, :] * stride_rm + rk[:, None]  # the residual (NORM == 2), x's layout
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -126,25 +136,64 @@ def _build(triton, tl):
                     gk = tl.load(g + i * BLOCK_K + rk, mask=rk < K - i * BLOCK_K, other=0.0).to(tl.float32)
                 xt = (gk[:, None] * (xt.to(tl.float32) * inv[None, :]).to(dtype).to(tl.float32)).to(dtype)
             acc = tl.dot(tl.load(w_ptrs, mask=w_mask, other=0.0), xt, acc)
-            if SILU_MUL:
+            if SILU_MUL or ROPE:
                 acc_up = tl.dot(tl.load(u_ptrs, mask=w_mask, other=0.0), xt, acc_up)
                 u_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         if HAS_BIAS:
-            acc += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            if SILU_MUL:
-                acc_up += tl.load(bias + up_offset + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        if SILU_MUL:
-            # rounded where GEMM + silu_and_mul round: the GEMM's two outputs, the SiLU, the product
-            gate = acc.to(dtype).to(tl.float32)
-            up = acc_up.to(dtype).to(tl.float32)
-            silu = tl.math.div_rn(gate, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32)
-            result = silu * up
+            acc += tl.load(bias + lo_row, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            if SILU_MUL or ROPE:
+                acc_up += tl.load(bias + hi_row, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        if ROPE:
+            # Q/K/V's column pairs (see skinny_rope): Q and K rotated, Q into out [M, Hq * D], K and V into the paged
+            # cache's slots; rounded where the unfused path rounds: the GEMM's output, then rotary's two products and
+            # their sum in the tables' dtype (csrc/fused_ops.h, rotate_pair)
+            d = rn % HALF
+            ct = cos.dtype.element_ty
+            a = acc.to(dtype).to(tl.float32)
+            b = acc_up.to(dtype).to(tl.float32)
+            cm = m_ok[None, :] & n_ok[:, None]
+            c_ptrs = rm[None, :] * stride_cm + d[:, None]  # [BLOCK_N, BLOCK_M] into cos / sin [M, D]
+            cos_lo = tl.load(cos + c_ptrs, mask=cm, other=0.0).to(tl.float32)
+            sin_lo = tl.load(sin + c_ptrs, mask=cm, other=0.0).to(tl.float32)
+            cos_hi = tl.load(cos + c_ptrs + HALF, mask=cm, other=0.0).to(tl.float32)
+            sin_hi = tl.load(sin + c_ptrs + HALF, mask=cm, other=0.0).to(tl.float32)
+            rot_lo = ((a * cos_lo).to(ct).to(tl.float32) + (-b * sin_lo).to(ct).to(tl.float32)).to(ct).to(tl.float32)
+            rot_hi = ((b * cos_hi).to(ct).to(tl.float32) + (a * sin_hi).to(ct).to(tl.float32)).to(ct).to(tl.float32)
+            rotated = (head < q_heads + kv_heads)[:, None]
+            lo = tl.where(rotated, rot_lo, a).to(dtype)
+            hi = tl.where(rotated, rot_hi, b).to(dtype)
+            col = head * (2 * HALF) + d  # the lo column within Q (or within one cache slot's [Hk * D])
+            is_q = (head < q_heads) & n_ok
+            q_ptrs = out + rm[None, :] * stride_om + col[:, None]
+            tl.store(q_ptrs, lo, mask=is_q[:, None] & m_ok[None, :])
+            tl.store(q_ptrs + HALF, hi, mask=is_q[:, None] & m_ok[None, :])
+            # the cache write: row m into slot_mapping[m]; a CUDA-graph padding row (write_rows[m] != m) repeats row 0's
+            # write to row 0's slot (attention/metadata.py), which row 0 makes here itself, so it writes nothing
+            slot = tl.load(slot_mapping + rm, mask=m_ok, other=-1).to(tl.int64)
+            ok = m_ok & (slot >= 0) & (slot < num_slots)
+            if WRITE_ROWS:
+                ok = ok & (tl.load(write_rows + rm, mask=m_ok, other=-1) == rm)
+            is_k = (head >= q_heads) & (head < q_heads + kv_heads) & n_ok
+            is_v = (head >= q_heads + kv_heads) & n_ok
+            kv_col = tl.where(is_k, col - q_heads * (2 * HALF), col - (q_heads + kv_heads) * (2 * HALF))
+            c_off = slot[None, :] * stride_slot + kv_col[:, None]
+            tl.store(k_cache + c_off, lo, mask=is_k[:, None] & ok[None, :])
+            tl.store(k_cache + c_off + HALF, hi, mask=is_k[:, None] & ok[None, :])
+            tl.store(v_cache + c_off, lo, mask=is_v[:, None] & ok[None, :])
+            tl.store(v_cache + c_off + HALF, hi, mask=is_v[:, None] & ok[None, :])
         else:
-            result = acc
-        o_ptrs = out + rm[None, :] * stride_om + rn[:, None]  # [BLOCK_N, BLOCK_M] of out [M, N]
-        tl.store(o_ptrs, result.to(dtype), mask=n_ok[:, None] & m_ok[None, :])
+            if SILU_MUL:
+                # rounded where GEMM + silu_and_mul round: the GEMM's two outputs, the SiLU, the product
+                gate = acc.to(dtype).to(tl.float32)
+                up = acc_up.to(dtype).to(tl.float32)
+                silu = tl.math.div_rn(gate, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32)
+                result = silu * up
+            else:
+                result = acc
+            o_ptrs = out + rm[None, :] * stride_om + rn[:, None]  # [BLOCK_N, BLOCK_M] of out [M, N]
+            tl.store(o_ptrs, result.to(dtype), mask=n_ok[:, None] & m_ok[None, :])
 
     return skinny_kernel
 
@@ -218,8 +267,8 @@ def _check_norm(x: torch.Tensor, norm_weight: torch.Tensor | None, residual: tor
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu_mul: bool = False,
                 norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
-                stream_out: torch.Tensor | None = None, config: SkinnyConfig = CONFIGS[0],
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                stream_out: torch.Tensor | None = None, rope: RopeWrite | None = None,
+                config: SkinnyConfig = CONFIGS[0], out: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (``silu_mul``: then SwiGLU of its ``[gate | up]`` halves) in one kernel;
     with ``norm_weight``, of ``rms_norm(x)`` or ``rms_norm(x + residual)`` instead of ``x``.
 
@@ -231,32 +280,45 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         residual, stream_out: with ``norm_weight``: the input is ``x + residual`` (rounded once, as torch's add),
             which the kernel also writes into ``stream_out`` (``[M, K]``, memory of its own).
         config: the launch configuration (:func:`unifiedserve.ops.skinny.tune` picks one per shape).
-        out: where to write ``[M, N]`` (``[M, I]``); a new tensor when None.
+        rope: Qwen2's fused Q/K/V projection's epilogue (:class:`~unifiedserve.ops.skinny_rope.RopeWrite`): rotary
+            on Q and K, K and V written into the paged cache; the output is then the rotated Q, ``[M, Hq * D]``.
+        out: where to write ``[M, N]`` (``[M, I]``; ``[M, Hq * D]`` with ``rope``); a new tensor when None.
     Raises:
         ValueError: a call the kernel does not take (see Args); RuntimeError: Triton cannot run here.
     """
     m, n, k = _check(x, weight, bias, silu_mul)
     _check_norm(x, norm_weight, residual, stream_out)
+    width = n  # the output's columns; the grid covers n columns, or (rope) n // 2 column pairs
+    if rope is not None:
+        if silu_mul:
+            raise ValueError("rope and silu_mul are two different epilogues")
+        rope.check(x, weight.shape[0])
+        width, n = rope.q_heads * rope.head_dim, n // 2
     found = _kernel(interpreting())
     if found is None:
         raise RuntimeError("the skinny GEMM needs Triton")
     triton, kernel = found
     if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"out must be [{m}, {n}] {x.dtype} with a contiguous last dim")
+        out = torch.empty((m, width), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, width) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be [{m}, {width}] {x.dtype} with a contiguous last dim")
     grid = (triton.cdiv(n, config.block_n),)
     even_k = k % config.block_k == 0
     norm = 0 if norm_weight is None else 1 if residual is None else 2
     r = x if residual is None else residual
     h = x if stream_out is None else stream_out
     norm_m, norm_k = _norm_tile(m, k) if norm else (1, 16)
-    variant = (config, bias is not None, silu_mul, norm, norm_m, norm_k, even_k, x.dtype)
+    half = rope.head_dim // 2 if rope else 1
+    write_rows = rope is not None and rope.write_rows is not None
+    variant = (config, bias is not None, silu_mul, norm, norm_m, norm_k, even_k, x.dtype, half, write_rows)
     with on_device(x.device):
         _launches.launch(variant, lambda: kernel[grid](
             x, weight, x if bias is None else bias, out, r, x if norm_weight is None else norm_weight, h, m, n, k,
             x.stride(0), weight.stride(0), out.stride(0), r.stride(0), h.stride(0), n, float(k), float(eps),
+            *((rope.cos, rope.sin, rope.cos.stride(0), rope.k_cache, rope.v_cache, rope.k_cache.stride(0),
+               rope.slot_mapping, rope.write_rows if write_rows else rope.slot_mapping, rope.q_heads, rope.kv_heads,
+               rope.k_cache.shape[0]) if rope else (x, x, 0, x, x, 0, x, x, 0, 0, 0)),  # (no rope: unused pointers)
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm, NORM_M=norm_m, NORM_K=norm_k, EVEN_K=even_k,
-            BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_stages=config.stages,
-            num_warps=config.warps))
+            ROPE=rope is not None, HALF=half, WRITE_ROWS=write_rows, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k, num_stages=config.stages, num_warps=config.warps))
     return out

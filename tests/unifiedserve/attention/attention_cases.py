@@ -69,3 +69,17 @@ def dense_reference(step: Step, scale: float) -> torch.Tensor:
 #: multiple of the block size (4), a fresh prefill, a one-token decode, extra blocks in a table.
 MIXED_SEQS = [(5, 6, [3, 9, 4, 12]), (0, 7, [0, 1]), (8, 1, [5, 6, 7]), (3, 5, [2, 8]), (6, 1, [10, 11, 13, 14])]
 DECODE_SEQS = [(5, 1, [3, 9]), (8, 1, [5, 6, 7]), (0, 1, [0]), (11, 1, [1, 2, 8])]
+
+
+def rotated_write(attn, layer, q, k, v, cos, sin):
+    """What a Q/K/V kernel given ``attn.rope_write`` does (unifiedserve.ops.skinny.norm_qkv_rope): rotary on q and k,
+    each row's K/V into the slot the write names (a padding row, ``write_rows[r] != r``, leaves row 0's alone)."""
+    from unifiedserve.ops import reference
+
+    write = attn.rope_write(layer, cos, sin)
+    q, k = reference.rotary(q, k, cos, sin)
+    own = torch.arange(q.shape[0]) if write.write_rows is None else write.write_rows
+    rows = (own == torch.arange(q.shape[0])).nonzero().flatten()
+    write.k_cache[write.slot_mapping[rows]] = k[rows].to(write.k_cache.dtype)
+    write.v_cache[write.slot_mapping[rows]] = v[rows].to(write.v_cache.dtype)
+    return q, write

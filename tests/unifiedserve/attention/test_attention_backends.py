@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from attention_cases import DECODE_SEQS, MIXED_SEQS, dense_reference, make_step, slot
+from attention_cases import DECODE_SEQS, MIXED_SEQS, dense_reference, make_step, rotated_write, slot
 from unifiedserve.attention import (AttentionMetadata, KVCache, TorchPagedAttention, get_attention_backend)
 
 BS = 4
@@ -137,6 +137,41 @@ def test_graph_plan_pads_without_touching_the_cache_and_reuses_buffers():
         torch.testing.assert_close(out[:len(seqs)], expected, atol=1e-6, rtol=1e-6)
         assert torch.equal(graph.kv_cache.tensor, eager.kv_cache.tensor)  # padding wrote nothing new
         assert ptr == graph._graph_buffers["decode_slots"].data_ptr()  # fixed addresses
+
+
+def test_rope_write_names_the_steps_slots_and_forward_rotated_attends_over_them():
+    """rope_write hands a projection this layer's cache slots and the step's slot mapping (the graph's write_rows
+    too); K/V written there and forward_rotated give forward_rope's output and cache, eager and padded for a graph.
+    None before a plan, and for rotary tables in another dtype than the cache's."""
+    for graph_size in (None, 8):
+        fused, unfused = _torch_backend(), _torch_backend()
+        for a in (fused, unfused):
+            if graph_size:
+                a.init_cuda_graph([graph_size], max_seq_len=16)
+        seqs = DECODE_SEQS if graph_size else MIXED_SEQS
+        assert fused.rope_write(1, torch.zeros(1, 16), torch.zeros(1, 16)) is None
+        with pytest.raises(RuntimeError, match="call plan"):
+            fused.forward_rotated(1, torch.zeros(1, 4, 16))
+        step = make_step(seqs, fused.kv_cache, fused.num_q_heads, seed=3, layer=1)
+        make_step(seqs, unfused.kv_cache, unfused.num_q_heads, seed=3, layer=1)
+        q, k, v = step.q, step.k, step.v
+        if graph_size:  # padding rows: junk that must not land anywhere
+            pad = graph_size - q.shape[0]
+            q, k, v = (torch.cat([t, torch.randn(pad, *t.shape[1:])]) for t in (q, k, v))
+        angles = torch.rand(q.shape[0], 8) * 6.3
+        cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+        for a in (fused, unfused):
+            a.plan(seqs, graph_batch_size=graph_size)
+        assert fused.rope_write(1, cos.bfloat16(), sin.bfloat16()) is None  # float32 cache
+        rotated, write = rotated_write(fused, 1, q, k, v, cos, sin)
+        assert write.k_cache.data_ptr() == fused.kv_cache.layer(1)[0].data_ptr()
+        assert write.slot_mapping is fused._plan.slot_mapping and write.write_rows is fused._plan.write_rows
+        assert (write.write_rows is None) == (graph_size is None)
+        out = fused.forward_rotated(1, rotated)
+        want = unfused.forward_rope(1, q, k, v, cos, sin)
+        n = step.q.shape[0]
+        torch.testing.assert_close(out[:n], want[:n], atol=1e-6, rtol=1e-6)
+        assert torch.equal(fused.kv_cache.tensor, unfused.kv_cache.tensor)
 
 
 def test_graph_plan_errors():

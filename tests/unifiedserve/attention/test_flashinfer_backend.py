@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from attention_cases import DECODE_SEQS, MIXED_SEQS, dense_reference, make_step
+from attention_cases import DECODE_SEQS, MIXED_SEQS, dense_reference, make_step, rotated_write
 from flashinfer_fakes import BS, fi
 from unifiedserve.attention import KVCache, TorchPagedAttention
 from unifiedserve.attention import flashinfer_backend as fib
@@ -50,6 +50,34 @@ def test_graph_decode_pads_and_rewrites_fixed_buffers(fake_flashinfer):
         wrapper = graph._step.wrapper
         assert wrapper.use_cuda_graph and wrapper.use_tensor_cores and wrapper.disable_split_kv is False
     assert list(graph._graph_decode[8]) == [fib.SPLIT_KV]  # no split-free wrapper (and its workspaces) unasked
+
+
+def test_rope_write_names_the_steps_slots_and_forward_rotated_attends_over_them(fake_flashinfer):
+    """As the torch backend's: rope_write names this layer's slots, the step's slot mapping and (graph) write_rows;
+    K/V written there and forward_rotated give forward_rope's output and cache. None before a plan and for float32
+    tables beside the bfloat16 cache."""
+    fused, unfused = fi(), fi()
+    for a in (fused, unfused):
+        a.init_cuda_graph([8], max_seq_len=16)
+    assert fused.rope_write(0, torch.zeros(1, 64), torch.zeros(1, 64)) is None
+    for graph_size, seqs in ((None, MIXED_SEQS), (8, DECODE_SEQS)):
+        step = make_step(seqs, fused.kv_cache, 4, seed=5)
+        make_step(seqs, unfused.kv_cache, 4, seed=5)
+        q, k, v = step.q, step.k, step.v
+        if graph_size:
+            pad = graph_size - q.shape[0]
+            q, k, v = (torch.cat([t, torch.randn(pad, *t.shape[1:]).bfloat16()]) for t in (q, k, v))
+        angles = torch.rand(q.shape[0], 32) * 6.3
+        cos, sin = (f(torch.cat((angles, angles), -1)).bfloat16() for f in (torch.cos, torch.sin))
+        for a in (fused, unfused):
+            a.plan(seqs, graph_batch_size=graph_size)
+        assert fused.rope_write(0, cos.float(), sin.float()) is None
+        rotated, write = rotated_write(fused, 0, q, k, v, cos, sin)
+        assert write.slot_mapping is fused._step.slot_mapping and write.write_rows is fused._step.write_rows
+        assert (write.write_rows is None) == (graph_size is None) and write.k_cache.dtype == torch.bfloat16
+        n = step.q.shape[0]
+        assert torch.equal(fused.forward_rotated(0, rotated)[:n], unfused.forward_rope(0, q, k, v, cos, sin)[:n])
+        assert torch.equal(fused.kv_cache.tensor, unfused.kv_cache.tensor)
 
 
 def test_a_wrapper_is_planned_again_only_after_its_last_plans_copy(fake_flashinfer, monkeypatch):

@@ -166,6 +166,110 @@ def test_kernel_with_the_norm_folded_in_matches_the_unfused_path_under_the_inter
             assert same == "1" and float(err) <= 2.0, (dtype, m, n, k, bias, silu, add, err)
 
 
+def rope_reference(y, hq, hk, cos, sin, slot_mapping, write_rows, slots, rnd=None):
+    """Rotary + the K/V write on the projection's output ``y [M, (Hq + 2 Hk) * D]``: ``(q [M, Hq * D], k_cache,
+    v_cache)`` with unwritten slots NaN. ``rnd`` None: the unfused path (csrc's reference, rotary_cache); else its
+    arithmetic in float32 with each rounding done by ``rnd``."""
+    m, d = y.shape[0], cos.shape[1]
+    q, k, v = (t.reshape(m, -1, d) for t in y.split([hq * d, hk * d, hk * d], -1))
+    k_cache = torch.full((slots, hk, d), float("nan"), dtype=y.dtype)
+    v_cache = k_cache.clone()
+    if rnd is None:
+        q = reference.rotary_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, write_rows)
+        return q.reshape(m, -1), k_cache, v_cache
+
+    def rotate(t):
+        a, b = t.float().chunk(2, -1)
+        c, s = cos.float()[:, None], sin.float()[:, None]
+        half = d // 2
+        lo = rnd(rnd(a * c[..., :half]).float() + rnd(-b * s[..., :half]).float())
+        hi = rnd(rnd(b * c[..., half:]).float() + rnd(a * s[..., half:]).float())
+        return torch.cat((lo, hi), -1)
+
+    q, k = rotate(q), rotate(k)
+    src = torch.arange(m) if write_rows is None else write_rows
+    k_cache[slot_mapping] = k[src]
+    v_cache[slot_mapping] = v[src]
+    return q.reshape(m, -1), k_cache, v_cache
+
+
+ROPE_KERNEL = """
+    import os, sys, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, {root!r})
+    from unifiedserve.ops import skinny
+    from tests.unifiedserve.ops.test_skinny import emulated_norm, expected, expected_norm, rope_reference
+    g = torch.Generator().manual_seed(3)
+    C = skinny.SkinnyConfig
+
+    def truncated(t):  # float32 -> bfloat16 as the interpreter converts: dropping the low bits
+        return (t.float().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+    def steps(got, want, dtype):  # in steps of the dtype at each value's magnitude (>= 1/64 of the largest)
+        same_nan = torch.equal(got.isnan(), want.isnan())
+        got, want = got.float().nan_to_num(0.0), want.float().nan_to_num(0.0)
+        floor = want.abs().max() / 64
+        return int(same_nan), ((got - want).abs() / want.abs().clamp_min(floor)).max().item() / torch.finfo(dtype).eps
+
+    # (rows, q heads, kv heads, head dim, K, bias, norm: 0 none / 1 / 2 with the add, graph padding rows, config):
+    # column pairs split across programs and heads, 1 to 16 rows
+    cases = [(1, 4, 2, 8, 64, True, 2, 0, C(16, 32, 2)), (5, 6, 2, 16, 96, False, 1, 2, C(16, 64, 2)),
+             (16, 2, 1, 32, 80, True, 0, 3, C(32, 64, 2)), (3, 4, 4, 16, 128, True, 2, 0, skinny.CONFIGS[3])]
+    slots = 20
+    for dtype in (torch.float16, torch.bfloat16):
+        rnd = truncated if dtype == torch.bfloat16 else (lambda t: t.to(torch.float16))
+        for m, hq, hk, d, k, bias, norm, pad, config in cases:
+            n = (hq + 2 * hk) * d
+            x = torch.randn(m, k, generator=g).to(dtype)
+            r = torch.randn(m, k, generator=g).to(dtype) if norm == 2 else None
+            nw = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype) if norm else None
+            w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+            b = torch.randn(n, generator=g).to(dtype) if bias else None
+            angles = torch.rand(m, d // 2, generator=g) * 6.3
+            cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
+            slot_mapping = torch.randperm(slots, generator=g)[:m]
+            write_rows = None
+            if pad:  # the last rows are a graph's padding: row 0's slot, row 0's write
+                write_rows = torch.arange(m)
+                write_rows[-pad:] = 0
+                slot_mapping[-pad:] = slot_mapping[0]
+            k_cache = torch.full((slots, hk, d), float("nan"), dtype=dtype)
+            v_cache = k_cache.clone()
+            stream = torch.full_like(x, float("nan")) if r is not None else None
+            write = skinny.RopeWrite(cos, sin, hq, hk, k_cache, v_cache, slot_mapping, write_rows)
+            q = skinny.skinny_gemm(x, w, b, norm_weight=nw, residual=r, stream_out=stream, rope=write, config=config)
+            if norm:
+                emulated_y, want_stream = emulated_norm(x, r, nw, w, b, False, rnd)
+                unfused_y = expected_norm(x, r, nw, w, b, False)[0]
+            else:
+                emulated_y = rnd(torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()))
+                unfused_y, want_stream = expected(x, w, b, False), None
+            for name, want in (("emulated", rope_reference(emulated_y, hq, hk, cos, sin, slot_mapping, write_rows,
+                                                           slots, rnd)),
+                               ("unfused", rope_reference(unfused_y, hq, hk, cos, sin, slot_mapping, write_rows,
+                                                          slots))):
+                same_stream = stream is None or torch.equal(stream, want_stream)
+                print(name, str(dtype).split(".")[1], m, hq, hk, d, int(same_stream), tuple(q.shape) == (m, hq * d),
+                      *steps(q, want[0], dtype), *steps(k_cache, want[1], dtype), *steps(v_cache, want[2], dtype))
+"""
+
+
+@needs_triton
+def test_kernel_with_rotary_and_the_kv_write_matches_the_unfused_path_under_the_interpreter():
+    """Q/K/V's epilogue (rope=): Q rotated into the output, K rotated and V into exactly the slots the unfused
+    rotary_cache writes (no other slot touched, a graph's padding rows leaving row 0's write as it is), rounded where
+    the unfused path rounds: against those roundings emulated in torch within two steps of the dtype (the GEMM's sums
+    in another order), with or without the norm in front, and in float16 against the unfused path itself."""
+    lines = [line.split() for line in run_interpreted(ROPE_KERNEL)]
+    assert len(lines) == 16
+    for name, dtype, m, hq, hk, d, same_stream, shaped, *errs in lines:
+        assert same_stream == "1" and shaped == "True", (name, dtype, m)
+        nan_q, err_q, nan_k, err_k, nan_v, err_v = errs
+        assert nan_q == nan_k == nan_v == "1", (name, dtype, m, errs)  # the same slots written, no others
+        if name == "emulated" or dtype == "float16":
+            assert max(float(err_q), float(err_k), float(err_v)) <= 2.0, (name, dtype, m, hq, hk, d, errs)
+
+
 def test_calls_it_does_not_take_are_refused_with_the_reason():
     x = torch.zeros(2, 8, dtype=torch.bfloat16)
     w = torch.zeros(6, 8, dtype=torch.bfloat16)
@@ -371,6 +475,73 @@ def test_tune_times_the_norm_folded_in_against_the_norm_kernel_and_the_projectio
         assert err <= 0.02 and stream_err <= 0.07, line
 
 
+TUNE_ROPE = """
+    import os, sys, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, {root!r})
+    from unifiedserve.ops import reference, skinny
+    from tests.unifiedserve.ops.test_skinny import expected_norm, fake_timer, rope_reference
+    C = skinny.SkinnyConfig
+    configs = (C(16, 32, 2), C(16, 64, 2))
+    g = torch.Generator().manual_seed(4)
+    # 4 query heads and 1 K/V head of 8: 48 rows
+    w = [(torch.randn(48, 64, generator=g) / 8).to(torch.bfloat16) for _ in range(2)]
+    b = [torch.randn(48, generator=g).to(torch.bfloat16) for _ in range(2)]
+    nw = [(1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16) for _ in range(2)]
+    # plain and norm+ as in TUNE_NORM; then with rotary and the K/V write, rows 1: norm_linear + rotary_cache 90, the
+    # configs 95 and 85; rows 4: 90, 89, 95 (under the margin); each per layer in the results (half)
+    times = [100.0, 60.0, 50.0, 100.0, 99.0, 99.5, 80.0, 70.0, 79.0, 80.0, 79.0, 79.5, 90.0, 95.0, 85.0, 90.0, 89.0,
+             95.0]
+    group = skinny.Weights("qkv", w, b, norms=nw, eps=1e-5, rope_heads=(4, 1))
+    res = skinny.tune([group], [1, 4], silu_and_mul=reference.silu_and_mul, configs=configs, timer=fake_timer(times))
+    for c in res:
+        print("choice", c.kind, c.rows, c.config, c.cublas_us, c.baseline.replace(" ", "_"))
+    x = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    r = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    print("chosen", *(int(skinny.rope_chosen(x[:rows], w[0], b[0])) for rows in (1, 3, 4)))
+    calls = []
+    real = skinny.skinny_gemm
+    skinny.skinny_gemm = lambda *a, **k: calls.append((str(k["config"]), k.get("rope") is not None)) or real(*a, **k)
+    for rows in (1, 3):
+        calls.clear()
+        angles = torch.rand(rows, 4, generator=g) * 6.3
+        cos, sin = torch.cat((angles, angles), -1).cos().to(torch.bfloat16), torch.cat((angles, angles), -1).sin().to(
+            torch.bfloat16)
+        slots = torch.arange(rows) + 2
+        k_cache = torch.full((8, 1, 8), float("nan"), dtype=torch.bfloat16)
+        v_cache = k_cache.clone()
+        write = skinny.RopeWrite(cos, sin, 4, 1, k_cache, v_cache, slots)
+        got = skinny.norm_qkv_rope(x[:rows].clone(), r[:rows].clone(), nw[0], 1e-5, w[0], b[0], write)
+        if got is None:
+            print("norm_qkv_rope", rows, "None", calls)
+            continue
+        y, want_stream = expected_norm(x[:rows], r[:rows], nw[0], w[0], b[0], False, eps=1e-5)
+        want_q, want_k, want_v = rope_reference(y, 4, 1, cos, sin, slots, None, 8)
+        errs = [((a.float() - c.float()).nan_to_num(0.0).abs().max() / c.float().nan_to_num(0.0).abs().max()).item()
+                for a, c in ((got[0], want_q), (k_cache, want_k), (v_cache, want_v), (got[1], want_stream))]
+        print("norm_qkv_rope", rows, "q", calls, int(torch.equal(k_cache.isnan(), want_k.isnan())), *errs)
+    skinny.skinny_gemm = real
+"""
+
+
+@needs_triton
+def test_tune_times_rotary_and_the_kv_write_folded_in_against_norm_linear_then_rotary_cache(clean_table):
+    """A Q/K/V group with rope_heads is tuned a third time: norm_linear (with the choices just made) followed by
+    rotary_cache, against each config with the norm, rotary and K/V write in one kernel. norm_qkv_rope then runs that
+    kernel where it won (rotated Q, K/V in the cache, the stream: the unfused path's within bfloat16 rounding) and
+    returns None elsewhere, which rope_chosen says beforehand."""
+    lines = run_interpreted(TUNE_ROPE)
+    choices = [line.split()[1:] for line in lines if line.startswith("choice")]
+    assert choices[4:] == [["norm+qkv+rope", "1", "n16k64s2w4", "45.0", "norm_linear_+_rotary_cache"],
+                           ["norm+qkv+rope", "4", "None", "45.0", "norm_linear_+_rotary_cache"]]
+    assert "chosen 1 0 0" in lines
+    runs = [line for line in lines if line.startswith("norm_qkv_rope")]
+    assert runs[0].startswith("norm_qkv_rope 1 q [('n16k64s2w4', True)] 1 ")
+    assert runs[1] == "norm_qkv_rope 3 None []"
+    errs = list(map(float, runs[0].split()[-4:]))
+    assert max(errs) <= 0.02, runs[0]  # bfloat16 rounding (the interpreter truncates)
+
+
 MODEL = """
     import os, sys, torch
     os.environ["TRITON_INTERPRET"] = "1"
@@ -401,13 +572,14 @@ MODEL = """
     with torch.inference_mode():
         before = step(ids)
         kinds = [g.kind for g in lm.skinny_groups()]
-        n = (len(kinds) + 2) * 2  # rows 4 and 8: the baseline then the config, each kind and both norm+ kinds
+        n = (len(kinds) + 3) * 2  # rows 4 and 8: the baseline then the config, each kind, both norm+ kinds, the rope
         res = skinny.tune(lm.skinny_groups(), [4, 8], silu_and_mul=ops.silu_and_mul,
                           configs=(skinny.SkinnyConfig(16, 32, 2),), timer=fake_timer([100.0, 50.0] * n))
         calls = []
         real = skinny.skinny_gemm
         skinny.skinny_gemm = lambda *a, **k: calls.append(
-            (k.get("silu_mul", False), k.get("norm_weight") is not None, k.get("residual") is not None)
+            (k.get("silu_mul", False), k.get("norm_weight") is not None, k.get("residual") is not None,
+             k.get("rope") is not None)
         ) or real(*a, **k)
         norm_kernels = []
         real_norm = ops.fused_add_rms_norm
@@ -415,7 +587,7 @@ MODEL = """
         after = step(ids)
     print("kinds", *kinds)
     print("chosen", sum(c.chosen for c in res), len(res))
-    print("calls", len(calls), *(sum(c[i] for c in calls) for i in range(3)))
+    print("calls", len(calls), *(sum(c[i] for c in calls) for i in range(4)))
     print("norm_kernels", len(norm_kernels))
     print("diff", (after - before).abs().max().item(), before.abs().max().item())
     print("argmax", int(torch.equal(after.argmax(-1), before.argmax(-1))))
@@ -425,13 +597,14 @@ MODEL = """
 @needs_triton
 def test_the_language_model_runs_its_projections_through_the_tuned_kernel():
     """Once tuned, a 5-token step of a bfloat16 decoder runs every projection and the LM head through the skinny
-    kernel (the SwiGLU fused, each RMSNorm but the final one folded into the projection after it), and its logits
-    stay within bfloat16 rounding of cuBLAS's."""
+    kernel (the SwiGLU fused, each RMSNorm but the final one folded into the projection after it, rotary and the K/V
+    write into Q/K/V's), and its logits stay within bfloat16 rounding of cuBLAS's."""
     lines = dict((line.split()[0], line.split()[1:]) for line in run_interpreted(MODEL))
     assert lines["kinds"] == ["qkv_proj", "o_proj", "gate_up_proj+silu", "down_proj", "lm_head"]
-    assert lines["chosen"] == ["14", "14"]
-    # 4 per layer and the head: per layer one SwiGLU, two with the norm; the add in all but layer 0's first
-    assert lines["calls"] == ["9", "2", "4", "3"]
+    assert lines["chosen"] == ["16", "16"]
+    # 4 per layer and the head: per layer one SwiGLU, two with the norm, one with rotary and the K/V write; the add in
+    # all but layer 0's first
+    assert lines["calls"] == ["9", "2", "4", "3", "2"]
     assert lines["norm_kernels"] == ["1"]  # the final norm's
     diff, scale = map(float, lines["diff"])
     assert 0 < scale and diff <= 0.02 * scale
@@ -449,28 +622,33 @@ def test_kernel_compiles_for_hopper_with_pipelined_16_byte_loads():
     from triton.compiler import ASTSource
 
     kernel = skinny_kernel._kernel(False)[1]
-    assert {p.name for p in kernel.params if p.do_not_specialize} == {"M", "N", "k_float", "eps"}
-    pointers = ("x", "w", "bias", "out", "r", "g", "h")
-    ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_rm", "stride_hm", "up_offset")
-    aligned = set(pointers) | (set(ints) - {"M", "N"})
-    # (bias, SwiGLU, norm, the norm pass's tile): the norm with the add at batch 1 (one tile holds the 7B's row)
-    # and at 16 rows, without the add at batch 1
-    variants = [(False, False, 0, 1, 16), (True, False, 0, 1, 16), (False, True, 0, 1, 16),
-                (True, False, 2, 1, 4096), (False, True, 2, 16, 512), (True, False, 1, 1, 4096)]
+    runtime = {"M", "N", "k_float", "eps", "q_heads", "kv_heads", "num_slots"}
+    assert {p.name for p in kernel.params if p.do_not_specialize} == runtime
+    pointers = ("x", "w", "bias", "out", "r", "g", "h", "cos", "sin", "k_cache", "v_cache")
+    ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_rm", "stride_hm", "up_offset", "stride_cm",
+            "stride_slot", "q_heads", "kv_heads", "num_slots")
+    aligned = set(pointers) | {"slot_mapping", "write_rows"} | (set(ints) - runtime)
+    # (bias, SwiGLU, norm, the norm pass's tile, rope, write_rows): the norm with the add at batch 1 (one tile holds
+    # the 7B's row) and at 16 rows, without the add at batch 1; Q/K/V's rotary + K/V write with and without the
+    # graph's write_rows, at 1 and 16 rows
+    variants = [(False, False, 0, 1, 16, False, False), (True, False, 0, 1, 16, False, False),
+                (False, True, 0, 1, 16, False, False), (True, False, 2, 1, 4096, False, False),
+                (False, True, 2, 16, 512, False, False), (True, False, 1, 1, 4096, False, False),
+                (True, False, 2, 1, 4096, True, True), (True, False, 1, 16, 512, True, False)]
     for config in skinny.CONFIGS:
-        for bias, silu, norm, norm_m, norm_k in variants:
+        for bias, silu, norm, norm_m, norm_k, rope, write_rows in variants:
             constants = {"HAS_BIAS": bias, "SILU_MUL": silu, "NORM": norm, "NORM_M": norm_m, "NORM_K": norm_k,
-                         "EVEN_K": True, "BLOCK_M": skinny.MAX_ROWS, "BLOCK_N": config.block_n,
-                         "BLOCK_K": config.block_k}
+                         "EVEN_K": True, "ROPE": rope, "HALF": 64, "WRITE_ROWS": write_rows,
+                         "BLOCK_M": skinny.MAX_ROWS, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k}
             types = {**{p: "*bf16" for p in pointers}, **{i: "i32" for i in ints}, "k_float": "fp32", "eps": "fp32",
-                     **{c: "constexpr" for c in constants}}
+                     "slot_mapping": "*i64", "write_rows": "*i64", **{c: "constexpr" for c in constants}}
             signature = {p.name: types[p.name] for p in kernel.params}
             attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in aligned}
             compiled = triton.compile(ASTSource(kernel, signature=signature, constexprs=constants, attrs=attrs),
                                       target=GPUTarget("cuda", 90, 32),
                                       options={"num_warps": config.warps, "num_stages": config.stages})
             ptx = compiled.asm["ptx"]
-            where = (config, bias, silu, norm, compiled.metadata.shared)
+            where = (config, bias, silu, norm, rope, compiled.metadata.shared)
             assert compiled.metadata.shared <= 227 * 1024, where
             if not silu and not norm and config.block_n <= 32:
                 assert compiled.metadata.shared <= 113 * 1024, where
@@ -568,3 +746,71 @@ def test_cuda_graph_replay_equals_eager_and_tune_measures_every_config():
         assert all(c.cublas_us > 0 and len(c.configs_us) == len(skinny.CONFIGS) for c in res), res
     finally:
         skinny.reset()
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_cuda_rotary_and_the_kv_write_folded_in_match_norm_linear_then_rotary_cache(rows):
+    """The 7B's Q/K/V (28 + 2 x 4 heads of 128) with the add + RMSNorm in front and rotary + the K/V write behind, every
+    config: Q and the written slots within bfloat16 rounding of the native norm kernel, cuBLAS and csrc's rotary_cache
+    (no other slot touched, a graph's padding rows leaving row 0's write alone), the stream bit for bit; in a captured
+    CUDA graph, eager's bits; and tune() on such weights measures the baseline and every config."""
+    from unifiedserve import ops
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    hq, hk, d, k, slots = 28, 4, 128, 3584, 40
+    x = torch.randn(rows, k, device="cuda", generator=g).to(torch.bfloat16)
+    r = (4 * torch.randn(rows, k, device="cuda", generator=g)).to(torch.bfloat16)
+    nw = (1 + 0.2 * torch.randn(k, device="cuda", generator=g)).to(torch.bfloat16)
+    w = (torch.randn((hq + 2 * hk) * d, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+    b = torch.randn(w.shape[0], device="cuda", generator=g).to(torch.bfloat16)
+    angles = torch.rand(rows, d // 2, device="cuda", generator=g) * 6.3
+    cos, sin = (f(torch.cat((angles, angles), -1)).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    slot_mapping = torch.randperm(slots, device="cuda", generator=g)[:rows]
+    write_rows = torch.arange(rows, device="cuda")
+    pad = rows // 3  # the last rows as a graph's padding
+    if pad:
+        write_rows[-pad:] = 0
+        slot_mapping[-pad:] = slot_mapping[0]
+    normed, want_stream = ops.fused_add_rms_norm(x.clone(), r.clone(), nw, 1e-6)
+    q, kk, v = (t.view(rows, -1, d) for t in F.linear(normed, w, b).split([hq * d, hk * d, hk * d], -1))
+    want_k, want_v = (torch.full((slots, hk, d), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    want_q = ops.rotary_cache(q, kk, v, cos, sin, want_k, want_v, slot_mapping, write_rows).reshape(rows, -1)
+
+    def fused(config, out=None, stream=None, k_cache=None, v_cache=None):
+        stream = torch.full_like(x, float("nan")) if stream is None else stream
+        k_cache = torch.full_like(want_k, float("nan")) if k_cache is None else k_cache
+        v_cache = torch.full_like(want_v, float("nan")) if v_cache is None else v_cache
+        write = skinny.RopeWrite(cos, sin, hq, hk, k_cache, v_cache, slot_mapping, write_rows)
+        got = skinny.skinny_gemm(x, w, b, norm_weight=nw, eps=1e-6, residual=r, stream_out=stream, rope=write,
+                                 config=config, out=out)
+        return got, stream, k_cache, v_cache
+
+    for config in skinny.CONFIGS:
+        got, stream, k_cache, v_cache = fused(config)
+        assert torch.equal(stream, want_stream), config
+        for name, a, e in (("q", got, want_q), ("k", k_cache, want_k), ("v", v_cache, want_v)):
+            assert torch.equal(a.isnan(), e.isnan()), (name, config)
+            torch.testing.assert_close(a.float().nan_to_num(0.0), e.float().nan_to_num(0.0), rtol=1.6e-2, atol=2e-2,
+                                       msg=f"{name} {config}")
+    eager = fused(skinny.CONFIGS[0])
+    captured = [torch.empty_like(eager[0]), torch.empty_like(x), torch.full_like(want_k, float("nan")),
+                torch.full_like(want_v, float("nan"))]
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        fused(skinny.CONFIGS[0], *captured)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a.nan_to_num(0.0), e.nan_to_num(0.0)) for a, e in zip(captured, eager))
+    if rows == 1:
+        skinny.reset()
+        try:
+            group = skinny.Weights("qkv_proj", [w, w.clone()], [b, b.clone()], norms=[nw, nw.clone()],
+                                   rope_heads=(hq, hk))
+            res = skinny.tune([group], [1], silu_and_mul=reference.silu_and_mul)
+            assert [c.kind for c in res] == ["qkv_proj", "norm+qkv_proj", "norm+qkv_proj+rope"]
+            assert all(c.cublas_us > 0 and len(c.configs_us) == len(skinny.CONFIGS) for c in res), res
+        finally:
+            skinny.reset()

@@ -1,0 +1,140 @@
+"""The skinny GEMM's Q/K/V epilogue (:func:`unifiedserve.ops.skinny_kernel.skinny_gemm` with ``rope=``): rotary on
+Q and K and the K/V write into the paged cache, in the projection's own kernel.
+
+Why. At decode batch sizes the unfused path runs, per layer, the Q/K/V GEMM and then ``rotary_cache`` (csrc's
+kernel: rotary, then the write), whose launch and dependency gap cost more than the few KB it moves: on the H100
+(2026-11-26, 7B preset, batch 1, docs/gpu.md) the replay's norm/rotary/activation kernels took 298 us over 113
+launches. Folded into the GEMM's epilogue, each program rotates the column pairs it has just summed and stores
+them where they go. The arithmetic is the unfused path's: the GEMM's output rounded to the dtype, then
+``csrc/fused_ops.h``'s ``rotate_pair`` (each product and the sum rounded to the tables' dtype).
+
+What it takes (checked here, metadata only: nothing is read on the host):
+
+- the weight's rows are ``[Hq | Hk | Hk]`` heads of ``D`` (Qwen2's fused ``qkv_proj``), D even;
+- ``cos``/``sin`` ``[M, D]`` in the model's dtype (the language model's tables; a float32 table would need
+  rounding-exact float32 arithmetic the compiler may contract into FMAs);
+- caches ``[slots, Hk, D]`` contiguous in the model's dtype, ``slot_mapping`` int64 ``[M]`` (a slot outside the
+  cache is not written, as csrc's kernel skips it);
+- ``write_rows`` int64 ``[M]`` or None: row ``m`` writes its K/V only where ``write_rows[m] == m``. The unfused
+  kernel writes row ``write_rows[m]``'s K/V into ``slot_mapping[m]``; the engine's padded CUDA-graph steps
+  (``unifiedserve.attention.metadata``) map a padding row to row 0 *and* to row 0's slot, which row 0 writes
+  itself, so both write the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RopeWrite", "tune_rope"]
+
+
+@dataclass(frozen=True)
+class RopeWrite:
+    """Where the Q/K/V epilogue's rotary tables come from and its K/V go (see the module docstring)."""
+
+    cos: torch.Tensor  # [M, D]
+    sin: torch.Tensor  # [M, D]
+    q_heads: int
+    kv_heads: int
+    k_cache: torch.Tensor  # [slots, Hk, D]
+    v_cache: torch.Tensor  # [slots, Hk, D]
+    slot_mapping: torch.Tensor  # int64 [M]
+    write_rows: torch.Tensor | None = None  # int64 [M]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_cache.shape[-1]
+
+    def check(self, x: torch.Tensor, weight_rows: int) -> None:
+        """``ValueError`` unless this write suits a call on ``x [M, K]`` with a weight of ``weight_rows`` rows."""
+        m = x.shape[0]
+        d = self.head_dim
+        if self.q_heads < 1 or self.kv_heads < 1 or self.q_heads % self.kv_heads:
+            raise ValueError(f"need q_heads a multiple of kv_heads >= 1, got {self.q_heads} and {self.kv_heads}")
+        if d % 2 or d < 2:
+            raise ValueError(f"the head dim must be even, got {d}")
+        if weight_rows != (self.q_heads + 2 * self.kv_heads) * d:
+            raise ValueError(f"a Q/K/V weight of {self.q_heads}+2x{self.kv_heads} heads of {d} has "
+                             f"{(self.q_heads + 2 * self.kv_heads) * d} rows, got {weight_rows}")
+        for name, t in (("cos", self.cos), ("sin", self.sin)):
+            if t.shape != (m, d) or t.dtype != x.dtype or t.stride(1) != 1 or t.stride(0) != self.cos.stride(0):
+                raise ValueError(f"{name} must be [{m}, {d}] {x.dtype} with contiguous rows (cos's stride), got "
+                                 f"{list(t.shape)} {t.dtype}")
+        for name, t in (("k_cache", self.k_cache), ("v_cache", self.v_cache)):
+            if t.dim() != 3 or t.shape[1:] != (self.kv_heads, d) or t.dtype != x.dtype or not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous [slots, {self.kv_heads}, {d}] {x.dtype}, got "
+                                 f"{list(t.shape)} {t.dtype}")
+        if self.v_cache.shape[0] != self.k_cache.shape[0]:
+            raise ValueError(f"k_cache has {self.k_cache.shape[0]} slots, v_cache {self.v_cache.shape[0]}")
+        for name, t in (("slot_mapping", self.slot_mapping), ("write_rows", self.write_rows)):
+            if t is not None and (t.shape != (m,) or t.dtype != torch.int64 or t.stride(0) != 1):
+                raise ValueError(f"{name} must be contiguous int64 [{m}], got {list(t.shape)} {t.dtype}")
+        tensors = (self.cos, self.sin, self.k_cache, self.v_cache, self.slot_mapping, self.write_rows)
+        if any(t is not None and t.device != x.device for t in tensors):
+            raise ValueError("cos, sin, the caches, slot_mapping and write_rows must be on x's device")
+
+
+def tune_rope(group, counts: Sequence[int], configs, margin: float, failed: dict,
+              per_layer_us: Callable[[Callable[[], None], int], float]) -> list:
+    """:func:`unifiedserve.ops.skinny.tune`'s last pass for a Q/K/V group with ``rope_heads``: at each row count,
+    :func:`~unifiedserve.ops.skinny.norm_linear` (with the choices the earlier passes just made) followed by csrc's
+    ``rotary_cache``, against each config with the norm, rotary and K/V write folded in (``norm+<kind>+rope``).
+    Returns the :class:`~unifiedserve.ops.skinny.Choice` per row count; the caller keeps them."""
+    from unifiedserve import ops
+    from unifiedserve.ops import skinny
+
+    w0, b0 = group.weights[0], group.biases[0]
+    q_heads, kv_heads = group.rope_heads
+    k = w0.shape[1]
+    d = w0.shape[0] // (q_heads + 2 * kv_heads)
+    sizes = [q_heads * d, kv_heads * d, kv_heads * d]
+    layers = list(zip(group.weights, group.biases, group.norms))
+    dev, dt = w0.device, w0.dtype
+    rng = torch.Generator(device=dev).manual_seed(1)  # the same inputs at every start-up
+    results = []
+    for m in counts:
+        x, residual = (torch.randn((m, k), generator=rng, device=dev).to(dt) for _ in range(2))
+        angles = torch.rand((m, d // 2), generator=rng, device=dev) * 6.3
+        cos, sin = torch.cat((angles, angles), -1).cos().to(dt), torch.cat((angles, angles), -1).sin().to(dt)
+        slots = torch.arange(m, dtype=torch.int64, device=dev)
+        k_fused, v_fused, k_base, v_base, k_want, v_want = (torch.zeros((m, kv_heads, d), dtype=dt, device=dev)
+                                                            for _ in range(6))
+        write = RopeWrite(cos, sin, q_heads, kv_heads, k_fused, v_fused, slots)
+        stream, q_out = torch.empty_like(x), torch.empty((m, sizes[0]), dtype=dt, device=dev)
+
+        def unfused(x, residual, w, b, g, k_cache, v_cache):
+            qkv, h = skinny.norm_linear(x, residual, g, group.eps, w, b)
+            q, kk, v = (t.view(m, -1, d) for t in qkv.split(sizes, dim=-1))
+            return ops.rotary_cache(q, kk, v, cos, sin, k_cache, v_cache, slots), h
+
+        w_last, b_last, g_last = layers[-1]
+        q_want, stream_want = unfused(x.clone(), residual.clone(), w_last, b_last, g_last, k_want, v_want)
+        xb, rb = x.clone(), residual.clone()  # the unfused path writes its inputs: buffers of its own
+
+        def baseline(xb=xb, rb=rb, k_base=k_base, v_base=v_base):
+            for w, b, g in layers:
+                unfused(xb, rb, w, b, g, k_base, v_base)
+
+        def run(config, x=x, residual=residual, stream=stream, q_out=q_out, write=write):
+            for w, b, g in layers:
+                skinny.skinny_gemm(x, w, b, norm_weight=g, eps=group.eps, residual=residual, stream_out=stream,
+                                   rope=write, config=config, out=q_out)
+
+        def check(q_out=q_out, q_want=q_want, k_fused=k_fused, v_fused=v_fused, k_want=k_want, v_want=v_want,
+                  stream=stream, stream_want=stream_want):
+            for got, want in ((q_out, q_want.reshape(m, -1)), (k_fused, k_want), (v_fused, v_want),
+                              (stream, stream_want)):
+                wrong = skinny._disagreement(got, want)
+                if wrong:
+                    return wrong
+            return ""
+
+        baseline()
+        results.append(skinny._best(f"norm+{group.kind}+rope", m, w0.shape[0], k, "norm_linear + rotary_cache",
+                                    per_layer_us(baseline, len(layers)), run, check, configs,
+                                    (b0 is not None, False, True, "rope"), failed,
+                                    lambda f: per_layer_us(f, len(layers)), margin))
+    return results
