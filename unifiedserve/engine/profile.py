@@ -143,7 +143,8 @@ def _profile_decode(model, config, probe_blocks: int, per_block: int, batch: int
     count whole), and the peak of one eager step of ``batch`` one-token sequences."""
     from unifiedserve.attention import TorchPagedAttention
     from unifiedserve.engine.device import graph_batch_sizes
-    from unifiedserve.engine.runner import TORCH_GRAPH_MAX_SEQ_LEN, ModelRunner, forward_tokens
+    from unifiedserve.engine.runner import ModelRunner, forward_tokens
+    from unifiedserve.engine.runner_startup import TORCH_GRAPH_MAX_SEQ_LEN
 
     device = torch.device(config.device)
     text = model.config.text
