@@ -187,7 +187,8 @@ class DecoderLayer(nn.Module):
         """One layer on the split residual stream: the stream is ``residual + x`` (``x`` alone for the first
         layer, ``residual=None``). Returns the MLP's output and the stream before it, so that each residual
         add is fused into the RMSNorm that follows it (the next layer's, or the final norm), and each of those
-        norms into the projection after it where :func:`~unifiedserve.ops.skinny.norm_linear` found that faster."""
+        norms into the projection after it where :func:`~unifiedserve.ops.skinny.norm_linear` found that faster (for
+        Q/K/V, with the rotary and the K/V write too where :func:`~unifiedserve.ops.skinny.norm_qkv_rope` did)."""
         ln1, ln2, attention, mlp = self.input_layernorm, self.post_attention_layernorm, self.self_attn, self.mlp
         qkv_w, qkv_b = attention.qkv_proj.weight, attention.qkv_proj.bias
         write = attn.rope_write(attention.layer_idx, cos, sin) if skinny.rope_chosen(x, qkv_w, qkv_b) else None

@@ -1,14 +1,16 @@
 """Which GEMM runs at decode batch sizes: cuBLAS, or the skinny kernel (:mod:`unifiedserve.ops.skinny_kernel`:
 one kernel per projection streaming the weight once, with the bias or SwiGLU in its epilogue, and for the two
-projections that follow an RMSNorm, the residual add and the norm in its prologue).
+projections that follow an RMSNorm, the residual add and the norm in its prologue; for Q/K/V also the rotary and the
+K/V-cache write in its epilogue, :mod:`unifiedserve.ops.skinny_rope`).
 
 Which kernel runs is measured, not assumed: :func:`tune` times cuBLAS and each :data:`CONFIGS` entry on the
 model's own weights (every layer's, in order, so each read comes from HBM as in a step, not from L2) at each
 row count the engine will run, and :func:`linear` / :func:`gate_up_silu` take the skinny kernel only where it
 won; :func:`norm_linear` takes the kernel with the norm folded in only where that beat the norm kernel followed
-by the faster of the two. Untuned shapes, CPU tensors, float32 (whose ``tl.dot`` would round to TF32), more than
-16 rows, autograd and ``UNIFIEDSERVE_SKINNY_GEMM=0`` all take cuBLAS (and ``silu_and_mul``, and the norm kernel)
-as before.
+by the faster of the two, and :func:`norm_qkv_rope` the one with rotary and the K/V write too only where that beat
+:func:`norm_linear` followed by csrc's ``rotary_cache``. Untuned shapes, CPU tensors, float32 (whose ``tl.dot``
+would round to TF32), more than 16 rows, autograd and ``UNIFIEDSERVE_SKINNY_GEMM=0`` all take cuBLAS (and
+``silu_and_mul``, the norm kernel and ``rotary_cache``) as before.
 """
 
 from __future__ import annotations
