@@ -169,10 +169,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     silu = silu_and_mul is not None
     config = _lookup(x, weight, bias, silu, norm=True)  # tuned only for norms in the weights' dtype
     if config is not None:  # (operands the kernel cannot take raise its ValueError: a caller's bug, not a fallback)
-        stream = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
-        out = skinny_gemm(x, weight, bias, silu_mul=silu, norm_weight=norm_weight, eps=eps, residual=residual,
-                          stream_out=None if residual is None else stream, config=config)
-        return out, stream
+        return _with_norm(x, residual, norm_weight, eps, weight, bias, config, silu_mul=silu)
     if residual is None:
         normed, stream = ops.rms_norm(x, norm_weight, eps), x
     else:
@@ -197,10 +194,18 @@ def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     config = _lookup(x, weight, bias, False, norm=True, rope=True)
     if config is None:
         return None
+    return _with_norm(x, residual, norm_weight, eps, weight, bias, config, rope=write)
+
+
+def _with_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+               weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
+               **epilogue) -> tuple[torch.Tensor, torch.Tensor]:
+    """The skinny kernel with the add + RMSNorm in front: ``(output, h)``, ``h = x + residual`` written into memory
+    of its own (``x`` itself without a residual)."""
     stream = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
-    q = skinny_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual,
-                    stream_out=None if residual is None else stream, rope=write, config=config)
-    return q, stream
+    out = skinny_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual,
+                      stream_out=None if residual is None else stream, config=config, **epilogue)
+    return out, stream
 
 
 @dataclass(frozen=True)

@@ -114,17 +114,19 @@ def emulated_norm(x, residual, norm_weight, w, b, silu_mul, rnd, eps=1e-6):
     return rnd(rnd(gate / (1.0 + torch.exp(-gate))).float() * up), stream
 
 
+def truncated(t):
+    """float32 -> bfloat16 as Triton's interpreter converts: dropping the low bits (the GPU rounds to nearest)."""
+    return (t.float().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
 NORM_KERNEL = """
     import os, sys, torch
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, {root!r})
     from unifiedserve.ops import skinny
-    from tests.unifiedserve.ops.test_skinny import emulated_norm, expected_norm
+    from tests.unifiedserve.ops.test_skinny import emulated_norm, expected_norm, truncated
     g = torch.Generator().manual_seed(2)
     C = skinny.SkinnyConfig
-
-    def truncated(t):  # float32 -> bfloat16 as the interpreter converts: dropping the low bits
-        return (t.float().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
 
     # (rows, output columns, K, bias, silu_mul, residual, config): the add or not, every epilogue, uneven K, the
     # norm pass in one tile and in several (_norm_tile: 16 rows of 1000 columns take two [16, 512] tiles)
@@ -198,12 +200,9 @@ ROPE_KERNEL = """
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, {root!r})
     from unifiedserve.ops import skinny
-    from tests.unifiedserve.ops.test_skinny import emulated_norm, expected, expected_norm, rope_reference
+    from tests.unifiedserve.ops.test_skinny import emulated_norm, expected, expected_norm, rope_reference, truncated
     g = torch.Generator().manual_seed(3)
     C = skinny.SkinnyConfig
-
-    def truncated(t):  # float32 -> bfloat16 as the interpreter converts: dropping the low bits
-        return (t.float().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
 
     def steps(got, want, dtype):  # in steps of the dtype at each value's magnitude (>= 1/64 of the largest)
         same_nan = torch.equal(got.isnan(), want.isnan())
@@ -411,18 +410,25 @@ def test_tune_chooses_per_shape_and_row_count_and_linear_follows(clean_table):
     assert next(line for line in lines if line.startswith("wrong")) == "wrong None 0 None"
 
 
-TUNE_NORM = """
+QKV_TUNE_SETUP = """
     import os, sys, torch
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, {root!r})
     from unifiedserve.ops import reference, skinny
-    from tests.unifiedserve.ops.test_skinny import expected_norm, fake_timer
+    from tests.unifiedserve.ops.test_skinny import expected_norm, fake_timer, rope_reference
     C = skinny.SkinnyConfig
     configs = (C(16, 32, 2), C(16, 64, 2))
-    g = torch.Generator().manual_seed(3)
-    w = [(torch.randn(48, 64, generator=g) / 8).to(torch.bfloat16) for _ in range(2)]
-    b = [torch.randn(48, generator=g).to(torch.bfloat16) for _ in range(2)]
-    nw = [(1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16) for _ in range(2)]
+
+    def qkv_weights(seed):  # two layers' 48x64 Q/K/V (4 query heads and 1 K/V head of 8), biases and norms
+        g = torch.Generator().manual_seed(seed)
+        w = [(torch.randn(48, 64, generator=g) / 8).to(torch.bfloat16) for _ in range(2)]
+        b = [torch.randn(48, generator=g).to(torch.bfloat16) for _ in range(2)]
+        nw = [(1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16) for _ in range(2)]
+        return g, w, b, nw
+"""
+
+TUNE_NORM = QKV_TUNE_SETUP + """
+    g, w, b, nw = qkv_weights(3)
     # plain, rows 1: cuBLAS 100, the configs 60 and 50; rows 4: 100, 99, 99.5 (cuBLAS stays). With the norm, rows 1:
     # the norm kernel + the plain choice 80, the configs 70 and 79; rows 4: 80, 79, 79.5 (under the margin)
     times = [100.0, 60.0, 50.0, 100.0, 99.0, 99.5, 80.0, 70.0, 79.0, 80.0, 79.0, 79.5]
@@ -475,19 +481,8 @@ def test_tune_times_the_norm_folded_in_against_the_norm_kernel_and_the_projectio
         assert err <= 0.02 and stream_err <= 0.07, line
 
 
-TUNE_ROPE = """
-    import os, sys, torch
-    os.environ["TRITON_INTERPRET"] = "1"
-    sys.path.insert(0, {root!r})
-    from unifiedserve.ops import reference, skinny
-    from tests.unifiedserve.ops.test_skinny import expected_norm, fake_timer, rope_reference
-    C = skinny.SkinnyConfig
-    configs = (C(16, 32, 2), C(16, 64, 2))
-    g = torch.Generator().manual_seed(4)
-    # 4 query heads and 1 K/V head of 8: 48 rows
-    w = [(torch.randn(48, 64, generator=g) / 8).to(torch.bfloat16) for _ in range(2)]
-    b = [torch.randn(48, generator=g).to(torch.bfloat16) for _ in range(2)]
-    nw = [(1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16) for _ in range(2)]
+TUNE_ROPE = QKV_TUNE_SETUP + """
+    g, w, b, nw = qkv_weights(4)
     # plain and norm+ as in TUNE_NORM; then with rotary and the K/V write, rows 1: norm_linear + rotary_cache 90, the
     # configs 95 and 85; rows 4: 90, 89, 95 (under the margin); each per layer in the results (half)
     times = [100.0, 60.0, 50.0, 100.0, 99.0, 99.5, 80.0, 70.0, 79.0, 80.0, 79.0, 79.5, 90.0, 95.0, 85.0, 90.0, 89.0,
