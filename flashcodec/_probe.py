@@ -58,6 +58,12 @@ class VideoInfo:
     decode_positions: np.ndarray = field(repr=False)
     #: int64 [num_keyframes]: decode-order positions of the keyframe packets, ascending.
     keyframe_positions: np.ndarray = field(repr=False)
+    #: streams in the container (all kinds), as FFmpeg's open counts them
+    num_streams: int = 1
+    #: the reorder depth (``has_b_frames``) a decoder starts with after an open whose stream-info pass decoded
+    #: nothing (what the stream's headers state); None when the probe needed a full open or PyAV cannot say.
+    #: Read by :mod:`flashcodec.decode.fast_open`.
+    open_reorder_depth: int | None = None
 
     @property
     def display_height(self) -> int:
@@ -192,6 +198,7 @@ def probe(source: SourceLike | Source) -> VideoInfo:
     if container is not None and not _stream_known(container):
         container.close()
         container = None
+    fast = container is not None
     if container is None:
         container = _open_container(src)
     with container:
@@ -205,6 +212,7 @@ def probe(source: SourceLike | Source) -> VideoInfo:
             codec = None
         if not codec:
             raise UnsupportedCodecError(f"{src.name}: no decoder available for this video stream's codec")
+        open_depth = _stated_reorder_depth(codec_context) if fast else None  # before any decode raises it
 
         pts_list: list[int] = []
         keyframe_positions: list[int] = []
@@ -262,7 +270,16 @@ def probe(source: SourceLike | Source) -> VideoInfo:
             frame_pts=frame_pts,
             decode_positions=decode_positions.astype(np.int64),
             keyframe_positions=np.asarray(keyframe_positions, dtype=np.int64),
+            num_streams=len(container.streams),
+            open_reorder_depth=open_depth,
         )
+
+
+def _stated_reorder_depth(codec_context) -> int | None:
+    depth = getattr(codec_context, "reorder_depth", None)  # PyAV >= 15
+    if depth is None:
+        return None if codec_context.has_b_frames else 0
+    return int(depth)
 
 
 def _average_fps(stream, num_frames: int, duration_s: float) -> float:

@@ -21,6 +21,7 @@ from typing import Callable
 import numpy as np
 
 import flashcodec
+from flashcodec.decode import fast_open
 from flashcodec.decode.backends import DEFAULT_INTERPOLATION, PyAVSegmentDecoder, convert_frame
 from flashcodec.plan.video import VideoPlan, floor_cost
 from flashcodec.resize import DEFAULT_RESIZE_MODE, RESIZE_MODES
@@ -66,6 +67,7 @@ def sequential_reference(path: str, indices: list[int], height: int, width: int)
 
 
 def peer_torchcodec(path, indices, height, width, threads):
+    fast_open.install()  # loaded for flashcodec's decoders later in this process; the peer's opens stay full
     from torchcodec.decoders import VideoDecoder
     from torchcodec.transforms import Resize
 

@@ -108,6 +108,9 @@ def log_once(message: str, level: int = logging.WARNING) -> None:
 
 
 def _torchcodec_cuda_reason() -> str | None:
+    from flashcodec.decode import fast_open
+
+    fast_open.install()  # before torchcodec loads FFmpeg
     try:
         import torchcodec
         import torchcodec.decoders  # noqa: F401  (loads FFmpeg: fails here when its libraries are missing)

@@ -45,6 +45,7 @@ import torch  # noqa: E402
 
 import flashcodec  # noqa: E402
 from flashcodec.benchmark import best_time, machine_info, sampling_indices  # noqa: E402
+from flashcodec.decode import fast_open  # noqa: E402
 from flashcodec.decode.frame_mappings import frame_mappings  # noqa: E402
 from flashcodec.devices import (DEFAULT_NVDEC_SESSIONS, NVDEC_HOST_CORES, default_cpu_threads,  # noqa: E402
                                nvdec_unavailable_reason)
@@ -260,13 +261,18 @@ def bench_codec(clip, args) -> dict:
             diff = state["gpu_vs_cpu"] = _diff(frames, state["cpu_frames"])
             if diff > MAX_SANE_DIFF:
                 raise AssertionError(f"GPU output differs from CPU output by mean {diff:.2f}; refusing to time")
+        opens_before = fast_open.fast_opens()
         seconds = min(_fc_decode(engine, path, dense, gpu)[0] for _ in range(args.repeat))
+        fast_opens = (fast_open.fast_opens() - opens_before) / args.repeat
+        with fast_open.full_opens():  # the same runs with FFmpeg's stream-info decode at every session's open
+            full_opens = min(_fc_decode(engine, path, dense, gpu)[0] for _ in range(args.repeat))
         cpu_before = time.process_time()  # one more run: how many of the host's cores NVDEC's threads keep busy
         wall = _fc_decode(engine, path, dense, gpu)[0]
         host_cores = (time.process_time() - cpu_before) / wall
         trace = _fc_traced(engine, path, dense, gpu, {f"cuda:{gpu}": S})
         return {"seconds": seconds, "fps": must_decode / seconds, "sessions": S, "host_cores_busy": host_cores,
-                "trace": trace}
+                "trace": trace, "fast_opens_per_run": fast_opens, "seconds_full_opens": full_opens,
+                "full_opens_because": fast_open.reason()}
 
     def one_session():
         need_gpu()
@@ -446,6 +452,7 @@ def save(report: dict, out: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    fast_open.install()  # before anything imports torchcodec: flashcodec's sessions open without the H.264 decode
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"started": time.time(), "command": "python bench/decode/bench_gpu.py " + " ".join(argv or sys.argv[1:]),
               "machine": versions(args.gpu), "notes": [], "codecs": {}}

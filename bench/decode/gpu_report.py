@@ -84,6 +84,10 @@ def _note(v: dict) -> str:
     parts = []
     if v.get("host_cores_busy") is not None:
         parts.append(f"host cores busy {v['host_cores_busy']:.1f}")
+    if v.get("seconds_full_opens") is not None:  # flashcodec/decode/fast_open.py
+        parts.append(f"{v['fast_opens_per_run']:.0f} opens without FFmpeg's stream-info decode per run; all full: "
+                     f"{v['seconds_full_opens']:.3f} s" + (f" ({v['full_opens_because']})" if v.get("full_opens_because")
+                                                           else ""))
     if v.get("cpu_threads") is not None:
         parts.append(f"{v['cpu_threads']} CPU threads")
     if v.get("segments_per_rank"):

@@ -28,6 +28,7 @@ from av.video.codeccontext import VideoCodecContext
 import numpy as np
 import torch
 
+from flashcodec.decode import fast_open
 from flashcodec.decode.frame_mappings import frame_mappings
 from flashcodec.plan.segments import GopSegment
 from flashcodec._probe import SKIP_STREAM_INFO_DECODE, VideoInfo, per_probe
@@ -277,20 +278,22 @@ class TorchCodecSegmentDecoder(SegmentDecoder):
 
     def __init__(self, source: Source, info: VideoInfo, height: int, width: int,
                  resize: str = DEFAULT_RESIZE_MODE):
+        fast_open.install()
         from torchcodec.decoders import VideoDecoder
         from torchcodec.transforms import Resize
 
         # exact: torchcodec converts at full resolution and we resize; fast: its own Resize transform
         self._resize_to = (height, width) if check_resize_mode(resize) == "exact" else None
 
-        self._decoder = VideoDecoder(
-            source.path if source.path is not None else source.data,
-            stream_index=info.stream_index,
-            dimension_order="NHWC",
-            num_ffmpeg_threads=1,
-            custom_frame_mappings=frame_mappings(info),
-            transforms=[] if self._resize_to else [Resize((height, width))],
-        )
+        with fast_open.opening(info, reorder_depth(info)):
+            self._decoder = VideoDecoder(
+                source.path if source.path is not None else source.data,
+                stream_index=info.stream_index,
+                dimension_order="NHWC",
+                num_ffmpeg_threads=1,
+                custom_frame_mappings=frame_mappings(info),
+                transforms=[] if self._resize_to else [Resize((height, width))],
+            )
 
     def _to_output(self, frames: torch.Tensor) -> np.ndarray:
         """``[N, H0, W0, 3]`` decoded frames -> ``[N, H, W, 3]`` at the output size."""
@@ -341,6 +344,7 @@ DEFAULT_BACKEND = "pyav"
 def available_backends() -> list[str]:
     names = ["pyav"]
     try:
+        fast_open.install()
         import torchcodec.decoders  # noqa: F401
 
         names.append("torchcodec")

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from flashcodec._probe import VideoInfo, per_probe
+from flashcodec.decode import fast_open
 
 
 class FrameMappings(str):
@@ -63,6 +64,7 @@ def use_parsed_mappings() -> bool:
     the process. Where that function is missing (another torchcodec), nothing is wrapped and the JSON is parsed.
     Returns whether the wrapper is in place.
     """
+    fast_open.install()  # whoever imports torchcodec first decides; this module is imported early
     try:
         from torchcodec.decoders import _video_decoder as vd
     except Exception:  # not installed, or its FFmpeg libraries do not load (RuntimeError): nothing to wrap

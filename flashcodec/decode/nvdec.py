@@ -35,7 +35,8 @@ from typing import Sequence
 
 import torch
 
-from flashcodec.decode.backends import Backend, Emit, SegmentDecoder, ShouldStop, emit_many, never
+from flashcodec.decode import fast_open
+from flashcodec.decode.backends import Backend, Emit, SegmentDecoder, ShouldStop, emit_many, never, reorder_depth
 from flashcodec.devices import DEFAULT_NVDEC_SESSIONS, log_once
 from flashcodec.plan.segments import GopSegment
 from flashcodec.decode.frame_mappings import frame_mappings
@@ -74,19 +75,21 @@ class NvdecSegmentDecoder(SegmentDecoder):
 
     def __init__(self, source: Source, info: VideoInfo, height: int, width: int, device_index: int,
                  resize: str = DEFAULT_RESIZE_MODE):
+        fast_open.install()
         from torchcodec.decoders import VideoDecoder
 
         check_resize_mode(resize)
         self._info = info
         self._size = (height, width)
         self._device = torch.device("cuda", device_index)
-        self._decoder = VideoDecoder(
-            source.path if source.path is not None else source.data,
-            stream_index=info.stream_index,
-            dimension_order="NCHW",
-            device=str(self._device),
-            custom_frame_mappings=frame_mappings(info),
-        )
+        with fast_open.opening(info, reorder_depth(info)):  # H.264: no software decode in FFmpeg's open
+            self._decoder = VideoDecoder(
+                source.path if source.path is not None else source.data,
+                stream_index=info.stream_index,
+                dimension_order="NCHW",
+                device=str(self._device),
+                custom_frame_mappings=frame_mappings(info),
+            )
         fallback = self._decoder.cpu_fallback
         if fallback:  # torchcodec decodes on the CPU and uploads: right frames, no NVDEC speed
             log_once(f"{source.name}: torchcodec decodes on the CPU instead of NVDEC on {self._device} ({fallback})")

@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""What one decoder's open costs, and what that costs a request: FFmpeg's H.264 stream-info decode, same run.
+
+Every segment decoder opens the video (each NVDEC session, each CPU thread). For H.264, FFmpeg's stream-info
+pass decodes the first pictures in software at each open. This times, on one clip:
+
+- an open through PyAV and through torchcodec (CPU, or ``--device cuda:N`` for an NVDEC session), each full and
+  without that decode (PyAV: ``backends.FAST_OPEN_OPTIONS``; torchcodec: ``flashcodec/decode/fast_open.py``);
+- flashcodec's ``decode_video`` of 32 sparse frames and of the dense plan on that device (the torchcodec backend on
+  the CPU, NVDEC on a GPU), with fast opens and with every open full (``fast_open.full_opens``).
+
+    python bench/decode/bench_open.py                       # 1080p H.264, 20 s, CPU (~1 minute with the clip)
+    python bench/decode/bench_open.py --device cuda:0       # NVDEC sessions
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "datasets"))
+
+import synthetic_video  # noqa: E402
+
+from flashcodec.decode import fast_open  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu (torchcodec's CPU decoder) or cuda:N (NVDEC); default cpu")
+    p.add_argument("--clip", type=Path, help="an H.264 file to use instead of the generated clip")
+    p.add_argument("--size", default="1920x1080", help="clip size WxH (default 1920x1080)")
+    p.add_argument("--duration", type=float, default=20.0, help="clip length in seconds (default 20)")
+    p.add_argument("--opens", type=int, default=7, help="opens timed per front end, median kept (default 7)")
+    p.add_argument("--repeat", type=int, default=3, help="timed decodes per mode, best kept (default 3)")
+    p.add_argument("--threads", type=int, default=2, help="CPU decoder threads on --device cpu (default 2)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where the JSON goes")
+    p.add_argument("--cache", type=Path, default=None, help="clip cache (default ~/.cache/flashcodec/videos)")
+    return p.parse_args(argv)
+
+
+def median_seconds(fn, n: int) -> float:
+    times = []
+    for _ in range(n):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    installed = fast_open.install()  # before torchcodec is imported
+    import av
+    import flashcodec
+    from flashcodec.decode import backends
+    from torchcodec.decoders import VideoDecoder
+
+    width, height = (int(v) for v in args.size.lower().split("x"))
+    spec = dict(codec="h264", width=width, height=height, duration_s=args.duration, fps=30.0, gop=250, bframes=3,
+                suffix=".mp4", preset="veryfast", seed=0)
+    path = str(args.clip or synthetic_video.cached_video(spec, cache_dir=args.cache))
+    info = flashcodec.probe(path)
+    if info.codec != "h264":
+        print(f"error: {path} is {info.codec}; only H.264's open decodes pictures", file=sys.stderr)
+        return 2
+    width, height = info.width, info.height
+    depth = backends.reorder_depth(info)
+    device = args.device
+
+    def torchcodec_open():
+        with fast_open.opening(info, depth):
+            VideoDecoder(path, stream_index=info.stream_index, device=device, seek_mode="approximate")
+
+    def pyav_open(options):
+        def run():
+            with av.open(path, options=options) as container:
+                container.streams.video[0].codec_context  # noqa: B018  (opened as a segment decoder opens)
+        return run
+
+    opens = {"pyav_full": median_seconds(pyav_open(None), args.opens),
+             "pyav_fast": median_seconds(pyav_open(backends.FAST_OPEN_OPTIONS["h264"]), args.opens)}
+    torchcodec_open()  # warm: torchcodec's libraries and, on a GPU, its decoder cache
+    opens["torchcodec_fast"] = median_seconds(torchcodec_open, args.opens)
+    with fast_open.full_opens():
+        opens["torchcodec_full"] = median_seconds(torchcodec_open, args.opens)
+
+    if device.startswith("cuda"):
+        engine = flashcodec.DecodeEngine(devices=[device], cpu_threads=0)
+    else:
+        engine = flashcodec.DecodeEngine("torchcodec", num_threads=args.threads)
+    plan = flashcodec.plan_video(info)
+    step = max(1, info.num_frames // 32)
+    samplings = {"sparse": list(range(0, info.num_frames, step))[:32], "dense": list(plan.frame_indices)}
+    decodes: dict = {}
+    with engine:
+        for name, indices in samplings.items():
+            def decode():
+                return engine.decode_video(path, frame_indices=indices)
+
+            decode()  # warm
+            before = fast_open.fast_opens()
+            fast = min(median_seconds(decode, 1) for _ in range(args.repeat))
+            fast_count = (fast_open.fast_opens() - before) / args.repeat
+            with fast_open.full_opens():
+                full = min(median_seconds(decode, 1) for _ in range(args.repeat))
+            decodes[name] = {"frames": len(indices), "fast_s": fast, "full_s": full, "fast_opens_per_run": fast_count}
+
+    print(f"{Path(path).name}: H.264 {width}x{height}, {info.num_frames} frames, reorder depth {depth} "
+          f"(the stream states {info.open_reorder_depth}); device {device}; fast opens "
+          f"{'on' if installed else 'off: ' + str(fast_open.reason())}")
+    print(f"{'one open':<22} {'full':>9} {'fast':>9} {'ratio':>7}")
+    for front in ("pyav", "torchcodec"):
+        full, fast = opens[front + "_full"], opens[front + "_fast"]
+        print(f"{front:<22} {full * 1e3:8.1f}ms {fast * 1e3:8.1f}ms {full / fast:6.1f}x")
+    print(f"{'decode_video':<22} {'full':>9} {'fast':>9} {'ratio':>7}  opens without the decode")
+    for name, d in decodes.items():
+        print(f"{name + ' (' + str(d['frames']) + ' frames)':<22} {d['full_s']:8.3f}s {d['fast_s']:8.3f}s "
+              f"{d['full_s'] / d['fast_s']:6.2f}x  {d['fast_opens_per_run']:.0f} per run")
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"bench_open_{device.replace(':', '')}.json"
+    out.write_text(json.dumps({"command": "python bench/decode/bench_open.py " + " ".join(argv or sys.argv[1:]),
+                               "clip": str(args.clip) if args.clip else spec, "fast_open_installed": installed, "reason": fast_open.reason(),
+                               "opens_s": opens, "decode_video": decodes}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
