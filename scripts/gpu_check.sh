@@ -10,7 +10,7 @@
 #
 # Groups (one per run: both wheel sets together exceed what a run may carry):
 #   decode     flashcodec on NVDEC / nvJPEG / NVML: the decode tests, bench/decode/bench_resize.py (the
-#              fused resize kernel), bench/decode/bench_open.py and bench/decode/bench_gpu.py; then
+#              fused resize kernel), bench/decode/bench_open.py, bench_stream.py and bench_gpu.py; then
 #              bench/kernels/bench_sm_shares.py
 #              (issue 14: green contexts vs MPS shares; pure torch, so it rides with this group)
 #   attention  the engine on flashinfer: flashinfer's kernels (carried prebuilt by scripts/gpu_wheels.sh, else
@@ -33,7 +33,7 @@
 #              policy's rates may take several runs (RATES=...), which --merge joins
 #   tests      the `cuda` tests named in CUDA_TESTS again (pytest paths or node ids; default: every one), with the
 #              csrc/ build they need, on whichever wheels are carried (GPU_WHEELS); DECODE_BENCH=1 adds
-#              bench/decode/bench_open.py and bench/decode/bench_gpu.py --short $DECODE_BENCH_ARGS after them.
+#              bench/decode/bench_open.py, bench_stream.py and bench_gpu.py --short $DECODE_BENCH_ARGS after them.
 #              For a short run that checks fixes.
 # The steps' limits add up to more than the device's 10 minutes only where a step usually ends early;
 # what ran is in OUTDIR/status.txt either way.
@@ -226,6 +226,8 @@ decode)
   run 90 bench-resize python3 bench/decode/bench_resize.py --quick --out "$out/bench_resize.json"
   step "bench/decode/bench_open.py (one open, and a request, with and without FFmpeg's H.264 stream-info decode)"
   run 90 bench-open python3 bench/decode/bench_open.py --device cuda:0 --out "$out/bench_decode"
+  step "bench/decode/bench_stream.py (a streamed decode's prefix over NVDEC sessions: in-order queue vs lanes)"
+  run 90 bench-stream python3 bench/decode/bench_stream.py --device cuda:0 --out "$out/bench_decode"
   step "bench/decode/bench_gpu.py --short"
   run 270 bench-decode python3 bench/decode/bench_gpu.py --short --out "$out/bench_decode"
   step "bench/kernels/bench_sm_shares.py --quick (decode beside prefill: unpartitioned, green contexts, MPS)"
@@ -310,6 +312,8 @@ tests)
   if [ "${DECODE_BENCH:-0}" = 1 ]; then
     step "bench/decode/bench_open.py (one open, and a request, with and without FFmpeg's H.264 stream-info decode)"
     run 90 bench-open python3 bench/decode/bench_open.py --device cuda:0 --out "$out/bench_decode"
+    step "bench/decode/bench_stream.py (a streamed decode's prefix over NVDEC sessions: in-order queue vs lanes)"
+    run 90 bench-stream python3 bench/decode/bench_stream.py --device cuda:0 --out "$out/bench_decode"
     step "bench/decode/bench_gpu.py --short"
     # shellcheck disable=SC2086  # DECODE_BENCH_ARGS: more flags, e.g. "--codecs h264 --repeat 2"
     # up to the run's end (two 150-s codecs take about 450 s): the bench saves each codec as it finishes

@@ -511,6 +511,7 @@ class DecodeEngine:
                 open_decoder=lambda b: b.open(analysis.source, analysis.info, plan.height, plan.width, resize=resize),
                 emit=request.emit, on_segment_done=request.segment_done, on_finished=request.rank_finished,
                 allowed_ranks=allowed, trace=request.trace, emit_many=request.emit_many, fallback_ranks=fallback,
+                in_order=stream,  # a stream hands out its prefix: every slot takes the earliest segment left
             ))
 
     def cancel(self, key_id: int) -> bool:

@@ -7,6 +7,10 @@ per slot, balanced by decode cost. A thread that finishes a segment takes the ne
 own lane first (its decoder is already positioned there, so no seek is needed); when its lane is
 empty it takes an unclaimed lane, then steals from the tail of the lane with the most work left,
 and only then moves to the next request. No slot idles while a segment of any request remains.
+A streamed request (``in_order``) is one queue in display order instead: every slot takes the
+earliest segment left, so the prefix of finished frames, which is what a stream hands out, grows at
+the rank's pace rather than at one slot's (with lanes, the prefix is the first lane's progress, and
+the other lanes' frames all come out at the end).
 
 Ranks differ in speed (an H100's 7 NVDEC engines vs a few CPU cores), and the planner's split
 (by estimated finish times, :func:`flashcodec.plan.segments.partition_by_finish_time`) is only an
@@ -136,6 +140,8 @@ class RankJob:
     engine whose GPUs alone take the video).
     ``trace``: ``(t0, events)``, a ``time.perf_counter()`` origin and a list every slot appends its
     :class:`SlotEvent` to (the request's ranks share one), or None (no tracing).
+    ``in_order``: the plan's segments form one queue in display order that every slot takes from the head (a
+    streamed request; module docstring); another rank steals from its tail, the end of the video.
     """
 
     def __init__(self, key_id: int, plan: RankPlan, open_decoder: Callable[[Backend], SegmentDecoder],
@@ -144,7 +150,7 @@ class RankJob:
                  allowed_ranks: frozenset[int] | None = None,
                  trace: tuple[float, list[SlotEvent]] | None = None,
                  emit_many: Callable[[list[int], object], None] | None = None,
-                 fallback_ranks: frozenset[int] = frozenset()):
+                 fallback_ranks: frozenset[int] = frozenset(), in_order: bool = False):
         self.key_id = key_id
         self.plan = plan
         self.open_decoder = open_decoder
@@ -160,7 +166,8 @@ class RankJob:
         self.ended: set[GopSegment] = set()  # segments a run has completed
         self.claimed: set[int] = set()  # display indices emitted (so a backed-up segment's frames are written once)
         self._claim_lock = threading.Lock()
-        self.lanes = [deque(lane) for lane in plan.lanes]
+        self.in_order = in_order
+        self.lanes = [deque(plan.segments)] if in_order else [deque(lane) for lane in plan.lanes]
         self.lane_owner: list[int | None] = [None] * len(self.lanes)
         self.in_flight = 0
         self.error: BaseException | None = None
@@ -220,6 +227,9 @@ class RankJob:
         """Next segment for ``slot``: own lane, else an unclaimed lane, else steal the largest tail."""
         if self.cancelled:
             return None
+        if self.in_order:  # the one queue's head, then anything given back
+            lane = next((ln for ln in self.lanes if ln), None)
+            return None if lane is None else lane.popleft()
         for i, owner in enumerate(self.lane_owner):
             if owner == slot and self.lanes[i]:
                 return self.lanes[i].popleft()

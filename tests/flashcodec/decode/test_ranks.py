@@ -109,6 +109,42 @@ TABLE = GopTable(list(range(400)), list(range(0, 400, 10)))  # 40 GOPs of 10 fra
 TARGETS = list(range(0, 400, 5))  # 2 targets per GOP: 40 segments of cost 6
 
 
+def _in_order_job(plan):
+    return RankJob(1, plan, open_decoder=None, emit=None, on_segment_done=None, on_finished=None, in_order=True)
+
+
+def test_an_in_order_job_hands_every_slot_the_earliest_segment_and_gives_its_tail_to_thieves():
+    (plan,) = plan_distribution(TARGETS, TABLE, num_ranks=1, decoders_per_rank=4)
+    assert len(plan.lanes) == 4 and [lane[0].start_position for lane in plan.lanes] == [0, 100, 200, 300]
+    job = _in_order_job(plan)
+    starts = [job.take(slot).start_position for slot in (0, 1, 2, 3, 0, 2)]
+    assert starts == [0, 10, 20, 30, 40, 50]  # one queue in display order, whichever slot asks
+    assert job.peek_tail().start_position == 390 and job._pop_largest_tail().start_position == 390  # a thief: the end
+    job.give_back(plan.segments[0])  # a failed rank's run of it: queued behind the rest
+    taken = [job.take(1).start_position for _ in range(34)]
+    assert taken == list(range(60, 390, 10)) + [0] and job.take(1) is None and not job.has_pending
+
+
+def test_a_streamed_rank_decodes_the_video_front_to_back():
+    """All slots start on the first segments at once (the prefix a stream hands out grows at the rank's pace);
+    with lanes they start on each lane's head, and the prefix is the first lane's progress."""
+    heads = {}
+    for in_order in (True, False):
+        group = RankGroup()
+        rank = RankScheduler(SleepBackend("cpu", 0.002), 4, "cpu", speed=2000, group=group)
+        (plan,) = plan_distribution(TARGETS, TABLE, num_ranks=1, decoders_per_rank=4)
+        collector = Collector(1)
+        rank.submit(RankJob(1, plan, open_decoder=lambda backend: backend.open(None, None, 0, 0), emit=collector.emit,
+                            on_segment_done=lambda s, f: None, on_finished=collector.finished, in_order=in_order))
+        try:
+            wait(collector)
+        finally:
+            group.shutdown()
+        assert sorted(d for d, _ in collector.decoded) == TARGETS
+        heads[in_order] = sorted(s.start_position for s in rank.backend.started[:4])
+    assert heads == {True: [0, 10, 20, 30], False: [0, 100, 200, 300]}
+
+
 def test_should_steal_only_when_the_thief_finishes_before_the_victim():
     assert should_steal(6, thief_slot_speed=1000, victim_backlog_cost=120, victim_speed=100)
     assert not should_steal(6, thief_slot_speed=50, victim_backlog_cost=120, victim_speed=2000)

@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""A streamed decode's prefix: when each quarter of the frames is handed out, in-order queue vs lanes, same run.
+
+A stream (``add_decoding_request(stream=True)``, the server's streaming ingest) hands out the prefix of finished
+frames. flashcodec gives a streamed request's segments to a rank's slots as one queue in display order; the
+peer here is the lane plan every other request gets (one contiguous run of segments per slot), where the prefix
+is the first lane's progress. Both run on the same engine, alternated; the lane plan is forced by giving the
+scheduler's jobs ``in_order=False``.
+
+    python bench/decode/bench_stream.py                      # 720p H.264, 60 s, 2-s GOPs, the CPU's threads
+    python bench/decode/bench_stream.py --device cuda:0      # NVDEC sessions
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "datasets"))
+
+import synthetic_video  # noqa: E402
+
+import flashcodec  # noqa: E402
+from flashcodec.decode import fast_open, scheduler  # noqa: E402
+
+QUARTERS = (0.25, 0.5, 0.75, 1.0)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N (NVDEC sessions only); default cpu")
+    p.add_argument("--threads", type=int, default=None, help="CPU decoder threads (default: flashcodec's default)")
+    p.add_argument("--clip", type=Path, help="a video to use instead of the generated clip")
+    p.add_argument("--size", default="1280x720", help="generated clip's size WxH (default 1280x720)")
+    p.add_argument("--duration", type=float, default=60.0, help="generated clip's length in seconds (default 60)")
+    p.add_argument("--repeat", type=int, default=3, help="runs per plan, alternated (default 3)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where the JSON goes")
+    p.add_argument("--cache", type=Path, default=None, help="clip cache (default ~/.cache/flashcodec/videos)")
+    return p.parse_args(argv)
+
+
+class _Plans:
+    """Lets the scheduler's jobs take their ``in_order`` from the engine (ours) or not (the lane plan)."""
+
+    def __init__(self):
+        self.in_order = True
+        self._init = scheduler.RankJob.__init__
+        plans = self
+
+        def init(job, *args, **kwargs):
+            kwargs["in_order"] = kwargs.get("in_order", False) and plans.in_order
+            plans._init(job, *args, **kwargs)
+
+        scheduler.RankJob.__init__ = init
+
+    def restore(self):
+        scheduler.RankJob.__init__ = self._init
+
+
+def streamed(engine, path: str) -> dict:
+    analysis = engine.analyse_bitstream(path)
+    n = len(analysis.plan.frame_indices)
+    started = time.perf_counter()
+    engine.add_decoding_request(analysis.key_id, stream=True)
+    marks: dict[float, float] = {}
+    got = 0
+    for part in engine.stream_decoding_output(analysis.key_id):
+        got = part.stop
+        for q in QUARTERS:
+            if q not in marks and got >= q * n:
+                marks[q] = time.perf_counter() - started
+    total = time.perf_counter() - started
+    return {"frames": n, "seconds": total, "share_of_time": {str(q): marks[q] / total for q in QUARTERS}}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    fast_open.install()
+    width, height = (int(v) for v in args.size.lower().split("x"))
+    spec = dict(codec="h264", width=width, height=height, duration_s=args.duration, fps=30.0, gop=60, bframes=3,
+                suffix=".mp4", preset="veryfast", seed=0)
+    path = str(args.clip or synthetic_video.cached_video(spec, cache_dir=args.cache))
+    if args.device.startswith("cuda"):
+        engine = flashcodec.DecodeEngine(devices=[args.device], cpu_threads=0)
+    else:
+        engine = flashcodec.DecodeEngine(num_threads=args.threads)
+    plans = _Plans()
+    runs: dict[str, list[dict]] = {"in_order": [], "lanes": []}
+    try:
+        with engine:
+            streamed(engine, path)  # warm
+            for _ in range(args.repeat):
+                for name in runs:
+                    plans.in_order = name == "in_order"
+                    runs[name].append(streamed(engine, path))
+    finally:
+        plans.restore()
+    info = flashcodec.probe(path)
+    print(f"{Path(path).name}: {info.codec} {info.width}x{info.height}, {len(info.gops)} GOPs; "
+          f"{runs['in_order'][0]['frames']} frames streamed on {args.device}")
+    print(f"{'plan':<10} " + " ".join(f"{int(q * 100):>4}%" for q in QUARTERS) + "  (share of the decode's time, "
+          "median run)   seconds")
+    summary = {}
+    for name, rs in runs.items():
+        middle = sorted(rs, key=lambda r: r["share_of_time"]["0.5"])[len(rs) // 2]
+        summary[name] = middle
+        print(f"{name:<10} " + " ".join(f"{middle['share_of_time'][str(q)]:5.2f}" for q in QUARTERS)
+              + "  " + ", ".join(f"{r['seconds']:.2f}" for r in rs))
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"bench_stream_{args.device.replace(':', '')}.json"
+    out.write_text(json.dumps({"command": "python bench/decode/bench_stream.py " + " ".join(argv or sys.argv[1:]),
+                               "clip": str(args.clip) if args.clip else spec, "runs": runs, "median": summary},
+                              indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

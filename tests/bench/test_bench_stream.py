@@ -1,0 +1,27 @@
+"""bench/decode/bench_stream.py: runs end to end on a tiny clip, both plans, and puts the scheduler back."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench" / "decode"))
+
+import bench_stream  # noqa: E402
+
+from flashcodec.decode import scheduler  # noqa: E402
+
+
+def test_times_the_prefix_of_both_plans_and_restores_the_scheduler(tmp_path, capsys):
+    init = scheduler.RankJob.__init__
+    assert bench_stream.main(["--size", "160x96", "--duration", "4", "--repeat", "1", "--threads", "2",
+                              "--out", str(tmp_path), "--cache", str(tmp_path / "videos")]) == 0
+    assert scheduler.RankJob.__init__ is init
+    report = json.loads((tmp_path / "bench_stream_cpu.json").read_text())
+    for name in ("in_order", "lanes"):
+        (run,) = report["runs"][name]
+        shares = [run["share_of_time"][q] for q in ("0.25", "0.5", "0.75", "1.0")]
+        assert run["frames"] > 0 and shares == sorted(shares) and 0 < shares[0] and shares[-1] <= 1.0
+    assert "in_order" in capsys.readouterr().out
