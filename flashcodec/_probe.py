@@ -61,7 +61,8 @@ class VideoInfo:
     #: streams in the container (all kinds), as FFmpeg's open counts them
     num_streams: int = 1
     #: the reorder depth (``has_b_frames``) a decoder starts with after an open whose stream-info pass decoded
-    #: nothing (what the stream's headers state); None when the probe needed a full open or PyAV cannot say.
+    #: nothing (what FFmpeg learns without decoding: for MP4, off the composition offsets); None when the probe
+    #: needed a full open or PyAV cannot say.
     #: Read by :mod:`flashcodec.decode.fast_open`.
     open_reorder_depth: int | None = None
 

@@ -11,10 +11,11 @@ front of FFmpeg's ``avformat_find_stream_info`` in the process's global symbol s
 constructor, :func:`opening` arms it in that thread, and that open's pass decodes nothing for the video stream;
 every other call passes through unchanged.
 
-An open that decodes nothing leaves the decoder the reorder depth the stream's SPS states (the probe reads it:
-``VideoInfo.open_reorder_depth``). A decoder holding back fewer frames than the stream reorders would drop
-pictures, so a video is opened this way only when that depth covers the one our probe measured over the whole
-stream (:func:`backends.reorder_depth`); x264's streams state it. Other codecs' passes decode nothing already.
+An open that decodes nothing leaves the decoder the reorder depth FFmpeg learns without decoding (for MP4, its
+demuxer reads it off the composition offsets; the probe records it: ``VideoInfo.open_reorder_depth``). A decoder
+holding back fewer frames than the stream reorders would drop pictures, so a video is opened this way only when
+that depth covers the one our probe measured over the whole stream (:func:`backends.reorder_depth`). Other
+codecs' passes decode nothing already.
 
 Off with ``FLASHCODEC_FAST_OPEN=0``; without a C compiler, or when torchcodec was imported before flashcodec could
 load the library, opens are full ones and the reason is logged once. The build is cached under
@@ -132,9 +133,9 @@ def fast_opens() -> int:
 
 
 def usable(info: VideoInfo, needed_depth: int) -> bool:
-    """Whether a decoder of this video may open without the decode: an H.264 stream whose stated reorder depth
-    (``info.open_reorder_depth``, None when unknown) is at least ``needed_depth``, the one measured over the
-    whole stream."""
+    """Whether a decoder of this video may open without the decode: an H.264 stream whose reorder depth as FFmpeg
+    learns it without decoding (``info.open_reorder_depth``, None when unknown) is at least ``needed_depth``, the
+    one measured over the whole stream."""
     return (info.codec in CODECS and info.open_reorder_depth is not None and info.open_reorder_depth >= needed_depth
             and 0 <= info.stream_index < info.num_streams)
 
