@@ -23,11 +23,24 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "datasets"))
+sys.path.insert(0, str(ROOT / "bench" / "decode"))
 
-import synthetic_video  # noqa: E402
+from bench_decode import make_clip  # noqa: E402  (bench_decode's clips: x264, GOPs of 250, 3 B-frames)
 
+from flashcodec import FlashCodecError  # noqa: E402
+from flashcodec.benchmark import best_time, sampling_indices  # noqa: E402
 from flashcodec.decode import fast_open  # noqa: E402
+
+
+def size_arg(text: str) -> tuple[int, int]:
+    """``WxH`` -> ``(width, height)``, for argparse."""
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WxH, e.g. 1920x1080, got {text!r}") from None
+    if width < 16 or height < 16 or width % 2 or height % 2:
+        raise argparse.ArgumentTypeError(f"width and height must be even and >= 16, got {text!r}")
+    return width, height
 
 
 def parse_args(argv=None):
@@ -35,7 +48,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu (torchcodec's CPU decoder) or cuda:N (NVDEC); default cpu")
     p.add_argument("--clip", type=Path, help="an H.264 file to use instead of the generated clip")
-    p.add_argument("--size", default="1920x1080", help="clip size WxH (default 1920x1080)")
+    p.add_argument("--size", type=size_arg, default=(1920, 1080), help="clip size WxH (default 1920x1080)")
     p.add_argument("--duration", type=float, default=20.0, help="clip length in seconds (default 20)")
     p.add_argument("--opens", type=int, default=7, help="opens timed per front end, median kept (default 7)")
     p.add_argument("--repeat", type=int, default=3, help="timed decodes per mode, best kept (default 3)")
@@ -62,11 +75,12 @@ def main(argv=None) -> int:
     from flashcodec.decode import backends
     from torchcodec.decoders import VideoDecoder
 
-    width, height = (int(v) for v in args.size.lower().split("x"))
-    spec = dict(codec="h264", width=width, height=height, duration_s=args.duration, fps=30.0, gop=250, bframes=3,
-                suffix=".mp4", preset="veryfast", seed=0)
-    path = str(args.clip or synthetic_video.cached_video(spec, cache_dir=args.cache))
-    info = flashcodec.probe(path)
+    path = str(args.clip or make_clip("h264", *args.size, args.duration, 30.0, args.cache))
+    try:
+        info = flashcodec.probe(path)
+    except FlashCodecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if info.codec != "h264":
         print(f"error: {path} is {info.codec}; only H.264's open decodes pictures", file=sys.stderr)
         return 2
@@ -96,8 +110,7 @@ def main(argv=None) -> int:
     else:
         engine = flashcodec.DecodeEngine("torchcodec", num_threads=args.threads)
     plan = flashcodec.plan_video(info)
-    step = max(1, info.num_frames // 32)
-    samplings = {"sparse": list(range(0, info.num_frames, step))[:32], "dense": list(plan.frame_indices)}
+    samplings = {"sparse": sampling_indices(info, "sparse"), "dense": list(plan.frame_indices)}
     decodes: dict = {}
     with engine:
         for name, indices in samplings.items():
@@ -106,14 +119,14 @@ def main(argv=None) -> int:
 
             decode()  # warm
             before = fast_open.fast_opens()
-            fast = min(median_seconds(decode, 1) for _ in range(args.repeat))
+            fast, _ = best_time(decode, args.repeat)
             fast_count = (fast_open.fast_opens() - before) / args.repeat
             with fast_open.full_opens():
-                full = min(median_seconds(decode, 1) for _ in range(args.repeat))
+                full, _ = best_time(decode, args.repeat)
             decodes[name] = {"frames": len(indices), "fast_s": fast, "full_s": full, "fast_opens_per_run": fast_count}
 
     print(f"{Path(path).name}: H.264 {width}x{height}, {info.num_frames} frames, reorder depth {depth} "
-          f"(the stream states {info.open_reorder_depth}); device {device}; fast opens "
+          f"(an open without the decode gives {info.open_reorder_depth}); device {device}; fast opens "
           f"{'on' if installed else 'off: ' + str(fast_open.reason())}")
     print(f"{'one open':<22} {'full':>9} {'fast':>9} {'ratio':>7}")
     for front in ("pyav", "torchcodec"):
@@ -126,7 +139,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"bench_open_{device.replace(':', '')}.json"
     out.write_text(json.dumps({"command": "python bench/decode/bench_open.py " + " ".join(argv or sys.argv[1:]),
-                               "clip": str(args.clip) if args.clip else spec, "fast_open_installed": installed, "reason": fast_open.reason(),
+                               "clip": path, "fast_open_installed": installed, "reason": fast_open.reason(),
                                "opens_s": opens, "decode_video": decodes}, indent=1))
     print(f"wrote {out}")
     return 0

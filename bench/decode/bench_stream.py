@@ -21,10 +21,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "datasets"))
+sys.path.insert(0, str(ROOT / "bench" / "decode"))
 
 import synthetic_video  # noqa: E402
+from bench_open import size_arg  # noqa: E402
 
 import flashcodec  # noqa: E402
+from flashcodec import FlashCodecError  # noqa: E402
 from flashcodec.decode import fast_open, scheduler  # noqa: E402
 
 QUARTERS = (0.25, 0.5, 0.75, 1.0)
@@ -36,7 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", help="cpu or cuda:N (NVDEC sessions only); default cpu")
     p.add_argument("--threads", type=int, default=None, help="CPU decoder threads (default: flashcodec's default)")
     p.add_argument("--clip", type=Path, help="a video to use instead of the generated clip")
-    p.add_argument("--size", default="1280x720", help="generated clip's size WxH (default 1280x720)")
+    p.add_argument("--size", type=size_arg, default=(1280, 720), help="generated clip's size WxH (default 1280x720)")
     p.add_argument("--duration", type=float, default=60.0, help="generated clip's length in seconds (default 60)")
     p.add_argument("--repeat", type=int, default=3, help="runs per plan, alternated (default 3)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where the JSON goes")
@@ -81,10 +84,15 @@ def streamed(engine, path: str) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     fast_open.install()
-    width, height = (int(v) for v in args.size.lower().split("x"))
+    width, height = args.size
     spec = dict(codec="h264", width=width, height=height, duration_s=args.duration, fps=30.0, gop=60, bframes=3,
                 suffix=".mp4", preset="veryfast", seed=0)
     path = str(args.clip or synthetic_video.cached_video(spec, cache_dir=args.cache))
+    try:
+        info = flashcodec.probe(path)
+    except FlashCodecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.device.startswith("cuda"):
         engine = flashcodec.DecodeEngine(devices=[args.device], cpu_threads=0)
     else:
@@ -100,7 +108,6 @@ def main(argv=None) -> int:
                     runs[name].append(streamed(engine, path))
     finally:
         plans.restore()
-    info = flashcodec.probe(path)
     print(f"{Path(path).name}: {info.codec} {info.width}x{info.height}, {len(info.gops)} GOPs; "
           f"{runs['in_order'][0]['frames']} frames streamed on {args.device}")
     print(f"{'plan':<10} " + " ".join(f"{int(q * 100):>4}%" for q in QUARTERS) + "  (share of the decode's time, "

@@ -150,9 +150,10 @@ def opening(info: VideoInfo, needed_depth: int) -> Iterator[bool]:
     """
     global _lib, _reason
     lib = _lib
-    if lib is None and _reason is not None and usable(info, needed_depth):
+    wanted = usable(info, needed_depth)
+    if lib is None and _reason is not None and wanted:
         _say_full_opens(_reason)
-    armed = lib is not None and usable(info, needed_depth)
+    armed = lib is not None and wanted
     if armed:
         lib.flashcodec_fast_open_arm(info.stream_index, info.num_streams)
     returned = False

@@ -40,3 +40,12 @@ def test_a_clip_that_is_not_h264_is_refused(tmp_path, video_factory):
     pytest.importorskip("torchcodec.decoders")
     run = _run(tmp_path, "--clip", str(video_factory(codec="hevc", duration_s=1.0)))
     assert run.returncode == 2 and run.stderr.strip().startswith("error:") and "hevc" in run.stderr
+
+
+@pytest.mark.parametrize("args, says", [(["--clip", "/nonexistent.mp4"], "error: "),
+                                        (["--size", "1920by1080"], "expected WxH"),
+                                        (["--size", "1921x1080"], "must be even")])
+def test_bad_arguments_get_one_error_line(tmp_path, args, says):
+    pytest.importorskip("torchcodec.decoders")
+    run = _run(tmp_path, *args)
+    assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr
