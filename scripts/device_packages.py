@@ -12,16 +12,27 @@ few precious minutes. Three commands find it on this machine first:
         # ModuleNotFoundError, in the command's subprocesses too (the server's workers)
 
 ``closure`` exits 1 with one line per missing requirement; ``run`` exits with the command's status.
+
+Two more carry the wheels in less than the 64 MiB a device run may bring:
+
+    python scripts/device_packages.py pack .whl            # the wheels -> .whl/wheels.tar.xz (gpu_wheels.sh)
+    python scripts/device_packages.py unpack .whl/wheels.tar.xz DIR   # on the device (gpu_check.sh)
+
+A wheel deflates each file alone; ``pack`` stores every file of every wheel (the same bytes, names, order and
+modes: pip installs them as it would the originals) and compresses the set as one xz stream, which finds what
+the files share: both groups' wheels together, 66 MB as wheels, fit one run that way.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import lzma
 import os
 import re
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
@@ -160,14 +171,77 @@ def run_as_on_device(group: str, command: list[str]) -> int:
         return subprocess.run(command, env=hiding_env(blocked_modules(group), folder)).returncode
 
 
+ARCHIVE = "wheels.tar.xz"
+
+
+def stored_wheel(src: Path, dest: Path) -> None:
+    """Write wheel ``src`` to ``dest`` with every member stored, not deflated: the same names, order, bytes,
+    dates and modes (so the same RECORD), only without each file's own compression."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dest, "w", zipfile.ZIP_STORED) as zout:
+        for member in zin.infolist():
+            info = zipfile.ZipInfo(member.filename, member.date_time)
+            info.external_attr, info.create_system = member.external_attr, member.create_system
+            info.compress_type = zipfile.ZIP_STORED
+            zout.writestr(info, zin.read(member))
+
+
+def pack(folder: Path) -> Path:
+    """Replace the folder's wheels by ``folder/wheels.tar.xz``: the wheels stored (:func:`stored_wheel`) in
+    one tar, xz-compressed as one stream. Returns the archive."""
+    wheels = sorted(folder.glob("*.whl"))
+    if not wheels:
+        raise ValueError(f"no .whl files in {folder}")
+    archive = folder / ARCHIVE
+    tmp = archive.with_name(ARCHIVE + ".tmp")
+    try:
+        with tempfile.TemporaryDirectory(prefix="wheels-stored-") as stage, lzma.open(tmp, "wb", preset=9) as xz, \
+                tarfile.open(fileobj=xz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for wheel in wheels:  # one at a time: a stored set is about 4x the wheels
+                stored = Path(stage, wheel.name)
+                stored_wheel(wheel, stored)
+                tar.add(stored, arcname=wheel.name, recursive=False)
+                stored.unlink()
+        tmp.replace(archive)
+    finally:
+        tmp.unlink(missing_ok=True)
+    for wheel in wheels:
+        wheel.unlink()
+    return archive
+
+
+def unpack(archive: Path, dest: Path) -> list[Path]:
+    """The wheels of a :func:`pack` archive, written into ``dest`` (made if missing); only plain ``*.whl``
+    files at the top level are taken."""
+    dest.mkdir(parents=True, exist_ok=True)
+    written = []
+    with tarfile.open(archive, "r:xz") as tar:
+        for member in tar:
+            name = member.name
+            if not member.isfile() or "/" in name or not name.endswith(".whl") or name.startswith("."):
+                raise ValueError(f"{archive}: unexpected member {name!r} (not a wheel at the top level)")
+            src = tar.extractfile(member)
+            target = dest / name
+            with open(target, "wb") as out:
+                while chunk := src.read(1 << 20):
+                    out.write(chunk)
+            written.append(target)
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     sub.add_parser("list", help="a group's wheels, one requirement per line").add_argument("group")
     closure = sub.add_parser("closure", help="check a folder of wheels against the machine")
-    closure.add_argument("folder", type=Path, help="a folder of .whl files (scripts/gpu_wheels.sh fills .whl/)")
+    closure.add_argument("folder", type=Path,
+                         help=f"a folder of .whl files, or of their {ARCHIVE} (scripts/gpu_wheels.sh fills .whl/)")
     closure.add_argument("--group", default=None, help="also check that every wheel this group lists is there")
+    packer = sub.add_parser("pack", help=f"replace a folder's wheels by FOLDER/{ARCHIVE} (fits a device run)")
+    packer.add_argument("folder", type=Path)
+    unpacker = sub.add_parser("unpack", help=f"write the wheels of a {ARCHIVE} into a folder")
+    unpacker.add_argument("archive", type=Path)
+    unpacker.add_argument("dest", type=Path)
     run = sub.add_parser("run", help="run a command with only the device's packages importable")
     run.add_argument("group")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
@@ -183,15 +257,31 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("run needs a command after --")
             group_requirements(args.group)
             return run_as_on_device(args.group, command)
-    except ValueError as e:
+        if args.what == "pack":
+            sizes = sum(w.stat().st_size for w in args.folder.glob("*.whl"))
+            archive = pack(args.folder)
+            print(f"{archive}: {sizes / 1e6:.1f} MB of wheels -> {archive.stat().st_size / 1e6:.1f} MB")
+            return 0
+        if args.what == "unpack":
+            if not args.archive.is_file():
+                raise ValueError(f"no such archive: {args.archive}")
+            print(f"{len(unpack(args.archive, args.dest))} wheels into {args.dest}")
+            return 0
+    except (ValueError, OSError, tarfile.TarError, lzma.LZMAError, zipfile.BadZipFile) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    if not args.folder.is_dir() or not any(args.folder.glob("*.whl")):
-        print(f"{prog}: error: no .whl files in {args.folder}", file=sys.stderr)
+    packed = args.folder / ARCHIVE
+    if not args.folder.is_dir() or not (any(args.folder.glob("*.whl")) or packed.is_file()):
+        print(f"{prog}: error: no .whl files and no {ARCHIVE} in {args.folder}", file=sys.stderr)
         return 2
     try:
-        lines = (absent(args.folder, args.group) if args.group else []) + missing(args.folder)
-    except ValueError as e:
+        with tempfile.TemporaryDirectory(prefix="wheels-") as unpacked:
+            folder = args.folder
+            if not any(folder.glob("*.whl")):  # a packed folder: check the wheels it carries
+                folder = Path(unpacked)
+                unpack(packed, folder)
+            lines = (absent(folder, args.group) if args.group else []) + missing(folder)
+    except (ValueError, OSError, tarfile.TarError, lzma.LZMAError, zipfile.BadZipFile) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     for line in lines:

@@ -3,12 +3,13 @@
 # install the carried wheels, probe the machine, run the `cuda` tests, run the GPU benchmarks at a
 # short setting, and write logs + JSON into OUTDIR (which the device tool brings back).
 #
-#   on the dev machine:  scripts/gpu_wheels.sh decode        # or attention: fills .whl/ (git-ignored)
+#   on the dev machine:  scripts/gpu_wheels.sh all           # fills .whl/ (git-ignored): every group's wheels
 #   on the device:       scripts/gpu_check.sh "$OUT" decode  # run with carry=[".whl"]
-#   two sets, two calls on one warm machine: scripts/gpu_wheels.sh decode .whl-decode, then
-#                        GPU_WHEELS=.whl-decode scripts/gpu_check.sh "$OUT" decode  # carry=[".whl-decode"]
+#   several groups in one call (one machine start): run the script once per group, each with its own OUTDIR and
+#                        GPU_CHECK_LIMIT_S (the later runs find the wheels, the 7B preset and the kernels there)
 #
-# Groups (one per run: both wheel sets together exceed what a run may carry):
+# Groups (engine, serve and policies need flashinfer: the `all` or the `attention` set; with `all` the server's
+# vision process also decodes on NVDEC, which needs torchcodec):
 #   decode     flashcodec on NVDEC / nvJPEG / NVML: the decode tests, bench/decode/bench_resize.py (the
 #              fused resize kernel), bench/decode/bench_open.py, bench_stream.py and bench_gpu.py; then
 #              bench/kernels/bench_sm_shares.py
@@ -18,13 +19,13 @@
 #              checkpoint is written: nothing here loads the 7B), the unifiedserve cuda tests, the
 #              whole server on the GPU with the demo model (its own step), the MPS launcher test,
 #              bench/kernels (paged copy, fused layer ops)
-#   engine     (attention's wheels) bench/engine on the 7B preset (decode timed sync and with async scheduling,
-#              and split into graph replay and host time; the skinny decode GEMMs' start-up timing against cuBLAS),
-#              then its decode on cuBLAS alone, then with the fused ops off
-#   serve      (attention's wheels) the multi-process server on the GPU, under a private MPS daemon: one long video's
-#              TTFT breakdown (streaming vs whole ingest) with 4 requests decoding, on the 7B preset; then
-#              an injected CUDA fault under serve-node.sh's MPS and its restart
-#   policies   (attention's wheels) issue 14's serving table, one policy per run (three runs for the table):
+#   engine     bench/engine on the 7B preset (decode timed sync and with async scheduling, and split into graph
+#              replay and host time; the skinny decode GEMMs' start-up timing against cuBLAS), then its decode on
+#              cuBLAS alone, then with the fused ops off
+#   serve      the multi-process server on the GPU, under a private MPS daemon: one long video's TTFT breakdown
+#              (streaming vs whole ingest) with 4 requests decoding, on the 7B preset; then an injected CUDA
+#              fault under serve-node.sh's MPS and its restart
+#   policies   issue 14's serving table, one policy per run (three runs for the table):
 #              bench/policies on the 7B preset under a private MPS daemon, the long-video workload at 1-5
 #              minutes of 720p (VIDEO_SECONDS), Poisson arrivals at RATES; POLICY=unified|monolithic|split,
 #              NUM_REQUESTS (default 64); results in OUTDIR/policies-POLICY/, which
@@ -90,21 +91,30 @@ ldd --version 2>&1 | head -1  # glibc: llguidance's wheel needs 2.31
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || echo "no nvidia-smi"
 
 step "wheels ($group)"
-# GPU_WHEELS: the carried folder (default .whl). One run may carry 64 MiB, so the decode and attention groups'
-# wheels are built into two folders (scripts/gpu_wheels.sh decode .whl-decode) and each call carries one: on a
-# warm machine the second set goes in beside the first (PyAV is in both, the same version).
+# GPU_WHEELS: the carried folder (default .whl), filled by scripts/gpu_wheels.sh: its wheels packed into
+# wheels.tar.xz (device_packages.py pack; `all` holds both sets, so every group runs on one carry), or plain
+# .whl files (an older folder). On a warm machine a set already installed is not installed again.
 wheels=${GPU_WHEELS:-.whl}
 site=/tmp/site
-if compgen -G "$wheels/*.whl" >/dev/null; then
-  wanted=$(cd "$wheels" && ls -- *.whl | sort | tr '\n' ' ')
+wheel_dir=$wheels
+if [ -f "$wheels/wheels.tar.xz" ]; then
+  wheel_dir=/tmp/carried-wheels
+  packed=$(cksum < "$wheels/wheels.tar.xz")
+  if [ "$(cat "$wheel_dir/.packed" 2>/dev/null)" != "$packed" ]; then
+    rm -rf "$wheel_dir" && python3 scripts/device_packages.py unpack "$wheels/wheels.tar.xz" "$wheel_dir" &&
+      echo "$packed" > "$wheel_dir/.packed"
+  fi
+fi
+if compgen -G "$wheel_dir/*.whl" >/dev/null; then
+  wanted=$(cd "$wheel_dir" && ls -- *.whl | sort | tr '\n' ' ')
   if grep -qxF "$wanted" "$site/.installed" 2>/dev/null; then
     echo "already installed in $site (a warm machine)"
   else
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" "$wheels"/*.whl &&
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" "$wheel_dir"/*.whl &&
       echo "$wanted" >> "$site/.installed"  # only a complete install is reused by the next run
   fi
 else
-  echo "no $wheels/ here: run scripts/gpu_wheels.sh $group first and carry $wheels"
+  echo "no wheels in $wheels/ here: run scripts/gpu_wheels.sh all first and carry $wheels"
 fi
 export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH}
 # torchcodec wants FFmpeg's libraries under their plain names; PyAV's wheel bundles the same majors under

@@ -42,13 +42,13 @@ def test_gpu_check_refuses_bad_arguments_before_doing_anything(tmp_path, args, e
 def test_gpu_wheels_needs_a_known_group_and_leaves_the_folder_alone(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_wheels.sh")], capture_output=True, text=True,
                           timeout=30, env={"PATH": "/usr/bin:/bin"})
-    assert proc.returncode != 0 and "usage: scripts/gpu_wheels.sh decode|attention" in proc.stderr
+    assert proc.returncode != 0 and "usage: scripts/gpu_wheels.sh all|decode|attention" in proc.stderr
     dest = tmp_path / "wheels"
     dest.mkdir()
     (dest / "kept.whl").write_bytes(b"")
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_wheels.sh"), "foo", str(dest)], capture_output=True,
                           text=True, timeout=60)
-    assert proc.returncode != 0 and "group must be one of attention, decode, got 'foo'" in proc.stderr
+    assert proc.returncode != 0 and "group must be one of all, attention, decode, got 'foo'" in proc.stderr
     assert (dest / "kept.whl").exists()  # nothing emptied before the group was known
 
 
