@@ -27,7 +27,8 @@
 #              fault under serve-node.sh's MPS and its restart
 #   policies   issue 14's serving table, one policy per run (three runs for the table):
 #              bench/policies on the 7B preset under a private MPS daemon, the long-video workload at 1-5
-#              minutes of 720p (VIDEO_SECONDS), Poisson arrivals at RATES; POLICY=unified|monolithic|split,
+#              minutes of 720p (VIDEO_SECONDS) at 2 fps, at most MAX_FRAMES (64) frames each, Poisson arrivals
+#              at RATES (0.4,0.8,1.2); POLICY=unified|monolithic|split,
 #              NUM_REQUESTS (default 64); results in OUTDIR/policies-POLICY/, which
 #              `bench/policies/bench_policies.py --merge` turns into the three-policy table; rates whose
 #              arrivals would outlast the run are skipped (64 requests at 0.2 req/s alone are 320 s), so a
@@ -49,6 +50,9 @@ case $group in decode|attention|engine|serve|policies|tests) ;;
 policy=${POLICY:-unified}
 case $policy in unified|monolithic|split) ;;
   *) echo "gpu_check.sh: error: POLICY must be unified, monolithic or split" >&2; exit 2 ;; esac
+case ${MAX_FRAMES:-64} in none) ;; ''|*[!0-9]*|0|1)
+  echo "gpu_check.sh: error: MAX_FRAMES must be a whole number of frames >= 2 or none, got '${MAX_FRAMES}'" >&2
+  exit 2 ;; esac
 case ${GPU_CHECK_LIMIT_S:-600} in ''|*[!0-9]*)
   echo "gpu_check.sh: error: GPU_CHECK_LIMIT_S must be whole seconds, got '${GPU_CHECK_LIMIT_S}'" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
@@ -300,12 +304,18 @@ policies)
     --scale 1 --num-videos 4 --num-requests "${NUM_REQUESTS:-64}" --output-len 128 --out /tmp/policies-workload.jsonl
   step "bench/policies --policies $policy on the 7B preset: ${NUM_REQUESTS:-64} requests, 1-5 minute 720p videos"
   # the same workload, server flags and SLOs in every policy's run (media cached in /tmp between runs);
-  # --no-prefix-caching / --media-cache-gb 0: each request pays its video, as in the paper's workload
-  # rates whose arrivals would outlast the device's 10 minutes are skipped (run them in another run: --merge
-  # joins a policy's rates across runs); each finished rate is in results.json at once
+  # --no-prefix-caching / --media-cache-gb 0: each request pays its video, as in the paper's workload.
+  # MAX_FRAMES (default 64) caps each video's frames: at 2 fps with Qwen2.5-VL's own budget these videos are
+  # ~110k tokens a request, ~8 s of the H100 each (docs/gpu.md, issue 14), so 64 requests at any rate the
+  # GPU keeps up with would outlast a run; at 64 frames, 23k tokens. MAX_FRAMES=none sends no cap.
+  # A rate whose run (sized by a request served alone after the warm-ups) would outlast the run is skipped
+  # (--merge joins a policy's rates across runs); one still running at the end is cut and kept, marked;
+  # each finished rate is in results.json at once
   budget=$(( ${GPU_CHECK_LIMIT_S:-600} - ($(date +%s) - start) - 60 ))
-  run 500 policies python3 bench/policies/bench_policies.py --policies "$policy" --rates "${RATES:-0.3,0.5,0.8}" \
-    --time-budget-s "$budget" \
+  frames=${MAX_FRAMES:-64}
+  [ "$frames" = none ] && frames_args=() || frames_args=(--max-frames "$frames")
+  run 500 policies python3 bench/policies/bench_policies.py --policies "$policy" --rates "${RATES:-0.4,0.8,1.2}" \
+    --time-budget-s "$budget" --warmups 2 ${frames_args[@]+"${frames_args[@]}"} \
     --workload long-video --video-seconds "${VIDEO_SECONDS:-60,300}" --scale 1 --num-videos 4 \
     --num-requests "${NUM_REQUESTS:-64}" --output-len 128 --goodput ttft:10000 tbt:100 \
     --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16 --patch-buffer-gb 4 --no-prefix-caching --media-cache-gb 0" \

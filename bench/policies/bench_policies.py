@@ -38,8 +38,8 @@ for extra in (ROOT / "datasets", ROOT / "bench" / "serve"):
     sys.path.insert(0, str(extra))
 
 import workloads  # noqa: E402
-from bench_serve import (RequestRecord, compute_metrics, machine_info, meets_slo, parse_goodput,  # noqa: E402
-                         run_benchmark, warm_up)
+from bench_serve import (CUT_ERROR, RequestRecord, compute_metrics, machine_info, meets_slo,  # noqa: E402
+                         parse_goodput, run_benchmark, warm_up)
 from server_process import ServerProcess, run_main  # noqa: E402
 
 POLICIES = ("unified", "monolithic", "split")
@@ -66,9 +66,21 @@ def _at(results: dict, rate: float) -> dict[str, dict | None]:
     return {p: next((r["metrics"] for r in runs if r["rate"] == rate), None) for p, runs in results.items()}
 
 
-#: --time-budget-s: after a rate's last arrival its queue still drains; a rate is started only if its arrivals,
-#: a sixth more and 20 s fit what is left (a run stopped mid-rate keeps nothing of that rate)
-DRAIN_SHARE, DRAIN_S = 1 / 6, 20.0
+#: --time-budget-s: after a rate's last arrival its queue still drains; a rate is started only if its predicted
+#: length (:func:`predicted_s`) fits what is left, and a rate still running when the budget ends is cut with
+#: REPORT_S left to write the results (its unfinished requests count as failed, and the run says "cut")
+DRAIN_SHARE, DRAIN_S, REPORT_S = 1 / 6, 20.0, 15.0
+
+
+def predicted_s(rate: float, num_requests: int, alone: RequestRecord | None = None) -> float:
+    """About how long a rate's run takes: its arrivals (``num_requests / rate``) and a sixth more for the queue to
+    drain, or, when one request served alone (``alone``, the last warm-up) says the server cannot keep up, the
+    requests' first tokens one after another (each request's TTFT alone: its decode, encode and prefill, which
+    no policy overlaps with another request's on one GPU) and the last one's remaining tokens; plus 20 s."""
+    span = num_requests / rate * (1 + DRAIN_SHARE)
+    if alone is not None and alone.is_success and alone.ttft_s is not None:
+        span = max(span, num_requests * alone.ttft_s + (alone.e2e_s - alone.ttft_s))
+    return span + DRAIN_S
 
 
 def measured_rates(results: dict) -> list[float]:
@@ -142,7 +154,10 @@ def summarize(results: dict, rate: float, slo: dict, gpu: bool = False) -> str:
     for policy, m in at.items():
         if m is None:
             continue
-        rows.append(f"| {policy} | {m['completed']}/{m['num_requests']} | {_pct(m, 'ttft_ms', 'mean') / 1000:.2f} | "
+        done = f"{m['completed']}/{m['num_requests']}"
+        if any(r.get("cut") for r in results[policy] if r["rate"] == rate):
+            done += " (cut)"  # the run's time budget ended first: its unfinished requests count as failed
+        rows.append(f"| {policy} | {done} | {_pct(m, 'ttft_ms', 'mean') / 1000:.2f} | "
                     f"{_pct(m, 'ttft_ms', 'p90') / 1000:.2f} | {_pct(m, 'itl_ms', 'p50'):.1f} | "
                     f"{_pct(m, 'itl_ms', 'p99'):.1f} | {_attainment(m):.2f} | {_goodput(m):.3f} |")
     r = ratios(at)
@@ -229,8 +244,8 @@ def merge(runs: list[Path], out: Path) -> int:
             loaded.append(json.loads(path.read_text()))
         except (OSError, ValueError) as e:
             raise ValueError(f"--merge: cannot read {path}: {e}") from None
-    same = ("workload", "num_requests", "scale", "video_seconds", "num_videos", "output_len", "burstiness", "seed",
-            "goodput", "server_args")
+    same = ("workload", "num_requests", "scale", "video_seconds", "num_videos", "max_frames", "output_len",
+            "burstiness", "seed", "goodput", "server_args")
     first = loaded[0]["args"]
     for run, data in zip(runs[1:], loaded[1:]):
         differ = [k for k in same if data["args"].get(k) != first.get(k)]
@@ -279,6 +294,12 @@ def main(argv=None) -> int:
                    help="videos last MIN to MAX s at their full size (--scale then shrinks sizes only), e.g. "
                         "60,300 with --scale 1 for the GPU's 1-5 minute 720p videos")
     p.add_argument("--num-videos", type=int, default=2)
+    p.add_argument("--max-frames", type=int, default=None, metavar="N",
+                   help="frame cap sent with each video (default: the server's, Qwen2.5-VL's 768; at 2 fps a 1-5 "
+                        "minute 720p video is then ~110k tokens, see docs/gpu.md for the GPU run's 64)")
+    p.add_argument("--warmups", type=int, default=1, metavar="N",
+                   help="unmeasured requests per server before the rates; the last one, served alone and warm, "
+                        "also sizes each rate's run for --time-budget-s (default 1)")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--burstiness", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -300,11 +321,16 @@ def main(argv=None) -> int:
         except ValueError as e:
             p.error(str(e))
     slo = parse_goodput(a.goodput)
+    if a.max_frames is not None and a.max_frames < 2:
+        p.error(f"--max-frames must be at least 2 (one temporal patch), got {a.max_frames}")
+    if a.warmups < 1:
+        p.error(f"--warmups must be at least 1, got {a.warmups}")
     rates = [float(r) for r in a.rates.split(",")]
     a.out.mkdir(parents=True, exist_ok=True)
     base = workloads.generate_workload(workloads.WorkloadConfig(
         workload=a.workload, num_requests=a.num_requests, output_len=a.output_len, ignore_eos=True, seed=a.seed,
-        scale=a.scale, video_seconds=a.video_seconds, num_videos=a.num_videos), progress=True)
+        scale=a.scale, video_seconds=a.video_seconds, num_videos=a.num_videos, max_frames=a.max_frames),
+        progress=True)
     media_dir = Path(base[0]["media"][0]["path"]).parent if base and base[0]["media"] else ROOT
     flags = ["--allowed-local-media-path", str(media_dir.parent), "--kv-cache-gb", "0.5", "--patch-buffer-gb", "1",
              *a.server_args.split()]
@@ -315,28 +341,40 @@ def main(argv=None) -> int:
         print(f"\n=== policy {policy}: unifiedserve serve --policy {policy} {' '.join(flags)}", flush=True)
         with ServerProcess(["--policy", policy, *flags], a.out / f"server-{policy}.log") as server:
             runs = results[policy] = []
-            asyncio.run(warm_up(server.url, base))  # first-call costs (thread pools, allocator) stay out
+            # first-call costs (thread pools, allocator, kernels) stay out; the last one is a request served alone
+            alone = asyncio.run(warm_up(server.url, base, a.warmups))[-1]
+            print(f"{policy}: one request alone: TTFT {alone.ttft_s:.2f} s, {alone.e2e_s:.2f} s in all "
+                  f"({alone.prompt_tokens} prompt tokens)", flush=True)
             for rate in rates:
-                span = a.num_requests / rate  # the arrivals alone, before the last request is served
-                need = span * (1 + DRAIN_SHARE) + DRAIN_S  # and the queue's drain after the last arrival
-                if deadline is not None and time.monotonic() + need > deadline:
+                need = predicted_s(rate, a.num_requests, alone)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and need > left:
                     print(f"{policy} @ {rate} req/s: skipped: its arrivals and their drain take about {need:.0f} s, "
-                          f"{max(0.0, deadline - time.monotonic()):.0f} s of --time-budget-s are left", flush=True)
+                          f"{max(0.0, left):.0f} s of --time-budget-s are left", flush=True)
                     continue
+                print(f"{policy} @ {rate} req/s: offered load {rate * alone.ttft_s:.2f} (rate x one request's TTFT "
+                      f"alone), about {need:.0f} s", flush=True)
                 reqs = workloads.with_arrivals(base, rate, arrival="gamma" if a.burstiness != 1 else "poisson",
                                                burstiness=a.burstiness, seed=a.seed)
                 started = time.perf_counter()
-                records, duration = asyncio.run(run_benchmark(server.url, reqs, max_concurrency=a.max_concurrency,
-                                                              progress=True))
+                records, duration = asyncio.run(run_benchmark(
+                    server.url, reqs, max_concurrency=a.max_concurrency, progress=True,
+                    deadline_s=None if left is None else max(0.0, left - REPORT_S)))
                 m = compute_metrics(records, duration, goodput=slo)
-                print(f"{policy} @ {rate} req/s: {m['completed']}/{m['num_requests']} done in "
-                      f"{time.perf_counter() - started:.0f} s, mean TTFT {_pct(m, 'ttft_ms', 'mean') / 1000:.2f} s, "
-                      f"p99 TBT {_pct(m, 'itl_ms', 'p99'):.0f} ms, goodput {(m['goodput'] or {}).get('requests_per_s')}",
-                      flush=True)
-                runs.append({"rate": rate, "metrics": m, "records": [r.to_dict() for r in records]})
+                cut = sum(r.error == CUT_ERROR for r in records)
+                note = f" (cut: {cut} unfinished at the time budget)" if cut else ""
+                took = time.perf_counter() - started
+                ttft, p99 = _pct(m, "ttft_ms", "mean") / 1000, _pct(m, "itl_ms", "p99")
+                print(f"{policy} @ {rate} req/s: {m['completed']}/{m['num_requests']} done in {took:.0f} s{note}, "
+                      f"mean TTFT {ttft:.2f} s, p99 TBT {p99:.0f} ms, "
+                      f"goodput {(m['goodput'] or {}).get('requests_per_s')}", flush=True)
+                runs.append({"rate": rate, "metrics": m, "records": [r.to_dict() for r in records]}
+                            | ({"cut": cut} if cut else {}))
                 # what is finished survives a run stopped from outside (a device run's time limit)
                 (a.out / "results.json").write_text(json.dumps(meta | {"partial": True, "results": results},
                                                                indent=1, default=str))
+                if cut:
+                    break  # the budget is spent: later rates would be cut at once
     results = {policy: runs for policy, runs in results.items() if runs}
     done = measured_rates(results)
     if not done:

@@ -149,8 +149,9 @@ async def fetch_model(base_url: str, api_key: str | None = None) -> str:
     return ids[0]
 
 
-async def _send(client, model: str, req: dict, urls: dict, t0: float) -> RequestRecord:
-    rec = RequestRecord(req["request_id"], scheduled_s=req["arrival_s"])
+async def _send(client, model: str, req: dict, urls: dict, t0: float, rec: RequestRecord | None = None
+                ) -> RequestRecord:
+    rec = rec or RequestRecord(req["request_id"], scheduled_s=req["arrival_s"])
     rec.start_s = time.perf_counter() - t0
     pieces = []
     try:
@@ -183,44 +184,65 @@ async def _send(client, model: str, req: dict, urls: dict, t0: float) -> Request
     return rec
 
 
+#: the error of a request still running (or not yet sent) when ``run_benchmark``'s ``deadline_s`` came
+CUT_ERROR = "cut: the run's time budget ended before this request finished"
+
+
 async def run_benchmark(base_url: str, requests: list[dict], *, max_concurrency: int | None = None,
                         model: str | None = None, api_key: str | None = None, progress: bool = True,
-                        media_url_mode: str = "file", timeout_s: float = 3600.0
+                        media_url_mode: str = "file", timeout_s: float = 3600.0, deadline_s: float | None = None
                         ) -> tuple[list[RequestRecord], float]:
     """Send ``requests`` (workload records) at their ``arrival_s`` and record each one.
 
     ``max_concurrency`` caps requests in flight (a request past its arrival waits for a slot);
     ``model=None`` takes the first id of ``/v1/models``. Media URLs are built before the clock
     starts. Returns ``(records in request order, duration_s)``: duration runs from the start to
-    the last request's end. Request failures are recorded, never raised.
+    the last request's end. Request failures are recorded, never raised. ``deadline_s``: seconds
+    after the start at which the run is cut (a device run's time limit): requests still running
+    or not yet sent are cancelled and recorded as failed with :data:`CUT_ERROR` (what they had
+    streamed is kept), and the duration ends at the cut.
     """
     model = model or await fetch_model(base_url, api_key)
     urls = media_urls(requests, media_url_mode)
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
     client = _client(base_url, api_key, timeout_s)
+    records = [RequestRecord(r["request_id"], scheduled_s=r["arrival_s"]) for r in requests]
     t0 = time.perf_counter()
 
-    async def one(req: dict) -> RequestRecord:
+    async def one(i: int) -> None:
+        req = requests[i]
         await asyncio.sleep(max(0.0, t0 + req["arrival_s"] - time.perf_counter()))
         if slots is None:
-            rec = await _send(client, model, req, urls, t0)
+            await _send(client, model, req, urls, t0, records[i])
         else:
             async with slots:
-                rec = await _send(client, model, req, urls, t0)
+                await _send(client, model, req, urls, t0, records[i])
         bar.update(1)
-        return rec
 
     try:
         # tasks start in arrival order so that the semaphore's FIFO queue follows arrivals
         order = sorted(range(len(requests)), key=lambda i: requests[i]["arrival_s"])
-        tasks = {i: asyncio.create_task(one(requests[i])) for i in order}
-        await asyncio.gather(*tasks.values())
+        tasks = [asyncio.create_task(one(i)) for i in order]
+        timeout = None if deadline_s is None else max(0.0, t0 + deadline_s - time.perf_counter())
+        _, running = await asyncio.wait(tasks, timeout=timeout) if tasks else (set(), set())
         duration_s = time.perf_counter() - t0
+        if running:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            for rec in records:
+                if not rec.is_success and rec.error is None:  # still running, or never sent
+                    rec.error, rec.end_s = CUT_ERROR, duration_s
+                    rec.start_s = rec.start_s or duration_s
+                    rec.completion_tokens = len(rec.token_times_s)
+        else:
+            for task in tasks:
+                task.result()  # an error in the client itself (not a request's) is raised
     finally:
         bar.close()
         await client.close()
-    return [tasks[i].result() for i in range(len(requests))], duration_s
+    return records, duration_s
 
 
 # ---------------------------------------------------------------------------
@@ -409,14 +431,16 @@ def load_requests(a: argparse.Namespace) -> tuple[list[dict], dict]:
     return workloads.build_workload(cfg, progress=not a.no_progress), dataclasses.asdict(cfg)
 
 
-async def warm_up(base_url: str, requests: list[dict], num: int = 1, **kwargs) -> None:
+async def warm_up(base_url: str, requests: list[dict], num: int = 1, **kwargs) -> list[RequestRecord]:
     """Send ``num`` of ``requests`` one at a time, unmeasured (first-call costs stay out of the
-    numbers); raises ``RuntimeError`` if one fails."""
+    numbers) and return their records (the last one: a request served alone, warm); raises
+    ``RuntimeError`` if one fails."""
     warm = [{**requests[i % len(requests)], "arrival_s": 0.0, "request_id": f"warmup-{i}"} for i in range(num)]
     recs, _ = await run_benchmark(base_url, warm, max_concurrency=1, progress=False, **kwargs)
     bad = [r for r in recs if not r.is_success]
     if bad:
         raise RuntimeError(f"warmup request failed: {bad[0].error}")
+    return recs
 
 
 async def _run(a, requests: list[dict]):

@@ -136,42 +136,100 @@ def test_merge_of_a_missing_run_is_an_error(tmp_path, capsys):
 
 
 def test_time_budget_skips_rates_and_results_survive_each_rate(tmp_path, monkeypatch, capsys):
-    """With a fake server and client: a rate whose arrivals outlast --time-budget-s is skipped, and results.json
-    holds every finished rate as soon as it finishes."""
+    """With a fake server and client: a rate whose predicted run outlasts --time-budget-s is skipped (its arrivals
+    and drain, or, past what one request served alone says the server keeps up with, its requests' first tokens
+    one after another), each rate's client gets the budget left as its deadline, and results.json holds every
+    finished rate as soon as it finishes."""
     import contextlib
     import json
 
-    seen = []
+    seen, deadlines = [], []
 
     @contextlib.contextmanager
     def fake_server(args, log):
         yield type("S", (), {"url": "http://fake"})()
 
-    async def fake_run(url, reqs, max_concurrency=None, progress=False):
+    async def fake_run(url, reqs, max_concurrency=None, progress=False, deadline_s=None):
         partial = tmp_path / "out" / "results.json"
         seen.append(json.loads(partial.read_text())["results"]["unified"] if partial.exists() else None)
+        deadlines.append(deadline_s)
         return bp.records_of(run(0.5, 0.5, 0.02)), 10.0
 
-    async def no_warm_up(url, base):
-        return None
+    async def warm_up(url, base, num):
+        assert num == 2  # --warmups
+        return [RequestRecord("w0", 0.0, start_s=0.0, end_s=9.0, token_times_s=[8.0, 9.0], is_success=True),
+                RequestRecord("w1", 0.0, start_s=0.0, end_s=3.0, token_times_s=[2.0, 3.0], is_success=True)]
 
     monkeypatch.setattr(bp, "ServerProcess", fake_server)
     monkeypatch.setattr(bp, "run_benchmark", fake_run)
-    monkeypatch.setattr(bp, "warm_up", no_warm_up)
+    monkeypatch.setattr(bp, "warm_up", warm_up)
     monkeypatch.setattr(bp.workloads, "generate_workload", lambda cfg, progress=False: [
         {"id": f"q{i}", "media": [], "prompt": "hi", "output_len": 5} for i in range(4)])
     monkeypatch.setattr(bp.workloads, "with_arrivals", lambda base, rate, **kw: base)
-    # 4 requests: 8 s of arrivals at 0.5 req/s, 2 s at 2 req/s, 400 s at 0.01 req/s (over the 60-s budget), and
-    # 40 s at 0.1 req/s, which fit alone but not with the drain after them (40 + 40/6 + 20 s)
+    # 4 requests, one alone takes 2 s to its first token and 1 s more (the last warm-up; the first, cold, is not
+    # used): 8 s of arrivals at 0.5 req/s (9.3 s with the drain; 9 s of first tokens); 400 s at 0.01 req/s (over
+    # the 60-s budget); 40 s at 0.1 req/s, which fit alone but not with the drain (40 + 40/6 + 20 s); at 2 req/s
+    # 2 s of arrivals, but the first tokens one after another take 4 x 2 + 1 s: about 29 s, which fits
     argv = ["--policies", "unified", "--rates", "0.5,0.01,0.1,2", "--num-requests", "4", "--time-budget-s", "60",
-            "--goodput", "ttft:1000", "tbt:100", "--out", str(tmp_path / "out")]
+            "--warmups", "2", "--goodput", "ttft:1000", "tbt:100", "--out", str(tmp_path / "out")]
     assert bp.main(argv) == 0
     out = capsys.readouterr().out
+    assert "unified: one request alone: TTFT 2.00 s, 3.00 s in all" in out
     assert "unified @ 0.01 req/s: skipped: its arrivals and their drain take about 487 s" in out
     assert "unified @ 0.1 req/s: skipped: its arrivals and their drain take about 67 s" in out
+    assert "unified @ 2.0 req/s: offered load 4.00 (rate x one request's TTFT alone), about 29 s" in out
     assert seen[0] is None and [r["rate"] for r in seen[1]] == [0.5]  # rate 0.5 was on disk before rate 2 ran
+    assert len(deadlines) == 2 and all(0 < d <= 60 - bp.REPORT_S for d in deadlines)
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     assert "partial" not in data and [r["rate"] for r in data["results"]["unified"]] == [0.5, 2.0]
     argv[argv.index("60")] = "1"
     assert bp.main(argv) == 1
     assert "no rate fits --time-budget-s" in capsys.readouterr().err
+
+
+def test_a_rate_cut_at_the_budget_is_kept_marked_and_ends_the_sweep(tmp_path, monkeypatch, capsys):
+    """A rate still running when the budget ends comes back cut (its unfinished requests failed): it is saved and
+    shown as cut, and no later rate starts."""
+    import contextlib
+    import json
+
+    calls = []
+
+    @contextlib.contextmanager
+    def fake_server(args, log):
+        yield type("S", (), {"url": "http://fake"})()
+
+    async def cut_run(url, reqs, max_concurrency=None, progress=False, deadline_s=None):
+        calls.append(deadline_s)
+        recs = bp.records_of(run(0.5, 0.5, 0.02))
+        recs[-1].is_success, recs[-1].error = False, bp.CUT_ERROR
+        return recs, 10.0
+
+    async def warm_up(url, base, num):
+        return [RequestRecord("w0", 0.0, start_s=0.0, end_s=0.2, token_times_s=[0.1, 0.2], is_success=True)]
+
+    monkeypatch.setattr(bp, "ServerProcess", fake_server)
+    monkeypatch.setattr(bp, "run_benchmark", cut_run)
+    monkeypatch.setattr(bp, "warm_up", warm_up)
+    monkeypatch.setattr(bp.workloads, "generate_workload", lambda cfg, progress=False: [
+        {"id": f"q{i}", "media": [], "prompt": "hi", "output_len": 5} for i in range(4)])
+    monkeypatch.setattr(bp.workloads, "with_arrivals", lambda base, rate, **kw: base)
+    argv = ["--policies", "unified", "--rates", "1,2", "--num-requests", "4", "--time-budget-s", "300",
+            "--goodput", "ttft:1000", "tbt:100", "--out", str(tmp_path / "out")]
+    assert bp.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "unified @ 1.0 req/s: 3/4 done in" in out and "(cut: 1 unfinished at the time budget)" in out
+    assert len(calls) == 1  # rate 2 never started
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [(r["rate"], r.get("cut")) for r in data["results"]["unified"]] == [(1.0, 1)]
+    assert "| unified | 3/4 (cut) |" in (tmp_path / "out" / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--max-frames", "1"], "--max-frames must be at least 2"),
+    (["--warmups", "0"], "--warmups must be at least 1"),
+])
+def test_bad_sizes_are_refused(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        bp.main(argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err

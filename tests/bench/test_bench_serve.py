@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 import pathlib
 import socket
 import sys
@@ -209,6 +210,26 @@ def test_max_concurrency_one_serialises_requests(fake):
     records, _ = asyncio.run(bs.run_benchmark(base_url, reqs, max_concurrency=None, model="fake-vl",
                                               api_key=None, progress=False))
     assert max(r.start_s for r in records) < min(r.end_s for r in records)
+
+
+def test_a_deadline_cuts_the_run_and_records_what_was_unfinished(fake):
+    """deadline_s (a device run's time limit): requests still streaming or not yet sent when it comes are cancelled
+    and recorded as failed with CUT_ERROR, keeping the tokens they had; finished ones are untouched."""
+    base_url, _ = fake
+    reqs = [request(0, output_len=2), request(1, output_len=400), request(2, arrival_s=30.0, output_len=2)]
+    started = time.perf_counter()
+    records, duration_s = asyncio.run(bs.run_benchmark(base_url, reqs, model="fake-vl", progress=False,
+                                                       deadline_s=1.0))
+    assert time.perf_counter() - started < 10  # not the 30-s arrival, nor 400 tokens of 10 ms
+    assert 1.0 <= duration_s < 5
+    done, streaming, unsent = records
+    assert done.is_success and done.error is None and done.completion_tokens == 2
+    assert not streaming.is_success and streaming.error == bs.CUT_ERROR
+    assert 0 < streaming.completion_tokens == len(streaming.token_times_s) < 400 and streaming.end_s == duration_s
+    assert not unsent.is_success and unsent.error == bs.CUT_ERROR and unsent.token_times_s == []
+    assert unsent.start_s == unsent.end_s == duration_s  # never sent: no time in flight
+    m = bs.compute_metrics(records, duration_s, goodput={"ttft": 10_000})
+    assert (m["completed"], m["failed"]) == (1, 2) and m["goodput"]["num_met"] == 1
 
 
 def test_data_urls_carry_the_file_bytes(fake, tmp_path):

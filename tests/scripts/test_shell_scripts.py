@@ -30,6 +30,8 @@ def test_script_parses(script):
     (["OUT", "benchmarks"], {}, "gpu_check.sh: error: group must be decode, attention, engine, serve, policies or tests"),
     (["OUT", "policies"], {"POLICY": "fast"}, "gpu_check.sh: error: POLICY must be unified, monolithic or split"),
     (["OUT", "decode"], {"GPU_CHECK_LIMIT_S": "9.5"}, "gpu_check.sh: error: GPU_CHECK_LIMIT_S must be whole seconds"),
+    (["OUT", "policies"], {"MAX_FRAMES": "64f"}, "gpu_check.sh: error: MAX_FRAMES must be a whole number of frames"),
+    (["OUT", "policies"], {"MAX_FRAMES": "1"}, "gpu_check.sh: error: MAX_FRAMES must be a whole number of frames"),
 ])
 def test_gpu_check_refuses_bad_arguments_before_doing_anything(tmp_path, args, env, needle):
     out = [str(tmp_path / a) if a == "OUT" else a for a in args]
