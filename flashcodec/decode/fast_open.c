@@ -12,17 +12,28 @@
  * `skip_frame=all` for the armed stream; every other call passes through unchanged. The real function is the one
  * of the libavformat that made the context: an AVFormatContext starts with its AVClass pointer, which points into
  * that library (so a process with two FFmpeg copies, e.g. PyAV's and the system's, calls each its own).
+ *
+ * A pass that decodes nothing also leaves the stream's pixel format unset, and torchcodec 0.16's NVDEC interface
+ * checks the decoder's capabilities against the codec context's pixel format before anything is decoded: with
+ * none it decodes on the CPU. So the armed thread's next avcodec_parameters_to_context after such a pass (the
+ * constructor making its codec context from the stream's parameters) is given the pixel format the probe read off
+ * a decoded keyframe, through the context's "pixel_format" AVOption (no struct layout is read), and only where
+ * the context has none.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef struct AVDictionary AVDictionary;
 typedef int (*find_stream_info_fn)(void *, AVDictionary **);
 typedef int (*dict_set_fn)(AVDictionary **, const char *, const char *, int);
 typedef void (*dict_free_fn)(AVDictionary **);
+typedef int (*params_to_context_fn)(void *, const void *);
+typedef int (*opt_set_fn)(void *, const char *, const char *, int);
+typedef int (*opt_get_pix_fmt_fn)(void *, const char *, int, int *);
 
 /* the options array is sized from the probe's stream count; the spare entries (NULL) cover streams a demuxer
  * may add between the probe's open and this one */
@@ -32,23 +43,38 @@ typedef void (*dict_free_fn)(AVDictionary **);
 
 static __thread int armed_stream = -1;
 static __thread int armed_streams = 0;
+static __thread char armed_format[64];  /* the stream's pixel format name, for the context made after the pass */
+static __thread int format_due = 0;     /* a pass decoded nothing: the next context made in this thread gets it */
 static atomic_long fast_opens;
+static atomic_long formats_set;
 
-/* The next avformat_find_stream_info call in this thread skips decoding for `stream` of `streams`. */
-EXPORT void flashcodec_fast_open_arm(int stream, int streams) {
+/* The next avformat_find_stream_info call in this thread skips decoding for `stream` of `streams`; the codec
+ * context made after it gets `pix_fmt` (an FFmpeg pixel format name, or NULL for none) where it has none. */
+EXPORT void flashcodec_fast_open_arm(int stream, int streams, const char *pix_fmt) {
   if (stream >= 0 && stream < streams) {
     armed_stream = stream;
     armed_streams = streams;
+    armed_format[0] = '\0';
+    if (pix_fmt != NULL && strlen(pix_fmt) < sizeof armed_format)
+      strcpy(armed_format, pix_fmt);
+    format_due = 0;
   }
 }
 
 /* 1 when this thread's arm was not used (no call reached this library): the caller says so and disarms. */
 EXPORT int flashcodec_fast_open_pending(void) { return armed_stream >= 0; }
 
-EXPORT void flashcodec_fast_open_disarm(void) { armed_stream = -1; }
+EXPORT void flashcodec_fast_open_disarm(void) {
+  armed_stream = -1;
+  format_due = 0;
+  armed_format[0] = '\0';
+}
 
 /* Calls that skipped the decode, in this process. */
 EXPORT long flashcodec_fast_open_count(void) { return atomic_load(&fast_opens); }
+
+/* Codec contexts given the probe's pixel format after such a call, in this process. */
+EXPORT long flashcodec_fast_open_formats_set(void) { return atomic_load(&formats_set); }
 
 static void *owning_library(void *ic) {
   Dl_info where;
@@ -77,12 +103,38 @@ EXPORT int avformat_find_stream_info(void *ic, AVDictionary **options) {
   if (opts != NULL && dict_set(&opts[stream], "skip_frame", "all", 0) >= 0) {
     ret = real(ic, opts);
     atomic_fetch_add(&fast_opens, 1);
+    format_due = ret >= 0 && armed_format[0] != '\0';
   } else {
     ret = real(ic, options);
   }
   if (opts != NULL) {
     for (int i = 0; i < streams + SPARE_STREAMS; i++) dict_free(&opts[i]);
     free(opts);
+  }
+  if (lib) dlclose(lib);
+  return ret;
+}
+
+/* Passes every call through to the libavcodec that made `codec`; after a pass that decoded nothing in this thread,
+ * sets the armed pixel format on the first context made, if it has none. */
+EXPORT int avcodec_parameters_to_context(void *codec, const void *par) {
+  void *lib = owning_library(codec);
+  params_to_context_fn real = lib ? (params_to_context_fn)dlsym(lib, "avcodec_parameters_to_context") : NULL;
+  if (real == NULL || real == avcodec_parameters_to_context)
+    real = (params_to_context_fn)dlsym(RTLD_NEXT, "avcodec_parameters_to_context");
+  if (real == NULL) {
+    if (lib) dlclose(lib);
+    return -ENOSYS;
+  }
+  int ret = real(codec, par);
+  if (format_due) {
+    format_due = 0;
+    opt_get_pix_fmt_fn get = lib ? (opt_get_pix_fmt_fn)dlsym(lib, "av_opt_get_pixel_fmt") : NULL;  /* libavutil */
+    opt_set_fn set = lib ? (opt_set_fn)dlsym(lib, "av_opt_set") : NULL;
+    int current = 0;
+    if (ret >= 0 && get && set && get(codec, "pixel_format", 0, &current) >= 0 && current < 0 &&
+        set(codec, "pixel_format", armed_format, 0) >= 0)
+      atomic_fetch_add(&formats_set, 1);
   }
   if (lib) dlclose(lib);
   return ret;

@@ -9,7 +9,10 @@ opens skip it with an option (``backends.FAST_OPEN_OPTIONS``); torchcodec takes 
 So this module builds and loads, before torchcodec is imported, a small library (``fast_open.c``) that sits in
 front of FFmpeg's ``avformat_find_stream_info`` in the process's global symbol scope. Around one decoder's
 constructor, :func:`opening` arms it in that thread, and that open's pass decodes nothing for the video stream;
-every other call passes through unchanged.
+every other call passes through unchanged. Such a pass leaves the stream's pixel format unset, and torchcodec
+0.16's NVDEC interface checks NVDEC's capabilities against it before decoding (with none, it decodes on the CPU),
+so the library also sits in front of ``avcodec_parameters_to_context`` and gives the codec context the constructor
+makes next the pixel format the probe read off a decoded keyframe (``VideoInfo.pix_fmt``).
 
 An open that decodes nothing leaves the decoder the reorder depth FFmpeg learns without decoding (for MP4, its
 demuxer reads it off the composition offsets; the probe records it: ``VideoInfo.open_reorder_depth``). A decoder
@@ -115,9 +118,10 @@ def install() -> bool:
             except Exception as e:  # no compiler, a failed build, a library that will not load
                 _reason = " ".join(str(e).split())[:200] or type(e).__name__
             else:
-                lib.flashcodec_fast_open_arm.argtypes = [ctypes.c_int, ctypes.c_int]
+                lib.flashcodec_fast_open_arm.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p]
                 lib.flashcodec_fast_open_pending.restype = ctypes.c_int
                 lib.flashcodec_fast_open_count.restype = ctypes.c_long
+                lib.flashcodec_fast_open_formats_set.restype = ctypes.c_long
                 _lib = lib
         return _lib is not None
 
@@ -132,12 +136,17 @@ def fast_opens() -> int:
     return int(_lib.flashcodec_fast_open_count()) if _lib is not None else 0
 
 
+def formats_set() -> int:
+    """Codec contexts in this process given the probe's pixel format after such an open (0 when not loaded)."""
+    return int(_lib.flashcodec_fast_open_formats_set()) if _lib is not None else 0
+
+
 def usable(info: VideoInfo, needed_depth: int) -> bool:
     """Whether a decoder of this video may open without the decode: an H.264 stream whose reorder depth as FFmpeg
     learns it without decoding (``info.open_reorder_depth``, None when unknown) is at least ``needed_depth``, the
-    one measured over the whole stream."""
+    one measured over the whole stream, and whose pixel format the probe knows (the open's pass learns none)."""
     return (info.codec in CODECS and info.open_reorder_depth is not None and info.open_reorder_depth >= needed_depth
-            and 0 <= info.stream_index < info.num_streams)
+            and 0 <= info.stream_index < info.num_streams and bool(info.pix_fmt) and info.pix_fmt.isascii())
 
 
 @contextlib.contextmanager
@@ -155,7 +164,7 @@ def opening(info: VideoInfo, needed_depth: int) -> Iterator[bool]:
         _say_full_opens(_reason)
     armed = lib is not None and wanted
     if armed:
-        lib.flashcodec_fast_open_arm(info.stream_index, info.num_streams)
+        lib.flashcodec_fast_open_arm(info.stream_index, info.num_streams, info.pix_fmt.encode())
     returned = False
     try:
         yield armed
@@ -168,6 +177,16 @@ def opening(info: VideoInfo, needed_depth: int) -> Iterator[bool]:
                 with _lock:
                     _lib, _reason = None, "torchcodec's open did not reach flashcodec's library"
                 _say_full_opens(_reason)
+
+
+def give_up(reason: str) -> None:
+    """No open in this process skips the decode from now on (an open that skipped it misbehaved); logged once."""
+    global _lib, _reason
+    with _lock:
+        if _lib is None:
+            return
+        _lib, _reason = None, reason
+    _say_full_opens(reason)
 
 
 @contextlib.contextmanager

@@ -82,15 +82,21 @@ class NvdecSegmentDecoder(SegmentDecoder):
         self._info = info
         self._size = (height, width)
         self._device = torch.device("cuda", device_index)
-        with fast_open.opening(info, reorder_depth(info)):  # H.264: no software decode in FFmpeg's open
-            self._decoder = VideoDecoder(
-                source.path if source.path is not None else source.data,
-                stream_index=info.stream_index,
-                dimension_order="NCHW",
-                device=str(self._device),
-                custom_frame_mappings=frame_mappings(info),
-            )
+        def open_session():
+            return VideoDecoder(source.path if source.path is not None else source.data, stream_index=info.stream_index,
+                                dimension_order="NCHW", device=str(self._device),
+                                custom_frame_mappings=frame_mappings(info))
+
+        with fast_open.opening(info, reorder_depth(info)) as fast:  # H.264: no software decode in FFmpeg's open
+            self._decoder = open_session()
+        # torchcodec 0.16's NVDEC interface knows at once whether it decodes on the CPU
         fallback = self._decoder.cpu_fallback
+        if fallback and fast:  # was it the open without the decode? A full open says; the run goes on either way
+            full = open_session()
+            if not full.cpu_fallback:
+                fast_open.give_up(f"an NVDEC session opened without it decoded on the CPU ({fallback}), a full "
+                                  f"open on NVDEC")
+                self._decoder, fallback = full, full.cpu_fallback
         if fallback:  # torchcodec decodes on the CPU and uploads: right frames, no NVDEC speed
             log_once(f"{source.name}: torchcodec decodes on the CPU instead of NVDEC on {self._device} ({fallback})")
 

@@ -88,15 +88,17 @@ for path in sys.argv[2:]:
     case = {"path": path, "depth": backends.reorder_depth(info), "open_depth": info.open_reorder_depth,
             "usable": fast_open.usable(info, backends.reorder_depth(info))}
     for name, indices in (("dense", list(range(info.num_frames))), ("sparse", list(range(1, info.num_frames, 5)))):
-        before = fast_open.fast_opens()
+        before, formats = fast_open.fast_opens(), fast_open.formats_set()
         with engine() as e:
             fast = e.decode_video(path, frame_indices=indices)
         case[name + "_fast_opens"] = fast_open.fast_opens() - before
+        case[name + "_formats_set"] = fast_open.formats_set() - formats
         with fast_open.full_opens(), engine() as e:
             full = e.decode_video(path, frame_indices=indices)
         case[name + "_full_opens_fast"] = fast_open.fast_opens() - before - case[name + "_fast_opens"]
         case[name + "_equal"] = bool(torch.equal(fast.frames, full.frames)) and not fast.failed_frame_indices
     report["cases"].append(case)
+report["reason_after"] = fast_open.reason()  # set if an NVDEC session fell back to the CPU after a fast open
 print(json.dumps(report))
 """
 
@@ -139,6 +141,7 @@ def test_only_h264_whose_stated_depth_covers_the_measured_one_opens_without_the_
     assert not fast_open.usable(dataclasses.replace(info, open_reorder_depth=None), 0)  # the probe's open was full
     assert not fast_open.usable(dataclasses.replace(info, codec="hevc"), 0)  # its pass decodes nothing anyway
     assert not fast_open.usable(dataclasses.replace(info, num_streams=info.stream_index), 0)
+    assert not fast_open.usable(dataclasses.replace(info, pix_fmt=None), 0)  # the open's context would have none
 
 
 def _torchcodec_opens(video_factory, tmp_path, device):
@@ -151,10 +154,13 @@ def _torchcodec_opens(video_factory, tmp_path, device):
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.splitlines()[-1])
     assert report["installed"] and report["reason"] is None
+    assert report["reason_after"] is None  # no session decoded on the CPU after an open without the decode
     for case in report["cases"]:
         assert case["usable"], case
         for name in ("dense", "sparse"):
             assert case[name + "_fast_opens"] >= 1 and case[name + "_full_opens_fast"] == 0, case
+            # every such open's codec context got the probe's pixel format (the pass learnt none)
+            assert case[name + "_formats_set"] == case[name + "_fast_opens"], case
             assert case[name + "_equal"], case
 
 
@@ -179,8 +185,9 @@ class _FakeLibrary:
     def __init__(self):
         self.armed = None
 
-    def flashcodec_fast_open_arm(self, stream, streams):
+    def flashcodec_fast_open_arm(self, stream, streams, pix_fmt):
         self.armed = (stream, streams)
+        self.pix_fmt = pix_fmt
 
     def flashcodec_fast_open_pending(self):
         return int(self.armed is not None)
@@ -198,7 +205,7 @@ def test_an_arm_never_outlives_its_open_and_an_unused_one_turns_fast_opens_off(v
     monkeypatch.setattr(fast_open, "_lib", lib)
     monkeypatch.setattr(fast_open, "_reason", None)
     with fast_open.opening(info, 2) as armed:
-        assert armed and lib.armed == (info.stream_index, info.num_streams)
+        assert armed and lib.armed == (info.stream_index, info.num_streams) and lib.pix_fmt == b"yuv420p"
         lib.consume()
     assert fast_open._lib is lib
     with pytest.raises(RuntimeError), fast_open.opening(info, 2):
@@ -210,6 +217,19 @@ def test_an_arm_never_outlives_its_open_and_an_unused_one_turns_fast_opens_off(v
         pass  # torchcodec's call never reached the library
     assert lib.armed is None and fast_open._lib is None
     assert "did not reach" in caplog.text
+    with fast_open.opening(info, 2) as armed:
+        assert not armed
+
+
+def test_giving_up_stops_every_later_fast_open_and_says_why_once(video_factory, monkeypatch, caplog):
+    info = probe(Source.of(_h264(video_factory, 3)))
+    monkeypatch.setattr(fast_open, "_lib", _FakeLibrary())
+    monkeypatch.setattr(fast_open, "_reason", None)
+    with caplog.at_level(logging.WARNING):
+        fast_open.give_up("an NVDEC session opened without it decoded on the CPU")
+        fast_open.give_up("again")  # already off: nothing more
+    assert fast_open._lib is None and fast_open.reason() == "an NVDEC session opened without it decoded on the CPU"
+    assert caplog.text.count("stream-info pass") == 1 and "again" not in caplog.text
     with fast_open.opening(info, 2) as armed:
         assert not armed
 

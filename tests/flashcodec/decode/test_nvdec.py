@@ -63,6 +63,56 @@ def test_segment_decoder_matches_the_cpu_exact_path(video_factory, cpu_torchcode
     assert (ours - theirs).abs().mean().item() <= 1.0
 
 
+@pytest.mark.parametrize("full_falls_back", [False, True])
+def test_a_session_on_the_cpu_after_an_open_without_the_decode_is_opened_again_in_full(
+        video_factory, monkeypatch, caplog, full_falls_back):
+    """torchcodec 0.16's NVDEC interface decodes on the CPU when the codec context has no pixel format, which an
+    open without FFmpeg's decode leaves unless fast_open.c sets it. Should a session fall back after such an open,
+    a full open decides: on NVDEC, fast opens stop for the process and the full session is used; also on the
+    CPU, the fallback was the video's, fast opens stay, and the fallback is said once."""
+    import contextlib
+
+    import torchcodec.decoders as tc
+
+    opened = []
+
+    class Status:
+        def __init__(self, fallback):
+            self.fallback = fallback
+
+        def __bool__(self):
+            return self.fallback
+
+        def __str__(self):
+            return "Video stream not supported by NVDEC" if self.fallback else "No fallback required"
+
+    class StandIn:
+        def __init__(self, source, **kwargs):
+            self.fast = len(opened) == 0  # the first is made inside the (faked) armed open
+            opened.append(self)
+            self.cpu_fallback = Status(self.fast or full_falls_back)
+
+    @contextlib.contextmanager
+    def armed(info, depth):
+        yield True
+
+    gave_up = []
+    monkeypatch.setattr(tc, "VideoDecoder", StandIn)
+    monkeypatch.setattr(nvdec.fast_open, "opening", armed)
+    monkeypatch.setattr(nvdec.fast_open, "give_up", gave_up.append)
+    path = video_factory(codec="h264", bframes=2, suffix=".mp4", **TINY)
+    info = probe(Source.of(path))
+    with caplog.at_level(logging.WARNING):
+        decoder = nvdec.NvdecSegmentDecoder(Source.of(path), info, 32, 32, device_index=0)
+    assert len(opened) == 2  # the fast session, then a full one
+    if full_falls_back:
+        assert gave_up == [] and decoder._decoder is opened[0]
+        assert "decodes on the CPU instead of NVDEC" in caplog.text
+    else:
+        assert len(gave_up) == 1 and "decoded on the CPU" in gave_up[0] and decoder._decoder is opened[1]
+        assert "decodes on the CPU instead of NVDEC" not in caplog.text
+
+
 def test_to_display_turns_only_frames_still_in_stored_orientation():
     stored = torch.arange(2 * 3 * 4 * 6, dtype=torch.uint8).view(2, 3, 4, 6)  # [N, 3, H=4, W=6]
     turned = nvdec.to_display(stored, 90, (6, 4))
