@@ -83,13 +83,19 @@ static void *owning_library(void *ic) {
   return dlopen(where.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
 }
 
+/* `name` in `lib` (the library that made the object) or, where that fails or finds this library's `self`, the next
+ * definition after this library; NULL when there is none. */
+static void *real_function(void *lib, const char *name, void *self) {
+  void *real = lib ? dlsym(lib, name) : NULL;
+  return real == NULL || real == self ? dlsym(RTLD_NEXT, name) : real;
+}
+
 EXPORT int avformat_find_stream_info(void *ic, AVDictionary **options) {
   int stream = armed_stream, streams = armed_streams;
   armed_stream = -1;  /* one call per arm */
   void *lib = owning_library(ic);
-  find_stream_info_fn real = lib ? (find_stream_info_fn)dlsym(lib, "avformat_find_stream_info") : NULL;
-  if (real == NULL || real == avformat_find_stream_info)
-    real = (find_stream_info_fn)dlsym(RTLD_NEXT, "avformat_find_stream_info");
+  find_stream_info_fn real =
+      (find_stream_info_fn)real_function(lib, "avformat_find_stream_info", (void *)avformat_find_stream_info);
   if (real == NULL) {
     if (lib) dlclose(lib);
     return -ENOSYS;  /* AVERROR(ENOSYS) */
@@ -119,9 +125,8 @@ EXPORT int avformat_find_stream_info(void *ic, AVDictionary **options) {
  * sets the armed pixel format on the first context made, if it has none. */
 EXPORT int avcodec_parameters_to_context(void *codec, const void *par) {
   void *lib = owning_library(codec);
-  params_to_context_fn real = lib ? (params_to_context_fn)dlsym(lib, "avcodec_parameters_to_context") : NULL;
-  if (real == NULL || real == avcodec_parameters_to_context)
-    real = (params_to_context_fn)dlsym(RTLD_NEXT, "avcodec_parameters_to_context");
+  params_to_context_fn real = (params_to_context_fn)real_function(lib, "avcodec_parameters_to_context",
+                                                                  (void *)avcodec_parameters_to_context);
   if (real == NULL) {
     if (lib) dlclose(lib);
     return -ENOSYS;

@@ -135,19 +135,39 @@ def test_merge_of_a_missing_run_is_an_error(tmp_path, capsys):
     assert "cannot read" in capsys.readouterr().err
 
 
+def fake_bench(monkeypatch, run_benchmark, warm_ups):
+    """bench_policies with a fake server, the given client and warm-up records, and a 4-request text workload."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def fake_server(args, log):
+        yield type("S", (), {"url": "http://fake"})()
+
+    async def warm_up(url, base, num):
+        assert num == len(warm_ups)  # --warmups
+        return warm_ups
+
+    monkeypatch.setattr(bp, "ServerProcess", fake_server)
+    monkeypatch.setattr(bp, "run_benchmark", run_benchmark)
+    monkeypatch.setattr(bp, "warm_up", warm_up)
+    monkeypatch.setattr(bp.workloads, "generate_workload", lambda cfg, progress=False: [
+        {"id": f"q{i}", "media": [], "prompt": "hi", "output_len": 5} for i in range(4)])
+    monkeypatch.setattr(bp.workloads, "with_arrivals", lambda base, rate, **kw: base)
+
+
+def alone(ttft_s: float, e2e_s: float, rid: str = "w") -> RequestRecord:
+    """A warm-up request served alone."""
+    return RequestRecord(rid, 0.0, start_s=0.0, end_s=e2e_s, token_times_s=[ttft_s, e2e_s], is_success=True)
+
+
 def test_time_budget_skips_rates_and_results_survive_each_rate(tmp_path, monkeypatch, capsys):
     """With a fake server and client: a rate whose predicted run outlasts --time-budget-s is skipped (its arrivals
     and drain, or, past what one request served alone says the server keeps up with, its requests' first tokens
     one after another), each rate's client gets the budget left as its deadline, and results.json holds every
     finished rate as soon as it finishes."""
-    import contextlib
     import json
 
     seen, deadlines = [], []
-
-    @contextlib.contextmanager
-    def fake_server(args, log):
-        yield type("S", (), {"url": "http://fake"})()
 
     async def fake_run(url, reqs, max_concurrency=None, progress=False, deadline_s=None):
         partial = tmp_path / "out" / "results.json"
@@ -155,17 +175,7 @@ def test_time_budget_skips_rates_and_results_survive_each_rate(tmp_path, monkeyp
         deadlines.append(deadline_s)
         return bp.records_of(run(0.5, 0.5, 0.02)), 10.0
 
-    async def warm_up(url, base, num):
-        assert num == 2  # --warmups
-        return [RequestRecord("w0", 0.0, start_s=0.0, end_s=9.0, token_times_s=[8.0, 9.0], is_success=True),
-                RequestRecord("w1", 0.0, start_s=0.0, end_s=3.0, token_times_s=[2.0, 3.0], is_success=True)]
-
-    monkeypatch.setattr(bp, "ServerProcess", fake_server)
-    monkeypatch.setattr(bp, "run_benchmark", fake_run)
-    monkeypatch.setattr(bp, "warm_up", warm_up)
-    monkeypatch.setattr(bp.workloads, "generate_workload", lambda cfg, progress=False: [
-        {"id": f"q{i}", "media": [], "prompt": "hi", "output_len": 5} for i in range(4)])
-    monkeypatch.setattr(bp.workloads, "with_arrivals", lambda base, rate, **kw: base)
+    fake_bench(monkeypatch, fake_run, [alone(8.0, 9.0, "cold"), alone(2.0, 3.0)])
     # 4 requests, one alone takes 2 s to its first token and 1 s more (the last warm-up; the first, cold, is not
     # used): 8 s of arrivals at 0.5 req/s (9.3 s with the drain; 9 s of first tokens); 400 s at 0.01 req/s (over
     # the 60-s budget); 40 s at 0.1 req/s, which fit alone but not with the drain (40 + 40/6 + 20 s); at 2 req/s
@@ -190,14 +200,9 @@ def test_time_budget_skips_rates_and_results_survive_each_rate(tmp_path, monkeyp
 def test_a_rate_cut_at_the_budget_is_kept_marked_and_ends_the_sweep(tmp_path, monkeypatch, capsys):
     """A rate still running when the budget ends comes back cut (its unfinished requests failed): it is saved and
     shown as cut, and no later rate starts."""
-    import contextlib
     import json
 
     calls = []
-
-    @contextlib.contextmanager
-    def fake_server(args, log):
-        yield type("S", (), {"url": "http://fake"})()
 
     async def cut_run(url, reqs, max_concurrency=None, progress=False, deadline_s=None):
         calls.append(deadline_s)
@@ -205,15 +210,7 @@ def test_a_rate_cut_at_the_budget_is_kept_marked_and_ends_the_sweep(tmp_path, mo
         recs[-1].is_success, recs[-1].error = False, bp.CUT_ERROR
         return recs, 10.0
 
-    async def warm_up(url, base, num):
-        return [RequestRecord("w0", 0.0, start_s=0.0, end_s=0.2, token_times_s=[0.1, 0.2], is_success=True)]
-
-    monkeypatch.setattr(bp, "ServerProcess", fake_server)
-    monkeypatch.setattr(bp, "run_benchmark", cut_run)
-    monkeypatch.setattr(bp, "warm_up", warm_up)
-    monkeypatch.setattr(bp.workloads, "generate_workload", lambda cfg, progress=False: [
-        {"id": f"q{i}", "media": [], "prompt": "hi", "output_len": 5} for i in range(4)])
-    monkeypatch.setattr(bp.workloads, "with_arrivals", lambda base, rate, **kw: base)
+    fake_bench(monkeypatch, cut_run, [alone(0.1, 0.2)])
     argv = ["--policies", "unified", "--rates", "1,2", "--num-requests", "4", "--time-budget-s", "300",
             "--goodput", "ttft:1000", "tbt:100", "--out", str(tmp_path / "out")]
     assert bp.main(argv) == 0
