@@ -343,7 +343,8 @@ def main(argv=None) -> int:
             runs = results[policy] = []
             # first-call costs (thread pools, allocator, kernels) stay out; the last one is a request served alone
             alone = asyncio.run(warm_up(server.url, base, a.warmups))[-1]
-            print(f"{policy}: one request alone: TTFT {alone.ttft_s:.2f} s, {alone.e2e_s:.2f} s in all "
+            alone_ttft = alone.ttft_s or 0.0  # None only for a stream that showed no token (usage alone)
+            print(f"{policy}: one request alone: TTFT {alone_ttft:.2f} s, {alone.e2e_s:.2f} s in all "
                   f"({alone.prompt_tokens} prompt tokens)", flush=True)
             for rate in rates:
                 need = predicted_s(rate, a.num_requests, alone)
@@ -352,7 +353,7 @@ def main(argv=None) -> int:
                     print(f"{policy} @ {rate} req/s: skipped: its arrivals and their drain take about {need:.0f} s, "
                           f"{max(0.0, left):.0f} s of --time-budget-s are left", flush=True)
                     continue
-                print(f"{policy} @ {rate} req/s: offered load {rate * alone.ttft_s:.2f} (rate x one request's TTFT "
+                print(f"{policy} @ {rate} req/s: offered load {rate * alone_ttft:.2f} (rate x one request's TTFT "
                       f"alone), about {need:.0f} s", flush=True)
                 reqs = workloads.with_arrivals(base, rate, arrival="gamma" if a.burstiness != 1 else "poisson",
                                                burstiness=a.burstiness, seed=a.seed)
