@@ -185,10 +185,11 @@ def stored_wheel(src: Path, dest: Path) -> None:
             zout.writestr(info, zin.read(member))
 
 
-def pack(folder: Path) -> Path:
+def pack(folder: Path) -> tuple[Path, int]:
     """Replace the folder's wheels by ``folder/wheels.tar.xz``: the wheels stored (:func:`stored_wheel`) in
-    one tar, xz-compressed as one stream. Returns the archive."""
+    one tar, xz-compressed as one stream. Returns the archive and the wheels' bytes."""
     wheels = sorted(folder.glob("*.whl"))
+    size = sum(w.stat().st_size for w in wheels)
     if not wheels:
         raise ValueError(f"no .whl files in {folder}")
     archive = folder / ARCHIVE
@@ -206,7 +207,7 @@ def pack(folder: Path) -> Path:
         tmp.unlink(missing_ok=True)
     for wheel in wheels:
         wheel.unlink()
-    return archive
+    return archive, size
 
 
 def unpack(archive: Path, dest: Path) -> list[Path]:
@@ -258,9 +259,8 @@ def main(argv: list[str] | None = None) -> int:
             group_requirements(args.group)
             return run_as_on_device(args.group, command)
         if args.what == "pack":
-            sizes = sum(w.stat().st_size for w in args.folder.glob("*.whl"))
-            archive = pack(args.folder)
-            print(f"{archive}: {sizes / 1e6:.1f} MB of wheels -> {archive.stat().st_size / 1e6:.1f} MB")
+            archive, size = pack(args.folder)
+            print(f"{archive}: {size / 1e6:.1f} MB of wheels -> {archive.stat().st_size / 1e6:.1f} MB")
             return 0
         if args.what == "unpack":
             if not args.archive.is_file():

@@ -169,6 +169,13 @@ esac
 step "probe"
 run 60 probe python3 scripts/gpu_probe.py --out "$out/probe.json"
 
+open_and_stream_benches() {  # the decode and tests groups' benches of issue 12's opens and issue 18's streams
+  step "bench/decode/bench_open.py (one open, and a request, with and without FFmpeg's H.264 stream-info decode)"
+  run 90 bench-open python3 bench/decode/bench_open.py --device cuda:0 --out "$out/bench_decode"
+  step "bench/decode/bench_stream.py (a streamed decode's prefix over NVDEC sessions: in-order queue vs lanes)"
+  run 90 bench-stream python3 bench/decode/bench_stream.py --device cuda:0 --out "$out/bench_decode"
+}
+
 # The random-weight 7B preset, the flashinfer JIT and the csrc/ build, for the groups on the engine. Each
 # is kept on the machine (/tmp, ~/.cache): a group run right after another on the still-warm machine
 # (the device tool keeps it about 30 s) skips what is already there.
@@ -238,10 +245,7 @@ decode)
   run 150 pytest-cuda python3 -m pytest -v --timeout=90 -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/flashcodec tests/bench
   step "bench/decode/bench_resize.py --quick (fused Triton resize vs the torch reference)"
   run 90 bench-resize python3 bench/decode/bench_resize.py --quick --out "$out/bench_resize.json"
-  step "bench/decode/bench_open.py (one open, and a request, with and without FFmpeg's H.264 stream-info decode)"
-  run 90 bench-open python3 bench/decode/bench_open.py --device cuda:0 --out "$out/bench_decode"
-  step "bench/decode/bench_stream.py (a streamed decode's prefix over NVDEC sessions: in-order queue vs lanes)"
-  run 90 bench-stream python3 bench/decode/bench_stream.py --device cuda:0 --out "$out/bench_decode"
+  open_and_stream_benches
   step "bench/decode/bench_gpu.py --short"
   run 270 bench-decode python3 bench/decode/bench_gpu.py --short --out "$out/bench_decode"
   step "bench/kernels/bench_sm_shares.py --quick (decode beside prefill: unpartitioned, green contexts, MPS)"
@@ -330,10 +334,7 @@ tests)
   run 300 pytest-cuda python3 -m pytest -v --timeout=120 -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" \
     ${CUDA_TESTS:-tests}
   if [ "${DECODE_BENCH:-0}" = 1 ]; then
-    step "bench/decode/bench_open.py (one open, and a request, with and without FFmpeg's H.264 stream-info decode)"
-    run 90 bench-open python3 bench/decode/bench_open.py --device cuda:0 --out "$out/bench_decode"
-    step "bench/decode/bench_stream.py (a streamed decode's prefix over NVDEC sessions: in-order queue vs lanes)"
-    run 90 bench-stream python3 bench/decode/bench_stream.py --device cuda:0 --out "$out/bench_decode"
+    open_and_stream_benches
     step "bench/decode/bench_gpu.py --short"
     # shellcheck disable=SC2086  # DECODE_BENCH_ARGS: more flags, e.g. "--codecs h264 --repeat 2"
     # up to the run's end (two 150-s codecs take about 450 s): the bench saves each codec as it finishes
