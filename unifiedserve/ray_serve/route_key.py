@@ -27,9 +27,9 @@ import json
 
 from pydantic import ValidationError
 
-# imported with this module, when the ingress starts: imported at the first request instead, the API
+# imported with this module, when the ingress starts: imported at the first request instead, the API's prompt code
 # (torch included) cost that request about a second
-from unifiedserve.server.api import convert_messages, with_media_keys
+from unifiedserve.server.prompts import convert_messages, with_media_keys
 from unifiedserve.server.limits import RequestLimits
 from unifiedserve.server.media import MediaError, MediaPolicy
 from unifiedserve.server.openai_protocol import ChatCompletionRequest

@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP API (FastAPI), run in the api process.
 
 ``POST /v1/chat/completions`` turns a chat request into a runtime request: media URLs are
-resolved under the server's media policy, the chat template is rendered and tokenized here,
-vision probes the media (so the prompt length is known), and core gets the expanded prompt.
-Tokens come back from core (the first) and decode (the rest); they are detokenized here, with
-stop strings, and streamed as server-sent events or returned in one response.
+resolved under the server's media policy, the chat template is rendered and tokenized here
+(:mod:`unifiedserve.server.prompts`), vision probes the media (so the prompt length is known), and core
+gets the expanded prompt. Tokens come back from core (the first) and decode (the rest); they are
+detokenized here, with stop strings, and streamed as server-sent events or returned in one response
+(:mod:`unifiedserve.server.responses`).
 """
 
 from __future__ import annotations
@@ -13,38 +14,34 @@ import asyncio
 import dataclasses
 import functools
 import hmac
-import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from unifiedserve.engine.output import text_output
-from unifiedserve.engine.params import SamplingParams, check_logit_bias_ids, outside_vocabulary
+from unifiedserve.engine.params import SamplingParams, check_logit_bias_ids
 from unifiedserve.engine.structured import check_response_format
 from unifiedserve.model.generation import GenerationDefaults
-from unifiedserve.model.processor import IMAGE_PAD, VIDEO_PAD
 from unifiedserve.runtime import protocol
 from unifiedserve.server.engine_client import EngineClient, RequestError, RequestStream
-from unifiedserve.server.limits import (MAX_CHARS_PER_TOKEN, BodyBudget, LimitError, RequestLimits,
-                                        check_message_sizes)
-from unifiedserve.server.media import MediaError, MediaPolicy, check_declared_type, describe, resolve_media
-from unifiedserve.server.media_key import media_key
+from unifiedserve.server.limits import BodyBudget, LimitError, RequestLimits
+from unifiedserve.server.media import MediaError, MediaPolicy
 from unifiedserve.server.metrics import Metrics
-from unifiedserve.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ImagePart,
-                                                 SamplingRequest, TextPart, TokenizeRequest, VideoPart, error_body)
+from unifiedserve.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                 SamplingRequest, TokenizeRequest, error_body)
+from unifiedserve.server.prompts import (Prompt, chat_prompt, check_prompt_chars, check_visual_tokens,
+                                         completion_prompts, expanded_ids, ids_outside_vocabulary)
+from unifiedserve.server.responses import (CHAT, TEXT, Disconnected, Generation, Shape, all_or_none, complete, sse,
+                                           wait_connected)
 
 log = logging.getLogger("unifiedserve")
-
-DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 
 
 @dataclass
@@ -78,34 +75,6 @@ def _given(value, default, neutral):
 
 def _error(message: str, status_code: int, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status_code, param), status_code=status_code)
-
-
-class _Disconnected(Exception):
-    pass
-
-
-async def _wait(awaitable, request: Request):
-    """Await while checking, at most every ``DISCONNECT_POLL_S``, that the client is still connected.
-
-    Raises ``_Disconnected`` when it is gone. The check also runs when results keep arriving.
-    """
-    scope = request.scope
-    task = asyncio.ensure_future(awaitable)
-    try:
-        while True:
-            due = scope.get("unifiedserve.next_check", 0.0) - time.monotonic()
-            if due > 0:
-                done, _ = await asyncio.wait({task}, timeout=due)
-                if done:
-                    return task.result()
-            scope["unifiedserve.next_check"] = time.monotonic() + DISCONNECT_POLL_S
-            if await request.is_disconnected():
-                raise _Disconnected()
-            if task.done():
-                return task.result()
-    finally:
-        if not task.done():
-            task.cancel()
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -206,12 +175,6 @@ def _other_model(state: ServerState, model: str | None) -> JSONResponse | None:
     return _error(f"the model {model!r} does not exist; this server serves {state.model_name!r}", 404, "model")
 
 
-def _outside_vocabulary(ids: list[int], state: ServerState) -> str | None:
-    """What is wrong with token ids outside the model's vocabulary (:func:`outside_vocabulary`), or None."""
-    vocab = state.vocab_size if state.vocab_size is not None else state.processor.tokenizer.get_vocab_size()
-    return outside_vocabulary(ids, vocab)
-
-
 def _refuse_early(state: ServerState, body: SamplingRequest, num_prompts: int = 1) -> JSONResponse | None:
     """What refuses a request before any work: the server not serving, another model, too many choices (``n``
     for each of ``num_prompts`` prompts), a ``logit_bias`` id outside the vocabulary."""
@@ -246,37 +209,13 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
             return _error(f"invalid response_format: {e}", 400, "response_format")
     arrival = time.time()
     try:
-        prompt_ids, media = await _chat_prompt(state, body)
+        prompt_ids, media = await chat_prompt(state, body)
     except LimitError as e:
         return _error(str(e), e.status_code, e.param)
     except (MediaError, ValueError) as e:
         return _error(str(e), 400, "messages")
-    return await _respond(state, body, request, _CHAT, arrival, [_Prompt(prompt_ids, media)],
+    return await _respond(state, body, request, CHAT, arrival, [Prompt(prompt_ids, media)],
                           (body.top_logprobs or 0) if body.logprobs else None, response_format)
-
-
-async def _chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeRequest,
-                       add_generation_prompt: bool = True,
-                       add_special_tokens: bool = False) -> tuple[list[int], list[protocol.MediaRef]]:
-    """The messages' token ids (one placeholder per media) and their media, keyed; sizes checked first.
-
-    Raises:
-        LimitError, MediaError, ValueError: as :func:`check_message_sizes`, :func:`convert_messages`,
-            :func:`with_media_keys` and :func:`_prompt_ids` raise them.
-    """
-    check_message_sizes(*_message_sizes(body), state.max_model_len)
-    messages, media = await run_in_threadpool(convert_messages, body, state.media_policy, state.limits)
-    media = await run_in_threadpool(with_media_keys, media, state.model_name)
-    # off the event loop: a long prompt's template and tokenizer take long enough to stall other streams
-    ids = await run_in_threadpool(_prompt_ids, state.processor, messages, media, add_generation_prompt,
-                                  add_special_tokens)
-    return ids, media
-
-
-def _expanded(state: ServerState, prompt_ids: list[int], plans: list[protocol.MediaPlan]) -> list[int]:
-    """``prompt_ids`` with each media's placeholder expanded to its visual tokens (from the probed grids)."""
-    return state.processor.expand_vision_tokens(prompt_ids, [p.grid_thw for p in plans if p.kind == "image"],
-                                                [p.grid_thw for p in plans if p.kind == "video"])
 
 
 def _not_serving(state: ServerState) -> str | None:
@@ -297,52 +236,7 @@ async def _completion(state: ServerState, body: CompletionRequest, request: Requ
         return _error(str(e), e.status_code, e.param)
     except ValueError as e:
         return _error(str(e), 400, "prompt")
-    return await _respond(state, body, request, _TEXT, arrival, prompts, body.logprobs, {})
-
-
-def completion_prompts(state: ServerState, body: CompletionRequest) -> list[_Prompt]:
-    """A completion's prompts (one, or a batch's) as token ids, with their text for ``echo``."""
-    prompts = body.prompts
-    if len(prompts) == 1:
-        return [completion_prompt(state, prompts[0], body.echo)]
-    return [completion_prompt(state, prompt, body.echo, f"prompt[{i}]") for i, prompt in enumerate(prompts)]
-
-
-def completion_prompt(state: ServerState, prompt: str | list[int], echo: bool, name: str = "the prompt") -> _Prompt:
-    """One completion prompt as token ids, and its text if ``echo``. ``name``: what errors call it.
-
-    Raises:
-        LimitError: a text longer than the context could hold, or more ids than fit it (before tokenizing).
-        ValueError: an id outside the vocabulary, or an image/video placeholder (this endpoint takes no media).
-    """
-    processor, max_len = state.processor, state.max_model_len
-    if isinstance(prompt, str):
-        _check_prompt_chars(prompt, max_len, name)
-        ids, text = processor.tokenize(prompt), prompt
-    else:
-        ids = prompt
-        if len(ids) >= max_len:
-            raise LimitError(f"{name} has {len(ids)} token ids; this server's context holds {max_len} tokens "
-                             f"(--max-model-len), the completion's included", "prompt")
-        problem = _outside_vocabulary(ids, state)
-        if problem is not None:
-            raise ValueError(f"{name} has {problem}")
-        text = processor.decode(ids, skip_special_tokens=False) if echo else ""
-    if not ids:
-        raise ValueError(f"{name} has no tokens")
-    for token_id, kind in ((processor.image_token_id, "image"), (processor.video_token_id, "video")):
-        if token_id in ids:
-            raise ValueError(f"{name} holds the {kind} placeholder token ({token_id}); /v1/completions takes text "
-                             f"only: send media to /v1/chat/completions")
-    return _Prompt(ids, echo=text if echo else "")
-
-
-def _check_prompt_chars(prompt: str, max_len: int, name: str = "the prompt") -> None:
-    """Refuse a text prompt too long for the context at any tokenization, before it is tokenized."""
-    if len(prompt) > MAX_CHARS_PER_TOKEN * max_len:
-        raise LimitError(f"{name} holds {len(prompt)} characters; this server accepts at most "
-                         f"{MAX_CHARS_PER_TOKEN * max_len} ({MAX_CHARS_PER_TOKEN} per token of its {max_len}-token "
-                         f"context, --max-model-len)", "prompt")
+    return await _respond(state, body, request, TEXT, arrival, prompts, body.logprobs, {})
 
 
 async def _tokenize(state: ServerState, body: TokenizeRequest, request: Request):
@@ -356,21 +250,21 @@ async def _tokenize(state: ServerState, body: TokenizeRequest, request: Request)
     processor = state.processor
     try:
         if body.prompt is not None:
-            _check_prompt_chars(body.prompt, state.max_model_len)
+            check_prompt_chars(body.prompt, state.max_model_len)
             ids = await run_in_threadpool(processor.tokenize, body.prompt, body.add_special_tokens)
         else:
-            ids, media = await _chat_prompt(state, body, body.add_generation_prompt, body.add_special_tokens)
+            ids, media = await chat_prompt(state, body, body.add_generation_prompt, body.add_special_tokens)
             if media:
                 plans = await _probe_only(state, media, request)
-                _check_visual_tokens(state, plans, len(ids))
-                ids = _expanded(state, ids, plans)
+                check_visual_tokens(state, plans, len(ids))
+                ids = expanded_ids(state, ids, plans)
     except LimitError as e:
         return _error(str(e), e.status_code, e.param)
     except RequestError as e:
         return _error(e.message, e.status_code)
     except (MediaError, ValueError) as e:
         return _error(str(e), 400, "prompt" if body.prompt is not None else "messages")
-    except _Disconnected:
+    except Disconnected:
         return Response(status_code=499)
     token_strs = [processor.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": token_strs}
@@ -386,7 +280,7 @@ async def _probe_only(state: ServerState, media: list[protocol.MediaRef],
     stream = client.open(request_id)
     probed = None
     try:
-        probed = await _wait(client.probe(stream, media, probe_only=True), request)
+        probed = await wait_connected(client.probe(stream, media, probe_only=True), request)
         return probed.plans
     finally:
         if probed is not None:
@@ -399,21 +293,11 @@ async def _detokenize(state: ServerState, body: DetokenizeRequest):
     """vLLM's ``/detokenize``: the text of the ids, special tokens kept."""
     if (wrong := _other_model(state, body.model)) is not None:
         return wrong
-    problem = _outside_vocabulary(body.tokens, state)
+    problem = ids_outside_vocabulary(body.tokens, state)
     if problem is not None:
         return _error(problem[0].upper() + problem[1:], 400, "tokens")
     text = await run_in_threadpool(state.processor.decode, body.tokens, False)
     return {"prompt": text}
-
-
-@dataclass
-class _Prompt:
-    """One prompt of a response: its token ids (each media's one placeholder not yet expanded), its media, and
-    the text a completion's choices begin with (``echo``)."""
-
-    ids: list[int]
-    media: list[protocol.MediaRef] = dataclasses.field(default_factory=list)
-    echo: str = ""
 
 
 @dataclass
@@ -424,7 +308,7 @@ class _Admitted:
     index: int  # the prompt's, in the request
     request_id: str  # its first choice's engine request
     stream: RequestStream
-    prompt: _Prompt
+    prompt: Prompt
     ids: list[int]  # expanded
     plans: list[protocol.MediaPlan]
     probe_s: float
@@ -438,8 +322,8 @@ def _choice_id(response_id: str, index: int) -> str:
     return response_id if index == 0 else f"{response_id}-{index}"
 
 
-async def _respond(state: ServerState, body: SamplingRequest, request: Request, shape: "_Shape", arrival: float,
-                   prompts: list[_Prompt], logprobs: int | None, response_format: dict[str, Any]):
+async def _respond(state: ServerState, body: SamplingRequest, request: Request, shape: Shape, arrival: float,
+                   prompts: list[Prompt], logprobs: int | None, response_format: dict[str, Any]):
     """Everything after the prompts: probe the media, add one engine request per choice of each prompt (a batch's
     prompt ``p`` has choices ``p * n`` to ``p * n + n - 1``), answer (streamed or whole) in ``shape``'s format.
     Every prompt is checked against the context before any is added, so a batch is refused whole."""
@@ -460,18 +344,18 @@ async def _respond(state: ServerState, body: SamplingRequest, request: Request, 
             request_id = _choice_id(response_id, index * body.n)
             admitted.append(await _admit(state, body, request, open_stream(request_id), request_id, index, prompt,
                                          name, logprobs, response_format))
-        groups = await _wait(_all_or_none([functools.partial(_start, state, body, a, open_stream, response_id,
-                                                             arrival, shape) for a in admitted]), request)
+        starts = [functools.partial(_start, state, body, a, open_stream, response_id, arrival, shape) for a in admitted]
+        groups = await wait_connected(all_or_none(starts), request)
         gens = [g for group in groups for g in group]
         started = True
         if body.stream:
             options = body.stream_options
-            events = _sse(state, gens, bool(options and options.include_usage),
+            events = sse(state, gens, bool(options and options.include_usage),
                           bool(options and options.continuous_usage_stats))
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _complete(state, gens, request)
-    except _Disconnected:  # the client went away: nobody reads this
+        return await complete(state, gens, request)
+    except Disconnected:  # the client went away: nobody reads this
         return Response(status_code=499)
     except RequestError as e:
         return _error(e.message, e.status_code)
@@ -484,7 +368,7 @@ async def _respond(state: ServerState, body: SamplingRequest, request: Request, 
 
 
 async def _admit(state: ServerState, body: SamplingRequest, request: Request, stream: RequestStream,
-                 request_id: str, index: int, prompt: _Prompt, name: str, logprobs: int | None,
+                 request_id: str, index: int, prompt: Prompt, name: str, logprobs: int | None,
                  response_format: dict[str, Any]) -> _Admitted:
     """Probe ``prompt``'s media and check it against the context; its sampling parameters.
 
@@ -496,11 +380,11 @@ async def _admit(state: ServerState, body: SamplingRequest, request: Request, st
     plans: list[protocol.MediaPlan] = []
     if prompt.media:
         t0 = time.time()
-        probed = await _wait(state.client.probe(stream, prompt.media), request)
+        probed = await wait_connected(state.client.probe(stream, prompt.media), request)
         probed_at = time.time()
         plans, probe_s = probed.plans, probed_at - t0
-    _check_visual_tokens(state, plans, len(prompt.ids), name)  # before expanding: a huge grid costs nothing yet
-    ids = _expanded(state, prompt.ids, plans)
+    check_visual_tokens(state, plans, len(prompt.ids), name)  # before expanding: a huge grid costs nothing yet
+    ids = expanded_ids(state, prompt.ids, plans)
     prompt_len = len(ids)
     max_tokens = body.completion_limit
     room = state.max_model_len - prompt_len
@@ -528,24 +412,8 @@ async def _admit(state: ServerState, body: SamplingRequest, request: Request, st
                      params.stop_ids(state.eos_token_ids))
 
 
-async def _all_or_none(calls: list) -> list:
-    """Run every coroutine function at once; the first to fail cancels the others (their engine requests are
-    aborted by the caller, which holds every request they opened)."""
-    if len(calls) == 1:  # no task for the common case
-        return [await calls[0]()]
-    tasks = [asyncio.ensure_future(call()) for call in calls]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            if not task.done():
-                task.cancel()
-            elif not task.cancelled():
-                task.exception()  # a second failure is not reported (gather raised the first), nor logged as lost
-
-
 async def _start(state: ServerState, body: SamplingRequest, a: _Admitted, open_stream, response_id: str,
-                 arrival: float, shape: "_Shape") -> list["_Generation"]:
+                 arrival: float, shape: Shape) -> list[Generation]:
     """Add an admitted prompt's choices to the engine: the first, then, once it has its first token, the others."""
     client, n, keys = state.client, body.n, [ref.key for ref in a.prompt.media]
     base = a.index * n  # the prompt's first choice's index
@@ -556,7 +424,7 @@ async def _start(state: ServerState, body: SamplingRequest, a: _Admitted, open_s
     common = dict(prompt_len=len(a.ids), arrival=arrival, probe_s=a.probe_s, probed_at=a.probed_at,
                   response_id=response_id, shape=shape,
                   echo=a.prompt.echo, prompt_index=a.index)
-    gens = [_Generation(state, a.request_id, a.stream, a.params, a.stop_ids, index=base, first=first, **common)]
+    gens = [Generation(state, a.request_id, a.stream, a.params, a.stop_ids, index=base, first=first, **common)]
     # the other choices come once the first has its first token: the prompt's KV blocks (and the media's
     # tokens) are in the prefix and media caches by then, so each prefills only the prompt's last partial block
     children = [(_choice_id(response_id, base + i), i) for i in range(1, n)]
@@ -570,7 +438,7 @@ async def _start(state: ServerState, body: SamplingRequest, a: _Admitted, open_s
     for (child_id, i), child, c_plans in zip(children, streams, child_plans):
         child_params = _choice_params(a.params, i)
         await client.add(child, protocol.AddRequest(child_id, a.ids, c_plans, child_params, sorted(a.stop_ids), keys))
-        gens.append(_Generation(state, child_id, child, child_params, a.stop_ids, index=base + i, **common))
+        gens.append(Generation(state, child_id, child, child_params, a.stop_ids, index=base + i, **common))
     return gens
 
 
@@ -581,385 +449,3 @@ def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
         return params
     seed = params.seed + index
     return dataclasses.replace(params, seed=seed - 2**64 if seed >= 2**64 else seed)
-
-
-def _prompt_ids(processor: Any, messages: list[dict], media: list[protocol.MediaRef],
-                add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
-    """The rendered chat's token ids, with one image (video) placeholder per image (video) part of ``media``.
-
-    Raises:
-        ValueError: the message text itself holds a placeholder token (before any media is probed).
-    """
-    ids = processor.tokenize(processor.render_chat(messages, add_generation_prompt), add_special_tokens)
-    for token_id, kind, text, article in ((processor.image_token_id, "image", IMAGE_PAD, "an"),
-                                          (processor.video_token_id, "video", VIDEO_PAD, "a")):
-        if ids.count(token_id) != sum(ref.kind == kind for ref in media):
-            raise ValueError(f"the message text holds {text}, the special token that stands for {article} {kind} "
-                             f"part; send each {kind} as {article} {kind}_url part")
-    return ids
-
-
-def _message_sizes(body: ChatCompletionRequest) -> tuple[int, int, int]:
-    """``(characters of text, messages, content parts)`` of the messages (string contents and text parts count
-    their characters), in one pass: what :func:`check_message_sizes` bounds before rendering."""
-    chars = parts = 0
-    for m in body.messages:
-        if isinstance(m.content, str):
-            chars += len(m.content)
-        elif isinstance(m.content, list):
-            parts += len(m.content)
-            chars += sum(len(part.text) for part in m.content if isinstance(part, TextPart))
-    return chars, len(body.messages), parts
-
-
-def with_media_keys(media: list[protocol.MediaRef], context: str) -> list[protocol.MediaRef]:
-    """Each media with its identity (``server/media_key.py``): the caches and the router use it.
-
-    Raises:
-        MediaError: a local file vanished since it was resolved.
-    """
-    out = []
-    for ref in media:
-        try:
-            out.append(msgspec.structs.replace(ref, key=media_key(ref, context)))
-        except OSError:
-            raise MediaError(f"media {ref.shown or len(out)} cannot be read") from None
-    return out
-
-
-def _check_visual_tokens(state: ServerState, plans: list[protocol.MediaPlan], num_text_tokens: int,
-                         prompt_name: str = "messages") -> None:
-    """Refuse a prompt over ``--max-model-len`` from the probed grids, before any placeholder exists."""
-    merge = state.processor.merge_size ** 2
-    num_visual = sum(t * h * w // merge for t, h, w in (p.grid_thw for p in plans))
-    prompt_len = num_text_tokens - len(plans) + num_visual  # each media's one placeholder becomes its tokens
-    if prompt_len >= state.max_model_len:
-        advice = ("lower fps, max_frames or max_pixels in video_url/image_url" if plans
-                  else f"shorten the {prompt_name}")
-        raise RequestError(
-            f"this model's maximum context length is {state.max_model_len} tokens, but the {prompt_name} alone "
-            f"need{'' if prompt_name.endswith('s') else 's'} "
-            f"{prompt_len}" + (f" ({num_visual} visual tokens)" if plans else "") + f"; {advice}", 400)
-
-
-def convert_messages(body: ChatCompletionRequest, policy: MediaPolicy, limits: RequestLimits = RequestLimits()):
-    """OpenAI messages -> template messages (``{"type": "image"|"video"}`` parts) and media references.
-
-    Raises:
-        LimitError: a part asks for more pixels or frames than the server allows, or there are too
-            many media parts (checked before any media is resolved).
-        MediaError, ValueError: a media URL the policy refuses, or media outside user messages.
-    """
-    limits.check_media_count(sum(1 for m in body.messages if isinstance(m.content, list)
-                                 for part in m.content if not isinstance(part, TextPart)))
-    messages, media = [], []
-    for m, message in enumerate(body.messages):
-        if message.content is None or isinstance(message.content, str):
-            messages.append({"role": message.role, "content": message.content or ""})
-            continue
-        parts = []
-        for j, part in enumerate(message.content):
-            if isinstance(part, TextPart):
-                parts.append({"type": "text", "text": part.text})
-                continue
-            if message.role != "user":
-                raise ValueError(f"images and videos are only allowed in user messages, not in {message.role!r}")
-            where = f"messages[{m}].content[{j}]"
-            if isinstance(part, ImagePart):
-                u = part.image_url
-                limits.check_pixels(u.min_pixels, u.max_pixels, f"{where}.image_url")
-                found = resolve_media(u.url, policy)
-                check_declared_type(found, "image", f"{where}.image_url")
-                media.append(protocol.MediaRef("image", found.path, found.data, min_pixels=u.min_pixels,
-                                               max_pixels=u.max_pixels, shown=describe(u.url),
-                                               pixel_ceiling=limits.max_pixels))
-                parts.append({"type": "image"})
-            elif isinstance(part, VideoPart):
-                v = part.video_url
-                limits.check_pixels(v.min_pixels, v.max_pixels, f"{where}.video_url")
-                max_frames = limits.check_frames(v.max_frames, f"{where}.video_url")
-                found = resolve_media(v.url, policy)
-                check_declared_type(found, "video", f"{where}.video_url")
-                media.append(protocol.MediaRef("video", found.path, found.data, fps=v.fps, max_frames=max_frames,
-                                               min_pixels=v.min_pixels, max_pixels=v.max_pixels,
-                                               shown=describe(v.url), pixel_ceiling=limits.max_pixels))
-                parts.append({"type": "video"})
-        messages.append({"role": message.role, "content": parts})
-    return messages, media
-
-
-@dataclass(frozen=True)
-class _Shape:
-    """How a response looks: a chat completion's (messages and deltas) or a completion's (OpenAI's legacy
-    ``text_completion``: text, and logprobs as parallel lists)."""
-
-    id_prefix: str
-    object: str  # the whole response's
-    chunk_object: str  # a streamed event's
-    prompt_name: str  # what errors call the prompt
-    chat: bool
-
-
-_CHAT = _Shape("chatcmpl", "chat.completion", "chat.completion.chunk", "messages", True)
-_TEXT = _Shape("cmpl", "text_completion", "text_completion", "prompt", False)
-
-
-def _legacy_logprobs(entries: list[dict], offset: int) -> dict:
-    """Chat ``logprobs.content`` entries as a completion's ``logprobs`` (OpenAI's legacy format, as vLLM fills
-    it): the tokens, their log-probabilities, each token's top tokens with the sampled one among them, and each
-    token's offset in the choice's text (``offset`` is the first's: the echoed prompt's length, or 0)."""
-    offsets = []
-    for e in entries:
-        offsets.append(offset)
-        offset += len(e["token"])
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{**{t["token"]: t["logprob"] for t in e["top_logprobs"]}, e["token"]: e["logprob"]}
-                             for e in entries], "text_offset": offsets}
-
-
-class _Generation:
-    """One choice of an admitted request (one engine request): detokenization, stop strings, metrics, its part
-    of the response. Choice 0's engine request id is the response's id; choice ``i > 0``'s is ``{id}-{i}``.
-    ``echo``: the prompt's text, which a completion's choice begins with. ``prompt_index``: its prompt's, in a
-    batch; ``first``: the choice's first output, read before the response starts (each prompt's first choice)."""
-
-    def __init__(self, state: ServerState, request_id: str, stream: RequestStream, params: SamplingParams,
-                 stop_ids: frozenset[int], prompt_len: int, arrival: float, probe_s: float, probed_at: float = 0.0,
-                 index: int = 0,
-                 response_id: str | None = None, first: protocol.TokenOutput | None = None, shape: _Shape = _CHAT,
-                 echo: str = "", prompt_index: int = 0):
-        self.state, self.request_id, self.stream, self.params = state, request_id, stream, params
-        self.shape, self.echo, self.prompt_index = shape, echo, prompt_index
-        self.leads = first is not None  # its prompt's first choice: the one whose first token is the prompt's TTFT
-        self._offset = len(echo)  # a streamed completion's text offset of its next token (legacy logprobs)
-        self.index, self.response_id = index, response_id or request_id
-        self._first = first  # already read from the stream (choice 0's, before the response starts)
-        self.stop_ids = stop_ids
-        self.prompt_len, self.arrival, self.probe_s, self.probed_at = prompt_len, arrival, probe_s, probed_at
-        self.output = text_output(state.processor, params)
-        self.num_tokens = 0
-        self.finish_reason: str | None = None
-        self.last_time = 0.0
-        self.created = int(arrival)
-        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None  # OpenAI's content entries
-
-    def consume(self, out: protocol.TokenOutput) -> str:
-        """One token in; returns the new text. Sets ``finish_reason`` when the request ends."""
-        now, metrics = time.time(), self.state.metrics
-        if out.index == 0:
-            if self.leads:  # the prompt's first token; its other choices' prefill mostly hit the cache
-                metrics.ttft.observe(now - self.arrival)
-                self._stage_metrics(out.stages, now)
-        else:
-            metrics.itl.observe(now - self.last_time)
-        self.last_time = now
-        self.num_tokens += 1
-        metrics.generation_tokens.inc()
-        is_stop_token = out.finish_reason == "stop" and out.token_id in self.stop_ids
-        text = self.output.add(out.token_id, out.index, is_stop_token)
-        if self.logprobs is not None and out.logprob is not None and (not is_stop_token or self.output.include_stop):
-            # a stop token's logprob is output with its text only
-            self.logprobs.append(self._logprob_entry(out.token_id, out.logprob, out.top_logprobs or []))
-        if self.output.stopped:
-            self.finish_reason = "stop"
-        elif out.finish_reason is not None:
-            self.finish_reason = out.finish_reason
-        if self.finish_reason is not None:
-            text += self.output.finish()  # what was held back as a possible stop string's start
-        return text
-
-    def _new_logprobs(self, sent: int) -> list[dict] | None:
-        return None if self.logprobs is None else self.logprobs[sent:]
-
-    def _logprob_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> dict:
-        """OpenAI's ``logprobs.content`` item: the token's text, its UTF-8 bytes, its and the top tokens' logprobs."""
-        def piece(tid: int, lp: float) -> dict:
-            raw = self.state.processor.token_bytes(tid)
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:  # part of a character: shown as its bytes, as OpenAI does
-                text = "".join(f"\\x{b:02x}" for b in raw)
-            return {"token": text, "logprob": lp, "bytes": list(raw)}
-
-        return {**piece(token_id, logprob), "top_logprobs": [piece(t, lp) for t, lp in top]}
-
-    def _stage_metrics(self, st: protocol.StageTimes | None, first_token: float) -> None:
-        stage = self.state.metrics.stage
-        stage["probe"].observe(self.probe_s)
-        times = {"probed": self.probed_at, "first_token": first_token}
-        if st is not None:
-            times.update(decode_start=st.video_decode_start, added=st.added, admitted=st.admitted,
-                         first_part_decoded=st.first_part_decoded, first_part_written=st.first_part_written,
-                         first_part_ready=st.first_part_ready, media_ready=st.media_ready,
-                         encode_start=st.encode_start, prefill_start=st.prefill_start)
-        for name, at in times.items():
-            if at:  # 0: never reached
-                self.state.metrics.milestone[name].observe(max(0.0, at - self.arrival))
-        if st is None:
-            return
-        stage["video_decode"].observe(st.video_decode_s)
-        if st.admitted:
-            stage["queue"].observe(max(0.0, st.admitted - st.added))
-        if st.encode_start:
-            stage["encode"].observe(st.encode_end - st.encode_start)
-            if st.video_decode_start:
-                self.state.metrics.first_encode_lag.observe(max(0.0, st.encode_start - st.video_decode_start))
-        if st.prefill_start:
-            stage["prefill"].observe(st.prefill_end - st.prefill_start)
-
-    def _release(self) -> None:
-        """The choice is done: count its finish reason and let the workers go."""
-        self.state.metrics.finished(self.finish_reason or "abort")
-        if self.output.stopped:  # a stop string ended it here: the workers may still be generating
-            self.state.client.abort(self.request_id)
-        else:
-            self.state.client.finish(self.request_id)
-
-    async def _next(self) -> protocol.TokenOutput:
-        if self._first is not None:
-            item, self._first = self._first, None
-            return item
-        item = await self.stream.queue.get()
-        if isinstance(item, RequestError):
-            raise item
-        return item
-
-    async def run(self) -> None:
-        """Consume the choice's tokens until it ends (a whole response)."""
-        while self.finish_reason is None:
-            self.consume(await self._next())
-
-    def choice(self) -> dict:
-        """The choice in a whole response."""
-        if not self.shape.chat:
-            return {"index": self.index, "text": self.echo + self.output.text,
-                    "logprobs": None if self.logprobs is None else _legacy_logprobs(self.logprobs, len(self.echo)),
-                    "finish_reason": self.finish_reason}
-        return {"index": self.index, "message": {"role": "assistant", "content": self.output.text},
-                "logprobs": None if self.logprobs is None else {"content": self.logprobs},
-                "finish_reason": self.finish_reason}
-
-    def _chunk(self, delta: dict | None, finish_reason: str | None = None, usage: dict | None = None,
-               logprobs: list[dict] | None = None) -> str:
-        """One event: ``delta`` is a chat delta (a completion's takes its ``content`` as its text); None: the
-        usage event, with no choice."""
-        if delta is None:
-            choices = []
-        elif self.shape.chat:
-            choices = [{"index": self.index, "delta": delta,
-                        "logprobs": None if logprobs is None else {"content": logprobs}, "finish_reason": finish_reason}]
-        else:
-            legacy = None
-            if logprobs is not None:
-                legacy = _legacy_logprobs(logprobs, self._offset)
-                self._offset += sum(len(e["token"]) for e in logprobs)
-            choices = [{"index": self.index, "text": delta.get("content", ""), "logprobs": legacy,
-                        "finish_reason": finish_reason}]
-        body = {"id": self.response_id, "object": self.shape.chunk_object, "created": self.created,
-                "model": self.state.model_name, "choices": choices}
-        if usage is not None:
-            body["usage"] = usage
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-def _usage(gens: list[_Generation]) -> dict[str, int]:
-    """The choices' usage: each prompt once (as OpenAI and vLLM count it; a batch's prompts summed), every
-    choice's tokens."""
-    prompt = sum({g.prompt_index: g.prompt_len for g in gens}.values())
-    completion = sum(g.num_tokens for g in gens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _finished(state: ServerState, gens: list[_Generation]) -> None:
-    metrics = state.metrics
-    metrics.e2e.observe(time.time() - gens[0].arrival)
-    metrics.prompt_tokens.inc(_usage(gens)["prompt_tokens"])
-    for g in gens:
-        g._release()
-
-
-def _abort(state: ServerState, gens: list[_Generation]) -> None:
-    for g in gens:
-        state.client.abort(g.request_id)
-
-
-async def _run_all(gens: list[_Generation]) -> None:
-    """Every choice to its end; the first error (a worker's) cancels the rest."""
-    await _all_or_none([g.run for g in gens])
-
-
-async def _complete(state: ServerState, gens: list[_Generation], request: Request) -> JSONResponse:
-    """The whole response, once every choice has ended."""
-    try:
-        await _wait(_run_all(gens), request)
-    except (_Disconnected, RequestError):
-        _abort(state, gens)
-        raise
-    _finished(state, gens)
-    first = gens[0]
-    return JSONResponse({"id": first.response_id, "object": first.shape.object, "created": first.created,
-                         "model": state.model_name, "choices": [g.choice() for g in gens], "usage": _usage(gens)})
-
-
-async def _arrivals(gens: list[_Generation]):
-    """``(choice, token output)`` as they arrive, until every choice has ended (the caller consumes each
-    output before the next is awaited, which is how a choice's end is seen)."""
-    if len(gens) == 1:  # no task per token for the common case
-        g = gens[0]
-        while g.finish_reason is None:
-            yield g, await g._next()
-        return
-    pending: dict[asyncio.Future, _Generation] = {asyncio.ensure_future(g._next()): g for g in gens}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=lambda t: pending[t].index):
-                g = pending.pop(task)
-                yield g, task.result()
-                if g.finish_reason is None:
-                    pending[asyncio.ensure_future(g._next())] = g
-    finally:
-        for task in pending:
-            task.cancel()
-
-
-async def _sse(state: ServerState, gens: list[_Generation], include_usage: bool, continuous_usage: bool = False):
-    """The response as server-sent events: each choice's role, one event per arrival of its tokens (tagged
-    with the choice's index; choices interleave as their tokens come; tokens that arrive together share an
-    event, and a last token with no visible text rides on the finish event), each choice's finish event, the
-    usage, ``[DONE]``.
-    ``continuous_usage`` (vLLM's ``continuous_usage_stats``): each choice's events carry its usage so far."""
-    done = False
-
-    def so_far(g: _Generation) -> dict[str, int] | None:
-        return _usage([g]) if continuous_usage else None
-
-    try:
-        for g in gens:
-            if g.shape.chat:
-                yield g._chunk({"role": "assistant", "content": ""}, usage=so_far(g))
-            elif g.echo:
-                yield g._chunk({"content": g.echo}, usage=so_far(g))
-        sent = [0] * len(gens)  # logprob entries already streamed, per choice
-        async for g, out in _arrivals(gens):
-            text = g.consume(out)
-            if text or g.finish_reason is None:  # an event per arrival, even with no visible text yet
-                yield g._chunk({"content": text}, usage=so_far(g), logprobs=g._new_logprobs(sent[g.index]))
-                sent[g.index] = len(g.logprobs or ())
-            if g.finish_reason is not None:
-                yield g._chunk({}, g.finish_reason, usage=so_far(g),
-                               logprobs=g._new_logprobs(sent[g.index]) or None)
-        if include_usage:
-            yield gens[0]._chunk(None, usage=_usage(gens))
-        yield "data: [DONE]\n\n"
-        done = True
-        _finished(state, gens)
-    except RequestError as e:  # a worker died mid-stream: tell the client in-band, then end
-        yield f"data: {json.dumps(error_body(e.message, e.status_code))}\n\n"
-        done = True
-        _abort(state, gens)  # the other choices' requests
-    finally:
-        if not done:  # the client went away (the generator was closed or cancelled)
-            for _ in gens:
-                state.metrics.finished("abort")
-            _abort(state, gens)

@@ -10,7 +10,7 @@ import pytest
 
 from unifiedserve.ray_serve.route_key import route_key
 from unifiedserve.server import media as media_module
-from unifiedserve.server.api import convert_messages, with_media_keys
+from unifiedserve.server.prompts import convert_messages, with_media_keys
 from unifiedserve.server.limits import RequestLimits
 from unifiedserve.server.media import MediaPolicy
 from unifiedserve.server.openai_protocol import ChatCompletionRequest
