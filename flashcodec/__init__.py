@@ -26,8 +26,8 @@ from flashcodec._errors import (
 # neither torch nor PyAV until a name that needs them is touched. (The probe lives in `_probe`, so
 # that importing that module never replaces the package's `probe` function with the module.)
 _EXPORTS = {
-    "available_backends": "decode.backends", "BitstreamAnalysis": "decode.engine", "DecodedVideo": "decode.engine",
-    "DecodedSlice": "decode.engine",
+    "available_backends": "decode.backends", "BitstreamAnalysis": "decode.request", "DecodedVideo": "decode.request",
+    "DecodedSlice": "decode.request",
     "DecodeEngine": "decode.engine", "decode_video": "decode.engine", "default_engine": "decode.engine",
     "DeviceError": "devices", "DecodedImage": "image", "ImageDecodeError": "image", "decode_image": "image",
     "decode_images": "image_batch", "SamplingOptions": "plan.sampling", "VideoPlan": "plan.video",

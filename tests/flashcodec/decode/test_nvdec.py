@@ -12,6 +12,7 @@ import torch
 import flashcodec
 from flashcodec.decode import engine as engine_module
 from flashcodec.decode import nvdec
+from flashcodec.decode import request as request_module
 from flashcodec.decode.backends import Backend, PyAVBackend, SegmentDecoder, emit_many, never
 from flashcodec.devices import DeviceError, canonical_codec, make_layout, nvdec_reject_reason
 from flashcodec._probe import probe
@@ -210,8 +211,8 @@ def fake_gpus(monkeypatch, fake_probes, h100_caps):
 
 def test_gpu_and_cpu_ranks_together_equal_the_cpu_decode(tiny_h264, fake_gpus, monkeypatch):
     batches = []
-    one_copy = engine_module._Request.emit_many
-    monkeypatch.setattr(engine_module._Request, "emit_many",
+    one_copy = request_module.DecodeRequest.emit_many
+    monkeypatch.setattr(request_module.DecodeRequest, "emit_many",
                         lambda self, displays, frames: (batches.append(len(displays)), one_copy(self, displays, frames)))
     with flashcodec.DecodeEngine("pyav", num_threads=2) as cpu:
         reference = cpu.decode_video(tiny_h264, fps=24)

@@ -11,7 +11,7 @@ import torch
 
 from flashcodec import DecodeCancelledError, DecodeEngine, DecodedSlice
 from flashcodec.decode.backends import Backend, SegmentDecoder, get_backend, never
-from flashcodec.decode.engine import BitstreamAnalysis, _Request
+from flashcodec.decode.request import BitstreamAnalysis, DecodeRequest
 from flashcodec.patches import PatchSpec
 from flashcodec.plan.sampling import SamplingOptions
 from flashcodec.plan.video import plan_video
@@ -90,7 +90,7 @@ def test_the_prefix_waits_for_the_earliest_rank(gop_clip):
         info = engine.analyse_bitstream(gop_clip).info
     plan = plan_video(info, SamplingOptions(fps=12.0), num_ranks=2, decoders_per_rank=[1, 1])
     analysis = BitstreamAnalysis(1, info, plan, 0.0, source=None)
-    request = _Request(analysis, "rgb", "error", None, None, lambda r: None, stream=True)
+    request = DecodeRequest(analysis, "rgb", "error", None, None, lambda r: None, stream=True)
     frame = np.zeros((plan.height, plan.width, 3), np.uint8)
     rank0, rank1 = plan.ranks
     assert rank0.frame_indices and rank1.frame_indices
@@ -218,7 +218,7 @@ def test_a_corrupt_frame_ends_the_stream_with_the_error_after_the_frames_before_
 
 def _request(engine, source, frame_indices, stream):
     analysis = engine.analyse_bitstream(source, frame_indices=frame_indices)
-    return analysis, _Request(analysis, "rgb", "error", None, None, lambda request: None, stream=stream)
+    return analysis, DecodeRequest(analysis, "rgb", "error", None, None, lambda request: None, stream=stream)
 
 
 def _frames(displays, h, w):
