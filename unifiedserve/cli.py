@@ -54,7 +54,7 @@ def _demo_model(args) -> int:
 
 
 def _add_serve(sub) -> None:
-    from unifiedserve.server.serve import add_arguments
+    from unifiedserve.server.serve_flags import add_arguments
 
     p = sub.add_parser(
         "serve", help="start the OpenAI-compatible server (long-video QA)",

@@ -23,7 +23,7 @@ CONTROL_LOOP_INTERVAL_S = 0.5  # Serve's controller loop on a local instance (Se
 
 
 def add_ray_arguments(p: argparse.ArgumentParser) -> None:
-    from unifiedserve.server.serve import _positive_int
+    from unifiedserve.server.serve_flags import _positive_int
 
     g = p.add_argument_group("replicas on Ray Serve (pip install 'unifiedserve[ray]')")
     g.add_argument("--ray", action="store_true",

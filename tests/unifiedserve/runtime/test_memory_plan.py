@@ -108,9 +108,10 @@ def test_the_server_refuses_conflicting_or_misplaced_flags(monkeypatch):
     import argparse
 
     from unifiedserve.server import serve
+    from unifiedserve.server.serve_flags import add_arguments
 
     p = argparse.ArgumentParser()
-    serve.add_arguments(p)
+    add_arguments(p)
     with pytest.raises(ValueError, match="applies to a CUDA server"):
         serve.build_runtime(p.parse_args(["--device", "cpu", "--gpu-memory-utilization", "0.9"]))
     monkeypatch.setattr("unifiedserve.engine.device.resolve_device", lambda device: "cuda")  # checks before any GPU

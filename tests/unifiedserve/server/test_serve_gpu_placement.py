@@ -9,7 +9,8 @@ import socket
 import pytest
 
 from unifiedserve.runtime.gpu_placement import mps_running
-from unifiedserve.server.serve import add_arguments, gpu_placement_fields
+from unifiedserve.server.serve import gpu_placement_fields
+from unifiedserve.server.serve_flags import add_arguments
 
 
 @pytest.fixture(autouse=True)
