@@ -208,7 +208,7 @@ def test_cuda_patchify_matches_the_cpu_path(dtype):
 def test_gpu_kernels_compile_for_hopper_once_for_every_size():
     """flashcodec's two Triton kernels compile for sm_90 here (no GPU needed: Triton's own ptxas), with the video's
     sizes, tap counts and outer strides as runtime values: one compilation serves every video, so the start-up
-    warm-up (vision_worker.warm_gpu_kernels) leaves no compile for a request's path. Innermost strides stay
+    warm-up (vision_devices.warm_gpu_kernels) leaves no compile for a request's path. Innermost strides stay
     specialised (1: dense rows)."""
     import triton
     from triton.backends.compiler import GPUTarget

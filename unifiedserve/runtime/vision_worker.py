@@ -2,9 +2,9 @@
 
 For a request (``ProbeMedia``) it probes every video (a demux scan) and decodes every image on a
 small thread pool, and answers api at once with the patch grids (``MediaProbed``), so the prompt
-length is known before a frame is decoded. On a GPU (:func:`image_decode_gpu`) a request's images
-are decoded as one batch per pixel budget (JPEGs on nvJPEG, the rest on CPU threads) and cut into
-patches there; on the CPU the probe thread decodes them one after another. Video decoding starts
+length is known before a frame is decoded. On a GPU (:mod:`unifiedserve.runtime.vision_devices` says which
+decoders) a request's images are decoded as one batch per pixel budget (JPEGs on nvJPEG, the rest on CPU
+threads) and cut into patches there; on the CPU the probe thread decodes them one after another. Video decoding starts
 right after the probe, on FlashCodec's shared decoder threads, within the decode-ahead bound
 (``--vision-ahead-gb``, see :meth:`VisionWorker._start_decodes`); a request with images starts its
 probe within the same bound (:meth:`VisionWorker._start_probes`), as its images are held until
@@ -38,9 +38,8 @@ from dataclasses import dataclass, field
 import torch
 
 from flashcodec import DecodeCancelledError, DecodeEngine, FlashCodecError, SamplingOptions
-from flashcodec.devices import log_once
 from flashcodec.image import decode_image
-from flashcodec.image_batch import ImageBatchDecoder, nvjpeg_unavailable_reason
+from flashcodec.image_batch import ImageBatchDecoder
 from flashcodec.source import Source
 from unifiedserve import ops
 from unifiedserve.memory.buffers import PagedBuffer
@@ -48,6 +47,8 @@ from unifiedserve.memory.pages import RaggedIndex
 from unifiedserve.model.processor import load_processor
 from unifiedserve.runtime import protocol
 from unifiedserve.runtime.shm import open_pool
+from unifiedserve.runtime.vision_devices import (decode_devices, describe_decoders, image_decode_gpu,
+                                                 warm_gpu_kernels, write_op)
 from unifiedserve.runtime.worker import Worker, device_memory_gauges, pool_barrier
 
 log = logging.getLogger("unifiedserve")
@@ -56,66 +57,6 @@ BUSY_POLL_MS = 5  # inbox poll while probes or decodes are in flight (their resu
 PROBE_THREADS = 2  # probes at a time (a video's demux scan; a request's images are decoded there too)
 #: what the probes kept may hold: an hour of 30-fps video's probe is about 1.7 MB (two int64 per frame)
 PROBE_CACHE_BYTES = 64 << 20
-
-
-def decode_devices(vision_device: str, pool_device: torch.device) -> str:
-    """FlashCodec's ``devices`` for the vision process (``RuntimeConfig.vision_device``).
-
-    With the patch buffer on a GPU, ``"auto"`` decodes on that GPU's NVDEC sessions and the CPU decoders
-    together (FlashCodec's ``auto``: NVDEC only where it works here, one log line otherwise), ``"cuda"`` on
-    NVDEC with the CPU decoders only for what NVDEC cannot take, ``"cpu"`` on the CPU decoders. The
-    process sees one GPU, the server's. With the buffer on the CPU, the CPU decodes.
-    """
-    if pool_device.type != "cuda":
-        if vision_device == "cuda":
-            raise ValueError("vision_device cuda (NVDEC) needs the patch buffer on a GPU")
-        return "cpu"
-    return vision_device
-
-
-def image_decode_gpu(vision_device: str, pool_device: torch.device,
-                     unavailable_reason=nvjpeg_unavailable_reason) -> torch.device | None:
-    """The GPU whose nvJPEG decodes the vision process's images, or None where they decode on the CPU.
-
-    Decided as for videos (:func:`decode_devices`): ``"cpu"``, or the patch buffer on the CPU, decodes
-    on the CPU; ``"auto"`` and ``"cuda"`` use the buffer's GPU when nvJPEG works there, else the CPU with
-    one log line saying why (``"cuda"`` asks for NVDEC; it does not make images fail).
-
-    Args:
-        unavailable_reason: ``gpu_index -> why nvJPEG cannot run there, or None`` (tests replace it).
-    """
-    if decode_devices(vision_device, pool_device) == "cpu":
-        return None
-    gpu = torch.device("cuda", pool_device.index or 0)  # the process sees one GPU, the server's
-    reason = unavailable_reason(gpu.index)
-    if reason is None:
-        return gpu
-    # a fallback, not a refusal, for "cuda" too: that choice is about NVDEC, and images decode fine on the CPU
-    log_once(f"vision_device {vision_device} decodes images on the CPU: nvJPEG is not usable on {gpu} ({reason})",
-             logging.INFO if vision_device == "auto" else logging.WARNING)
-    return None
-
-
-def describe_decoders(engine: DecodeEngine) -> str:
-    """The engine's ranks for the start-up line, e.g. ``nvdec cuda:0 x 14 sessions + pyav x 16 threads``."""
-    layout = engine.layout
-    ranks = [f"nvdec cuda:{gpu} x {layout.nvdec_sessions} sessions" for gpu in layout.gpus]
-    if layout.cpu_threads:
-        role = "" if layout.cpu_shares or not layout.gpus else " (only for what NVDEC cannot decode)"
-        ranks.append(f"{engine.backend.name} x {layout.cpu_threads} threads{role}")
-    return " + ".join(ranks) + f", output on {engine.output_device}"
-
-
-def warm_gpu_kernels(spec, device: torch.device, dtype: torch.dtype) -> None:
-    """Run the GPU resize and patchify once at start-up, so their first compile (Triton: about a second
-    each) and the CUDA context are not paid by the first request."""
-    from flashcodec.patches import frames_to_patches
-    from flashcodec.resize import resize_frames_on_device
-
-    frames = torch.zeros((spec.temporal_patch_size, 3, 2 * spec.factor, 2 * spec.factor), dtype=torch.uint8,
-                         device=device)  # [T, 3, H, W]
-    frames_to_patches(resize_frames_on_device(frames, spec.factor, spec.factor), spec, dtype=dtype)
-    torch.cuda.synchronize(device)
 
 
 class ProbeCache:
@@ -224,7 +165,7 @@ class VisionWorker(Worker):
         self.held_bytes = 0  # ahead of admission: videos' planned patches (decoding or decoded), images' decoded ones
         self.ahead_limit = int(cfg.vision_ahead_gb * 2**30)
         images = "cpu" if self.image_decoder is None else f"nvjpeg {image_gpu} + cpu threads"
-        return {"decoder": describe_decoders(self.engine), "image_decoder": images, "patch_write": _write_op(device),
+        return {"decoder": describe_decoders(self.engine), "image_decoder": images, "patch_write": write_op(device),
                 "patch_buffer": f"{storage.shape[0]} pages x {storage.shape[1]} rows x {storage.shape[2]} on {device}"}
 
     def has_work(self) -> bool:
@@ -607,16 +548,6 @@ class VisionWorker(Worker):
             if getattr(self, "image_decoder", None) is not None:
                 self.image_decoder.close()
         super().close()
-
-
-def _write_op(device: torch.device) -> str:
-    """Which paged write the patch buffer gets: csrc's native op, or the torch reference and why."""
-    info = ops.build_info()
-    if not info.get("native"):
-        return f"torch reference ({info.get('reason') or 'native ops off'})"
-    if device.type == "cuda" and not info.get("cuda"):
-        return f"torch reference on CUDA ({info.get('cuda_reason') or 'no CUDA kernels built'})"
-    return f"native ({'built' if info.get('built') else 'loaded'} in {info.get('seconds', 0.0):.2f} s)"
 
 
 def _one_line(e: BaseException, ref: protocol.MediaRef | None = None) -> str:

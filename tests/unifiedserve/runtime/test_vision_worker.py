@@ -17,7 +17,8 @@ from unifiedserve.runtime import protocol
 from unifiedserve.engine.config import EngineConfig
 from unifiedserve.runtime.config import RuntimeConfig
 from unifiedserve.runtime.shm import create_cpu_pool
-from unifiedserve.runtime.vision_worker import VisionWorker, decode_devices, describe_decoders
+from unifiedserve.runtime.vision_devices import decode_devices, describe_decoders
+from unifiedserve.runtime.vision_worker import VisionWorker
 
 PAGE_SIZE = 16  # small pages: slices and media cross page boundaries
 NUM_PAGES = 64
@@ -470,7 +471,7 @@ def test_images_decode_on_a_gpu_where_videos_would(monkeypatch, caplog):
     import logging
 
     import flashcodec.devices as devices
-    from unifiedserve.runtime.vision_worker import image_decode_gpu
+    from unifiedserve.runtime.vision_devices import image_decode_gpu
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     asked = []
@@ -577,7 +578,7 @@ def test_on_a_gpu_images_are_decoded_and_cut_there(tmp_path, demo_model, image_f
     from flashcodec.image_batch import ImageBatchDecoder, nvjpeg_unavailable_reason
     from flashcodec.patches import OPENAI_CLIP_STD
     from unifiedserve.memory.buffers import PagedBuffer
-    from unifiedserve.runtime.vision_worker import image_decode_gpu
+    from unifiedserve.runtime.vision_devices import image_decode_gpu
     from unifiedserve.runtime.worker import pool_barrier
 
     device = torch.device("cuda", 0)
