@@ -25,11 +25,12 @@
 #   serve      the multi-process server on the GPU, under a private MPS daemon: one long video's TTFT breakdown
 #              (streaming vs whole ingest) with 4 requests decoding, on the 7B preset; then an injected CUDA
 #              fault under serve-node.sh's MPS and its restart
-#   policies   issue 14's serving table, one policy per run (three runs for the table):
+#   policies   issue 14's serving table, one policy per run, or several (POLICY=unified,monolithic: each gets an
+#              even share of the run's time left when its server starts):
 #              bench/policies on the 7B preset under a private MPS daemon, the long-video workload at 1-5
 #              minutes of 720p (VIDEO_SECONDS) at 2 fps, at most MAX_FRAMES (64) frames each, Poisson arrivals
-#              at RATES (0.4,0.8,1.2); POLICY=unified|monolithic|split,
-#              NUM_REQUESTS (default 64); results in OUTDIR/policies-POLICY/, which
+#              at RATES (0.4,0.8,1.2); POLICY=unified|monolithic|split (default unified),
+#              NUM_REQUESTS (default 64); results in OUTDIR/policies-POLICY/ (policies-unified+monolithic/), which
 #              `bench/policies/bench_policies.py --merge` turns into the three-policy table; rates whose
 #              arrivals would outlast the run are skipped (64 requests at 0.2 req/s alone are 320 s), so a
 #              policy's rates may take several runs (RATES=...), which --merge joins
@@ -48,8 +49,10 @@ group=${2:-decode}
 case $group in decode|attention|engine|serve|policies|tests) ;;
   *) echo "gpu_check.sh: error: group must be decode, attention, engine, serve, policies or tests" >&2; exit 2 ;; esac
 policy=${POLICY:-unified}
-case $policy in unified|monolithic|split) ;;
-  *) echo "gpu_check.sh: error: POLICY must be unified, monolithic or split" >&2; exit 2 ;; esac
+for p in ${policy//,/ }; do case $p in unified|monolithic|split) ;;
+  *) echo "gpu_check.sh: error: POLICY must be unified, monolithic or split, or several with commas, got '$policy'" >&2
+     exit 2 ;; esac; done
+case $policy in ''|,*|*,|*,,*) echo "gpu_check.sh: error: POLICY has an empty name: '$policy'" >&2; exit 2 ;; esac
 case ${MAX_FRAMES:-64} in none) ;; ''|*[!0-9]*|0|1)
   echo "gpu_check.sh: error: MAX_FRAMES must be a whole number of frames >= 2 or none, got '${MAX_FRAMES}'" >&2
   exit 2 ;; esac
@@ -323,7 +326,7 @@ policies)
     --workload long-video --video-seconds "${VIDEO_SECONDS:-60,300}" --scale 1 --num-videos 4 \
     --num-requests "${NUM_REQUESTS:-64}" --output-len 128 --goodput ttft:10000 tbt:100 \
     --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16 --patch-buffer-gb 4 --no-prefix-caching --media-cache-gb 0" \
-    --out "$out/policies-$policy"
+    --out "$out/policies-${policy//,/+}"
   stop_mps
   ;;
 tests)

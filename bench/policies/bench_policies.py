@@ -310,7 +310,8 @@ def main(argv=None) -> int:
     p.add_argument("--time-budget-s", type=float, default=None, metavar="S",
                    help="skip a rate whose arrivals (num_requests / rate) and the drain after them (a sixth of "
                         "the arrivals and 20 s) would end more than S s after the first server is started (a device "
-                        "run's time limit); finished rates are kept")
+                        "run's time limit); with several policies each gets an even share of what is left when its "
+                        "server starts; finished rates are kept")
     p.add_argument("--merge", nargs="+", type=Path, metavar="RUN",
                    help="no server: merge the results.json of these runs (one policy or some rates of one each, same "
                         "workload and SLOs) into one summary and plots in --out")
@@ -337,7 +338,11 @@ def main(argv=None) -> int:
     results: dict[str, list] = {}
     meta = {"machine": machine_info(), "args": vars(a) | {"out": str(a.out), "merge": None}}
     deadline = None if a.time_budget_s is None else time.monotonic() + a.time_budget_s
-    for policy in a.policies.split(","):
+    policies = a.policies.split(",")
+    for i, policy in enumerate(policies):
+        # each policy of a budgeted run gets an even share of what is left when it starts (so also what an earlier
+        # one left unused): the first policy's rates cannot spend the others' time
+        share_end = None if deadline is None else time.monotonic() + (deadline - time.monotonic()) / (len(policies) - i)
         print(f"\n=== policy {policy}: unifiedserve serve --policy {policy} {' '.join(flags)}", flush=True)
         with ServerProcess(["--policy", policy, *flags], a.out / f"server-{policy}.log") as server:
             runs = results[policy] = []
@@ -348,10 +353,11 @@ def main(argv=None) -> int:
                   f"({alone.prompt_tokens} prompt tokens)", flush=True)
             for rate in rates:
                 need = predicted_s(rate, a.num_requests, alone)
-                left = None if deadline is None else deadline - time.monotonic()
+                left = None if share_end is None else share_end - time.monotonic()
                 if left is not None and need > left:
+                    share = "" if len(policies) == 1 else f" (its share: 1/{len(policies) - i} of what was left)"
                     print(f"{policy} @ {rate} req/s: skipped: its arrivals and their drain take about {need:.0f} s, "
-                          f"{max(0.0, left):.0f} s of --time-budget-s are left", flush=True)
+                          f"{max(0.0, left):.0f} s of --time-budget-s are left{share}", flush=True)
                     continue
                 print(f"{policy} @ {rate} req/s: offered load {rate * alone_ttft:.2f} (rate x one request's TTFT "
                       f"alone), about {need:.0f} s", flush=True)

@@ -197,6 +197,29 @@ def test_time_budget_skips_rates_and_results_survive_each_rate(tmp_path, monkeyp
     assert "no rate fits --time-budget-s" in capsys.readouterr().err
 
 
+def test_policies_of_one_budgeted_run_share_the_budget(tmp_path, monkeypatch, capsys):
+    """Several policies under one --time-budget-s: each gets an even share of what is left when its server starts,
+    so the first cannot spend the later ones' time, and a later one also gets what an earlier one left unused."""
+    import json
+
+    async def fake_run(url, reqs, max_concurrency=None, progress=False, deadline_s=None):
+        return bp.records_of(run(0.5, 0.5, 0.02)), 10.0
+
+    fake_bench(monkeypatch, fake_run, [alone(2.0, 3.0)])
+    # 4 requests: 0.5 req/s takes about 29 s (the first tokens one after another, 4 x 2 + 1 s, and 20 s), 0.2 req/s
+    # about 43 s (20 s of arrivals, a sixth more, 20 s): within the 60-s budget, not within unified's half of it
+    argv = ["--policies", "unified,monolithic", "--rates", "0.5,0.2", "--num-requests", "4", "--time-budget-s", "60",
+            "--goodput", "ttft:1000", "tbt:100", "--out", str(tmp_path / "out")]
+    assert bp.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "unified @ 0.5 req/s: offered load" in out
+    assert "unified @ 0.2 req/s: skipped: its arrivals and their drain take about 43 s" in out
+    assert "(its share: 1/2 of what was left)" in out
+    assert "monolithic @ 0.2 req/s: offered load" in out  # the last policy: all that is left
+    data = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
+    assert [r["rate"] for r in data["unified"]] == [0.5] and [r["rate"] for r in data["monolithic"]] == [0.5, 0.2]
+
+
 def test_a_rate_cut_at_the_budget_is_kept_marked_and_ends_the_sweep(tmp_path, monkeypatch, capsys):
     """A rate still running when the budget ends comes back cut (its unfinished requests failed): it is saved and
     shown as cut, and no later rate starts."""
