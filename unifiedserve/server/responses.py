@@ -28,7 +28,7 @@ DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client i
 
 
 class Disconnected(Exception):
-    pass
+    """The client went away while its request was waiting (:func:`wait_connected`): nobody reads the answer."""
 
 
 async def wait_connected(awaitable, request: Request):
@@ -84,8 +84,6 @@ class Shape:
 
 
 CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", "messages", True)
-
-
 TEXT = Shape("cmpl", "text_completion", "text_completion", "prompt", False)
 
 
