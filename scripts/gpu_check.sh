@@ -307,8 +307,10 @@ serve)
 policies)
   serve_under_mps
   step "the workload's videos (generated once, kept in the media cache for the other policies' runs)"
+  # its requests (the ones bench_policies replays, before arrival times are drawn) go into OUTDIR as the run's record
   run 200 media python3 datasets/workloads.py --workload long-video --video-seconds "${VIDEO_SECONDS:-60,300}" \
-    --scale 1 --num-videos 4 --num-requests "${NUM_REQUESTS:-64}" --output-len 128 --out /tmp/policies-workload.jsonl
+    --scale 1 --num-videos 4 --num-requests "${NUM_REQUESTS:-64}" --output-len 128 --max-frames "${MAX_FRAMES:-64}" \
+    --out "$out/policies-workload.jsonl"
   step "bench/policies --policies $policy on the 7B preset: ${NUM_REQUESTS:-64} requests, 1-5 minute 720p videos"
   # the same workload, server flags and SLOs in every policy's run (media cached in /tmp between runs);
   # --no-prefix-caching / --media-cache-gb 0: each request pays its video, as in the paper's workload.
