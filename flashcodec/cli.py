@@ -164,6 +164,29 @@ def _check_out(args) -> None:
         raise ValueError(f"--out must end in .npy or .pt, or name a folder (got {args.out})")
     if args.out is not None and args.out.suffix == "" and args.output == "patches":
         raise ValueError("a folder of PNGs needs --output rgb")
+    if args.out is not None:
+        _check_destination(args.out)
+
+
+def _check_destination(out: Path) -> None:
+    """Refuse, before decoding, a destination that cannot be written: a file whose folder is missing or read-only,
+    a file path that is a folder, or a PNG folder under a file or a read-only folder."""
+    if out.suffix:  # a file: its folder must exist and take it
+        if out.is_dir():
+            raise ValueError(f"--out {out} is a folder; name a file ending in {out.suffix}")
+        folder = out.parent
+        if not folder.is_dir():
+            raise ValueError(f"--out {out}: folder {folder} does not exist")
+    else:  # a folder of PNGs, made with its parents: the nearest one that exists must be a folder
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out} is a file, not a folder for PNGs")
+        folder = out
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        if not folder.is_dir():
+            raise ValueError(f"--out {out}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--out {out}: {folder} is not writable")
 
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")

@@ -1,6 +1,7 @@
 """The flashcodec CLI: output formats, and one-line errors (no traceback, non-zero exit) on bad input."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -93,6 +94,37 @@ def test_an_output_larger_than_memory_is_refused_before_decoding(tiny_h264, monk
                                          r"than this machine's 16\.0 GiB of memory; lower --max-pixels"):
         cli._check_output_fits(plan, "rgb")
     cli._check_output_fits(SimpleNamespace(num_output_frames=8, height=280, width=392), "patches")
+
+
+def test_an_unwritable_destination_is_refused_before_decoding(tiny_h264, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from flashcodec import cli
+
+    (tmp_path / "file").write_bytes(b"")
+    (tmp_path / "dir.npy").mkdir()
+    cases = {
+        tmp_path / "missing" / "x.npy": "folder " + str(tmp_path / "missing") + " does not exist",
+        tmp_path / "dir.npy": "is a folder; name a file ending in .npy",
+        tmp_path / "file" / "x.pt": "does not exist",
+        tmp_path / "file" / "pngs": "is not a folder",
+        tmp_path / "file.d" / "a" / "pngs": None,  # a new folder with new parents: made at the end
+        tmp_path / "x.npy": None,
+    }
+    for out, needle in cases.items():
+        args = SimpleNamespace(out=out, output="rgb")
+        if needle is None:
+            cli._check_out(args)
+        else:
+            with pytest.raises(ValueError, match=re.escape(needle)):
+                cli._check_out(args)
+    monkeypatch.setattr(cli.os, "access", lambda path, mode: False)
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path} is not writable")):
+        cli._check_out(SimpleNamespace(out=tmp_path / "x.pt", output="rgb"))
+
+    result = run_cli("decode", tiny_h264, "--out", str(tmp_path / "missing" / "x.npy"))
+    assert result.returncode == 1 and result.stderr.count("flashcodec: error:") == 1, result.stderr
+    assert "does not exist" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_a_path_that_is_not_a_regular_file_says_so():
