@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 
@@ -253,7 +254,8 @@ def write_demo_model(path: str | Path = DEFAULT_DEMO_PATH, *, seed: int = 0, num
     Returns:
         The checkpoint directory.
     Raises:
-        ValueError: a bad preset, shard count or override.
+        ValueError: a bad preset, shard count or override; ``path`` a file, or a folder holding files that a demo
+            checkpoint does not have (its weights would be deleted).
     """
     if num_shards is not None and (not isinstance(num_shards, int) or not 1 <= num_shards <= 64):
         raise ValueError(f"num_shards must be an integer in 1..64, got {num_shards!r}")
@@ -264,6 +266,7 @@ def write_demo_model(path: str | Path = DEFAULT_DEMO_PATH, *, seed: int = 0, num
     if device is None:
         device = "cuda" if preset != "tiny" and torch.cuda.is_available() else "cpu"
     path = Path(path).expanduser()
+    _check_folder(path)
     path.mkdir(parents=True, exist_ok=True)
     # config.json goes first and comes back last: callers take its presence to mean a whole checkpoint (LLM() and
     # `serve` with no --model write the demo model only when it is missing), so a process that starts while this
@@ -310,6 +313,24 @@ def write_demo_model(path: str | Path = DEFAULT_DEMO_PATH, *, seed: int = 0, num
     })
     _write_json(path / "config.json", hf)  # last (see above), and whole: written aside, then renamed into place
     return path
+
+
+_OWN_FILES = re.compile(r"(config|generation_config|preprocessor_config|tokenizer|tokenizer_config)\.json"
+                        r"|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|\..+\.\d+\.part")
+
+
+def _check_folder(path: Path) -> None:
+    """Refuse a folder that holds anything a demo checkpoint does not: its old weights would be deleted and its
+    other files mixed with a checkpoint's (``demo-model .`` in a project, or a real checkpoint's folder)."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file; give a folder for the checkpoint")
+    if not path.is_dir():
+        return
+    foreign = sorted(entry.name for entry in path.iterdir() if not _OWN_FILES.fullmatch(entry.name))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ValueError(f"{path} holds files a demo checkpoint does not ({shown}); give a new or empty folder, or "
+                         "one that demo-model wrote (its weights are replaced)")
 
 
 def _write_json(file: Path, obj: dict) -> None:

@@ -78,6 +78,34 @@ def test_cli_reports_bad_arguments_in_one_line(tmp_path, capsys):
     assert info.value.code == 0
 
 
+def test_a_folder_holding_other_files_is_refused_and_left_as_it_was(tmp_path, capsys):
+    """``demo-model .`` in a project, or a real checkpoint's folder: its weights would be deleted and a checkpoint's
+    files scattered among its own. A folder demo-model wrote (whole or cut short) is replaced."""
+    real = tmp_path / "real"
+    real.mkdir()
+    for name in ("model.safetensors", "README.md", "merges.txt", "vocab.json", "notes"):
+        (real / name).write_text(name)
+    with pytest.raises(ValueError, match=r"holds files a demo checkpoint does not \(README\.md, merges\.txt, notes "
+                                         r"and 1 more\); give a new or empty folder"):
+        write_demo_model(real)
+    assert {p.name: p.read_text() for p in real.iterdir()} == {n: n for n in
+                                                                ("model.safetensors", "README.md", "merges.txt",
+                                                                 "vocab.json", "notes")}
+    (tmp_path / "file").write_text("x")
+    assert main(["demo-model", str(tmp_path / "file")]) == 1
+    err = capsys.readouterr().err
+    assert err == f"unifiedserve: error: {tmp_path / 'file'} is a file; give a folder for the checkpoint\n"
+
+    cut = tmp_path / "cut"  # a write cut short: config.json not yet back, a shard and a part file left
+    cut.mkdir()
+    for name in ("tokenizer.json", "model-00001-of-00002.safetensors", ".tokenizer_config.json.123.part"):
+        (cut / name).write_text("")
+    write_demo_model(cut)
+    assert {p.name for p in cut.iterdir()} == FILES | {".tokenizer_config.json.123.part"}
+    (tmp_path / "empty").mkdir()
+    assert {p.name for p in write_demo_model(tmp_path / "empty").iterdir()} == FILES
+
+
 def test_config_json_is_written_last(tmp_path, monkeypatch):
     """Its presence means a whole checkpoint: LLM() and `serve` without --model write the demo model only when it is
     missing, so a process starting while another writes must not find config.json beside half the weights."""
