@@ -168,25 +168,27 @@ def _check_out(args) -> None:
         _check_destination(args.out)
 
 
-def _check_destination(out: Path) -> None:
-    """Refuse, before decoding, a destination that cannot be written: a file whose folder is missing or read-only,
-    a file path that is a folder, or a PNG folder under a file or a read-only folder."""
-    if out.suffix:  # a file: its folder must exist and take it
+def _check_destination(out: Path, flag: str = "--out") -> None:
+    """Refuse, before decoding, a destination that cannot be written: a file (``out`` with a suffix, or any ``flag``
+    but --out) whose folder is missing or read-only, or that is a folder; a PNG folder under a file or a read-only
+    folder."""
+    out = Path(out)
+    if out.suffix or flag != "--out":  # a file: its folder must exist and take it
         if out.is_dir():
-            raise ValueError(f"--out {out} is a folder; name a file ending in {out.suffix}")
+            raise ValueError(f"{flag} {out} is a folder; name a file")
         folder = out.parent
         if not folder.is_dir():
-            raise ValueError(f"--out {out}: folder {folder} does not exist")
+            raise ValueError(f"{flag} {out}: folder {folder} does not exist")
     else:  # a folder of PNGs, made with its parents: the nearest one that exists must be a folder
         if out.exists() and not out.is_dir():
-            raise ValueError(f"--out {out} is a file, not a folder for PNGs")
+            raise ValueError(f"{flag} {out} is a file, not a folder for PNGs")
         folder = out
         while not folder.exists() and folder != folder.parent:
             folder = folder.parent
         if not folder.is_dir():
-            raise ValueError(f"--out {out}: {folder} is not a folder")
+            raise ValueError(f"{flag} {out}: {folder} is not a folder")
     if not os.access(folder, os.W_OK):
-        raise ValueError(f"--out {out}: {folder} is not writable")
+        raise ValueError(f"{flag} {out}: {folder} is not writable")
 
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
@@ -308,6 +310,8 @@ def _check_output_fits(plan, output: str) -> None:
 def _bench(args) -> int:
     from flashcodec.benchmark import run_file_benchmark
 
+    if args.json is not None:
+        _check_destination(args.json, "--json")
     run_file_benchmark(args.file, sampling=args.sampling, peers=args.peers, repeat=args.repeat,
                        num_threads=args.threads, json_path=args.json)
     return 0

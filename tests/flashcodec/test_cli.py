@@ -105,7 +105,7 @@ def test_an_unwritable_destination_is_refused_before_decoding(tiny_h264, tmp_pat
     (tmp_path / "dir.npy").mkdir()
     cases = {
         tmp_path / "missing" / "x.npy": "folder " + str(tmp_path / "missing") + " does not exist",
-        tmp_path / "dir.npy": "is a folder; name a file ending in .npy",
+        tmp_path / "dir.npy": "is a folder; name a file",
         tmp_path / "file" / "x.pt": "does not exist",
         tmp_path / "file" / "pngs": "is not a folder",
         tmp_path / "file.d" / "a" / "pngs": None,  # a new folder with new parents: made at the end
@@ -122,9 +122,16 @@ def test_an_unwritable_destination_is_refused_before_decoding(tiny_h264, tmp_pat
     with pytest.raises(ValueError, match=re.escape(f"{tmp_path} is not writable")):
         cli._check_out(SimpleNamespace(out=tmp_path / "x.pt", output="rgb"))
 
-    result = run_cli("decode", tiny_h264, "--out", str(tmp_path / "missing" / "x.npy"))
-    assert result.returncode == 1 and result.stderr.count("flashcodec: error:") == 1, result.stderr
-    assert "does not exist" in result.stderr and "Traceback" not in result.stderr
+    with pytest.raises(ValueError, match=re.escape(f"--json {tmp_path}/results: {tmp_path} is not writable")):
+        cli._check_destination(tmp_path / "results", "--json")  # no suffix: still a file
+    monkeypatch.undo()
+
+    for command in ("decode", "bench"):
+        flag = "--out" if command == "decode" else "--json"
+        result = run_cli(command, tiny_h264, flag, str(tmp_path / "missing" / "x.npy"))
+        assert result.returncode == 1 and result.stderr.count("flashcodec: error:") == 1, result.stderr
+        assert f"{flag} {tmp_path}/missing/x.npy: folder" in result.stderr and "Traceback" not in result.stderr
+        assert result.stdout == ""  # refused before any decoding (bench prints as it goes)
 
 
 def test_a_path_that_is_not_a_regular_file_says_so():
