@@ -28,6 +28,7 @@ from flashcodec._triton import import_triton, interpreting
 from unifiedserve import ops
 from unifiedserve.ops.skinny_kernel import _DTYPES, CONFIGS, MAX_ROWS, SkinnyConfig, skinny_gemm
 from unifiedserve.ops.skinny_rope import RopeWrite
+from unifiedserve.ops.tuning import device_fault, disagreement, graph_time_us
 
 __all__ = ["CONFIGS", "MAX_ROWS", "Choice", "RopeWrite", "SkinnyConfig", "Weights", "disagreement", "enabled",
            "gate_up_silu", "linear", "norm_linear", "norm_qkv_rope", "reset", "rope_chosen", "skinny_gemm", "summary",
@@ -226,30 +227,6 @@ class Weights:
     rope_heads: tuple[int, int] | None = None
 
 
-def _time_us(run: Callable[[], None], repeats: int, device: torch.device) -> float:
-    """The fastest of ``repeats`` timed calls of ``run`` (CUDA events), in microseconds."""
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000.0)
-    return best
-
-
-def disagreement(got: torch.Tensor, want: torch.Tensor, reference: str) -> str:
-    """Why a fast path's ``got`` is not ``want`` (``reference`` names it) up to 16-bit rounding (each value within 2 %
-    of the largest): ``"differs from <reference> by ..."``, or '' when it agrees. Start-up tunes (this module's and
-    :mod:`unifiedserve.attention.split_kv`) keep no path that disagrees."""
-    scale = want.float().abs().max().item()
-    err = (got.float() - want.float()).abs().max().item()
-    if err == err and err <= 0.02 * scale + 1e-3:  # (err == err: not NaN)
-        return ""
-    return f"differs from {reference} by {err:.3g} (largest value {scale:.3g})"
-
-
 def _disagreement(got: torch.Tensor, want: torch.Tensor) -> str:
     """:func:`disagreement` of the kernel's output against the unfused path's, or ''."""
     wrong = disagreement(got, want, "the unfused path's")
@@ -258,9 +235,17 @@ def _disagreement(got: torch.Tensor, want: torch.Tensor) -> str:
 
 def _best(kind: str, m: int, n: int, k: int, baseline: str, baseline_us: float, run: Callable[[SkinnyConfig], None],
           check: Callable[[], str], configs: Sequence[SkinnyConfig], epilogue: tuple, failed: dict[tuple, str],
-          time_us: Callable[[Callable[[], None]], float], margin: float) -> Choice:
+          time_us: Callable[[Callable[[], None]], float], margin: float, outputs: Sequence[torch.Tensor] = (),
+          verify: Callable[[SkinnyConfig], str] | None = None) -> Choice:
     """Time each config (``run(config)`` covers every layer) against ``baseline_us``; ``check()`` says why the output
-    the first, warming ``run`` left is wrong ('' when right). A config that cannot run goes into ``failed``."""
+    the first, warming ``run`` left in ``outputs`` is wrong ('' when right). ``outputs`` are filled with NaN before
+    each config's first run, so a config that leaves any of them unwritten disagrees. A config that cannot run
+    goes into ``failed``. ``verify(best)`` checks the winner's other variants (the kernel's forms the step also
+    runs but the timing does not): if it says why one is wrong, or one cannot run, the baseline stays.
+
+    Raises:
+        RuntimeError: a config faulted the GPU (an illegal address, ...): nothing can run after that.
+    """
     measured: dict[str, float] = {}
     best: tuple[float, SkinnyConfig] | None = None
     for config in configs:
@@ -268,9 +253,13 @@ def _best(kind: str, m: int, n: int, k: int, baseline: str, baseline_us: float, 
         if variant in failed:
             continue
         try:
+            for t in outputs:
+                t.fill_(float("nan"))
             run(config)
             wrong = check()
-        except Exception as e:  # a config this GPU or Triton cannot compile or launch: the others may
+            us = None if wrong else time_us(lambda config=config: run(config))
+        except Exception as e:  # a config this GPU or Triton cannot compile, launch or capture: the others may
+            _raise_if_fault(e, kind, config)
             failed[variant] = str(e).splitlines()[0] if str(e) else type(e).__name__
             log.warning("skinny GEMM: config %s (bias %s, SwiGLU %s, norm %s%s) cannot run here, skipped: %s", config,
                         *epilogue[:3], ", rotary + K/V write" if epilogue[3:] else "", failed[variant])
@@ -278,13 +267,30 @@ def _best(kind: str, m: int, n: int, k: int, baseline: str, baseline_us: float, 
         if wrong:
             log.warning("skinny GEMM %s [%dx%d], %d rows: config %s skipped: %s", kind, n, k, m, config, wrong)
             continue
-        us = time_us(lambda config=config: run(config))
         measured[str(config)] = us
         if best is None or us < best[0]:
             best = (us, config)
     win = best is not None and best[0] <= baseline_us * (1.0 - margin)
+    if win and verify is not None:
+        try:
+            wrong = verify(best[1])
+        except Exception as e:
+            _raise_if_fault(e, kind, best[1])
+            wrong = f"cannot run: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        if wrong:
+            log.warning("skinny GEMM %s [%dx%d], %d rows: config %s not kept (%s stays): another form of it %s", kind,
+                        n, k, m, best[1], baseline, wrong)
+            win = False
     return Choice(kind, m, n, k, baseline_us, None if best is None else best[0], best[1] if win else None, measured,
                   baseline)
+
+
+def _raise_if_fault(error: Exception, kind: str, config: SkinnyConfig | None) -> None:
+    """Re-raise a GPU fault (:func:`~unifiedserve.ops.tuning.device_fault`) naming what ran, with the way out."""
+    if device_fault(error):
+        what = f"config {config} for {kind}" if config is not None else kind
+        raise RuntimeError(f"skinny GEMM tune: {what} faulted the GPU ({str(error).splitlines()[0]}); the process "
+                           "cannot go on. Start again with UNIFIEDSERVE_SKINNY_GEMM=0 to keep cuBLAS") from error
 
 
 def tune(groups: Iterable[Weights], rows: Iterable[int], *, silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
@@ -306,11 +312,15 @@ def tune(groups: Iterable[Weights], rows: Iterable[int], *, silu_and_mul: Callab
         groups: the projections (:class:`Weights`); CPU, float32 or grad-requiring groups are skipped.
         rows: the row counts steps will run (those above :data:`MAX_ROWS` are ignored).
         silu_and_mul: the op the unfused SwiGLU path runs after its GEMM (timed with it).
-        timer: ``timer(run, repeats, device) -> us`` (tests); CUDA events by default.
+        timer: ``timer(run, repeats, device) -> us`` (tests); by default the GPU time of ``run`` captured as one
+            CUDA graph (:func:`~unifiedserve.ops.tuning.graph_time_us`), as a step's replay runs it.
     Returns:
         The measurements, also kept for :func:`table`.
+    Raises:
+        RuntimeError: a config faulted the GPU (an illegal address, ...), which no later call survives; the message
+            names it and ``UNIFIEDSERVE_SKINNY_GEMM=0``. Any other failure skips the config, or the group.
     """
-    timer = timer or _time_us
+    timer = timer or graph_time_us
     counts = sorted({r for r in rows if 1 <= r <= MAX_ROWS})
     results: list[Choice] = []
     if not enabled() or not counts:
@@ -327,8 +337,13 @@ def tune(groups: Iterable[Weights], rows: Iterable[int], *, silu_and_mul: Callab
         if ((w0.device.type != "cuda" and not interpreting()) or w0.dtype not in _DTYPES
                 or (w0.requires_grad and torch.is_grad_enabled())):
             continue
-        results += _tune_group(group, counts, silu_and_mul, configs, margin, failed,
-                               lambda run, n_layers: timer(run, repeats, w0.device) / n_layers)
+        try:
+            results += _tune_group(group, counts, silu_and_mul, configs, margin, failed,
+                                   lambda run, n_layers: timer(run, repeats, w0.device) / n_layers)
+        except Exception as e:  # its baseline cannot be timed here: the group keeps what it had chosen, if anything
+            _raise_if_fault(e, group.kind, None)
+            log.warning("skinny GEMM: tuning %s stopped, what it had not chosen stays on cuBLAS and the unfused "
+                        "kernels: %s", group.kind, str(e).splitlines()[0] if str(e) else type(e).__name__)
     _seconds[0] = time.perf_counter() - start
     keys = {(c.kind, c.rows) for c in results}
     _report[:] = [c for c in _report if (c.kind, c.rows) not in keys] + results
@@ -371,7 +386,7 @@ def _tune_group(group: Weights, counts: list[int], silu_and_mul: Callable[[torch
         reference = unfused(x, *pairs[-1])  # what the warm-up pass leaves in out: the last weight's output
         choice = _best(group.kind, m, n, k, "cuBLAS", per_layer_us(cublas, layers), run,
                        lambda out=out, reference=reference: _disagreement(out, reference), configs,
-                       (b0 is not None, silu, False), failed, lambda f: per_layer_us(f, layers), margin)
+                       (b0 is not None, silu, False), failed, lambda f: per_layer_us(f, layers), margin, (out,))
         results.append(choice)
         buckets.append((m, choice.config))
     _table[_key(w0, b0, silu)] = buckets
@@ -401,10 +416,20 @@ def _tune_group(group: Weights, counts: list[int], silu_and_mul: Callable[[torch
         def check(out=out, reference=reference, stream=stream, want_stream=want_stream):
             return _disagreement(out, reference) or _disagreement(stream, want_stream)
 
+        # the first layer's form: no residual (the embeddings are the stream), so no add and no stream written
+        reference_first = unfused(ops.rms_norm(x, g_last, group.eps), w_last, b_last)
+
+        def verify(config, x=x, out=out, reference_first=reference_first):
+            out.fill_(float("nan"))
+            skinny_gemm(x, w_last, b_last, silu_mul=silu, norm_weight=g_last, eps=group.eps, config=config, out=out)
+            wrong = _disagreement(out, reference_first)
+            return wrong and f"without the add, {wrong}"
+
         norm_then_choice()
         baseline = "norm kernel + " + ("cuBLAS" if plain is None else f"skinny {plain}")
         choice = _best("norm+" + group.kind, m, n, k, baseline, per_layer_us(norm_then_choice, layers), run, check,
-                       configs, (b0 is not None, silu, True), failed, lambda f: per_layer_us(f, layers), margin)
+                       configs, (b0 is not None, silu, True), failed, lambda f: per_layer_us(f, layers), margin,
+                       (out, stream), verify)
         results.append(choice)
         norm_buckets.append((m, choice.config))
     _table[_key(w0, b0, silu, True)] = norm_buckets

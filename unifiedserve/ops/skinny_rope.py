@@ -82,6 +82,9 @@ def tune_rope(group, counts: Sequence[int], configs, margin: float, failed: dict
     """:func:`unifiedserve.ops.skinny.tune`'s last pass for a Q/K/V group with ``rope_heads``: at each row count,
     :func:`~unifiedserve.ops.skinny.norm_linear` (with the choices the earlier passes just made) followed by csrc's
     ``rotary_cache``, against each config with the norm, rotary and K/V write folded in (``norm+<kind>+rope``).
+    The kernel is timed as a padded CUDA-graph step runs it (``write_rows`` given); the winner is then also checked
+    in the forms a step runs but the timing does not: without a residual (the first layer) and without
+    ``write_rows`` (eager steps).
     Returns the :class:`~unifiedserve.ops.skinny.Choice` per row count; the caller keeps them."""
     from unifiedserve import ops
     from unifiedserve.ops import skinny
@@ -102,7 +105,7 @@ def tune_rope(group, counts: Sequence[int], configs, margin: float, failed: dict
         slots = torch.arange(m, dtype=torch.int64, device=dev)
         k_fused, v_fused, k_base, v_base, k_want, v_want = (torch.zeros((m, kv_heads, d), dtype=dt, device=dev)
                                                             for _ in range(6))
-        write = RopeWrite(cos, sin, q_heads, kv_heads, k_fused, v_fused, slots)
+        write = RopeWrite(cos, sin, q_heads, kv_heads, k_fused, v_fused, slots, write_rows=slots)  # each row its own
         stream, q_out = torch.empty_like(x), torch.empty((m, sizes[0]), dtype=dt, device=dev)
 
         def unfused(x, residual, w, b, g, k_cache, v_cache):
@@ -112,6 +115,8 @@ def tune_rope(group, counts: Sequence[int], configs, margin: float, failed: dict
 
         w_last, b_last, g_last = layers[-1]
         q_want, stream_want = unfused(x.clone(), residual.clone(), w_last, b_last, g_last, k_want, v_want)
+        k_first, v_first = torch.zeros_like(k_want), torch.zeros_like(v_want)
+        q_first, _ = unfused(x.clone(), None, w_last, b_last, g_last, k_first, v_first)  # no residual: layer 0
         xb, rb = x.clone(), residual.clone()  # the unfused path writes its inputs: buffers of its own
 
         def baseline(xb=xb, rb=rb, k_base=k_base, v_base=v_base):
@@ -132,9 +137,27 @@ def tune_rope(group, counts: Sequence[int], configs, margin: float, failed: dict
                     return wrong
             return ""
 
+        def verify(config, x=x, residual=residual, stream=stream, q_out=q_out, write=write, wants=(
+                (q_want, k_want, v_want), (q_first, k_first, v_first))):
+            for res, rows in ((None, write.write_rows), (residual, None), (None, None)):
+                for t in (q_out, write.k_cache, write.v_cache):
+                    t.fill_(float("nan"))
+                skinny.skinny_gemm(x, w_last, b_last, norm_weight=g_last, eps=group.eps, residual=res,
+                                   stream_out=None if res is None else stream, config=config, out=q_out,
+                                   rope=RopeWrite(cos, sin, q_heads, kv_heads, write.k_cache, write.v_cache, slots,
+                                                  write_rows=rows))
+                want_q, want_k, want_v = wants[res is None]
+                for got, want in ((q_out, want_q.reshape(m, -1)), (write.k_cache, want_k), (write.v_cache, want_v)):
+                    wrong = skinny._disagreement(got, want)
+                    if wrong:
+                        return f"{'without the add' if res is None else 'with the add'}, " \
+                               f"{'with' if rows is not None else 'without'} write_rows, {wrong}"
+            return ""
+
         baseline()
         results.append(skinny._best(f"norm+{group.kind}+rope", m, w0.shape[0], k, "norm_linear + rotary_cache",
                                     per_layer_us(baseline, len(layers)), run, check, configs,
                                     (b0 is not None, False, True, "rope"), failed,
-                                    lambda f: per_layer_us(f, len(layers)), margin))
+                                    lambda f: per_layer_us(f, len(layers)), margin,
+                                    (q_out, k_fused, v_fused, stream), verify))
     return results

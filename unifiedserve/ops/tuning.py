@@ -1,0 +1,69 @@
+"""What the start-up tunes share (:mod:`unifiedserve.ops.skinny`'s GEMMs, :mod:`unifiedserve.attention.split_kv`'s
+decode graphs): the agreement rule a fast path must meet, the GPU time of a CUDA graph of one step's worth of calls,
+and which errors leave the GPU unusable.
+
+Why graphs. A tune chooses kernels for decode steps that replay as CUDA graphs, where launching costs the host
+nothing. Timed as eager calls instead, a kernel of ~10 us (a 7B's O or Q/K/V projection at batch 1 reads 26-33 MB)
+is hidden behind its own launch: Python, Triton's launcher and the argument checks take longer than the kernel, so
+the GPU idles between calls and the timing measures the host. One graph of every layer's calls, replayed between two
+events, measures what a step's replay will spend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["device_fault", "disagreement", "graph_time_us"]
+
+# CUDA errors after which the context cannot be used again (the driver's "sticky" errors): every later call in the
+# process fails, so a tune cannot skip the culprit and go on
+_STICKY = ("illegal memory access", "illegal address", "illegal instruction", "misaligned address",
+           "unspecified launch failure", "device-side assert", "hardware stack error", "uncorrectable ecc",
+           "invalid program counter", "an exception occurred on the device")
+
+
+def device_fault(error: BaseException) -> bool:
+    """Whether ``error`` is a CUDA fault that leaves this process's GPU context unusable (a kernel's illegal address,
+    a device-side assert, ...), as opposed to one call's failure (a config that cannot compile or launch)."""
+    text = str(error).lower()
+    return any(s in text for s in _STICKY)
+
+
+def disagreement(got: torch.Tensor, want: torch.Tensor, reference: str) -> str:
+    """Why a fast path's ``got`` is not ``want`` (``reference`` names it) up to 16-bit rounding (each value within 2 %
+    of the largest): ``"differs from <reference> by ..."``, or '' when it agrees. A NaN disagrees. Start-up tunes
+    keep no path that disagrees."""
+    scale = want.float().abs().max().item()
+    err = (got.float() - want.float()).abs().max().item()
+    if err == err and err <= 0.02 * scale + 1e-3:  # (err == err: not NaN)
+        return ""
+    return f"differs from {reference} by {err:.3g} (largest value {scale:.3g})"
+
+
+def graph_time_us(run: Callable[[], None], repeats: int, device: torch.device) -> float:
+    """GPU time of ``run``'s calls as one CUDA graph: run once on a side stream (as torch asks before a capture:
+    lazy initialisations, cuBLAS workspaces), captured, then the fastest of ``repeats`` replays between two events,
+    in microseconds. ``run`` must be capturable (no host sync, no allocation it needs to outlive the graph); the graph
+    and its memory are released before returning."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        run()
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000.0)
+    del graph
+    return best
