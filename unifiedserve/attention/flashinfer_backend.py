@@ -114,6 +114,28 @@ class _Step:
     write_rows: torch.Tensor | None  # int64 [N]: source row of each K/V write (graph padding)
 
 
+def _clear_schedule(wrapper: Any) -> None:
+    """Zero a split-free graph wrapper's schedule (its int workspace and the page-locked copy plans write).
+
+    In CUDA-graph mode flashinfer 0.6.13's tensor-core decode launches ``max(2 x SMs / KV heads, tiles)`` blocks per
+    KV head (``PrefillSplitQOKVIndptr`` in ``include/flashinfer/attention/scheduler.cuh``); a plan with
+    ``disable_split_kv`` writes the request, query-tile and key-tile index of the real tiles only, and no validity
+    mask (which only split plans write), so the other blocks read whatever the buffer held (flashinfer issue #4002).
+    The page-locked buffer is ``torch.empty`` host memory, which torch's host allocator recycles from freed wrappers:
+    stale indices would send those blocks out of bounds. Zeroed once here (this wrapper's plans never write that
+    tail), they recompute request 0's tile and store the same values again.
+
+    Raises:
+        RuntimeError: the wrapper has no such buffers (another flashinfer): the split-free graph is not safe there.
+    """
+    for name in ("_pin_memory_int_workspace_buffer", "_int_workspace_buffer"):
+        buffer = getattr(wrapper, name, None)
+        if not isinstance(buffer, torch.Tensor):
+            raise RuntimeError(f"flashinfer's decode wrapper has no {name} to clear: split-free decode graphs are "
+                               "only safe on flashinfer 0.6.13's layout")
+        buffer.zero_()
+
+
 class FlashInferAttention(AttentionBackend):
     """flashinfer paged prefill/decode over the project's KV cache (CUDA, float16/bfloat16 only).
 
@@ -230,11 +252,14 @@ class FlashInferAttention(AttentionBackend):
         wrappers = self._graph_decode[size]
         if variant not in wrappers:
             bufs = self._graph_bufs
-            wrappers[variant] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace, kv_layout="NHD", use_cuda_graph=True, use_tensor_cores=True,
                 paged_kv_indptr_buffer=bufs["paged_kv_indptr"][:size + 1],
                 paged_kv_indices_buffer=bufs["paged_kv_indices"],
                 paged_kv_last_page_len_buffer=bufs["paged_kv_last_page_len"][:size])
+            if variant == WHOLE_KV:
+                _clear_schedule(wrapper)
+            wrappers[variant] = wrapper
         return wrappers[variant]
 
     # -- graph variants: split-KV or not -----------------------------------------------------------

@@ -7,7 +7,9 @@ and then a merge kernel. Eager steps split only sequences long enough to need it
 preset, batch 1, a context of about 96 tokens; ``docs/gpu.md``) a graph step's attention was 28 x (9.4 us of
 attention + a 1.7 us merge), plus the gap after each kernel. flashinfer's plan with ``disable_split_kv`` reads each
 request's keys in one pass per KV head and launches no merge: right for short sequences, slow for long ones (at
-batch 1, a 7B's four KV heads would stream a long context on four CTAs). So :func:`tune` times both inside CUDA
+batch 1, a 7B's four KV heads would stream a long context on four CTAs doing the work; the graph launches
+``2 x SMs / KV heads`` CTAs a head all the same, the others recomputing request 0's tile, see
+``flashinfer_backend._clear_schedule``). So :func:`tune` times both inside CUDA
 graphs, per captured batch size, at lengths doubling from 64 tokens, and the backend keeps the split-free graph for
 the lengths where it was faster by at least ``margin`` (and agreed with the split one); longer steps replay the
 split graph. Sequences in a real long-video request are long, so there the split graph keeps serving.
@@ -24,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from unifiedserve.attention.flashinfer_backend import SPLIT_KV, WHOLE_KV
-from unifiedserve.ops.skinny import disagreement
+from unifiedserve.ops.tuning import device_fault, disagreement
 
 log = logging.getLogger(__name__)
 
@@ -116,10 +118,15 @@ def tune(attn, num_layers: int, *, lengths: Sequence[int] = LENGTHS, margin: flo
     """Time split-KV against split-free decode graphs of ``attn`` (a ``FlashInferAttention`` after
     ``init_cuda_graph``) at each of its batch sizes and set its whole-KV limits from what was faster.
 
-    Each length's batch holds ``batch_size`` sequences of that length on distinct KV blocks (lengths past the
-    graphs' ``max_seq_len`` or the cache's blocks are not timed). Start-up only: it writes random K/V into the blocks
-    it times (the first length's, so that the outputs compared are not all equal) and the new tokens' slots. With
-    ``UNIFIEDSERVE_SPLIT_FREE_DECODE=0`` it times nothing and every graph splits.
+    Each length's batch holds ``batch_size`` sequences of that length on distinct KV blocks, the pool's last ones
+    (lengths past the graphs' ``max_seq_len`` or the cache's blocks are not timed). Start-up only: it writes random
+    K/V into the blocks it times (so that the outputs compared are not all equal, nor NaN from the pool's undefined
+    memory) and the new tokens' slots. A split-free graph that cannot be planned or captured keeps that size split.
+    With ``UNIFIEDSERVE_SPLIT_FREE_DECODE=0`` it times nothing and every graph splits.
+
+    Raises:
+        RuntimeError: a split-free graph faulted the GPU (nothing can run after that); the message names
+            ``UNIFIEDSERVE_SPLIT_FREE_DECODE=0``.
     """
     global _seconds
     if not enabled():
@@ -136,11 +143,21 @@ def tune(attn, num_layers: int, *, lengths: Sequence[int] = LENGTHS, margin: flo
                 pages = -(-length // cache.block_size)
                 if length > attn.graph_max_seq_len or size * pages > cache.num_blocks:
                     break
-                if i == 0:
-                    cache.tensor[:, :, :size * pages].normal_()
-                seqs = [(length - 1, 1, list(range(b * pages, (b + 1) * pages))) for b in range(size)]
+                first = cache.num_blocks - size * pages  # the pool's last blocks: the least likely in use
+                cache.tensor[:, :, first:].normal_()  # keys to attend over (the pool's memory is undefined)
+                seqs = [(length - 1, 1, list(range(first + b * pages, first + (b + 1) * pages))) for b in range(size)]
                 split_us, split_out = timer(attn, seqs, size, SPLIT_KV, num_layers)
-                whole_us, whole_out = timer(attn, seqs, size, WHOLE_KV, num_layers)
+                try:
+                    whole_us, whole_out = timer(attn, seqs, size, WHOLE_KV, num_layers)
+                except Exception as e:  # flashinfer or the capture refused it: every step of this size splits
+                    if device_fault(e):
+                        raise RuntimeError(f"decode attention tune: the split-free graph at batch {size} faulted the "
+                                           f"GPU ({str(e).splitlines()[0]}); the process cannot go on. Start again "
+                                           "with UNIFIEDSERVE_SPLIT_FREE_DECODE=0") from e
+                    choice.note = f"at {length} tokens the split-free graph cannot run: {str(e).splitlines()[0]}"
+                    choice.whole_kv_max = 0
+                    log.warning("decode attention, batch %d: split-free graphs not used: %s", size, choice.note)
+                    break
                 choice.lengths.append(length)
                 choice.split_us.append(round(split_us, 2))
                 choice.whole_us.append(round(whole_us, 2))

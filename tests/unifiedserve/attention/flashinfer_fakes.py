@@ -47,6 +47,9 @@ class FakeWrapper:
         self.bufs = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
         self.plans = 0
         self.disable_split_kv = None  # what the last decode plan asked for
+        # flashinfer 0.6.13's schedule buffers (torch.empty: here, the stale bytes of recycled memory)
+        self._int_workspace_buffer = torch.full((64,), 0x7F, dtype=torch.uint8)
+        self._pin_memory_int_workspace_buffer = torch.full((64,), 0x7F, dtype=torch.uint8)
 
     def _store(self, qo_indptr, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size,
                causal, sm_scale, q_data_type, kv_data_type, pos_encoding_mode):

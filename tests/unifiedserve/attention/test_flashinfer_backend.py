@@ -180,6 +180,33 @@ def test_graph_variants_split_free_below_the_limit(fake_flashinfer):
         attn.set_whole_kv_limits({4: -1})
 
 
+def test_a_split_free_graph_wrapper_starts_from_a_cleared_schedule(fake_flashinfer, monkeypatch):
+    """flashinfer's split-free graph plans leave the schedule's padded tail unwritten, which blocks past the batch
+    read (flashinfer#4002): the backend zeroes a split-free wrapper's schedule buffers once, when it is made; the
+    split wrapper's plans write a validity mask and are left alone. Without those buffers it refuses the variant."""
+    attn = fi()
+    attn.init_cuda_graph([4], max_seq_len=16)
+    attn.set_whole_kv_limits({4: 16})
+    seqs = [(5, 1, [0, 1]), (2, 1, [2])]
+    for variant in (fib.SPLIT_KV, fib.WHOLE_KV):
+        attn.plan(seqs, graph_batch_size=4, graph_variant=variant)
+    whole, split = attn._graph_decode[4][fib.WHOLE_KV], attn._graph_decode[4][fib.SPLIT_KV]
+    assert not whole._pin_memory_int_workspace_buffer.any() and not whole._int_workspace_buffer.any()
+    assert (split._pin_memory_int_workspace_buffer == 0x7F).all()
+
+    class Other(type(whole)):  # a flashinfer whose wrapper keeps its schedule elsewhere
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            del self._pin_memory_int_workspace_buffer
+
+    monkeypatch.setattr(attn._fi, "BatchDecodeWithPagedKVCacheWrapper", Other)
+    attn.init_cuda_graph([2], max_seq_len=16)
+    attn.set_whole_kv_limits({2: 16})
+    with pytest.raises(RuntimeError, match="no _pin_memory_int_workspace_buffer to clear"):
+        attn.plan(seqs, graph_batch_size=2, graph_variant=fib.WHOLE_KV)
+    attn.plan(seqs, graph_batch_size=2, graph_variant=fib.SPLIT_KV)
+
+
 def test_prefill_backend_knob(fake_flashinfer, monkeypatch):
     assert fi()._prefill.backend == "auto" and fib.prefill_backend() == "auto"
     monkeypatch.setenv(fib.PREFILL_BACKEND_ENV, "fa2")

@@ -90,15 +90,49 @@ def test_the_knob_keeps_every_graph_split(fake_flashinfer, monkeypatch):
     assert attn.whole_kv_limits() == {1: 0}
 
 
-def test_the_first_length_runs_on_random_keys(fake_flashinfer):
-    """The tune writes random K/V into the blocks it times first, so that the outputs it compares are not equal
-    by accident (an all-zero cache gives every query the same average of nothing)."""
+def test_every_length_runs_on_random_keys_in_the_pools_last_blocks(fake_flashinfer):
+    """The tune writes random K/V into the blocks it times, at every length, so that the outputs it compares are not
+    equal by accident (an all-zero cache gives every query the same average of nothing) nor NaN from the pool's
+    undefined memory; it times on the pool's last blocks, the least likely to be in use by another process."""
     attn = fi(blocks=16)
     attn.init_cuda_graph([1], max_seq_len=64)
-    table = {(v, 1, 64): 1.0 for v in (fib.SPLIT_KV, fib.WHOLE_KV)}
-    split_kv.tune(attn, 2, lengths=(64,), timer=_timer(table, []))
-    used = attn.kv_cache.tensor[:, :, :16]
-    assert used.float().std() > 0.5
+    attn.kv_cache.tensor.fill_(float("nan"))
+    calls, blocks = [], []
+    timer = _timer({(v, 1, n): 1.0 if v == fib.SPLIT_KV else 0.5 for v in (fib.SPLIT_KV, fib.WHOLE_KV)
+                    for n in (8, 32)}, calls)
+    split_kv.tune(attn, 2, lengths=(8, 32), timer=lambda a, seqs, *rest: blocks.append(seqs[0][2]) or timer(
+        a, seqs, *rest))
+    assert blocks == [[14, 15]] * 2 + [list(range(8, 16))] * 2  # 4 tokens a block
+    assert [c[2] for c in calls] == [8, 8, 32, 32] and attn.whole_kv_limits() == {1: 32}
+    assert attn.kv_cache.tensor[:, :, 8:].float().std() > 0.5 and attn.kv_cache.tensor[:, :, :8].isnan().all()
+
+
+def test_a_split_free_graph_that_cannot_run_keeps_the_size_split_and_a_fault_stops(fake_flashinfer):
+    """A split-free graph that flashinfer or the capture refuses leaves that batch size split, with the reason; a
+    fault of the GPU (which no later call survives) stops the tune with the way out."""
+    attn = fi(blocks=16)
+    attn.init_cuda_graph([1, 2], max_seq_len=64)
+    table = {(v, b, 8): 1.0 for v in (fib.SPLIT_KV, fib.WHOLE_KV) for b in (1, 2)}
+    table[(fib.WHOLE_KV, 2, 8)] = 0.5
+    timer = _timer(table, [])
+
+    def refusing(attn_, seqs, size, variant, layers):
+        if variant == fib.WHOLE_KV and size == 1:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return timer(attn_, seqs, size, variant, layers)
+
+    choices = split_kv.tune(attn, 2, lengths=(8,), timer=refusing)
+    assert [c.whole_kv_max for c in choices] == [0, 8] and attn.whole_kv_limits() == {1: 0, 2: 8}
+    assert choices[0].note == ("at 8 tokens the split-free graph cannot run: CUDA error: operation not permitted "
+                               "when stream is capturing")
+
+    def faulting(attn_, seqs, size, variant, layers):
+        if variant == fib.WHOLE_KV:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return timer(attn_, seqs, size, variant, layers)
+
+    with pytest.raises(RuntimeError, match="faulted the GPU .* UNIFIEDSERVE_SPLIT_FREE_DECODE=0"):
+        split_kv.tune(attn, 2, lengths=(8,), timer=faulting)
 
 
 # -- the real kernels ------------------------------------------------------------------------------
@@ -129,6 +163,9 @@ def test_split_free_graph_equals_the_reference_and_tunes_on_the_device():
         torch.testing.assert_close(outs[variant].double().cpu(), dense_reference(step, attn.scale), atol=2e-2,
                                    rtol=2e-2)
     torch.testing.assert_close(outs[fib.WHOLE_KV], outs[fib.SPLIT_KV], atol=2e-2, rtol=2e-2)
+    whole = attn._graph_decode[4][fib.WHOLE_KV]  # its schedule's padded tail stays as cleared (flashinfer#4002)
+    schedule = whole._pin_memory_int_workspace_buffer
+    assert schedule[4096:].count_nonzero().item() == 0 and schedule[:4096].count_nonzero().item() > 0
     choices = split_kv.tune(attn, attn.kv_cache.tensor.shape[0], lengths=(64, 128, 256, 512))
     assert [c.batch_size for c in choices] == [1, 4]
     assert all(c.lengths and min(c.split_us + c.whole_us) > 0 and not c.note for c in choices)
