@@ -122,6 +122,7 @@ PEER_MODULES = {"pyav": "av", "torchcodec": "torchcodec.decoders", "decord": "de
 def installed_peers() -> list[str]:
     import importlib
 
+    fast_open.install()  # before the imports below load torchcodec: flashcodec's torchcodec backend opens fast
     names = []
     for name, module in PEER_MODULES.items():
         try:

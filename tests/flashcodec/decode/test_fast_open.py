@@ -249,3 +249,14 @@ def test_without_a_compiler_opens_stay_full_and_say_why_once(video_factory, monk
     monkeypatch.setattr(fast_open, "_installed", False)
     monkeypatch.setenv("FLASHCODEC_FAST_OPEN", "0")
     assert fast_open.install() is False and fast_open.reason() == "FLASHCODEC_FAST_OPEN=0"
+
+
+def test_flashcodec_bench_loads_the_library_before_listing_its_peers():
+    """`flashcodec bench` lists the installed peers by importing them, torchcodec among them; the library goes in
+    first, so the torchcodec backend it then times opens fast."""
+    pytest.importorskip("torchcodec")
+    code = ("from flashcodec import benchmark\nfrom flashcodec.decode import fast_open\n"
+            "print('torchcodec' in benchmark.installed_peers(), fast_open.install(), fast_open.reason())")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["True", "True", "None"], run.stdout
