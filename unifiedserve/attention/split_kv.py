@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from unifiedserve.attention.flashinfer_backend import SPLIT_KV, WHOLE_KV
-from unifiedserve.ops.tuning import device_fault, disagreement
+from unifiedserve.ops.tuning import device_fault, disagreement, graph_time_us
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,8 @@ def summary(choices: Sequence[SplitChoice]) -> str:
 
 def graph_timer(repeats: int = 5) -> Timer:
     """The device timer: one CUDA graph of ``num_layers`` attention forwards (each layer's own cache, as in a step),
-    the fastest of ``repeats`` replays between two events, in microseconds; and layer 0's output of the eager warm-up
-    run (queued on the current stream's side, waited for)."""
+    the fastest of ``repeats`` replays between two events, in microseconds
+    (:func:`~unifiedserve.ops.tuning.graph_time_us`); and layer 0's output of the eager warm-up run."""
 
     def run(attn, seqs: list, size: int, variant: str, num_layers: int) -> tuple[float, torch.Tensor]:
         device, dtype = attn.kv_cache.device, attn.kv_cache.dtype
@@ -86,29 +86,15 @@ def graph_timer(repeats: int = 5) -> Timer:
         q, k, v = (torch.randn((size, heads, attn.head_dim), generator=gen, device=device, dtype=dtype)
                    for heads in (attn.num_q_heads, attn.num_kv_heads, attn.num_kv_heads))
         attn.plan(seqs, graph_batch_size=size, graph_variant=variant)
-        current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):  # first runs off the capture stream, as torch asks before capture
-            first = attn.forward(0, q, k, v)
+        outputs = []
+
+        def step():
+            outputs.append(attn.forward(0, q, k, v))
             for layer in range(1, num_layers):
                 attn.forward(layer, q, k, v)
-        current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for layer in range(num_layers):
-                attn.forward(layer, q, k, v)
-        graph.replay()
-        best = float("inf")
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) * 1000.0)
-        del graph
-        return best, first
+
+        us = graph_time_us(step, repeats, device)  # first eagerly (its layer 0's output is returned), then captured
+        return us, outputs[0]
 
     return run
 

@@ -19,6 +19,7 @@ import torch
 
 from unifiedserve.engine.runner import RopeTables, run_decoder
 from unifiedserve.memory.transfer import to_device
+from unifiedserve.ops.tuning import side_stream
 
 #: The dummy decode step planned for capture: nothing cached, one new token in block 0.
 _CAPTURE_SEQ = (0, 1, [0])
@@ -93,7 +94,7 @@ class DecodeGraphs:
             for variant in self.attn.graph_variants(size):
                 self.attn.plan([_CAPTURE_SEQ], graph_batch_size=size, graph_variant=variant)
                 # first runs on a side stream, as torch asks before capture (lazy inits, cuBLAS workspaces)
-                side = torch.cuda.Stream(self.device)
+                side = side_stream(self.device)  # one for every capture: each new stream gets a cuBLAS workspace
                 side.wait_stream(current)
                 with torch.cuda.stream(side):
                     for _ in range(2):

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["device_fault", "disagreement", "graph_time_us"]
+__all__ = ["capture", "device_fault", "disagreement", "graph_time_us", "side_stream"]
 
 # CUDA errors after which the context cannot be used again (the driver's "sticky" errors): every later call in the
 # process fails, so a tune cannot skip the culprit and go on
@@ -42,20 +42,38 @@ def disagreement(got: torch.Tensor, want: torch.Tensor, reference: str) -> str:
     return f"differs from {reference} by {err:.3g} (largest value {scale:.3g})"
 
 
-def graph_time_us(run: Callable[[], None], repeats: int, device: torch.device) -> float:
-    """GPU time of ``run``'s calls as one CUDA graph: run once on a side stream (as torch asks before a capture:
-    lazy initialisations, cuBLAS workspaces), captured, then the fastest of ``repeats`` replays between two events,
-    in microseconds. ``run`` must be capturable (no host sync, no allocation it needs to outlive the graph); the graph
-    and its memory are released before returning."""
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One stream per device for the tunes' warm-up runs and captures: a new stream per timing would leave cuBLAS a
+    workspace for each of the pool's streams it lands on (32 MiB apiece on Hopper, kept for the process's life)."""
+    device = torch.device(device)
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
+def capture(graph: torch.cuda.CUDAGraph, run: Callable[[], None], device: torch.device) -> None:
+    """``run`` once on :func:`side_stream` (as torch asks before a capture: lazy initialisations, cuBLAS workspaces),
+    then captured into ``graph`` on that stream. A capture that fails still leaves the caller on its own stream
+    (``torch.cuda.graph`` alone would leave it on the capture stream when ending the capture raises)."""
     current = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
+    side = side_stream(device)
     side.wait_stream(current)
     with torch.cuda.stream(side):
         run()
+        with torch.cuda.graph(graph, stream=side):
+            run()
     current.wait_stream(side)
+
+
+def graph_time_us(run: Callable[[], None], repeats: int, device: torch.device) -> float:
+    """GPU time of ``run``'s calls as one CUDA graph (:func:`capture`): the fastest of ``repeats`` replays between two
+    events, in microseconds. ``run`` must be capturable (no host sync, no allocation it needs to outlive the graph);
+    the graph and its memory are released before returning."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    capture(graph, run, device)
     graph.replay()
     best = float("inf")
     for _ in range(repeats):
