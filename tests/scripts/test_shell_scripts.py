@@ -75,3 +75,22 @@ def test_gpu_check_packs_its_outputs_into_one_archive(tmp_path):
                              check=True).stdout.split()
     assert {"probe.json", "pytest-cuda.log", "pytest-cuda.xml", "policies-unified/results.json"} <= set(listing)
     assert "gpu_check.log" not in listing
+
+
+def test_gpu_check_turns_a_faulted_path_off_for_the_steps_after_it(tmp_path):
+    """The engine group's never-run paths: a GPU fault in a step's log switches that path off for the later steps
+    (one line in status.txt); a log without one, or a missing log, changes nothing."""
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    body = script[script.index("switch_off_after_fault() {"):]
+    body = body[:body.index("\n}\n") + 3]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "faulted.log").write_text("E   RuntimeError: CUDA error: an illegal memory access was encountered\n")
+    (out / "clean.log").write_text("3 passed in 12.0s\n")
+    probe = ('switch_off_after_fault clean A; switch_off_after_fault missing B; switch_off_after_fault faulted C\n'
+             'echo "A=${A-unset} B=${B-unset} C=${C-unset}"; bash -c \'echo "child C=$C"\'')
+    proc = subprocess.run(["bash", "-c", f'set -uo pipefail; out="$1"\n{body}\n{probe}', "_", str(out)],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-2:] == ["A=unset B=unset C=0", "child C=0"]
+    assert (out / "status.txt").read_text() == "faulted: a GPU fault; the steps after it run with C=0\n"
