@@ -338,8 +338,8 @@ def tune(groups: Iterable[Weights], rows: Iterable[int], *, silu_and_mul: Callab
                 or (w0.requires_grad and torch.is_grad_enabled())):
             continue
         try:
-            results += _tune_group(group, counts, silu_and_mul, configs, margin, failed,
-                                   lambda run, n_layers: timer(run, repeats, w0.device) / n_layers)
+            _tune_group(group, counts, silu_and_mul, configs, margin, failed,
+                        lambda run, n_layers: timer(run, repeats, w0.device) / n_layers, results)
         except Exception as e:  # its baseline cannot be timed here: the group keeps what it had chosen, if anything
             _raise_if_fault(e, group.kind, None)
             log.warning("skinny GEMM: tuning %s stopped, what it had not chosen stays on cuBLAS and the unfused "
@@ -352,8 +352,9 @@ def tune(groups: Iterable[Weights], rows: Iterable[int], *, silu_and_mul: Callab
 
 def _tune_group(group: Weights, counts: list[int], silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
                 configs: Sequence[SkinnyConfig], margin: float, failed: dict[tuple, str],
-                per_layer_us: Callable[[Callable[[], None], int], float]) -> list[Choice]:
-    """:func:`tune` for one group: the plain projection at each row count, then (``norms``) with the norm in front."""
+                per_layer_us: Callable[[Callable[[], None], int], float], results: list[Choice]) -> None:
+    """:func:`tune` for one group: the plain projection at each row count, then (``norms``) with the norm in front.
+    Each pass's choices go into ``results`` as the pass ends (a later pass that fails leaves them reported)."""
     w0, b0 = group.weights[0], group.biases[0]
     silu = group.silu_mul
     n, k = (w0.shape[0] // 2 if silu else w0.shape[0]), w0.shape[1]
@@ -369,7 +370,7 @@ def _tune_group(group: Weights, counts: list[int], silu_and_mul: Callable[[torch
     def randn(m):
         return torch.randn((m, k), generator=rng, device=w0.device).to(w0.dtype)
 
-    results, buckets = [], []
+    buckets, plain_choices = [], []
     for m in counts:
         x = randn(m)
         out = torch.empty((m, n), dtype=w0.dtype, device=w0.device)
@@ -387,12 +388,13 @@ def _tune_group(group: Weights, counts: list[int], silu_and_mul: Callable[[torch
         choice = _best(group.kind, m, n, k, "cuBLAS", per_layer_us(cublas, layers), run,
                        lambda out=out, reference=reference: _disagreement(out, reference), configs,
                        (b0 is not None, silu, False), failed, lambda f: per_layer_us(f, layers), margin, (out,))
-        results.append(choice)
+        plain_choices.append(choice)
         buckets.append((m, choice.config))
     _table[_key(w0, b0, silu)] = buckets
+    results += plain_choices
     if not group.norms or any(g.dtype != w0.dtype for g in group.norms):  # (the kernel takes norms in x's dtype)
-        return results
-    norm_buckets = []
+        return
+    norm_buckets, norm_choices = [], []
     layers_norms = list(zip(pairs, group.norms))
     for m, (_, plain) in zip(counts, buckets):
         x, residual = randn(m), randn(m)
@@ -430,13 +432,13 @@ def _tune_group(group: Weights, counts: list[int], silu_and_mul: Callable[[torch
         choice = _best("norm+" + group.kind, m, n, k, baseline, per_layer_us(norm_then_choice, layers), run, check,
                        configs, (b0 is not None, silu, True), failed, lambda f: per_layer_us(f, layers), margin,
                        (out, stream), verify)
-        results.append(choice)
+        norm_choices.append(choice)
         norm_buckets.append((m, choice.config))
     _table[_key(w0, b0, silu, True)] = norm_buckets
+    results += norm_choices
     if group.rope_heads is not None and not silu:
         from unifiedserve.ops.skinny_rope import tune_rope
 
         choices = tune_rope(group, counts, configs, margin, failed, per_layer_us)
         _table[_key(w0, b0, False, True, True)] = [(c.rows, c.config) for c in choices]
         results += choices
-    return results
