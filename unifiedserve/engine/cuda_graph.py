@@ -19,7 +19,7 @@ import torch
 
 from unifiedserve.engine.runner import RopeTables, run_decoder
 from unifiedserve.memory.transfer import to_device
-from unifiedserve.ops.tuning import side_stream
+from unifiedserve.ops.tuning import capture
 
 #: The dummy decode step planned for capture: nothing cached, one new token in block 0.
 _CAPTURE_SEQ = (0, 1, [0])
@@ -89,20 +89,12 @@ class DecodeGraphs:
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on a CUDA device, it is on {self.device}")
         pool = torch.cuda.graph_pool_handle()
-        current = torch.cuda.current_stream(self.device)
         for size in reversed(self.batch_sizes):
             for variant in self.attn.graph_variants(size):
                 self.attn.plan([_CAPTURE_SEQ], graph_batch_size=size, graph_variant=variant)
-                # first runs on a side stream, as torch asks before capture (lazy inits, cuBLAS workspaces)
-                side = side_stream(self.device)  # one for every capture: each new stream gets a cuBLAS workspace
-                side.wait_stream(current)
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        self._body(size)
-                current.wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._outputs[size, variant] = self._body(size)
+                graph = torch.cuda.CUDAGraph()  # two eager runs first, then captured into the shared pool
+                self._outputs[size, variant] = capture(graph, lambda size=size: self._body(size), self.device,
+                                                       pool=pool, warmups=2)
                 self._graphs[size, variant] = graph
         torch.cuda.synchronize(self.device)
 

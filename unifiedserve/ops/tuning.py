@@ -12,6 +12,7 @@ events, measures what a step's replay will spend.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -54,18 +55,23 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[device]
 
 
-def capture(graph: torch.cuda.CUDAGraph, run: Callable[[], None], device: torch.device) -> None:
-    """``run`` once on :func:`side_stream` (as torch asks before a capture: lazy initialisations, cuBLAS workspaces),
-    then captured into ``graph`` on that stream. A capture that fails still leaves the caller on its own stream
-    (``torch.cuda.graph`` alone would leave it on the capture stream when ending the capture raises)."""
+def capture(graph: torch.cuda.CUDAGraph, run: Callable[[], Any], device: torch.device, *, pool: Any = None,
+            warmups: int = 1) -> Any:
+    """``run`` ``warmups`` times on :func:`side_stream` (as torch asks before a capture: lazy initialisations,
+    cuBLAS workspaces), then captured into ``graph`` on that stream (in ``pool``, a graph memory pool, or a private
+    one); returns what the captured call returned (the tensors each replay rewrites). A capture that fails still
+    leaves the caller on its own stream (``torch.cuda.graph`` alone would leave it on the capture stream when ending
+    the capture raises)."""
     current = torch.cuda.current_stream(device)
     side = side_stream(device)
     side.wait_stream(current)
     with torch.cuda.stream(side):
-        run()
-        with torch.cuda.graph(graph, stream=side):
+        for _ in range(warmups):
             run()
+        with torch.cuda.graph(graph, pool=pool, stream=side):
+            out = run()
     current.wait_stream(side)
+    return out
 
 
 def graph_time_us(run: Callable[[], None], repeats: int, device: torch.device) -> float:
