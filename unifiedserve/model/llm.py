@@ -192,7 +192,7 @@ class DecoderLayer(nn.Module):
         ln1, ln2, attention, mlp = self.input_layernorm, self.post_attention_layernorm, self.self_attn, self.mlp
         qkv_w, qkv_b = attention.qkv_proj.weight, attention.qkv_proj.bias
         write = attn.rope_write(attention.layer_idx, cos, sin) if skinny.rope_chosen(x, qkv_w, qkv_b) else None
-        if write is not None:  # one kernel: the add, the norm, Q/K/V, rotary and the K/V write
+        if write is not None:  # Q/K/V with rotary and the K/V write in its kernel (the add and norm too, or before)
             q, residual = skinny.norm_qkv_rope(x, residual, ln1.weight, ln1.eps, qkv_w, qkv_b, write)
             x = attention.attend_rotated(q, attn)
         else:

@@ -7,10 +7,11 @@ Which kernel runs is measured, not assumed: :func:`tune` times cuBLAS and each :
 model's own weights (every layer's, in order, so each read comes from HBM as in a step, not from L2) at each
 row count the engine will run, and :func:`linear` / :func:`gate_up_silu` take the skinny kernel only where it
 won; :func:`norm_linear` takes the kernel with the norm folded in only where that beat the norm kernel followed
-by the faster of the two, and :func:`norm_qkv_rope` the one with rotary and the K/V write too only where that beat
-:func:`norm_linear` followed by csrc's ``rotary_cache``. Untuned shapes, CPU tensors, float32 (whose ``tl.dot``
-would round to TF32), more than 16 rows, autograd and ``UNIFIEDSERVE_SKINNY_GEMM=0`` all take cuBLAS (and
-``silu_and_mul``, the norm kernel and ``rotary_cache``) as before.
+by the faster of the two, and :func:`norm_qkv_rope` the one with rotary and the K/V write too (with the norm
+folded in, or after the norm kernel) only where that beat :func:`norm_linear` followed by csrc's ``rotary_cache``.
+Untuned shapes, CPU tensors, float32 (whose ``tl.dot`` would round to TF32), more than 16 rows, autograd and
+``UNIFIEDSERVE_SKINNY_GEMM=0`` all take cuBLAS (and ``silu_and_mul``, the norm kernel and ``rotary_cache``) as
+before.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ class Choice:
     """What :func:`tune` measured for one weight shape at one row count (microseconds per call, all layers' mean).
 
     For a ``norm+`` kind (the RMSNorm folded into the kernel), ``cublas_us`` is what it replaces: the norm kernel
-    followed by that projection's own choice at this row count (``baseline`` names it).
+    followed by that projection's own choice at this row count (``baseline`` names it). For a ``+rope`` kind it is
+    :func:`norm_linear` followed by ``rotary_cache``, and a ``<kind>+rope`` config's time includes the norm kernel in
+    front of it. ``config`` is None where the baseline stays, and for the slower of two ``+rope`` forms that both won.
     """
 
     kind: str  # what the weights are (``qkv_proj``, ``gate_up_proj+silu``, ``norm+qkv_proj``, ...)
@@ -180,22 +183,33 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
 
 
 def rope_chosen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether :func:`tune` kept :func:`norm_qkv_rope`'s one kernel for this Q/K/V weight at ``x``'s row count (the
-    caller then asks its attention backend where the K/V go: ``AttentionBackend.rope_write``)."""
-    return _lookup(x, weight, bias, False, norm=True, rope=True) is not None
+    """Whether :func:`tune` kept a kernel with rotary and the K/V write folded in for this Q/K/V weight at ``x``'s row
+    count, with or without the norm (:func:`norm_qkv_rope` then runs it; the caller first asks its attention backend
+    where the K/V go: ``AttentionBackend.rope_write``)."""
+    return (_lookup(x, weight, bias, False, norm=True, rope=True) is not None
+            or _lookup(x, weight, bias, False, rope=True) is not None)
 
 
 def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                   weight: torch.Tensor, bias: torch.Tensor | None, write: RopeWrite
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Qwen2's attention input in one kernel: ``h = x + residual``, RMSNorm, the Q/K/V projection, rotary on Q and K,
-    K and V written into the paged cache (``write``). Returns ``(q [M, Hq * D] rotated, h)`` where :func:`tune`
-    measured that faster than :func:`norm_linear` followed by csrc's ``rotary_cache``; None elsewhere (the caller
-    runs those two)."""
+    """Qwen2's attention input with rotary and the K/V write folded into the projection: ``h = x + residual``,
+    RMSNorm, the Q/K/V projection, rotary on Q and K, K and V written into the paged cache (``write``). Returns
+    ``(q [M, Hq * D] rotated, h)`` where :func:`tune` measured either form faster than :func:`norm_linear` followed
+    by csrc's ``rotary_cache``: one kernel with the norm folded in too (``norm+<kind>+rope``), or the norm kernel
+    followed by the projection with rotary and the write (``<kind>+rope``). None elsewhere (the caller runs those
+    two)."""
     config = _lookup(x, weight, bias, False, norm=True, rope=True)
+    if config is not None:
+        return _with_norm(x, residual, norm_weight, eps, weight, bias, config, rope=write)
+    config = _lookup(x, weight, bias, False, rope=True)
     if config is None:
         return None
-    return _with_norm(x, residual, norm_weight, eps, weight, bias, config, rope=write)
+    if residual is None:
+        normed, stream = ops.rms_norm(x, norm_weight, eps), x
+    else:
+        normed, stream = ops.fused_add_rms_norm(x, residual, norm_weight, eps)
+    return skinny_gemm(normed, weight, bias, rope=write, config=config), stream
 
 
 def _with_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -215,7 +229,7 @@ class Weights:
 
     ``norms``: each layer's RMSNorm weight when an add + RMSNorm precedes the projection (:func:`norm_linear`);
     tune() then also times the kernel with the norm folded in. ``rope_heads``: ``(q_heads, kv_heads)`` of a fused
-    Q/K/V projection (with ``norms``): tune() then also times :func:`norm_qkv_rope`'s kernel.
+    Q/K/V projection (with ``norms``): tune() then also times :func:`norm_qkv_rope`'s two forms.
     """
 
     kind: str
@@ -439,6 +453,7 @@ def _tune_group(group: Weights, counts: list[int], silu_and_mul: Callable[[torch
     if group.rope_heads is not None and not silu:
         from unifiedserve.ops.skinny_rope import tune_rope
 
-        choices = tune_rope(group, counts, configs, margin, failed, per_layer_us)
-        _table[_key(w0, b0, False, True, True)] = [(c.rows, c.config) for c in choices]
-        results += choices
+        folded, behind = tune_rope(group, counts, configs, margin, failed, per_layer_us)
+        _table[_key(w0, b0, False, True, True)] = [(c.rows, c.config) for c in folded]
+        _table[_key(w0, b0, False, False, True)] = [(c.rows, c.config) for c in behind]
+        results += folded + behind

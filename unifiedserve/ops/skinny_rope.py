@@ -78,14 +78,25 @@ class RopeWrite:
 
 
 def tune_rope(group, counts: Sequence[int], configs, margin: float, failed: dict,
-              per_layer_us: Callable[[Callable[[], None], int], float]) -> list:
-    """:func:`unifiedserve.ops.skinny.tune`'s last pass for a Q/K/V group with ``rope_heads``: at each row count,
-    :func:`~unifiedserve.ops.skinny.norm_linear` (with the choices the earlier passes just made) followed by csrc's
-    ``rotary_cache``, against each config with the norm, rotary and K/V write folded in (``norm+<kind>+rope``).
-    The kernel is timed as a padded CUDA-graph step runs it (``write_rows`` given); the winner is then also checked
-    in the forms a step runs but the timing does not: without a residual (the first layer) and without
-    ``write_rows`` (eager steps).
-    Returns the :class:`~unifiedserve.ops.skinny.Choice` per row count; the caller keeps them."""
+              per_layer_us: Callable[[Callable[[], None], int], float]) -> tuple[list, list]:
+    """:func:`unifiedserve.ops.skinny.tune`'s last passes for a Q/K/V group with ``rope_heads``. At each row count the
+    baseline is :func:`~unifiedserve.ops.skinny.norm_linear` (with the choices the earlier passes just made) followed
+    by csrc's ``rotary_cache``, and two ways of folding rotary and the K/V write into the projection are timed
+    against it:
+
+    - ``norm+<kind>+rope``: each config with the add + RMSNorm folded in too (one kernel a layer);
+    - ``<kind>+rope``: the norm kernel, then each config with rotary and the K/V write only. On the H100
+      (2026-11-27, 7B preset, docs/gpu.md) the norm in the kernel's prologue cost more (19.4 us against the norm
+      kernel and cuBLAS's 16.9 at batch 1) than the rotary in its epilogue (0.6 us against ``rotary_cache``'s 3.0),
+      so this form keeps the cheaper half of the fusion.
+
+    Each is timed as a padded CUDA-graph step runs it (``write_rows`` given); a winner is then also checked in the
+    forms a step runs but the timing does not: without a residual (the first layer) and without ``write_rows``
+    (eager steps). Where both forms win at a row count, only the faster stays chosen.
+    Returns the :class:`~unifiedserve.ops.skinny.Choice` lists ``(norm folded in, norm kernel in front)``, one
+    entry per row count each; the caller keeps them."""
+    import dataclasses
+
     from unifiedserve import ops
     from unifiedserve.ops import skinny
 
@@ -97,7 +108,7 @@ def tune_rope(group, counts: Sequence[int], configs, margin: float, failed: dict
     layers = list(zip(group.weights, group.biases, group.norms))
     dev, dt = w0.device, w0.dtype
     rng = torch.Generator(device=dev).manual_seed(1)  # the same inputs at every start-up
-    results = []
+    folded, behind = [], []
     for m in counts:
         x, residual = (torch.randn((m, k), generator=rng, device=dev).to(dt) for _ in range(2))
         angles = torch.rand((m, d // 2), generator=rng, device=dev) * 6.3
@@ -117,25 +128,23 @@ def tune_rope(group, counts: Sequence[int], configs, margin: float, failed: dict
         q_want, stream_want = unfused(x.clone(), residual.clone(), w_last, b_last, g_last, k_want, v_want)
         k_first, v_first = torch.zeros_like(k_want), torch.zeros_like(v_want)
         q_first, _ = unfused(x.clone(), None, w_last, b_last, g_last, k_first, v_first)  # no residual: layer 0
-        xb, rb = x.clone(), residual.clone()  # the unfused path writes its inputs: buffers of its own
 
-        def baseline(xb=xb, rb=rb, k_base=k_base, v_base=v_base):
+        def baseline(bufs=(x.clone(), residual.clone()), k_base=k_base, v_base=v_base):
+            xb, rb = bufs  # the unfused path writes its inputs: buffers of its own
             for w, b, g in layers:
                 unfused(xb, rb, w, b, g, k_base, v_base)
+
+        def wrong(q_got, k_got, v_got, wants, stream_got=None):
+            """Why the outputs differ from ``wants`` (Q, K, V, and the stream), or ''."""
+            pairs = [(q_got, wants[0].reshape(m, -1)), (k_got, wants[1]), (v_got, wants[2])]
+            if stream_got is not None:
+                pairs.append((stream_got, stream_want))
+            return next((w for w in (skinny._disagreement(got, want) for got, want in pairs) if w), "")
 
         def run(config, x=x, residual=residual, stream=stream, q_out=q_out, write=write):
             for w, b, g in layers:
                 skinny.skinny_gemm(x, w, b, norm_weight=g, eps=group.eps, residual=residual, stream_out=stream,
                                    rope=write, config=config, out=q_out)
-
-        def check(q_out=q_out, q_want=q_want, k_fused=k_fused, v_fused=v_fused, k_want=k_want, v_want=v_want,
-                  stream=stream, stream_want=stream_want):
-            for got, want in ((q_out, q_want.reshape(m, -1)), (k_fused, k_want), (v_fused, v_want),
-                              (stream, stream_want)):
-                wrong = skinny._disagreement(got, want)
-                if wrong:
-                    return wrong
-            return ""
 
         def verify(config, x=x, residual=residual, stream=stream, q_out=q_out, write=write, wants=(
                 (q_want, k_want, v_want), (q_first, k_first, v_first))):
@@ -146,18 +155,57 @@ def tune_rope(group, counts: Sequence[int], configs, margin: float, failed: dict
                                    stream_out=None if res is None else stream, config=config, out=q_out,
                                    rope=RopeWrite(cos, sin, q_heads, kv_heads, write.k_cache, write.v_cache, slots,
                                                   write_rows=rows))
-                want_q, want_k, want_v = wants[res is None]
-                for got, want in ((q_out, want_q.reshape(m, -1)), (write.k_cache, want_k), (write.v_cache, want_v)):
-                    wrong = skinny._disagreement(got, want)
-                    if wrong:
-                        return f"{'without the add' if res is None else 'with the add'}, " \
-                               f"{'with' if rows is not None else 'without'} write_rows, {wrong}"
+                why = wrong(q_out, write.k_cache, write.v_cache, wants[res is None])
+                if why:
+                    return f"{'without the add' if res is None else 'with the add'}, " \
+                           f"{'with' if rows is not None else 'without'} write_rows, {why}"
             return ""
 
         baseline()
-        results.append(skinny._best(f"norm+{group.kind}+rope", m, w0.shape[0], k, "norm_linear + rotary_cache",
-                                    per_layer_us(baseline, len(layers)), run, check, configs,
-                                    (b0 is not None, False, True, "rope"), failed,
-                                    lambda f: per_layer_us(f, len(layers)), margin,
-                                    (q_out, k_fused, v_fused, stream), verify))
-    return results
+        name = "norm_linear + rotary_cache"
+        folded.append(skinny._best(f"norm+{group.kind}+rope", m, w0.shape[0], k, name,
+                                   per_layer_us(baseline, len(layers)), run,
+                                   lambda: wrong(q_out, k_fused, v_fused, (q_want, k_want, v_want), stream), configs,
+                                   (b0 is not None, False, True, "rope"), failed,
+                                   lambda f: per_layer_us(f, len(layers)), margin, (q_out, k_fused, v_fused, stream),
+                                   verify))
+
+        # the norm kernel in front: a step's own norm kernel (it writes its inputs, so the timed layers run on
+        # buffers of their own and the check runs the config once more on fresh ones, the last layer's)
+        bufs = (x.clone(), residual.clone())
+        tried: list = []
+
+        def run_behind(config, bufs=bufs, q_out=q_out, write=write):
+            tried[:] = [config]
+            for w, b, g in layers:
+                normed, _ = ops.fused_add_rms_norm(*bufs, g, group.eps)
+                skinny.skinny_gemm(normed, w, b, rope=write, config=config, out=q_out)
+
+        def behind_once(config, rows, q_out=q_out, write=write):
+            """The last layer's norm kernel, then ``config`` with ``write_rows=rows``, on fresh inputs: why its
+            outputs are wrong, or ''. (The first layer's form, without the add, differs only in the norm kernel.)"""
+            for t in (q_out, write.k_cache, write.v_cache):
+                t.fill_(float("nan"))
+            normed, _ = ops.fused_add_rms_norm(x.clone(), residual.clone(), g_last, group.eps)
+            skinny.skinny_gemm(normed, w_last, b_last, config=config, out=q_out,
+                               rope=RopeWrite(cos, sin, q_heads, kv_heads, write.k_cache, write.v_cache, slots,
+                                              write_rows=rows))
+            return wrong(q_out, write.k_cache, write.v_cache, (q_want, k_want, v_want))
+
+        def verify_behind(config):
+            why = behind_once(config, None)  # eager steps: no write_rows
+            return why and f"without write_rows, {why}"
+
+        baseline()
+        behind.append(skinny._best(f"{group.kind}+rope", m, w0.shape[0], k, name, per_layer_us(baseline, len(layers)),
+                                   run_behind, lambda: behind_once(tried[0], slots), configs,
+                                   (b0 is not None, False, False, "rope"), failed,
+                                   lambda f: per_layer_us(f, len(layers)), margin, (q_out, k_fused, v_fused),
+                                   verify_behind))
+        a, b = folded[-1], behind[-1]
+        if a.chosen and b.chosen:  # both beat the baseline: the faster stays
+            if a.skinny_us <= b.skinny_us:
+                behind[-1] = dataclasses.replace(b, config=None)
+            else:
+                folded[-1] = dataclasses.replace(a, config=None)
+    return folded, behind
