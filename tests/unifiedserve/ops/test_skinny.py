@@ -646,6 +646,11 @@ MODEL = """
         h = lm(lm.embed_tokens(torch.tensor(ids)), pos, attn)
         return lm.compute_logits(h).float()
 
+    def same_top(got, want):  # 1: the same top token wherever want's top two differ by more than twice the error
+        top2 = want.topk(2, -1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * (got - want).abs().max()
+        return int(bool(clear.any()) and torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear]))
+
     ids = [3, 14, 15, 92, 65]
     with torch.inference_mode():
         before = step(ids)
@@ -663,12 +668,25 @@ MODEL = """
         real_norm = ops.fused_add_rms_norm
         ops.fused_add_rms_norm = lambda *a: norm_kernels.append(1) or real_norm(*a)
         after = step(ids)
+        # Q/K/V's rotary and K/V write behind the norm kernel: the form with the norm folded in loses this time
+        counted = (len(calls), *(sum(c[i] for c in calls) for i in range(4))), len(norm_kernels)
+        skinny.reset()
+        times = [100.0, 50.0] * 4 + [100.0, 100.0, 100.0, 50.0] * 2 + [100.0, 50.0] * 12
+        skinny.tune(lm.skinny_groups(), [4, 8], silu_and_mul=ops.silu_and_mul,
+                    configs=(skinny.SkinnyConfig(16, 32, 2),), timer=fake_timer(times))
+        calls.clear()
+        norm_kernels.clear()
+        behind = step(ids)
+    print("calls_behind", len(calls), *(sum(c[i] for c in calls) for i in range(4)))
+    print("norm_kernels_behind", len(norm_kernels))
+    print("diff_behind", (behind - before).abs().max().item())
+    print("argmax_behind", same_top(behind, before))
     print("kinds", *kinds)
     print("chosen", sum(c.chosen for c in res), len(res))
-    print("calls", len(calls), *(sum(c[i] for c in calls) for i in range(4)))
-    print("norm_kernels", len(norm_kernels))
+    print("calls", *counted[0])
+    print("norm_kernels", counted[1])
     print("diff", (after - before).abs().max().item(), before.abs().max().item())
-    print("argmax", int(torch.equal(after.argmax(-1), before.argmax(-1))))
+    print("argmax", same_top(after, before))
 """
 
 
@@ -687,6 +705,12 @@ def test_the_language_model_runs_its_projections_through_the_tuned_kernel():
     diff, scale = map(float, lines["diff"])
     assert 0 < scale and diff <= 0.02 * scale
     assert lines["argmax"] == ["1"]
+    # tuned again with Q/K/V's rotary and K/V write chosen behind the norm kernel: per layer that form (no norm in the
+    # kernel), the SwiGLU with its norm and add; the norm kernels: layer 1's add + RMSNorm before Q/K/V, the final one
+    assert lines["calls_behind"] == ["9", "2", "2", "2", "2"]
+    assert lines["norm_kernels_behind"] == ["2"]
+    assert float(lines["diff_behind"][0]) <= 0.02 * scale
+    assert lines["argmax_behind"] == ["1"]
 
 
 @needs_triton
