@@ -515,7 +515,8 @@ def _print(results: dict, device: str, dtype: str) -> None:
     if d.get("skinny_gemm"):
         print(f"decode GEMMs timed at start-up in {d.get('skinny_gemm_tune_s', 0.0):.1f} s (compilations included):")
     for c in d.get("skinny_gemm", []):  # what start-up timed, per projection and decode row count
-        best = "-" if c["skinny_us"] is None else f"{c['skinny_us']:.1f} us ({c['config'] or 'not chosen'})"
+        chosen = c["config"] or c.get("note") or "not chosen"
+        best = "-" if c["skinny_us"] is None else f"{c['skinny_us']:.1f} us ({chosen})"
         print(f"GEMM {c['kind']:<23} [{c['n']}x{c['k']}] rows {c['rows']:>2}: {c.get('baseline', 'cuBLAS')} "
               f"{c['cublas_us']:.1f} us, skinny {best}")
     for c in d.get("decode_attention", []):  # 28 layers' decode attention in one graph, per batch size and length

@@ -62,6 +62,7 @@ class Choice:
     config: SkinnyConfig | None  # the best config; None when the baseline stays
     configs_us: dict[str, float]  # every config that ran
     baseline: str = "cuBLAS"
+    note: str = ""  # why a config that beat the baseline is not chosen (the other +rope form was faster)
 
     @property
     def chosen(self) -> bool:
@@ -73,7 +74,7 @@ class Choice:
                 "config": None if self.config is None else str(self.config),
                 "baseline": self.baseline,
                 "speedup": None if self.skinny_us is None else round(self.cublas_us / self.skinny_us, 3),
-                "configs_us": {name: round(us, 2) for name, us in self.configs_us.items()}}
+                "configs_us": {name: round(us, 2) for name, us in self.configs_us.items()}, "note": self.note}
 
 
 # (N rows of weight, K, dtype, has bias, silu_mul, norm folded in, rope epilogue) -> [(rows bucket, config or None)],
@@ -110,6 +111,8 @@ def summary(results: Sequence[Choice]) -> str:
         timing = f"{first.cublas_us:.1f} us {first.baseline}" + (
             "" if first.skinny_us is None else f" vs {first.skinny_us:.1f} us skinny at {first.rows} row(s)")
         where = f"skinny at rows {won}" if won else first.baseline
+        noted = [c.rows for c in choices if c.note]
+        where += f" (also won at rows {noted}, where the other rope form was faster)" if noted else ""
         parts.append(f"{kind} [{first.n}x{first.k}]: {where} ({timing})")
     return "; ".join(parts)
 

@@ -202,10 +202,11 @@ def tune_rope(group, counts: Sequence[int], configs, margin: float, failed: dict
                                    (b0 is not None, False, False, "rope"), failed,
                                    lambda f: per_layer_us(f, len(layers)), margin, (q_out, k_fused, v_fused),
                                    verify_behind))
-        a, b = folded[-1], behind[-1]
-        if a.chosen and b.chosen:  # both beat the baseline: the faster stays
-            if a.skinny_us <= b.skinny_us:
-                behind[-1] = dataclasses.replace(b, config=None)
+        in_one, after_norm = folded[-1], behind[-1]
+        if in_one.chosen and after_norm.chosen:  # both beat the baseline: the faster stays
+            note = "won, but the other rope form was faster"
+            if in_one.skinny_us <= after_norm.skinny_us:
+                behind[-1] = dataclasses.replace(after_norm, config=None, note=note)
             else:
-                folded[-1] = dataclasses.replace(a, config=None)
+                folded[-1] = dataclasses.replace(in_one, config=None, note=note)
     return folded, behind
