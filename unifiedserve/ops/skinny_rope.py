@@ -196,12 +196,20 @@ def tune_rope(group, counts: Sequence[int], configs, margin: float, failed: dict
             why = behind_once(config, None)  # eager steps: no write_rows
             return why and f"without write_rows, {why}"
 
-        baseline()
-        behind.append(skinny._best(f"{group.kind}+rope", m, w0.shape[0], k, name, per_layer_us(baseline, len(layers)),
-                                   run_behind, lambda: behind_once(tried[0], slots), configs,
-                                   (b0 is not None, False, False, "rope"), failed,
-                                   lambda f: per_layer_us(f, len(layers)), margin, (q_out, k_fused, v_fused),
-                                   verify_behind))
+        try:
+            baseline()
+            behind.append(skinny._best(f"{group.kind}+rope", m, w0.shape[0], k, name,
+                                       per_layer_us(baseline, len(layers)), run_behind,
+                                       lambda: behind_once(tried[0], slots), configs,
+                                       (b0 is not None, False, False, "rope"), failed,
+                                       lambda f: per_layer_us(f, len(layers)), margin, (q_out, k_fused, v_fused),
+                                       verify_behind))
+        except Exception as e:  # its baseline cannot be timed again: this form is not chosen, the others stand
+            skinny._raise_if_fault(e, f"{group.kind}+rope", None)
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            skinny.log.warning("skinny GEMM %s+rope, %d rows: not timed, the other forms stay: %s", group.kind, m, why)
+            behind.append(dataclasses.replace(folded[-1], kind=f"{group.kind}+rope", skinny_us=None, config=None,
+                                              configs_us={}, note=f"not timed: {why}"))
         in_one, after_norm = folded[-1], behind[-1]
         if in_one.chosen and after_norm.chosen:  # both beat the baseline: the faster stays
             note = "won, but the other rope form was faster"

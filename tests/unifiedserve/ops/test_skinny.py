@@ -656,6 +656,21 @@ TUNE_ROPE_CHECKS = QKV_TUNE_SETUP + """
     behind = [c for c in res if c.kind == "qkv+rope"][0]
     print("behind", behind.config, *sorted(behind.configs_us))
     print("norm_kernels_per_timed_call", *deltas)
+    # a baseline that cannot be timed again for the form behind the norm kernel: the folded form's choice stands
+    times = iter([100.0] * 6 + [100.0, 50.0, 100.0])
+
+    def failing(run, repeats, device):
+        run()
+        value = next(times, None)
+        if value is None:
+            raise RuntimeError("timer broke")
+        return value
+
+    skinny.reset()
+    res = skinny.tune([group], [1], silu_and_mul=reference.silu_and_mul, configs=configs, timer=failing)
+    ropes = [c.kind + ":" + str(c.config) for c in res if "rope" in c.kind]
+    print("after_failure", *ropes, res[-1].note.replace(" ", "_"))
+    print("still_chosen", int(skinny.rope_chosen(torch.zeros(1, 64, dtype=torch.bfloat16), w[0], b[0])))
 """
 
 
@@ -669,6 +684,9 @@ def test_tune_rejects_a_rope_config_behind_the_norm_kernel_that_is_wrong_in_any_
     # plain: the baseline and two configs (no norm); norm+: the norm kernel + cuBLAS baseline (2 layers), the two
     # configs with the norm folded in; then folded rope: norm_linear's norm kernel in its baseline; behind: baseline, c1
     assert "norm_kernels_per_timed_call 0 0 0 2 0 0 2 0 0 2 2" in lines
+    # its baseline failing the second time: that form is not chosen, with the reason; the folded form's choice stands
+    assert "after_failure norm+qkv+rope:n16k32s2w4 qkv+rope:None not_timed:_timer_broke" in lines
+    assert "still_chosen 1" in lines
 
 
 MODEL = """
