@@ -23,6 +23,7 @@ What it takes (checked here, metadata only: nothing is read on the host):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -95,8 +96,6 @@ def tune_rope(group, counts: Sequence[int], configs, margin: float, failed: dict
     (eager steps). Where both forms win at a row count, only the faster stays chosen.
     Returns the :class:`~unifiedserve.ops.skinny.Choice` lists ``(norm folded in, norm kernel in front)``, one
     entry per row count each; the caller keeps them."""
-    import dataclasses
-
     from unifiedserve import ops
     from unifiedserve.ops import skinny
 
