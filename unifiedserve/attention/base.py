@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from unifiedserve.attention.metadata import SeqSpec
-from unifiedserve.memory.transfer import to_device
+from unifiedserve.memory.transfer import write_to
 from unifiedserve.ops.skinny_rope import RopeWrite
 
 
@@ -264,6 +264,6 @@ class AttentionBackend(ABC):
 
 
 def copy_host_ints(dst: torch.Tensor, values: Sequence[int]) -> None:
-    """Write host ints into a fixed device buffer (a CUDA graph's input) without waiting for the device: on every
-    graph replay a blocking copy would wait for every step already queued (:func:`to_device`)."""
-    dst.copy_(to_device(torch.as_tensor(values, dtype=dst.dtype), dst.device), non_blocking=True)
+    """Write host ints into a fixed device buffer (a CUDA graph's input) as one queued copy (``write_to``): on every
+    graph replay a blocking copy would wait for every step already queued. ``dst`` must be contiguous."""
+    write_to(dst, torch.as_tensor(values, dtype=dst.dtype).view(dst.shape))

@@ -229,12 +229,15 @@ class FlashInferAttention(AttentionBackend):
         # One set of fixed buffers for the largest batch; each size's wrapper holds prefix views of
         # them (flashinfer sizes its batch from the views' lengths). Only one graph replays at a
         # time and plan() rewrites the buffers before each replay, so sharing them is safe.
+        # "step": what this backend sends up per graph step, in one copy (_plan_graph): a size-n step's slot map
+        # and write rows as [2, n] from offset 0, then (from 2 x max_batch) the page indices, int32, which are
+        # flashinfer's fixed indices buffer itself, so its plan's copy of them finds them in place
+        step = torch.zeros(2 * max_batch + -(-max_pages // 2), dtype=torch.int64, device=device)
         bufs = {
             "paged_kv_indptr": torch.zeros(max_batch + 1, dtype=torch.int32, device=device),
-            "paged_kv_indices": torch.zeros(max_pages, dtype=torch.int32, device=device),
+            "paged_kv_indices": step[2 * max_batch:].view(torch.int32)[:max_pages],
             "paged_kv_last_page_len": torch.zeros(max_batch, dtype=torch.int32, device=device),
-            # slot map (row 0) and write rows (row 1) of a step: one buffer, so one copy sends both up
-            "rows": torch.zeros((2, max_batch), dtype=torch.int64, device=device),
+            "step": step,
         }
         self._graph_bufs = bufs
         self._graph_max_seq_len = max_seq_len
@@ -317,14 +320,25 @@ class FlashInferAttention(AttentionBackend):
         # last-page lengths on the host too (keep them there: pinned, their copies are queued), but copies the page
         # indices with a blocking copy unless they are on the device already (flashinfer 0.6.13, decode.py, plan:
         # non_blocking=(indices.device == self.device) and non_blocking): a host wait per replay, which the device
-        # caught under torch.cuda.set_sync_debug_mode("error"). So they go up first, queued.
-        indices = to_device(arrays["paged_kv_indices"], self.kv_cache.device)
+        # caught under torch.cuda.set_sync_debug_mode("error"). So they go up first, queued, in the one copy that
+        # also carries the slot map and write rows, straight into flashinfer's fixed indices buffer: its
+        # ``buf[:k].copy_(indices)`` then copies a view onto the same memory, which torch skips (copy_'s early
+        # exit for views of the same data), so the step's attention inputs cost the device one copy instead of
+        # four (each operation outside the graph replay costs a few microseconds: issue 13's batch-1 step).
+        n = graph_batch_size
+        bufs = self._graph_bufs
+        max_batch = len(bufs["paged_kv_last_page_len"])
+        pages = arrays["paged_kv_indices"].numpy()  # int32 [k]
+        k = len(pages)
+        packed = np.zeros(2 * max_batch + -(-k // 2), dtype=np.int64)
+        packed[:n], packed[n:2 * n] = padded.slot_mapping, padded.write_rows
+        packed[2 * max_batch:].view(np.int32)[:k] = pages
+        copy_host_ints(bufs["step"][:len(packed)], packed)  # queued: no host sync per replay
+        indices = bufs["paged_kv_indices"][:k]
         indptr, last = (self._host(arrays[name]) for name in ("paged_kv_indptr", "paged_kv_last_page_len"))
         self._plan(wrapper, indptr, indices, last, self.num_q_heads, self.num_kv_heads, self.head_dim,
                    self.kv_cache.block_size, disable_split_kv=variant == WHOLE_KV, **self._plan_kwargs())
-        n = graph_batch_size
-        rows = self._graph_bufs["rows"][:, :n]
-        copy_host_ints(rows, np.stack((padded.slot_mapping, padded.write_rows)))  # queued: no host sync per replay
+        rows = bufs["step"][:2 * n].view(2, n)
         return _Step(wrapper, n, rows[0], rows[1])  # each a contiguous row: what the fused K/V write takes
 
     # -- per layer (inside the forward; no host syncs) --------------------------------------------

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from unifiedserve.engine.runner import RopeTables, run_decoder
-from unifiedserve.memory.transfer import to_device
+from unifiedserve.engine.runner import RopeTables, feed, run_decoder
+from unifiedserve.memory.transfer import write_to
 from unifiedserve.ops.tuning import capture
 
 #: The dummy decode step planned for capture: nothing cached, one new token in block 0.
@@ -54,10 +54,9 @@ class DecodeGraphs:
         self.device = device
         self.max_seq_len = max_seq_len
         largest = self.batch_sizes[-1]
-        # token ids and M-RoPE positions in one buffer, so that a step sends both up in one copy
-        self._inputs = torch.zeros((4, largest), dtype=torch.int64, device=device)  # [1 + 3, B_max]
-        self.input_ids = self._inputs[0]  # [B_max]
-        self.positions = self._inputs[1:]  # [3, B_max]
+        # token ids and M-RoPE positions in one buffer, so that a step sends both up in one copy: a size-B graph
+        # reads them as [1 + 3, B] from its start (contiguous, so that copy is the step's only one for them)
+        self._inputs = torch.zeros(4 * largest, dtype=torch.int64, device=device)
         attn.init_cuda_graph(self.batch_sizes, max_seq_len)
         self._graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}  # (batch size, variant) -> graph
         self._outputs: dict[tuple[int, str], torch.Tensor] = {}  # [B, vocab] logits each graph writes
@@ -66,8 +65,13 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _body(self, size: int) -> torch.Tensor:
         """The decode step on the static buffers: ``[size, vocab]`` logits (every row is sampled)."""
-        hidden = run_decoder(self.model, self.attn, self.input_ids[:size], self.positions[:, :size], self.rope)
+        inputs = self.inputs(size)
+        hidden = run_decoder(self.model, self.attn, inputs[0], inputs[1:], self.rope)
         return self.model.compute_logits(hidden)  # [size, vocab]
+
+    def inputs(self, size: int) -> torch.Tensor:
+        """The int64 ``[1 + 3, size]`` static inputs a size-``size`` graph reads: token ids, then M-RoPE positions."""
+        return self._inputs[:4 * size].view(4, size)
 
     @property
     def captured(self) -> bool:
@@ -123,21 +127,26 @@ class DecodeGraphs:
         host = torch.zeros((4, size), dtype=torch.int64)  # padding rows: token 0 at position 0
         host[0, :n] = input_ids
         host[1:, :n] = positions
-        self._inputs[:, :size].copy_(to_device(host, self.device), non_blocking=True)
+        inputs = self.inputs(size)
+        write_to(inputs, host)  # one queued copy
         if fed is not None:  # rows whose token is still on the device (async scheduling)
-            self.input_ids.index_copy_(0, *fed)
+            feed(inputs[0], fed)
         return size, variant
 
-    def run(self, seqs, input_ids: torch.Tensor, positions: torch.Tensor, fed=None) -> torch.Tensor:
+    def run(self, seqs, input_ids: torch.Tensor, positions: torch.Tensor, fed=None, copy: bool = True) -> torch.Tensor:
         """Replay the graph for a decode step.
 
         Args:
             seqs: ``(cached, 1, block_ids)`` per sequence, in row order.
             input_ids: int64 ``[n]`` (host): each sequence's last token; positions: int64 ``[3, n]`` (host).
-            fed: ``(rows, tokens)`` on the device: tokens that replace ``input_ids`` at those rows.
+            fed: ``(rows, tokens)`` on the device: tokens that replace ``input_ids`` at those rows
+                (:func:`~unifiedserve.engine.runner.feed`).
+            copy: return a fresh tensor; False: a view of the graph's output buffer, which the next replay of this
+                graph rewrites (the engine samples a step's logits before it launches the next: one copy of
+                ``[n, vocab]`` fewer per step).
 
         Returns:
-            ``[n, vocab]`` logits (a fresh tensor: the graph's output buffer is rewritten next replay).
+            ``[n, vocab]`` logits.
 
         Raises:
             ValueError: no captured graph serves the step (see :meth:`serves`) or shapes disagree.
@@ -147,7 +156,8 @@ class DecodeGraphs:
             raise RuntimeError("DecodeGraphs.run before capture()")
         key = self._prepare(seqs, input_ids, positions, fed)
         self._graphs[key].replay()
-        return self._outputs[key][:len(seqs)].clone()
+        logits = self._outputs[key][:len(seqs)]
+        return logits.clone() if copy else logits
 
     def graph_for(self, num_seqs: int) -> torch.cuda.CUDAGraph:
         """The captured graph a ``num_seqs``-sequence step replays (benchmarks time or profile its ``replay()``,

@@ -53,6 +53,28 @@ class RopeTables:
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def feed(ids: torch.Tensor, fed: tuple[torch.Tensor | slice, torch.Tensor]) -> None:
+    """Write ``fed = (rows, tokens)`` into the device tensor ``ids`` in place: ``ids[rows] = tokens``.
+
+    ``rows`` is an int64 ``[F]`` device tensor, or a ``slice`` when the rows are consecutive and so are the tokens
+    they take (the usual async decode step: every row fed, in the order of the step before): then one device-to-device
+    copy, against a copy of the indices up, a gather and a scatter (issue 13: every operation outside a decode graph's
+    replay costs the device microseconds).
+    """
+    rows, tokens = fed
+    if isinstance(rows, slice):
+        ids[rows].copy_(tokens)
+    else:
+        ids.index_copy_(0, rows, tokens)
+
+
+def consecutive(values: list[int]) -> slice | None:
+    """``slice(a, a + len(values))`` when ``values`` is ``a, a + 1, ...`` (non-empty), else None."""
+    if values and values[-1] - values[0] == len(values) - 1 and all(b == a + 1 for a, b in zip(values, values[1:])):
+        return slice(values[0], values[-1] + 1)
+    return None
+
+
 def run_decoder(model, attn, input_ids: torch.Tensor, positions: torch.Tensor, rope: RopeTables,
                 visual: torch.Tensor | None = None, visual_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Embed, run every layer on the planned ``attn``, final norm; all on the device, no host sync.
@@ -87,8 +109,9 @@ def forward_tokens(model, attn, input_ids: torch.Tensor, positions: torch.Tensor
             among ``input_ids``, in order.
         visual_mask: bool [N] on the host, rows that take ``visual`` (default: rows with a placeholder id).
         rope: the model's :class:`RopeTables` (built here when ``None``).
-        fed: ``(rows, tokens)``, int64 ``[F]`` each on the model's device: token ids that replace
-            ``input_ids`` at those rows (text rows whose token is not on the host yet: async scheduling).
+        fed: ``(rows, tokens)``, tokens int64 ``[F]`` on the model's device, rows such a tensor or a ``slice``
+            (:func:`feed`): token ids that replace ``input_ids`` at those rows (text rows whose token is not on the
+            host yet: async scheduling).
 
     Raises:
         ValueError: positions of the wrong shape, or placeholders and visual tokens differ in number.
@@ -110,7 +133,8 @@ def forward_tokens(model, attn, input_ids: torch.Tensor, positions: torch.Tensor
     rope = rope or RopeTables(model.config.text, device)
     ids_dev = to_device(input_ids, device)
     if fed is not None:
-        ids_dev = ids_dev.index_copy(0, *fed)
+        ids_dev = ids_dev.clone() if ids_dev is input_ids else ids_dev  # the caller's host tensor stays as it was
+        feed(ids_dev, fed)
     hidden = run_decoder(model, attn, ids_dev, to_device(positions, device), rope,
                          visual if num_visual else None, to_device(rows, device) if num_visual else None)
     picked = to_device(torch.tensor(sample_rows, dtype=torch.int64), device)
@@ -355,11 +379,16 @@ class ModelRunner(RunnerStartup):
         input_ids = torch.cat(ids) if len(ids) > 1 else ids[0]  # [N] (host)
         positions = torch.cat(positions, dim=1) if len(positions) > 1 else positions[0]  # [3, N] (host)
         fed = None
-        if from_device[0]:  # rows whose token is on the device: (rows [F], tokens [F]) to write after the copy
-            index = to_device(torch.tensor(from_device, dtype=torch.int64), self.device)  # [2, F]: one copy
-            fed = (index[0], pending.tokens[index[1]])
+        if from_device[0]:  # rows whose token is on the device: (rows, tokens [F]) to write after the copy
+            dst, src = (consecutive(rows) for rows in from_device)
+            if dst is not None and src is not None:  # the usual step: no index to send up (feed)
+                fed = (dst, pending.tokens[src])
+            else:
+                index = to_device(torch.tensor(from_device, dtype=torch.int64), self.device)  # [2, F]: one copy
+                fed = (index[0], pending.tokens[index[1]])
         if not out.prefill and self.graphs is not None and self.graphs.serves(seqs):
-            logits = self.graphs.run(seqs, input_ids, positions, fed)  # [N, vocab]: decode rows are the samples
+            # [N, vocab]: decode rows are the samples; a view of the graph's output, sampled before the next step
+            logits = self.graphs.run(seqs, input_ids, positions, fed, copy=False)
         else:
             visual = self.visual_buffer.read(out.visual_read) if out.visual_read is not None else None
             cfg = self.model.config

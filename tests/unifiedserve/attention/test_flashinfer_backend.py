@@ -107,24 +107,37 @@ def test_a_wrapper_is_planned_again_only_after_its_last_plans_copy(fake_flashinf
                    ("plan", "graph"), ("wait", 4), ("plan", "graph")]
 
 
-def test_graph_plan_sends_the_page_indices_up_itself(fake_flashinfer, monkeypatch):
+def test_graph_plan_sends_its_inputs_up_in_one_copy(fake_flashinfer, monkeypatch):
     """flashinfer 0.6.13's graph-mode plan copies host page indices with a blocking copy (the device caught it under
-    set_sync_debug_mode("error")): the backend queues them to the cache's device first (to_device) and hands
-    flashinfer the device tensor; indptr and last-page lengths stay host arrays, which flashinfer also reads there."""
+    set_sync_debug_mode("error")), so the backend sends them up itself: with the step's slot map and write rows, in
+    one queued copy (copy_host_ints) whose page indices land in flashinfer's fixed indices buffer, and hands
+    flashinfer a view equal to the one its plan copies into (same memory, offset, size and stride: torch's copy_
+    skips it). indptr and last-page lengths stay host arrays, which flashinfer also reads there."""
     attn = fi()
-    attn.init_cuda_graph([4], max_seq_len=16)
-    sent = {}
-    monkeypatch.setattr(fib, "to_device", lambda t, device: sent.setdefault(id(t), (t, device))[0])
+    attn.init_cuda_graph([4, 8], max_seq_len=16)
+    copies = []
+    copy = fib.copy_host_ints
+    monkeypatch.setattr(fib, "copy_host_ints", lambda dst, values: (copies.append(dst), copy(dst, values)))
     wrapper, seen = attn._graph_wrapper(4, fib.SPLIT_KV), {}
     plan = wrapper.plan
     monkeypatch.setattr(wrapper, "plan", lambda indptr, indices, last, *a, **k: (
         seen.update(indptr=indptr, indices=indices, last=last), plan(indptr, indices, last, *a, **k)))
+    attn.plan(DECODE_SEQS, graph_batch_size=8)  # the size-8 buffers first: the size-4 step must not read them
     attn.plan(DECODE_SEQS, graph_batch_size=4)
-    assert id(seen["indices"]) in sent and sent[id(seen["indices"])][1] == attn.kv_cache.device
-    assert id(seen["indptr"]) not in sent and id(seen["last"]) not in sent
+    step = attn._graph_bufs["step"]
+    assert len(copies) == 2 and copies[-1].data_ptr() == step.data_ptr()  # one copy per plan, into "step"
+    padded = pad_decode_batch(build_paged_batch(DECODE_SEQS, BS), 4)
+    expected = fib.plan_tensors(padded)["paged_kv_indices"]
+    fixed = wrapper.bufs[1][:len(expected)]  # what flashinfer's plan copies the indices into
+    indices = seen["indices"]
+    assert indices.tolist() == expected.tolist() and fixed.tolist() == expected.tolist()
+    assert (indices.untyped_storage().data_ptr(), indices.storage_offset(), indices.shape, indices.stride(),
+            indices.dtype) == (fixed.untyped_storage().data_ptr(), fixed.storage_offset(), fixed.shape,
+                               fixed.stride(), fixed.dtype)
     assert seen["indptr"].device.type == "cpu" and seen["last"].device.type == "cpu"
-    assert seen["indices"].tolist() == fib.plan_tensors(pad_decode_batch(
-        build_paged_batch(DECODE_SEQS, BS), 4))["paged_kv_indices"].tolist()
+    slots, write_rows = attn._step.slot_mapping, attn._step.write_rows  # [4] each, contiguous, from the start
+    assert slots.is_contiguous() and write_rows.is_contiguous() and slots.data_ptr() == step.data_ptr()
+    assert slots.tolist() == padded.slot_mapping.tolist() and write_rows.tolist() == padded.write_rows.tolist()
 
 
 def test_graph_decode_errors(fake_flashinfer):

@@ -301,6 +301,47 @@ def test_runner_feeds_pending_tokens_from_the_device(engines, prompts):
     sync.abort(rid)
 
 
+def test_fed_rows_in_order_are_one_slice_and_others_an_index(engines, prompts, monkeypatch):
+    """Rows fed from the pending step in its order (the usual async step) are written as one slice copy; rows in
+    another order go by index. Both give the logits of the same step run with the tokens on the host."""
+    import unifiedserve.engine.runner as runner_module
+    from unifiedserve.engine.core import PendingStep
+
+    sync, _ = engines
+    kinds = []
+    real_feed = runner_module.feed
+    monkeypatch.setattr(runner_module, "feed", lambda ids, fed: (kinds.append(type(fed[0]).__name__),
+                                                                 real_feed(ids, fed)))
+    rids = [sync.add_request(*prompts[i]) for i in (1, 2)]
+    reqs = sync.scheduler.requests
+    while not all(reqs[r].output_token_ids for r in rids):
+        sync.step()
+    out = sync.scheduler.schedule()
+    assert out.decode == rids
+    first = sync.runner.execute(out, reqs)
+    sync.scheduler.commit(out)
+    tokens = [int(first[r].argmax()) for r in rids]
+    for r, t in zip(rids, tokens):
+        reqs[r].output_token_ids.append(t)
+    out = sync.scheduler.schedule()
+    step = sync.runner.execute(out, reqs)
+    expected = {r: step[r].clone() for r in rids}
+    sync.scheduler.commit(out)
+    for r in rids:
+        reqs[r].output_token_ids.pop()  # as if the tokens were still on the device
+    for order in (rids, rids[::-1]):  # the pending step's rows: as this step's, then reversed
+        pending = PendingStep.launch(order, torch.tensor([tokens[rids.index(r)] for r in order]),
+                                     torch.zeros(2, 8), [SamplingParams()] * 2)
+        out = sync.scheduler.schedule()
+        fed = sync.runner.execute(out, reqs, pending)
+        sync.scheduler.commit(out)
+        for r in rids:
+            torch.testing.assert_close(fed[r], expected[r], rtol=0, atol=0)
+    assert kinds == ["slice", "Tensor"]
+    for r in rids:
+        sync.abort(r)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_async_equals_sync_with_graphs(demo_path, dtype):

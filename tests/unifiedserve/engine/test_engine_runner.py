@@ -184,6 +184,50 @@ def test_padded_graph_step_matches_the_plain_forward_on_cpu(model):
         graphs.capture()
 
 
+@torch.inference_mode()
+def test_a_graph_steps_inputs_are_written_by_one_copy_and_fed_rows_by_one_more(model):
+    """Every operation outside a decode graph's replay costs the device microseconds (issue 13): the step's token
+    ids and positions go into the size's contiguous [1 + 3, B] static inputs by one copy; tokens fed from the
+    device add one more, a slice copy for consecutive rows or an index copy otherwise."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from unifiedserve.engine.cuda_graph import DecodeGraphs
+    from unifiedserve.engine.runner import consecutive
+
+    graphs = DecodeGraphs(model, _attn(model), RopeTables(model.config.text, torch.device("cpu")), [2, 4],
+                          max_seq_len=64)
+    storage = graphs._inputs.untyped_storage().data_ptr()
+
+    class Writes(TorchDispatchMode):  # the ops whose destination is the graphs' static inputs
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            dst = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if dst is not None and func._schema.is_mutable and dst.untyped_storage().data_ptr() == storage:
+                self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    seqs = [(5, 1, [0]), (9, 1, [1]), (3, 1, [2])]
+    ids, positions = torch.tensor([11, 12, 13]), torch.tensor([[5, 9, 3], [6, 10, 4], [7, 11, 5]])
+    tokens = torch.tensor([40, 41, 42, 43])
+    for fed, ops, want_ids in (
+            (None, ["copy_.default"], [11, 12, 13, 0]),
+            ((consecutive([0, 1, 2]), tokens[consecutive([1, 2, 3])]), ["copy_.default"] * 2, [41, 42, 43, 0]),
+            ((torch.tensor([2, 0]), tokens[torch.tensor([0, 3])]), ["copy_.default", "index_copy_.default"],
+             [43, 12, 40, 0])):
+        with Writes() as mode:
+            size, _ = graphs._prepare(seqs, ids, positions, fed)
+        assert size == 4 and mode.ops == ops
+        inputs = graphs.inputs(4)
+        assert inputs.is_contiguous() and inputs.data_ptr() == graphs._inputs.data_ptr()
+        assert inputs[0].tolist() == want_ids and inputs[1:, :3].tolist() == positions.tolist()
+        assert not inputs[1:, 3].any()  # the padding row: position 0
+    assert [consecutive(v) for v in ([3], [0, 1, 2], [1, 3], [2, 1], [])] == [slice(3, 4), slice(0, 3), None, None,
+                                                                              None]
+
+
 class _TwoVariants(TorchPagedAttention):
     """The torch backend offering two graph variants: "short" for steps whose sequences hold at most 8 tokens."""
 
