@@ -117,7 +117,6 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: li
     """
     if len(params) != logits.shape[0] or len(states) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(params)} params and {len(states)} states")
-    logits = logits.float()
     shifts: dict[int, np.ndarray] = {}  # row -> its (id, shift) pairs: logit_bias, then -inf on banned stop ids
     for i, p in enumerate(params):
         parts = [states[i].bias_array(p)] if p.logit_bias else []
@@ -125,9 +124,14 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: li
             parts.append(states[i].ban_array(suppress[i], logits.shape[-1]))
         if parts:
             shifts[i] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    penalized = [i for i, s in enumerate(states) if s.penalty is not None]
+    if not (shifts or penalized) and all(p.is_greedy and s.grammar is None for p, s in zip(params, states)):
+        # every row greedy and unshifted: bf16/fp16 -> fp32 is exact, so the raw logits' argmax is the fp32 one
+        # (same values, same first index among ties) without a [B, vocab] conversion kernel per step (issue 13)
+        return logits.argmax(dim=-1)
+    logits = logits.float()
     if shifts:  # a new tensor: the caller's logits stay raw for logprobs
         logits = apply_logit_bias(logits, list(shifts), list(shifts.values()))
-    penalized = [i for i, s in enumerate(states) if s.penalty is not None]
     batch = PenaltyBatch.of(penalized, [states[i].penalty for i in penalized], logits.device) if penalized else None
     if batch is not None:  # a new tensor: the caller's logits stay raw for logprobs
         logits = apply_penalties(logits, batch, [params[i] for i in penalized])
