@@ -15,7 +15,9 @@ every device timing synchronized:
     (steps where the whole batch is still running; every constrained output must follow the grammar,
     and those that closed their JSON must parse and validate);
   - with --penalties: the cost of presence, frequency and repetition penalties (token counts kept on the
-    device), the median decode step at each --batches size with every request penalized vs not.
+    device), the median decode step at each --batches size with every request penalized vs not;
+  - on CUDA, last: each decode graph's kernels by kind, and (--profile-steps) what the device runs between two
+    graph replays of async decode steps, op by op (``step_trace.py``): the step's cost outside its graph.
 Correctness is checked before anything is timed: in float32 the greedy tokens must equal
 transformers'; in bf16/fp16 the prefill's last-token logits must have cosine >= 0.99 with
 transformers' (and the greedy agreement is reported); the vision outputs likewise. A check that
@@ -41,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine_metrics as em  # noqa: E402
+import step_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MIN_COSINE = 0.99
@@ -86,6 +89,10 @@ def parse_args(argv=None):
                    help="greedy decode steps checked token by token against transformers' top-1 on the same "
                         "sequence, and their logits' cosine (default 256; 0 skips)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for our decode")
+    p.add_argument("--profile-steps", type=int, default=8,
+                   help="CUDA with graphs: profile this many async decode steps at each batch size, last, and list "
+                        "what the device runs between two graph replays (the step's cost outside its graph, op by "
+                        "op: step_trace.py); 0 skips (default 8; at most --new-tokens minus 5)")
     p.add_argument("--async-scheduling", choices=("off", "on", "both"), default="off",
                    help="our decode steps launched before the previous one is read back (on), or timed both ways "
                         "in the same run (both: the sync step stays the headline, the async one beside it)")
@@ -107,6 +114,8 @@ def parse_args(argv=None):
     for flag, given in (("--json-schema", args.json_schema is not None), ("--penalties", args.penalties)):
         if given and "decode" not in args.parts:
             p.error(f"{flag} times decode steps: keep decode in --parts")
+    if args.profile_steps != 0 and args.profile_steps < 2:
+        p.error(f"--profile-steps must be 0 or at least 2, got {args.profile_steps}")
     if args.agreement_steps is not None and args.agreement_steps < 0:
         p.error(f"--agreement-steps must be >= 0, got {args.agreement_steps}")
     for name in ("prompt_tokens", "prefill_tokens", "prefill_chunk", "new_tokens", "slices", "repeats"):
@@ -122,6 +131,24 @@ def parse_args(argv=None):
             except (OSError, ValueError) as e:
                 p.error(f"--json-schema: cannot read a JSON schema from {args.json_schema}: {e}")
     return args
+
+
+def _trace_async_steps(engine, prompts: list[list[int]], new_tokens: int, steps: int, device: torch.device) -> dict:
+    """``steps`` async decode steps of ``prompts`` under the profiler (``step_trace``), once every request has its
+    first token and three steps have run overlapped; the requests then finish unprofiled."""
+    from unifiedserve.engine import SamplingParams
+
+    engine.core.async_scheduling = True
+    for ids in prompts:
+        engine.add_request(ids, [], SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    while any(not r.output_token_ids for r in engine.scheduler.requests.values()):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    summary = step_trace.profile_steps(engine.step, device, steps)
+    while engine.has_unfinished:
+        engine.step()
+    return summary
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -370,6 +397,14 @@ def main(argv=None) -> int:
             if runner.graphs is not None and runner.graphs.graph_size(batch) is not None:
                 r["graph_kernels"] = em.kernel_profile(runner.graphs.graph_for(batch).replay, device)
                 save()
+        steps = min(args.profile_steps, new_tokens - 5)  # first token, 3 steps into the overlap, then the profile
+        for batch, r in decode.items() if steps >= 2 and runner.graphs is not None else ():
+            if runner.graphs.graph_size(batch) is not None:  # async steps: what runs between two replays
+                r["async_trace"] = _trace_async_steps(engine, [prompt(args.prompt_tokens) for _ in range(batch)],
+                                                      new_tokens, steps, device)
+                r["async_trace"]["steps_profiled"] = steps
+                engine.core.async_scheduling = args.async_scheduling == "on"
+                save()
         if "vision" in results:  # one tower forward
             with torch.inference_mode():
                 results["vision"]["kernels"] = em.kernel_profile(lambda: model.encode_vision(patches, grid), device,
@@ -551,6 +586,8 @@ def _print(results: dict, device: str, dtype: str) -> None:
             f"batch {b}: graph replay {r['graph_replay_ms']:.3f} ms ({r['graph_replay_ms'] / r['floor_step_ms']:.2f}x "
             f"floor) + host {r['host_ms']:.3f} ms" for b, r in graphed.items()))
     for b, r in decode.items():
+        if r.get("async_trace"):
+            print(f"decode batch {b} async steps on the device: {step_trace.format_steps(r['async_trace'])}")
         if r.get("graph_kernels"):
             print(f"decode batch {b} graph kernels per replay (us, count): {em.format_kernels(r['graph_kernels'])}; "
                   f"floor {r['floor_step_ms'] * 1e3:.0f} us")

@@ -197,6 +197,36 @@ def test_bench_engine_times_only_the_parts_asked_and_a_failed_check_still_times(
         bench_engine.parse_args(["--parts", "decode,training"])
     with pytest.raises(SystemExit):
         bench_engine.parse_args(["--parts", "prefill", "--penalties"])
+    with pytest.raises(SystemExit):
+        bench_engine.parse_args(["--profile-steps", "1"])
+
+
+def test_async_steps_are_profiled_overlapped_and_every_request_finishes(tmp_path, monkeypatch):
+    """The step profile (CUDA only; its step loop here with the profiler stood in for): the requests have their
+    first token and run overlapped before the profiled steps, no request ends inside them, and all finish after."""
+    import bench_engine
+    import step_trace
+
+    from unifiedserve.engine.llm import LLM, EngineConfig
+    from unifiedserve.model.demo import write_demo_model
+
+    write_demo_model(tmp_path)
+    engine = LLM(tmp_path, EngineConfig(num_kv_blocks=64))
+    seen = []
+
+    def fake_profile(step, device, steps):
+        for _ in range(steps):
+            seen.append((engine.core.async_scheduling, engine.core._pending is not None,
+                         sorted(len(r.output_token_ids) for r in engine.scheduler.requests.values())))
+            step()
+        return {"between_us": 1.0}
+
+    monkeypatch.setattr(step_trace, "profile_steps", fake_profile)
+    summary = bench_engine._trace_async_steps(engine, [[11, 12, 13], [14, 15, 16, 17]], 9, 4, torch.device("cpu"))
+    assert summary == {"between_us": 1.0} and len(seen) == 4
+    assert all(overlapped and pending and len(counts) == 2 for overlapped, pending, counts in seen)
+    assert not engine.has_unfinished
+    assert engine.pool_usage() == {"kv_blocks_used": 0, "patch_pages_used": 0, "visual_pages_used": 0}
 
 
 @pytest.mark.slow
