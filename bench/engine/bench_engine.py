@@ -529,8 +529,40 @@ def _long_agreement(engine, model, runner, hf, ids: list[int], steps: int, devic
         theirs = hf(input_ids=torch.tensor([full], device=device)).logits[0, rows].float()  # [steps, vocab]
     top1 = theirs.argmax(-1).tolist()
     cos = torch.nn.functional.cosine_similarity(ours, theirs.to(ours.device), dim=-1)
-    return {"agreement_steps": steps, "top1_agreement": sum(a == b for a, b in zip(out, top1)) / steps,
-            "logits_cosine_min": float(cos.min()), "logits_cosine_mean": float(cos.mean())}
+    result = {"agreement_steps": steps, "top1_agreement": sum(a == b for a, b in zip(out, top1)) / steps,
+              "logits_cosine_min": float(cos.min()), "logits_cosine_mean": float(cos.mean())}
+    if next(hf.parameters()).dtype != torch.float32:
+        result.update(_float32_reference(hf, full, rows, out, top1, device))
+    return result
+
+
+def _float32_reference(hf, full: list[int], rows: list[int], ours: list[int], theirs: list[int], device) -> dict:
+    """How far bf16 itself moves the top-1 on this sequence: transformers in float32 (its weights upcast in place,
+    then given back their own dtypes: bf16 -> fp32 -> bf16 is exact) is the truth both bf16 models are read against.
+
+    Random weights give near-uniform logits whose top two nearly tie, so bf16's rounding flips some top-1s in any
+    implementation: ``transformers_bf16_top1_vs_float32`` is the reference's own share, beside ours
+    (``top1_vs_float32``). ``tie_margins`` are float32's top-1 minus top-2 logit where ours differs from it.
+    """
+    tensors = [t for _, t in hf.named_parameters()] + [t for _, t in hf.named_buffers()]
+    dtypes = [t.dtype for t in tensors]
+    try:
+        for t in tensors:
+            if t.is_floating_point():
+                t.data = t.data.float()
+        with torch.inference_mode():
+            truth = hf(input_ids=torch.tensor([full], device=device)).logits[0, rows].float()  # [steps, vocab]
+    finally:
+        for t, dtype in zip(tensors, dtypes):
+            t.data = t.data.to(dtype)
+    best = truth.argmax(-1).tolist()
+    top2 = truth.topk(2, dim=-1).values
+    margins = (top2[:, 0] - top2[:, 1]).tolist()
+    steps = len(rows)
+    return {"top1_vs_float32": sum(a == b for a, b in zip(ours, best)) / steps,
+            "transformers_bf16_top1_vs_float32": sum(a == b for a, b in zip(theirs, best)) / steps,
+            "tie_margins": [round(m, 4) for a, b, m in zip(ours, best, margins) if a != b][:16],
+            "median_margin": float(torch.tensor(margins).median())}
 
 
 def _throughput(units: int, unit: str, ours_s: float, hf_s: float, flops: float, peak: float | None) -> dict:
@@ -566,6 +598,10 @@ def _print(results: dict, device: str, dtype: str) -> None:
         print(f"{c['agreement_steps']} greedy steps vs transformers' top-1 on the same sequence: "
               f"{c['top1_agreement']:.3f}; logits cosine min {c['logits_cosine_min']:.5f}, "
               f"mean {c['logits_cosine_mean']:.5f}")
+    if "top1_vs_float32" in c:
+        print(f"the same steps vs transformers float32's top-1: ours {c['top1_vs_float32']:.3f}, transformers bf16 "
+              f"{c['transformers_bf16_top1_vs_float32']:.3f} (bf16's own flips); float32's top-1 - top-2 logit "
+              f"where ours differs: {c['tie_margins']} (median over all steps {c['median_margin']:.3f})")
     decode = results.get("decode", {})
     if decode:
         print(f"{'decode':<10} {'ours ms':>9} {'tok/s':>9} {'hf ms':>9} {'hf tok/s':>9} {'speedup':>8} "

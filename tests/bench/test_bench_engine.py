@@ -242,3 +242,33 @@ def test_bench_multiturn_runs_and_the_answer_is_cached(tmp_path):
     # from the cache: the full blocks of the prompt and the answer but its last token; prompt only: the prompt's
     assert cached["cached_tokens"] == (prompt + 39) // 16 * 16
     assert prompt_only["cached_tokens"] == prompt // 16 * 16 and off["cached_tokens"] == 0
+
+
+def test_bf16_agreement_is_read_against_float32_transformers_and_its_weights_come_back_exact(tmp_path):
+    """In bf16 the long agreement also reads both models' top-1 against transformers in float32 (the reference's own
+    bf16 flips beside ours); the upcast is undone exactly: every parameter and buffer has its dtype and bits back."""
+    import bench_engine
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from unifiedserve.engine.llm import LLM, EngineConfig
+    from unifiedserve.engine.runner import forward_tokens
+    from unifiedserve.model.demo import write_demo_model
+
+    write_demo_model(tmp_path)
+    engine = LLM(tmp_path, EngineConfig(dtype="bfloat16", num_kv_blocks=64))
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    before = {n: t.clone() for n, t in list(hf.named_parameters()) + list(hf.named_buffers())}
+    r = bench_engine._long_agreement(engine, engine.model, engine.runner, hf, list(range(20, 36)), 12,
+                                     torch.device("cpu"), forward_tokens)
+    after = dict(list(hf.named_parameters()) + list(hf.named_buffers()))
+    assert before.keys() == after.keys()
+    assert all(after[n].dtype == t.dtype and torch.equal(after[n], t) for n, t in before.items())
+    assert r["agreement_steps"] == 12 and 0 <= r["top1_agreement"] <= 1
+    assert 0 <= r["top1_vs_float32"] <= 1 and 0 <= r["transformers_bf16_top1_vs_float32"] <= 1
+    wrong = round((1 - r["top1_vs_float32"]) * 12)
+    assert len(r["tie_margins"]) == wrong and all(m >= 0 for m in r["tie_margins"]) and r["median_margin"] >= 0
+    hf32 = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    engine32 = LLM(tmp_path, EngineConfig(num_kv_blocks=64))
+    r32 = bench_engine._long_agreement(engine32, engine32.model, engine32.runner, hf32, list(range(20, 36)), 4,
+                                       torch.device("cpu"), forward_tokens)
+    assert "top1_vs_float32" not in r32  # float32 already: no second reference
