@@ -230,8 +230,9 @@ class FlashInferAttention(AttentionBackend):
         # them (flashinfer sizes its batch from the views' lengths). Only one graph replays at a
         # time and plan() rewrites the buffers before each replay, so sharing them is safe.
         # "step": what this backend sends up per graph step, in one copy (_plan_graph): a size-n step's slot map
-        # and write rows as [2, n] from offset 0, then (from 2 x max_batch) the page indices, int32, which are
-        # flashinfer's fixed indices buffer itself, so its plan's copy of them finds them in place
+        # from offset 0 and its write rows from max_batch (each row then starts 16-byte aligned, as the skinny
+        # kernels' tune timed them: Triton specialises pointers on it), then (from 2 x max_batch) the page indices,
+        # int32, which are flashinfer's fixed indices buffer itself, so its plan's copy of them finds them in place
         step = torch.zeros(2 * max_batch + -(-max_pages // 2), dtype=torch.int64, device=device)
         bufs = {
             "paged_kv_indptr": torch.zeros(max_batch + 1, dtype=torch.int32, device=device),
@@ -331,15 +332,15 @@ class FlashInferAttention(AttentionBackend):
         pages = arrays["paged_kv_indices"].numpy()  # int32 [k]
         k = len(pages)
         packed = np.zeros(2 * max_batch + -(-k // 2), dtype=np.int64)
-        packed[:n], packed[n:2 * n] = padded.slot_mapping, padded.write_rows
+        packed[:n], packed[max_batch:max_batch + n] = padded.slot_mapping, padded.write_rows
         packed[2 * max_batch:].view(np.int32)[:k] = pages
         copy_host_ints(bufs["step"][:len(packed)], packed)  # queued: no host sync per replay
         indices = bufs["paged_kv_indices"][:k]
         indptr, last = (self._host(arrays[name]) for name in ("paged_kv_indptr", "paged_kv_last_page_len"))
         self._plan(wrapper, indptr, indices, last, self.num_q_heads, self.num_kv_heads, self.head_dim,
                    self.kv_cache.block_size, disable_split_kv=variant == WHOLE_KV, **self._plan_kwargs())
-        rows = bufs["step"][:2 * n].view(2, n)
-        return _Step(wrapper, n, rows[0], rows[1])  # each a contiguous row: what the fused K/V write takes
+        rows = bufs["step"][:2 * max_batch].view(2, max_batch)[:, :n]
+        return _Step(wrapper, n, rows[0], rows[1])  # each contiguous, 16-byte aligned: for the fused K/V write
 
     # -- per layer (inside the forward; no host syncs) --------------------------------------------
 

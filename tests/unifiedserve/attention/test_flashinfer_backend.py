@@ -135,8 +135,9 @@ def test_graph_plan_sends_its_inputs_up_in_one_copy(fake_flashinfer, monkeypatch
             indices.dtype) == (fixed.untyped_storage().data_ptr(), fixed.storage_offset(), fixed.shape,
                                fixed.stride(), fixed.dtype)
     assert seen["indptr"].device.type == "cpu" and seen["last"].device.type == "cpu"
-    slots, write_rows = attn._step.slot_mapping, attn._step.write_rows  # [4] each, contiguous, from the start
+    slots, write_rows = attn._step.slot_mapping, attn._step.write_rows  # [4] each, contiguous, 16-byte aligned
     assert slots.is_contiguous() and write_rows.is_contiguous() and slots.data_ptr() == step.data_ptr()
+    assert write_rows.data_ptr() == step.data_ptr() + 8 * 8  # from max_batch (8)
     assert slots.tolist() == padded.slot_mapping.tolist() and write_rows.tolist() == padded.write_rows.tolist()
 
 
