@@ -158,6 +158,19 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(low)), "other")
 
 
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals: device time busy, overlapping work counted once."""
+    busy, reach = 0.0, None
+    for start, end in sorted(intervals):
+        if reach is None or start >= reach:
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    return busy
+
+
 def summarize_kernels(kernels: list[tuple[str, float, float]], calls: int, top: int = 12) -> dict:
     """Per-call device time by kind of kernel, from ``(name, start_us, end_us)`` records of ``calls`` calls.
 
@@ -176,14 +189,7 @@ def summarize_kernels(kernels: list[tuple[str, float, float]], calls: int, top: 
         acc = names.setdefault(name, [0.0, 0])
         acc[0] += end - start
         acc[1] += 1
-    busy, reach = 0.0, None
-    for _, start, end in sorted(kernels, key=lambda k: k[1]):
-        if reach is None or start >= reach:
-            busy += end - start
-            reach = end
-        elif end > reach:
-            busy += end - reach
-            reach = end
+    busy = union_length([(start, end) for _, start, end in kernels])
     span = (max(k[2] for k in kernels) - min(k[1] for k in kernels)) if kernels else 0.0
     ranked = sorted(names.items(), key=lambda item: -item[1][0])[:top]
     return {

@@ -18,22 +18,11 @@ from collections.abc import Callable
 
 import torch
 
+from engine_metrics import union_length  # bench/engine is on the path wherever this module is imported
+
 #: device activity in torch's chrome trace (kernels, copies, memsets)
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver")
-
-
-def _busy(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of ``(start, end)`` intervals."""
-    busy, reach = 0.0, None
-    for start, end in sorted(intervals):
-        if reach is None or start >= reach:
-            busy += end - start
-            reach = end
-        elif end > reach:
-            busy += end - reach
-            reach = end
-    return busy
 
 
 def summarize_steps(trace: dict, top: int = 16) -> dict:
@@ -60,7 +49,7 @@ def summarize_steps(trace: dict, top: int = 16) -> dict:
         corr = e.get("args", {}).get("correlation")
         if corr in launches:
             replays.setdefault(corr, []).append((start, end))
-    spans = sorted((min(s for s, _ in iv), max(e for _, e in iv), _busy(iv)) for iv in replays.values())
+    spans = sorted((min(s for s, _ in iv), max(e for _, e in iv), union_length(iv)) for iv in replays.values())
     if len(spans) < 2:
         return {"error": f"the trace holds {len(spans)} decode-graph replay(s), not the two a step needs"}
     gaps = len(spans) - 1
@@ -71,7 +60,7 @@ def summarize_steps(trace: dict, top: int = 16) -> dict:
         inside = [(max(s, end), min(e_, next_start), ev) for s, e_, ev in device
                   if s < next_start and e_ > end and ev.get("args", {}).get("correlation") not in launches]
         between_us += next_start - end
-        between_busy += _busy([(s, e_) for s, e_, _ in inside])
+        between_busy += union_length([(s, e_) for s, e_, _ in inside])
         count += len(inside)
         for s, e_, ev in inside:
             acc = ops.setdefault((ev.get("name", "?")[:100], ev["cat"]), [0, 0.0])
