@@ -35,21 +35,22 @@ log = logging.getLogger(__name__)
 class RopeTables:
     """M-RoPE ``cos``/``sin`` on the device without host syncs (what ``mrope_cos_sin`` computes).
 
-    The frequency table and the axis of each frequency pair are built once; a step only indexes
-    them with its positions, so this also runs inside a CUDA graph.
+    The frequency table and the axis of each frequency pair are built once, both already repeated for the
+    two halves of the head dimension; a step only indexes them with its positions (one gather, one product
+    that also converts the positions to float32, as ``mrope_cos_sin``'s ``.float()`` does: the same values
+    from two kernels fewer than gather, convert, multiply and concatenate), so this also runs inside a CUDA graph.
     """
 
     def __init__(self, text_config, device: torch.device):
         d = text_config.head_dim
-        self.inv_freq = 1.0 / (text_config.rope_theta ** (
-            torch.arange(0, d, 2, dtype=torch.float, device=device) / d))  # [D/2]
+        inv_freq = 1.0 / (text_config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float, device=device) / d))
+        self.inv_freq = torch.cat((inv_freq, inv_freq))  # [D]
         axis = [a for a, n in enumerate(text_config.mrope_section) for _ in range(n)]
-        self.axis = torch.tensor(axis, dtype=torch.int64).to(device)  # [D/2]: 0..0 1..1 2..2
+        self.axis = torch.tensor(axis + axis, dtype=torch.int64).to(device)  # [D]: 0..0 1..1 2..2, twice
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """int64 ``[3, N]`` on the device -> ``(cos, sin)``, each ``[N, head_dim]`` in ``dtype``."""
-        freqs = positions[self.axis].T.float() * self.inv_freq  # [N, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
+        emb = positions[self.axis].T * self.inv_freq  # [N, D] float32: int64 * float32 computes in float32
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

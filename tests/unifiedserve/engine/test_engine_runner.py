@@ -22,11 +22,16 @@ def _attn(model, num_blocks=16, block_size=16):
     return TorchPagedAttention(cache, t.num_attention_heads, t.num_key_value_heads, t.head_dim)
 
 
-def test_rope_tables_equal_mrope_cos_sin(model):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_rope_tables_equal_mrope_cos_sin(model, device):
     t = model.config.text
     positions = torch.randint(0, 5000, (3, 37))
+    # and positions float32 cannot hold exactly (past 2**24): the product's own int64 -> float32 conversion must
+    # round them as mrope_cos_sin's .float() does
+    positions = torch.cat([positions, torch.tensor([[2 ** 24 + 1, 2 ** 25 + 3, 123456789]] * 3)], dim=1)
+    positions = positions.to(device)
     for dtype in (torch.float32, torch.bfloat16):
-        ours = RopeTables(t, torch.device("cpu"))(positions, dtype)
+        ours = RopeTables(t, torch.device(device))(positions, dtype)
         ref = mrope_cos_sin(positions, t.head_dim, t.rope_theta, t.mrope_section, dtype)
         assert all(torch.equal(a, b) for a, b in zip(ours, ref))
 
