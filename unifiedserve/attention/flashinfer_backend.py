@@ -114,6 +114,12 @@ class _Step:
     write_rows: torch.Tensor | None  # int64 [N]: source row of each K/V write (graph padding)
 
 
+def _step_len(max_batch: int, pages: int) -> int:
+    """int64 elements of a graph step's packed inputs (``init_cuda_graph``'s "step" buffer): slot map and write rows,
+    ``max_batch`` each, then ``pages`` int32 page indices, two to an element."""
+    return 2 * max_batch + -(-pages // 2)
+
+
 def _clear_schedule(wrapper: Any) -> None:
     """Zero a split-free graph wrapper's schedule (its int workspace and the page-locked copy plans write).
 
@@ -233,11 +239,12 @@ class FlashInferAttention(AttentionBackend):
         # from offset 0 and its write rows from max_batch (each row then starts 16-byte aligned, as the skinny
         # kernels' tune timed them: Triton specialises pointers on it), then (from 2 x max_batch) the page indices,
         # int32, which are flashinfer's fixed indices buffer itself, so its plan's copy of them finds them in place
-        step = torch.zeros(2 * max_batch + -(-max_pages // 2), dtype=torch.int64, device=device)
+        step = torch.zeros(_step_len(max_batch, max_pages), dtype=torch.int64, device=device)
         bufs = {
             "paged_kv_indptr": torch.zeros(max_batch + 1, dtype=torch.int32, device=device),
             "paged_kv_indices": step[2 * max_batch:].view(torch.int32)[:max_pages],
             "paged_kv_last_page_len": torch.zeros(max_batch, dtype=torch.int32, device=device),
+            "rows": step[:2 * max_batch].view(2, max_batch),  # slot map, write rows
             "step": step,
         }
         self._graph_bufs = bufs
@@ -328,10 +335,10 @@ class FlashInferAttention(AttentionBackend):
         # four (each operation outside the graph replay costs a few microseconds: issue 13's batch-1 step).
         n = graph_batch_size
         bufs = self._graph_bufs
-        max_batch = len(bufs["paged_kv_last_page_len"])
+        max_batch = bufs["rows"].shape[1]
         pages = arrays["paged_kv_indices"].numpy()  # int32 [k]
         k = len(pages)
-        packed = np.zeros(2 * max_batch + -(-k // 2), dtype=np.int64)
+        packed = np.zeros(_step_len(max_batch, k), dtype=np.int64)
         packed[:n], packed[max_batch:max_batch + n] = padded.slot_mapping, padded.write_rows
         packed[2 * max_batch:].view(np.int32)[:k] = pages
         copy_host_ints(bufs["step"][:len(packed)], packed)  # queued: no host sync per replay
@@ -339,7 +346,7 @@ class FlashInferAttention(AttentionBackend):
         indptr, last = (self._host(arrays[name]) for name in ("paged_kv_indptr", "paged_kv_last_page_len"))
         self._plan(wrapper, indptr, indices, last, self.num_q_heads, self.num_kv_heads, self.head_dim,
                    self.kv_cache.block_size, disable_split_kv=variant == WHOLE_KV, **self._plan_kwargs())
-        rows = bufs["step"][:2 * max_batch].view(2, max_batch)[:, :n]
+        rows = bufs["rows"][:, :n]
         return _Step(wrapper, n, rows[0], rows[1])  # each contiguous, 16-byte aligned: for the fused K/V write
 
     # -- per layer (inside the forward; no host syncs) --------------------------------------------

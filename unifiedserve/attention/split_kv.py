@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from unifiedserve.attention.flashinfer_backend import SPLIT_KV, WHOLE_KV
-from unifiedserve.ops.tuning import device_fault, disagreement, graph_time_us
+from unifiedserve.ops.tuning import disagreement, first_line, graph_time_us, raise_if_fault
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +136,9 @@ def tune(attn, num_layers: int, *, lengths: Sequence[int] = LENGTHS, margin: flo
                 try:
                     whole_us, whole_out = timer(attn, seqs, size, WHOLE_KV, num_layers)
                 except Exception as e:  # flashinfer or the capture refused it: every step of this size splits
-                    if device_fault(e):
-                        raise RuntimeError(f"decode attention tune: the split-free graph at batch {size} faulted the "
-                                           f"GPU ({str(e).splitlines()[0]}); the process cannot go on. Start again "
-                                           "with UNIFIEDSERVE_SPLIT_FREE_DECODE=0") from e
-                    choice.note = f"at {length} tokens the split-free graph cannot run: {str(e).splitlines()[0]}"
+                    raise_if_fault(e, f"decode attention tune: the split-free graph at batch {size}",
+                                   "UNIFIEDSERVE_SPLIT_FREE_DECODE=0")
+                    choice.note = f"at {length} tokens the split-free graph cannot run: {first_line(e)}"
                     choice.whole_kv_max = 0
                     log.warning("decode attention, batch %d: split-free graphs not used: %s", size, choice.note)
                     break

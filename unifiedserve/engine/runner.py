@@ -71,7 +71,7 @@ def feed(ids: torch.Tensor, fed: tuple[torch.Tensor | slice, torch.Tensor]) -> N
 
 def consecutive(values: list[int]) -> slice | None:
     """``slice(a, a + len(values))`` when ``values`` is ``a, a + 1, ...`` (non-empty), else None."""
-    if values and values[-1] - values[0] == len(values) - 1 and all(b == a + 1 for a, b in zip(values, values[1:])):
+    if values and all(b == a + 1 for a, b in zip(values, values[1:])):
         return slice(values[0], values[-1] + 1)
     return None
 

@@ -29,7 +29,7 @@ from flashcodec._triton import import_triton, interpreting
 from unifiedserve import ops
 from unifiedserve.ops.skinny_kernel import _DTYPES, CONFIGS, MAX_ROWS, SkinnyConfig, skinny_gemm
 from unifiedserve.ops.skinny_rope import RopeWrite
-from unifiedserve.ops.tuning import device_fault, disagreement, graph_time_us
+from unifiedserve.ops.tuning import disagreement, first_line, graph_time_us, raise_if_fault
 
 __all__ = ["CONFIGS", "MAX_ROWS", "Choice", "RopeWrite", "SkinnyConfig", "Weights", "disagreement", "enabled",
            "gate_up_silu", "linear", "norm_linear", "norm_qkv_rope", "reset", "rope_chosen", "skinny_gemm", "summary",
@@ -62,7 +62,7 @@ class Choice:
     config: SkinnyConfig | None  # the best config; None when the baseline stays
     configs_us: dict[str, float]  # every config that ran
     baseline: str = "cuBLAS"
-    note: str = ""  # why a config that beat the baseline is not chosen (the other +rope form was faster)
+    note: str = ""  # why none is chosen: RIVAL_FASTER (won, the other +rope form faster), or "not timed: ..."
 
     @property
     def chosen(self) -> bool:
@@ -99,6 +99,10 @@ def tune_seconds() -> float:
     return _seconds[0]
 
 
+#: the note of a qkv_proj+rope choice that beat its baseline but gave way to the other rope form, faster still
+RIVAL_FASTER = "won, but the other rope form was faster"
+
+
 def summary(results: Sequence[Choice]) -> str:
     """One line per kind for the start-up log: which row counts took the skinny kernel, and its time at 1 row."""
     kinds: dict[str, list[Choice]] = {}
@@ -111,7 +115,7 @@ def summary(results: Sequence[Choice]) -> str:
         timing = f"{first.cublas_us:.1f} us {first.baseline}" + (
             "" if first.skinny_us is None else f" vs {first.skinny_us:.1f} us skinny at {first.rows} row(s)")
         where = f"skinny at rows {won}" if won else first.baseline
-        noted = [c.rows for c in choices if c.note]
+        noted = [c.rows for c in choices if c.note == RIVAL_FASTER]
         where += f" (also won at rows {noted}, where the other rope form was faster)" if noted else ""
         parts.append(f"{kind} [{first.n}x{first.k}]: {where} ({timing})")
     return "; ".join(parts)
@@ -177,12 +181,18 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     config = _lookup(x, weight, bias, silu, norm=True)  # tuned only for norms in the weights' dtype
     if config is not None:  # (operands the kernel cannot take raise its ValueError: a caller's bug, not a fallback)
         return _with_norm(x, residual, norm_weight, eps, weight, bias, config, silu_mul=silu)
-    if residual is None:
-        normed, stream = ops.rms_norm(x, norm_weight, eps), x
-    else:
-        normed, stream = ops.fused_add_rms_norm(x, residual, norm_weight, eps)
+    normed, stream = _norm_kernel(x, residual, norm_weight, eps)
     out = gate_up_silu(normed, weight, bias, silu_and_mul) if silu else linear(normed, weight, bias)
     return out, stream
+
+
+def _norm_kernel(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm kernel a projection without the norm folded in follows: ``(rms_norm(h), h)``, ``h = x + residual``
+    (``x`` itself without a residual; with one, csrc's add + RMSNorm, which may reuse the inputs' memory)."""
+    if residual is None:
+        return ops.rms_norm(x, norm_weight, eps), x
+    return ops.fused_add_rms_norm(x, residual, norm_weight, eps)
 
 
 def rope_chosen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -208,10 +218,7 @@ def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     config = _lookup(x, weight, bias, False, rope=True)
     if config is None:
         return None
-    if residual is None:
-        normed, stream = ops.rms_norm(x, norm_weight, eps), x
-    else:
-        normed, stream = ops.fused_add_rms_norm(x, residual, norm_weight, eps)
+    normed, stream = _norm_kernel(x, residual, norm_weight, eps)
     return skinny_gemm(normed, weight, bias, rope=write, config=config), stream
 
 
@@ -251,12 +258,13 @@ def _disagreement(got: torch.Tensor, want: torch.Tensor) -> str:
 
 
 def _best(kind: str, m: int, n: int, k: int, baseline: str, baseline_us: float, run: Callable[[SkinnyConfig], None],
-          check: Callable[[], str], configs: Sequence[SkinnyConfig], epilogue: tuple, failed: dict[tuple, str],
-          time_us: Callable[[Callable[[], None]], float], margin: float, outputs: Sequence[torch.Tensor] = (),
+          check: Callable[[SkinnyConfig], str], configs: Sequence[SkinnyConfig], epilogue: tuple,
+          failed: dict[tuple, str], time_us: Callable[[Callable[[], None]], float], margin: float,
+          outputs: Sequence[torch.Tensor] = (),
           verify: Callable[[SkinnyConfig], str] | None = None) -> Choice:
-    """Time each config (``run(config)`` covers every layer) against ``baseline_us``; ``check()`` says why the output
-    the first, warming ``run`` left in ``outputs`` is wrong ('' when right). ``outputs`` are filled with NaN before
-    each config's first run, so a config that leaves any of them unwritten disagrees. A config that cannot run
+    """Time each config (``run(config)`` covers every layer) against ``baseline_us``; ``check(config)`` says why the
+    output the first, warming ``run`` left in ``outputs`` is wrong ('' when right). ``outputs`` are filled with NaN
+    before each config's first run, so a config that leaves any of them unwritten disagrees. A config that cannot run
     goes into ``failed``. ``verify(best)`` checks the winner's other variants (the kernel's forms the step also
     runs but the timing does not): if it says why one is wrong, or one cannot run, the baseline stays.
 
@@ -273,11 +281,11 @@ def _best(kind: str, m: int, n: int, k: int, baseline: str, baseline_us: float, 
             for t in outputs:
                 t.fill_(float("nan"))
             run(config)
-            wrong = check()
+            wrong = check(config)
             us = None if wrong else time_us(lambda config=config: run(config))
         except Exception as e:  # a config this GPU or Triton cannot compile, launch or capture: the others may
             _raise_if_fault(e, kind, config)
-            failed[variant] = str(e).splitlines()[0] if str(e) else type(e).__name__
+            failed[variant] = first_line(e)
             log.warning("skinny GEMM: config %s (bias %s, SwiGLU %s, norm %s%s) cannot run here, skipped: %s", config,
                         *epilogue[:3], ", rotary + K/V write" if epilogue[3:] else "", failed[variant])
             continue
@@ -293,7 +301,7 @@ def _best(kind: str, m: int, n: int, k: int, baseline: str, baseline_us: float, 
             wrong = verify(best[1])
         except Exception as e:
             _raise_if_fault(e, kind, best[1])
-            wrong = f"cannot run: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            wrong = f"cannot run: {first_line(e)}"
         if wrong:
             log.warning("skinny GEMM %s [%dx%d], %d rows: config %s not kept (%s stays): another form of it %s", kind,
                         n, k, m, best[1], baseline, wrong)
@@ -303,11 +311,9 @@ def _best(kind: str, m: int, n: int, k: int, baseline: str, baseline_us: float, 
 
 
 def _raise_if_fault(error: Exception, kind: str, config: SkinnyConfig | None) -> None:
-    """Re-raise a GPU fault (:func:`~unifiedserve.ops.tuning.device_fault`) naming what ran, with the way out."""
-    if device_fault(error):
-        what = f"config {config} for {kind}" if config is not None else kind
-        raise RuntimeError(f"skinny GEMM tune: {what} faulted the GPU ({str(error).splitlines()[0]}); the process "
-                           "cannot go on. Start again with UNIFIEDSERVE_SKINNY_GEMM=0 to keep cuBLAS") from error
+    """Re-raise a GPU fault (:func:`~unifiedserve.ops.tuning.raise_if_fault`) naming what ran, with the way out."""
+    what = f"config {config} for {kind}" if config is not None else kind
+    raise_if_fault(error, f"skinny GEMM tune: {what}", "UNIFIEDSERVE_SKINNY_GEMM=0 to keep cuBLAS")
 
 
 def tune(groups: Iterable[Weights], rows: Iterable[int], *, silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
@@ -360,7 +366,7 @@ def tune(groups: Iterable[Weights], rows: Iterable[int], *, silu_and_mul: Callab
         except Exception as e:  # its baseline cannot be timed here: the group keeps what it had chosen, if anything
             _raise_if_fault(e, group.kind, None)
             log.warning("skinny GEMM: tuning %s stopped, what it had not chosen stays on cuBLAS and the unfused "
-                        "kernels: %s", group.kind, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                        "kernels: %s", group.kind, first_line(e))
     _seconds[0] = time.perf_counter() - start
     keys = {(c.kind, c.rows) for c in results}
     _report[:] = [c for c in _report if (c.kind, c.rows) not in keys] + results
@@ -403,7 +409,7 @@ def _tune_group(group: Weights, counts: list[int], silu_and_mul: Callable[[torch
         cublas()
         reference = unfused(x, *pairs[-1])  # what the warm-up pass leaves in out: the last weight's output
         choice = _best(group.kind, m, n, k, "cuBLAS", per_layer_us(cublas, layers), run,
-                       lambda out=out, reference=reference: _disagreement(out, reference), configs,
+                       lambda _, out=out, reference=reference: _disagreement(out, reference), configs,
                        (b0 is not None, silu, False), failed, lambda f: per_layer_us(f, layers), margin, (out,))
         plain_choices.append(choice)
         buckets.append((m, choice.config))
@@ -432,7 +438,7 @@ def _tune_group(group: Weights, counts: list[int], silu_and_mul: Callable[[torch
                 skinny_gemm(x, w, b, silu_mul=silu, norm_weight=g, eps=group.eps, residual=residual,
                             stream_out=stream, config=config, out=out)
 
-        def check(out=out, reference=reference, stream=stream, want_stream=want_stream):
+        def check(_, out=out, reference=reference, stream=stream, want_stream=want_stream):
             return _disagreement(out, reference) or _disagreement(stream, want_stream)
 
         # the first layer's form: no residual (the embeddings are the stream), so no add and no stream written

@@ -98,6 +98,7 @@ def tune_rope(group, counts: Sequence[int], configs, margin: float, failed: dict
     entry per row count each; the caller keeps them."""
     from unifiedserve import ops
     from unifiedserve.ops import skinny
+    from unifiedserve.ops.tuning import first_line
 
     w0, b0 = group.weights[0], group.biases[0]
     q_heads, kv_heads = group.rope_heads
@@ -164,7 +165,7 @@ def tune_rope(group, counts: Sequence[int], configs, margin: float, failed: dict
         name = "norm_linear + rotary_cache"
         folded.append(skinny._best(f"norm+{group.kind}+rope", m, w0.shape[0], k, name,
                                    per_layer_us(baseline, len(layers)), run,
-                                   lambda: wrong(q_out, k_fused, v_fused, (q_want, k_want, v_want), stream), configs,
+                                   lambda _: wrong(q_out, k_fused, v_fused, (q_want, k_want, v_want), stream), configs,
                                    (b0 is not None, False, True, "rope"), failed,
                                    lambda f: per_layer_us(f, len(layers)), margin, (q_out, k_fused, v_fused, stream),
                                    verify))
@@ -172,10 +173,8 @@ def tune_rope(group, counts: Sequence[int], configs, margin: float, failed: dict
         # the norm kernel in front: a step's own norm kernel (it writes its inputs, so the timed layers run on
         # buffers of their own and the check runs the config once more on fresh ones, the last layer's)
         bufs = (x.clone(), residual.clone())
-        tried: list = []
 
         def run_behind(config, bufs=bufs, q_out=q_out, write=write):
-            tried[:] = [config]
             for w, b, g in layers:
                 normed, _ = ops.fused_add_rms_norm(*bufs, g, group.eps)
                 skinny.skinny_gemm(normed, w, b, rope=write, config=config, out=q_out)
@@ -199,19 +198,19 @@ def tune_rope(group, counts: Sequence[int], configs, margin: float, failed: dict
             baseline()
             behind.append(skinny._best(f"{group.kind}+rope", m, w0.shape[0], k, name,
                                        per_layer_us(baseline, len(layers)), run_behind,
-                                       lambda: behind_once(tried[0], slots), configs,
+                                       lambda config: behind_once(config, slots), configs,
                                        (b0 is not None, False, False, "rope"), failed,
                                        lambda f: per_layer_us(f, len(layers)), margin, (q_out, k_fused, v_fused),
                                        verify_behind))
         except Exception as e:  # its baseline cannot be timed again: this form is not chosen, the others stand
             skinny._raise_if_fault(e, f"{group.kind}+rope", None)
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            why = first_line(e)
             skinny.log.warning("skinny GEMM %s+rope, %d rows: not timed, the other forms stay: %s", group.kind, m, why)
             behind.append(dataclasses.replace(folded[-1], kind=f"{group.kind}+rope", skinny_us=None, config=None,
                                               configs_us={}, note=f"not timed: {why}"))
         in_one, after_norm = folded[-1], behind[-1]
         if in_one.chosen and after_norm.chosen:  # both beat the baseline: the faster stays
-            note = "won, but the other rope form was faster"
+            note = skinny.RIVAL_FASTER
             if in_one.skinny_us <= after_norm.skinny_us:
                 behind[-1] = dataclasses.replace(after_norm, config=None, note=note)
             else:

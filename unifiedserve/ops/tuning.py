@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["capture", "device_fault", "disagreement", "graph_time_us", "side_stream"]
+__all__ = ["capture", "device_fault", "disagreement", "first_line", "graph_time_us", "raise_if_fault", "side_stream"]
 
 # CUDA errors after which the context cannot be used again (the driver's "sticky" errors): every later call in the
 # process fails, so a tune cannot skip the culprit and go on
@@ -30,6 +30,20 @@ def device_fault(error: BaseException) -> bool:
     a device-side assert, ...), as opposed to one call's failure (a config that cannot compile or launch)."""
     text = str(error).lower()
     return any(s in text for s in _STICKY)
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message (what a tune logs or notes), or its type's name when it has none."""
+    text = str(error)
+    return text.splitlines()[0] if text.strip() else type(error).__name__
+
+
+def raise_if_fault(error: BaseException, what: str, way_out: str) -> None:
+    """Re-raise ``error`` as a ``RuntimeError`` naming ``what`` ran and ``way_out`` (the switch that avoids it) when it
+    is a GPU fault (:func:`device_fault`): nothing can run after one, so a tune cannot skip it and go on."""
+    if device_fault(error):
+        raise RuntimeError(f"{what} faulted the GPU ({first_line(error)}); the process cannot go on. Start again "
+                           f"with {way_out}") from error
 
 
 def disagreement(got: torch.Tensor, want: torch.Tensor, reference: str) -> str:

@@ -135,6 +135,22 @@ def test_a_split_free_graph_that_cannot_run_keeps_the_size_split_and_a_fault_sto
         split_kv.tune(attn, 2, lengths=(8,), timer=faulting)
 
 
+def test_a_refusal_without_a_message_is_named_by_its_type(fake_flashinfer):
+    """An exception with no message (an assert in flashinfer's plan) keeps the size split like any refusal, not an
+    IndexError out of the tune."""
+    attn = fi(blocks=16)
+    attn.init_cuda_graph([1], max_seq_len=64)
+    timer = _timer({(v, 1, 8): 1.0 for v in (fib.SPLIT_KV, fib.WHOLE_KV)}, [])
+
+    def asserting(attn_, seqs, size, variant, layers):
+        if variant == fib.WHOLE_KV:
+            raise AssertionError()
+        return timer(attn_, seqs, size, variant, layers)
+
+    choices = split_kv.tune(attn, 2, lengths=(8,), timer=asserting)
+    assert choices[0].whole_kv_max == 0 and choices[0].note.endswith("cannot run: AssertionError")
+
+
 # -- the real kernels ------------------------------------------------------------------------------
 
 @pytest.mark.cuda

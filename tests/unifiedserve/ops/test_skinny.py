@@ -1016,3 +1016,15 @@ def test_cuda_rotary_and_the_kv_write_folded_in_match_norm_linear_then_rotary_ca
             assert all(c.cublas_us > 0 and len(c.configs_us) == len(skinny.CONFIGS) for c in res), res
         finally:
             skinny.reset()
+
+
+def test_the_start_up_summary_names_only_rope_forms_that_won_but_gave_way():
+    """A +rope row whose config gave way to the faster other form is logged as having won there; one that was never
+    timed (its baseline could not run again) is not."""
+    config = skinny.CONFIGS[0]
+    gave_way = skinny.Choice("qkv_proj+rope", 1, 512, 256, 20.0, 15.0, None, {str(config): 15.0},
+                             note=skinny.RIVAL_FASTER)
+    untimed = skinny.Choice("qkv_proj+rope", 2, 512, 256, 20.0, None, None, {}, note="not timed: out of memory")
+    chosen = skinny.Choice("qkv_proj+rope", 4, 512, 256, 20.0, 14.0, config, {str(config): 14.0})
+    line = skinny.summary([gave_way, untimed, chosen])
+    assert "skinny at rows [4]" in line and "also won at rows [1]," in line
