@@ -133,21 +133,32 @@ def parse_args(argv=None):
     return args
 
 
-def _trace_async_steps(engine, prompts: list[list[int]], new_tokens: int, steps: int, device: torch.device) -> dict:
-    """``steps`` async decode steps of ``prompts`` under the profiler (``step_trace``), once every request has its
-    first token and three steps have run overlapped; the requests then finish unprofiled."""
-    from unifiedserve.engine import SamplingParams
-
-    engine.core.async_scheduling = True
+def _start(engine, prompts: list[list[int]], params) -> None:
+    """Add ``prompts`` (token ids) under ``params`` and step until every request has its first token (prefill: not
+    timed by any caller)."""
     for ids in prompts:
-        engine.add_request(ids, [], SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+        engine.add_request(ids, [], params)
     while any(not r.output_token_ids for r in engine.scheduler.requests.values()):
         engine.step()
-    for _ in range(3):
-        engine.step()
-    summary = step_trace.profile_steps(engine.step, device, steps)
-    while engine.has_unfinished:
-        engine.step()
+
+
+def _trace_async_steps(engine, prompts: list[list[int]], new_tokens: int, steps: int, device: torch.device) -> dict:
+    """``steps`` async decode steps of ``prompts`` under the profiler (``step_trace``), once every request has its
+    first token and three steps have run overlapped; the requests then finish unprofiled. The engine's async setting
+    is given back."""
+    from unifiedserve.engine import SamplingParams
+
+    was = engine.core.async_scheduling
+    engine.core.async_scheduling = True
+    try:
+        _start(engine, prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        summary = step_trace.profile_steps(engine.step, device, steps)
+        while engine.has_unfinished:
+            engine.step()
+    finally:
+        engine.core.async_scheduling = was
     return summary
 
 
@@ -186,7 +197,10 @@ def main(argv=None) -> int:
         model_path = Path(tempfile.mkdtemp()) / "demo-model"
         write_demo_model(model_path)
     max_batch = max(batches)
-    total = max_batch * (args.prompt_tokens + new_tokens) + prefill_tokens + new_tokens
+    agreement_steps = 256 if args.agreement_steps is None else args.agreement_steps
+    # KV for the largest decode batch or the agreement's one long sequence, whichever holds more, beside the prefill
+    total = (max(max_batch * (args.prompt_tokens + new_tokens), args.prompt_tokens + agreement_steps)
+             + prefill_tokens + new_tokens)
     engine = LLM(model_path, EngineConfig(
         device=device_name, dtype=dtype_name, num_kv_blocks=total // 16 + 64, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling == "on",
@@ -266,10 +280,9 @@ def main(argv=None) -> int:
         path.write_text(json.dumps({"machine": machine, "config": config, "results": results}, indent=2))
 
     save()
-    steps = 256 if args.agreement_steps is None else args.agreement_steps
-    if steps:
-        results["correctness"].update(_long_agreement(engine, model, runner, hf, prompt(args.prompt_tokens), steps,
-                                                      device, forward_tokens))
+    if agreement_steps:
+        results["correctness"].update(_long_agreement(engine, model, runner, hf, prompt(args.prompt_tokens),
+                                                      agreement_steps, device, forward_tokens))
         save()
 
     # -- the floor: copy bandwidth and peak --------------------------------------------------
@@ -293,10 +306,7 @@ def main(argv=None) -> int:
         nothing back and its last one launches a row too many)."""
         engine.core.async_scheduling = overlap
         engine.generate([(p, [], SamplingParams(max_tokens=3, ignore_eos=True)) for p in prompts])  # warm-up
-        for ids in prompts:
-            engine.add_request(ids, [], params)
-        while any(not r.output_token_ids for r in engine.scheduler.requests.values()):
-            engine.step()  # prefill: not timed
+        _start(engine, prompts, params)
         em.sync(device)
         start, produced = time.perf_counter(), 0
         while engine.has_unfinished:
@@ -393,18 +403,20 @@ def main(argv=None) -> int:
     # -- kernels, last: what the device runs, by kind (the profiler is the one part that could take the process
     # down with it, so everything above is saved first) ---------------------------------------------------------
     if cuda:
-        for batch, r in decode.items():  # a decode graph's replay (it reruns the last step of its size)
-            if runner.graphs is not None and runner.graphs.graph_size(batch) is not None:
-                r["graph_kernels"] = em.kernel_profile(runner.graphs.graph_for(batch).replay, device)
-                save()
-        steps = min(args.profile_steps, new_tokens - 5)  # first token, 3 steps into the overlap, then the profile
-        for batch, r in decode.items() if steps >= 2 and runner.graphs is not None else ():
-            if runner.graphs.graph_size(batch) is not None:  # async steps: what runs between two replays
-                r["async_trace"] = _trace_async_steps(engine, [prompt(args.prompt_tokens) for _ in range(batch)],
-                                                      new_tokens, steps, device)
-                r["async_trace"]["steps_profiled"] = steps
-                engine.core.async_scheduling = args.async_scheduling == "on"
-                save()
+        graphed = [b for b in decode if runner.graphs is not None and runner.graphs.graph_size(b) is not None]
+        for batch in graphed:  # a decode graph's replay (it reruns the last step of its size)
+            decode[batch]["graph_kernels"] = em.kernel_profile(runner.graphs.graph_for(batch).replay, device)
+            save()
+        # async steps, what runs between two replays: after the first token and 3 steps into the overlap
+        profiled = min(args.profile_steps, new_tokens - 5)
+        if args.profile_steps and profiled < 2:
+            print(f"bench_engine: the async-step profile needs --new-tokens >= 7 (got {new_tokens}): skipped",
+                  file=sys.stderr)
+        for batch in graphed if profiled >= 2 else ():
+            trace = _trace_async_steps(engine, [prompt(args.prompt_tokens) for _ in range(batch)], new_tokens,
+                                       profiled, device)
+            decode[batch]["async_trace"] = {**trace, "steps_profiled": profiled}
+            save()
         if "vision" in results:  # one tower forward
             with torch.inference_mode():
                 results["vision"]["kernels"] = em.kernel_profile(lambda: model.encode_vision(patches, grid), device,
@@ -426,10 +438,7 @@ def main(argv=None) -> int:
 def _timed_steps(engine, prompts, params) -> tuple[list[float], list]:
     """Run ``prompts`` (token ids) under ``params`` to the end; return the seconds of each decode step in which
     every request got a token, and the finished outputs."""
-    for ids in prompts:
-        engine.add_request(ids, [], params)
-    while any(not r.output_token_ids for r in engine.scheduler.requests.values()):
-        engine.step()  # prefill: not timed
+    _start(engine, prompts, params)
     times, finished = [], []
     while engine.has_unfinished:
         start = time.perf_counter()
@@ -599,8 +608,8 @@ def _print(results: dict, device: str, dtype: str) -> None:
               f"{c['top1_agreement']:.3f}; logits cosine min {c['logits_cosine_min']:.5f}, "
               f"mean {c['logits_cosine_mean']:.5f}")
     if "top1_vs_float32" in c:
-        print(f"the same steps vs transformers float32's top-1: ours {c['top1_vs_float32']:.3f}, transformers bf16 "
-              f"{c['transformers_bf16_top1_vs_float32']:.3f} (bf16's own flips); float32's top-1 - top-2 logit "
+        print(f"the same steps vs transformers float32's top-1: ours {c['top1_vs_float32']:.3f}, transformers {dtype} "
+              f"{c['transformers_bf16_top1_vs_float32']:.3f} ({dtype}'s own flips); float32's top-1 - top-2 logit "
               f"where ours differs: {c['tie_margins']} (median over all steps {c['median_margin']:.3f})")
     decode = results.get("decode", {})
     if decode:

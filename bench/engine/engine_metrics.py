@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -204,26 +205,41 @@ def summarize_kernels(kernels: list[tuple[str, float, float]], calls: int, top: 
     }
 
 
+def check_cuda(device: torch.device, what: str) -> None:
+    """Raises ``ValueError`` unless ``device`` is a CUDA device (the profiles need CUPTI)."""
+    if device.type != "cuda":
+        raise ValueError(f"{what} needs a CUDA device")
+
+
+def cuda_profile(run, device: torch.device, read) -> tuple[Any, str]:
+    """``run()`` under torch's profiler (CUDA activity alone: the runtime calls come with it; CPU op records would slow
+    the host), the device synchronized inside it, then ``read(prof)``: ``(what read returned, '')``, or
+    ``(None, why)`` when the profiler fails (a machine may refuse CUPTI to non-admin users), so that a benchmark run
+    keeps its other results."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            sync(device)
+        return read(prof), ""
+    except Exception as e:  # noqa: BLE001 - CUPTI's refusals come as several types
+        return None, f"the profiler failed: {type(e).__name__}: {e}"[:300]
+
+
 def kernel_profile(fn, device: torch.device, calls: int = 5) -> dict:
     """What the device runs for ``fn()`` (a graph replay, a forward): ``calls`` calls under torch's profiler
     (CUPTI), summarised by :func:`summarize_kernels`. CUDA only; kernels inside a CUDA graph are recorded one
     by one. Returns ``{"error": ...}`` instead of raising when the profiler fails or records no kernel (a
     machine may refuse CUPTI to non-admin users): a benchmark run keeps its other results."""
-    if device.type != "cuda":
-        raise ValueError("kernel_profile needs a CUDA device")
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
+    check_cuda(device, "kernel_profile")
     fn()  # warm: nothing first-time inside the window
     sync(device)
-    try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                fn()
-            sync(device)
-        events = prof.events()
-    except Exception as e:  # noqa: BLE001 - CUPTI's refusals come as several types
-        return {"error": f"the profiler failed: {type(e).__name__}: {e}"[:300]}
+    events, error = cuda_profile(lambda: [fn() for _ in range(calls)], device, lambda prof: prof.events())
+    if error:
+        return {"error": error}
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events
                if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
     if not kernels:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine_metrics import union_length  # bench/engine is on the path wherever this module is imported
+from engine_metrics import check_cuda, cuda_profile, union_length  # bench/engine is on the path here
 
 #: device activity in torch's chrome trace (kernels, copies, memsets)
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -90,29 +90,23 @@ def profile_steps(step: Callable[[], object], device: torch.device, steps: int =
     Raises:
         ValueError: not a CUDA device, or ``steps`` < 2.
     """
-    if device.type != "cuda":
-        raise ValueError("profile_steps needs a CUDA device")
+    check_cuda(device, "profile_steps")
     if steps < 2:
         raise ValueError(f"steps must be >= 2, got {steps}")
-    from torch.profiler import ProfilerActivity, profile
 
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        # CUDA activity alone (the runtime calls come with it): CPU op records would slow the host, which must stay
-        # ahead of the device for the gaps to be the device's own
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                step()
-            torch.cuda.synchronize(device)
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)
-    except Exception as e:  # noqa: BLE001 - CUPTI's refusals come as several types
-        return {"error": f"the profiler failed: {type(e).__name__}: {e}"[:300]}
-    finally:
-        os.unlink(path)
-    return summarize_steps(trace)
+    def read(prof) -> dict:
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        try:
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                return json.load(f)
+        finally:
+            os.unlink(path)
+
+    # the host must stay ahead of the device for the gaps to be the device's own: CUDA activity alone
+    trace, error = cuda_profile(lambda: [step() for _ in range(steps)], device, read)
+    return {"error": error} if error else summarize_steps(trace)
 
 
 def format_steps(summary: dict, top: int = 6) -> str:
@@ -120,6 +114,7 @@ def format_steps(summary: dict, top: int = 6) -> str:
     if "error" in summary:
         return summary["error"]
     ops = "; ".join(f"{op['name'][:48]} {op['us']:.1f} us x{op['per_step']:g}" for op in summary["between"][:top])
-    return (f"step {summary['step_us']:.1f} us = replay {summary['replay_us']:.1f} + between "
+    over = f" ({summary['steps_profiled']} steps profiled)" if "steps_profiled" in summary else ""
+    return (f"step{over} {summary['step_us']:.1f} us = replay {summary['replay_us']:.1f} + between "
             f"{summary['between_us']:.1f} (ops busy {summary['between_busy_us']:.1f}, idle "
             f"{summary['between_idle_us']:.1f}, {summary['ops_between_per_step']:g} ops): {ops}")
