@@ -160,20 +160,20 @@ def _save(out: Path, frames, patches, grid_thw, frame_indices, sample_fps) -> st
 
 def _check_out(args) -> None:
     """Reject a bad --out before any decoding work."""
-    if args.out is not None and args.out.suffix not in ("", ".npy", ".pt"):
+    if args.out is None:
+        return
+    if args.out.suffix not in ("", ".npy", ".pt"):
         raise ValueError(f"--out must end in .npy or .pt, or name a folder (got {args.out})")
-    if args.out is not None and args.out.suffix == "" and args.output == "patches":
+    if args.out.suffix == "" and args.output == "patches":
         raise ValueError("a folder of PNGs needs --output rgb")
-    if args.out is not None:
-        _check_destination(args.out)
+    _check_destination(args.out, "--out", folder_ok=not args.out.suffix)
 
 
-def _check_destination(out: Path, flag: str = "--out") -> None:
-    """Refuse, before decoding, a destination that cannot be written: a file (``out`` with a suffix, or any ``flag``
-    but --out) whose folder is missing or read-only, or that is a folder; a PNG folder under a file or a read-only
-    folder."""
-    out = Path(out)
-    if out.suffix or flag != "--out":  # a file: its folder must exist and take it
+def _check_destination(out: Path, flag: str, folder_ok: bool = False) -> None:
+    """Refuse, before the work, a destination ``flag`` names that cannot be written: a file whose folder is missing
+    or read-only, or that is a folder; with ``folder_ok``, a folder (made with its parents) under a file or
+    read-only."""
+    if not folder_ok:  # a file: its folder must exist and take it
         if out.is_dir():
             raise ValueError(f"{flag} {out} is a folder; name a file")
         folder = out.parent
