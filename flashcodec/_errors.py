@@ -38,3 +38,11 @@ class VideoTooLargeError(FlashCodecError, ValueError):
 
 class NoFramesError(FlashCodecError, ValueError):
     """The video stream has no frames (or too few to sample)."""
+
+
+def error_line(e: BaseException) -> str:
+    """``e`` as a CLI's one error line: an ``OSError`` from the system as ``path: reason`` (its strerror, without
+    Python's ``[Errno N]`` and quotes), anything else as its message."""
+    if isinstance(e, OSError) and not isinstance(e, FlashCodecError) and e.strerror:
+        return f"{e.filename}: {e.strerror}" if e.filename is not None else e.strerror
+    return str(e)

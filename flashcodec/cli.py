@@ -320,7 +320,7 @@ def _bench(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from flashcodec._errors import FlashCodecError
+    from flashcodec._errors import FlashCodecError, error_line
 
     try:
         if args.command == "probe":
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             return _decode(args)
         return _bench(args)
     except (FlashCodecError, ValueError, OSError) as e:
-        print(f"flashcodec: error: {e}", file=sys.stderr)
+        print(f"flashcodec: error: {error_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("flashcodec: interrupted", file=sys.stderr)

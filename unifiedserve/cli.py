@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             return run(args)
         raise AssertionError(f"unhandled command {args.command!r}")
     except (ValueError, OSError) as e:
-        print(f"unifiedserve: error: {e}", file=sys.stderr)
+        from flashcodec._errors import error_line
+
+        print(f"unifiedserve: error: {error_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("unifiedserve: interrupted", file=sys.stderr)

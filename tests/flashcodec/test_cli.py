@@ -133,6 +133,15 @@ def test_an_unwritable_destination_is_refused_before_decoding(tiny_h264, tmp_pat
         assert f"{flag} {tmp_path}/missing/x.npy: folder" in result.stderr and "Traceback" not in result.stderr
         assert result.stdout == ""  # refused before any decoding (bench prints as it goes)
 
+    from flashcodec._errors import SourceNotFoundError, error_line
+
+    # what the checks cannot see (e.g. a folder that takes no new files, as /proc): the system's reason in one line
+    assert error_line(FileNotFoundError(2, "No such file or directory", "/proc/x.npy")) == \
+        "/proc/x.npy: No such file or directory"
+    assert error_line(PermissionError(13, "Permission denied")) == "Permission denied"
+    assert error_line(SourceNotFoundError("a.mp4: does not exist")) == "a.mp4: does not exist"
+    assert error_line(ValueError("--out x: bad")) == "--out x: bad"
+
 
 def test_a_path_that_is_not_a_regular_file_says_so():
     result = run_cli("decode", "/dev/null")

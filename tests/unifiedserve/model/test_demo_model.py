@@ -95,6 +95,8 @@ def test_a_folder_holding_other_files_is_refused_and_left_as_it_was(tmp_path, ca
     assert main(["demo-model", str(tmp_path / "file")]) == 1
     err = capsys.readouterr().err
     assert err == f"unifiedserve: error: {tmp_path / 'file'} is a file; give a folder for the checkpoint\n"
+    assert main(["demo-model", str(tmp_path / "file" / "sub")]) == 1  # under a file: the system's reason, no [Errno]
+    assert capsys.readouterr().err == f"unifiedserve: error: {tmp_path / 'file' / 'sub'}: Not a directory\n"
 
     cut = tmp_path / "cut"  # a write cut short: config.json not yet back, a shard and a part file left
     cut.mkdir()
