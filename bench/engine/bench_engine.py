@@ -547,10 +547,11 @@ def _long_agreement(engine, model, runner, hf, ids: list[int], steps: int, devic
 
 def _float32_reference(hf, full: list[int], rows: list[int], ours: list[int], theirs: list[int], device) -> dict:
     """How far bf16 itself moves the top-1 on this sequence: transformers in float32 (its weights upcast in place,
-    then given back their own dtypes: bf16 -> fp32 -> bf16 is exact) is the truth both bf16 models are read against.
+    then given back their own dtypes: bf16 -> fp32 -> bf16 is exact) is the truth both bf16 (or fp16) models are read
+    against.
 
     Random weights give near-uniform logits whose top two nearly tie, so bf16's rounding flips some top-1s in any
-    implementation: ``transformers_bf16_top1_vs_float32`` is the reference's own share, beside ours
+    implementation: ``transformers_top1_vs_float32`` is the reference's own share (in the run's dtype), beside ours
     (``top1_vs_float32``). ``tie_margins`` are float32's top-1 minus top-2 logit where ours differs from it.
     """
     tensors = [t for _, t in hf.named_parameters()] + [t for _, t in hf.named_buffers()]
@@ -569,7 +570,7 @@ def _float32_reference(hf, full: list[int], rows: list[int], ours: list[int], th
     margins = (top2[:, 0] - top2[:, 1]).tolist()
     steps = len(rows)
     return {"top1_vs_float32": sum(a == b for a, b in zip(ours, best)) / steps,
-            "transformers_bf16_top1_vs_float32": sum(a == b for a, b in zip(theirs, best)) / steps,
+            "transformers_top1_vs_float32": sum(a == b for a, b in zip(theirs, best)) / steps,
             "tie_margins": [round(m, 4) for a, b, m in zip(ours, best, margins) if a != b][:16],
             "median_margin": float(torch.tensor(margins).median())}
 
@@ -609,7 +610,7 @@ def _print(results: dict, device: str, dtype: str) -> None:
               f"mean {c['logits_cosine_mean']:.5f}")
     if "top1_vs_float32" in c:
         print(f"the same steps vs transformers float32's top-1: ours {c['top1_vs_float32']:.3f}, transformers {dtype} "
-              f"{c['transformers_bf16_top1_vs_float32']:.3f} ({dtype}'s own flips); float32's top-1 - top-2 logit "
+              f"{c['transformers_top1_vs_float32']:.3f} ({dtype}'s own flips); float32's top-1 - top-2 logit "
               f"where ours differs: {c['tie_margins']} (median over all steps {c['median_margin']:.3f})")
     decode = results.get("decode", {})
     if decode:
