@@ -22,7 +22,7 @@ from unifiedserve.runtime.worker import setup_logging
 from unifiedserve.server.http_protocol import uvicorn_options
 from unifiedserve.server.limits import BodyBudget, BodySizeLimit, RequestLimits
 from unifiedserve.server.media import MediaPolicy
-from unifiedserve.server.serve_flags import DEFAULT_DECODE_SM_PERCENT
+from unifiedserve.server.serve_flags import DEFAULT_DECODE_SM_PERCENT, async_scheduling_default
 
 log = logging.getLogger("unifiedserve")
 
@@ -189,6 +189,9 @@ def build_runtime(args: argparse.Namespace):
             log.info("KV cache sized by --gpu-memory-utilization %g (the CUDA default; --kv-cache-gb or "
                      "--num-kv-blocks to fix it)", utilization)
     dtype = resolve_dtype(args.dtype, device)
+    async_scheduling = async_scheduling_default(args.async_scheduling, device)
+    if async_scheduling and args.async_scheduling is None:
+        log.info("async scheduling on (the CUDA default; --no-async-scheduling turns it off)")
     from unifiedserve.runtime.launcher import Runtime, build_config
 
     model = resolve_model(args.model)
@@ -199,7 +202,7 @@ def build_runtime(args: argparse.Namespace):
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_decode_batch=args.max_decode_batch,
                                 patches_ready_on_admit=False, **budgets)
         engine = EngineConfig(device=device, dtype=dtype, block_size=args.block_size, page_size=args.page_size,
-                              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+                              enforce_eager=args.enforce_eager, async_scheduling=async_scheduling,
                               scheduler=sched,
                               enable_prefix_caching=args.prefix_caching, media_cache_gb=args.media_cache_gb)
         pools = PoolBudgets(kv_cache_gb=PoolBudgets.kv_cache_gb if args.kv_cache_gb is None else args.kv_cache_gb,

@@ -18,6 +18,13 @@ from unifiedserve.server.media import MediaPolicy
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
+def async_scheduling_default(flag: bool | None, device: str) -> bool:
+    """``--async-scheduling`` / ``--no-async-scheduling`` as given, else on for a CUDA server (vLLM's default since
+    0.14: the host's per-step work hides behind the GPU's) and off on the CPU (nothing overlaps there, and the extra
+    row per request makes a step slower: docs/architecture.md)."""
+    return device != "cpu" if flag is None else flag
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from unifiedserve.model.presets import DEFAULT_DEMO_PATH
 
@@ -33,9 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights and activations (default auto: float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never replay CUDA graphs for decode (CUDA only; on CPU decode is always eager)")
-    g.add_argument("--async-scheduling", action="store_true",
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each decode-only step before reading the previous one's tokens back, so the host's "
-                        "per-step work overlaps the GPU's (tokens come out one step later; the same tokens)")
+                        "per-step work overlaps the GPU's (tokens come out one step later; the same tokens). "
+                        "Default: on with CUDA (as in vLLM), off on the CPU, where nothing overlaps and the extra "
+                        "row per request makes it slower")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
                    help="CUDA: size the KV cache to fill this share of the GPU's memory (e.g. 0.9, as in vLLM), "
                         "after what every process of the server holds there: measured at start-up by a profile "

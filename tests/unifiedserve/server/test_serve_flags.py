@@ -148,3 +148,16 @@ def test_the_open_file_limit_is_raised_within_the_hard_limit(hard, target, expec
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(expected), str(expected), str(hard)]
+
+
+def test_async_scheduling_is_on_for_cuda_unless_turned_off():
+    """vLLM's default since 0.14: on with CUDA; off on the CPU, where it only adds a row per request."""
+    from unifiedserve.cli import build_parser
+    from unifiedserve.server.serve_flags import async_scheduling_default
+
+    parse = build_parser().parse_args
+    assert parse(["serve"]).async_scheduling is None
+    assert parse(["serve", "--async-scheduling"]).async_scheduling is True
+    assert parse(["serve", "--no-async-scheduling"]).async_scheduling is False
+    assert async_scheduling_default(None, "cuda") and not async_scheduling_default(None, "cpu")
+    assert async_scheduling_default(True, "cpu") and not async_scheduling_default(False, "cuda")
