@@ -35,8 +35,14 @@ def _add_demo_model(sub) -> None:
     p.add_argument("--tie-word-embeddings", action="store_true", default=None,
                    help="share the token embedding with the output projection (no lm_head.weight; default: the "
                         "preset's own choice)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="never show the progress bar (shown on stderr for checkpoints of 1 GiB or more)")
     p.add_argument("--measure", action="store_true",
                    help="then time one frame-pair encode (392x728) against one decode step, fp32 on the CPU")
+
+
+#: demo-model shows a progress bar for weights of at least this many bytes (every public preset, not tiny)
+PROGRESS_MIN_BYTES = 2**30
 
 
 def _demo_model(args) -> int:
@@ -45,9 +51,25 @@ def _demo_model(args) -> int:
     from unifiedserve.model.demo import measure_encode_decode_ratio, write_demo_model
 
     start = time.perf_counter()
-    path = write_demo_model(args.path, seed=args.seed, num_shards=args.shards, preset=args.preset,
-                            tie_word_embeddings=args.tie_word_embeddings, dtype=getattr(torch, args.dtype),
-                            num_text_layers=args.num_text_layers, num_vision_layers=args.num_vision_layers)
+    bar = []  # made on the first call that says the weights are worth one (a 7B takes minutes on a CPU)
+
+    def progress(done: int, total: int) -> None:
+        if not bar:
+            if args.no_progress or total < PROGRESS_MIN_BYTES:
+                return
+            from tqdm import tqdm
+
+            bar.append(tqdm(total=total, unit="B", unit_scale=True, desc="weights", leave=False, file=sys.stderr))
+        bar[0].update(done - bar[0].n)
+
+    try:
+        path = write_demo_model(args.path, seed=args.seed, num_shards=args.shards, preset=args.preset,
+                                tie_word_embeddings=args.tie_word_embeddings, dtype=getattr(torch, args.dtype),
+                                num_text_layers=args.num_text_layers, num_vision_layers=args.num_vision_layers,
+                                progress=progress)
+    finally:
+        if bar:
+            bar[0].close()
     print(f"wrote {path} ({args.preset}, {args.dtype}) in {time.perf_counter() - start:.2f} s")
     if args.measure:
         print(json.dumps(measure_encode_decode_ratio(path), indent=2))

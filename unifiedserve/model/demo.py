@@ -30,6 +30,7 @@ import math
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -210,11 +211,12 @@ def _split_shards(sizes: dict[str, int], num_shards: int) -> list[list[str]]:
 
 
 def _write_weights(config: ModelConfig, path: Path, seed: int, num_shards: int | None, dtype: torch.dtype,
-                   device: str) -> None:
+                   device: str, progress: Callable[[int, int], None] | None = None) -> None:
     """Generate and save the weights one shard at a time (a 7B checkpoint never sits in memory whole).
 
     Tensors are drawn in sorted-name order from one generator, so a seed gives the same weights
-    whatever the sharding (on one device kind: CPU and CUDA generators differ).
+    whatever the sharding (on one device kind: CPU and CUDA generators differ). ``progress(done, total)``
+    (bytes of the stored weights) follows each tensor drawn and each shard saved, whose bytes count half each.
     """
     shapes = _weight_shapes(config)
     sizes = {name: math.prod(shape) * dtype.itemsize for name, shape in shapes.items()}
@@ -223,10 +225,19 @@ def _write_weights(config: ModelConfig, path: Path, seed: int, num_shards: int |
     shards = _split_shards(sizes, num_shards)
     gen = torch.Generator(device).manual_seed(seed)
     weight_map = {}
+    total, done = sum(sizes.values()), 0
     for index, names in enumerate(shards):
         file = "model.safetensors" if num_shards == 1 else f"model-{index + 1:05d}-of-{num_shards:05d}.safetensors"
-        tensors = {name: _random_tensor(name, shapes[name], gen).to(dtype).cpu().contiguous() for name in names}
+        tensors = {}
+        for name in names:
+            tensors[name] = _random_tensor(name, shapes[name], gen).to(dtype).cpu().contiguous()
+            done += sizes[name] // 2
+            if progress is not None:
+                progress(done, total)
         save_file(tensors, path / file, metadata={"format": "pt"})
+        done += sum(sizes[name] - sizes[name] // 2 for name in names)
+        if progress is not None:
+            progress(done, total)
         weight_map.update(dict.fromkeys(names, file))
         del tensors
     if num_shards > 1:
@@ -237,7 +248,8 @@ def _write_weights(config: ModelConfig, path: Path, seed: int, num_shards: int |
 def write_demo_model(path: str | Path = DEFAULT_DEMO_PATH, *, seed: int = 0, num_shards: int | None = None,
                      tie_word_embeddings: bool | None = None, dtype: torch.dtype = torch.float32,
                      preset: str = "tiny", num_text_layers: int | None = None, num_vision_layers: int | None = None,
-                     vocab_size: int | None = None, device: str | None = None) -> Path:
+                     vocab_size: int | None = None, device: str | None = None,
+                     progress: Callable[[int, int], None] | None = None) -> Path:
     """Write a random-weight checkpoint into ``path`` (created if needed; existing files are replaced).
 
     Args:
@@ -251,6 +263,7 @@ def write_demo_model(path: str | Path = DEFAULT_DEMO_PATH, *, seed: int = 0, num
         num_text_layers, num_vision_layers, vocab_size: shrink a public preset (tests at real widths).
         device: where the random numbers are drawn (default: CUDA for public presets when present,
             which takes seconds instead of minutes for a 7B; the CPU for ``tiny``, whose weights tests pin).
+        progress: called as ``progress(done, total)`` in bytes of the weights while they are drawn and saved.
     Returns:
         The checkpoint directory.
     Raises:
@@ -281,7 +294,7 @@ def write_demo_model(path: str | Path = DEFAULT_DEMO_PATH, *, seed: int = 0, num
     config = demo_config(tokenizer.get_vocab_size(), ids, tie_word_embeddings, preset, **overrides)
     hf = config.to_hf_dict()
     hf["dtype"] = str(dtype).removeprefix("torch.")
-    _write_weights(config, path, seed, num_shards, dtype, device)  # no lm_head when tied
+    _write_weights(config, path, seed, num_shards, dtype, device, progress)  # no lm_head when tied
 
     _write_json(path / "tokenizer_config.json", {
         "tokenizer_class": "Qwen2Tokenizer",

@@ -142,3 +142,24 @@ def test_llm_without_a_model_writes_the_default_demo_model_once(tmp_path, monkey
     LLM()
     assert writes == [tmp_path / ".cache" / "unifiedserve" / "demo-model"]
     assert not (tmp_path / "~").exists()
+
+
+def test_progress_follows_the_weights_to_their_last_byte(tmp_path, capsys, monkeypatch):
+    """A 7B's weights take minutes on a CPU: write_demo_model reports bytes drawn and saved, and the CLI shows a bar
+    on stderr for checkpoints of a GiB or more (the tiny one is below: nothing shown), unless --no-progress."""
+    from unifiedserve import cli
+
+    calls = []
+    write_demo_model(tmp_path / "a", num_shards=2, progress=lambda done, total: calls.append((done, total)))
+    total = calls[-1][1]
+    weights = sum(f.stat().st_size for f in (tmp_path / "a").glob("*.safetensors"))
+    assert {t for _, t in calls} == {total} and calls[-1][0] == total and 0.95 * weights < total <= weights
+    assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:])) and len(calls) > 4
+
+    assert main(["demo-model", str(tmp_path / "b")]) == 0
+    assert capsys.readouterr().err == ""  # below the bar's size
+    monkeypatch.setattr(cli, "PROGRESS_MIN_BYTES", 0)
+    assert main(["demo-model", str(tmp_path / "c")]) == 0
+    assert "weights" in capsys.readouterr().err
+    assert main(["demo-model", str(tmp_path / "d"), "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
