@@ -204,7 +204,7 @@ write_7b() {  # about 15 GB written: only for the groups that load the 7B (engin
   else
     rm -rf /tmp/qwen2.5-vl-7b  # a checkpoint a killed run left half-written is never reused
     run 150 demo-model python3 -m unifiedserve.cli demo-model /tmp/qwen2.5-vl-7b --preset qwen2.5-vl-7b \
-      --dtype bfloat16
+      --dtype bfloat16 --no-progress
     grep -q "demo-model: rc=0" "$out/status.txt" && touch /tmp/qwen2.5-vl-7b/.complete
   fi
 }
