@@ -4,7 +4,9 @@ engine's on the same GPU. Skipped without CUDA (``scripts/gpu_check.sh attention
 
 Both sides get bit-identical inputs: the server decodes on its CPU decoders (``--vision-device cpu``) and cuts
 patches on the GPU; the reference decodes the same way with its output on the GPU (``output_device``). float32
-and whole-video hand-off keep the two schedules' kernels the same shapes, one request at a time.
+and whole-video hand-off keep the two schedules' kernels the same shapes, one request at a time. The server runs
+with async scheduling (its CUDA default), the engine without: the same tokens, also for requests that end at
+different steps at once.
 """
 
 from __future__ import annotations
@@ -73,9 +75,13 @@ def server(media):
     assert leftovers(srv.instance) == []
 
 
-def test_a_cuda_server_serves_what_the_engine_computes(server, media):
+@pytest.fixture(scope="module")
+def want(media):
+    return reference(media[1])
+
+
+def test_a_cuda_server_serves_what_the_engine_computes(server, media, want):
     _, files = media
-    want = reference(files)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     for name in ("video", "image", "text"):  # one at a time: the same kernel shapes as the reference
         got = client.chat.completions.create(model="demo-model", messages=messages(files, name), **GREEDY)
@@ -86,6 +92,28 @@ def test_a_cuda_server_serves_what_the_engine_computes(server, media):
     assert pools and all('device="cuda:' in k for k in pools), pools  # the shared pools are on the GPU
     log = server.log()
     assert "output on cuda:0" in log and "on cuda:0" in log, log[-3000:]  # vision's decoders feed the GPU
+
+
+def test_requests_ending_at_different_steps_at_once_match_the_engine(server, media, want):
+    """Async scheduling is a CUDA server's default: a request that ends keeps its row in the step already launched
+    (its blocks go back to core only once that step is read). Greedy requests ending at different steps, all at
+    once: each is the start of the engine's 12 tokens, and every KV block and page comes back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, files = media
+    assert "async scheduling on (the CUDA default" in server.log(), server.log()[-3000:]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def ask(max_tokens):
+        return client.chat.completions.create(model="demo-model", messages=messages(files, "text"),
+                                              **dict(GREEDY, max_tokens=max_tokens))
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, (3, 6, 9, 12)))
+    for max_tokens, got in zip((3, 6, 9, 12), answers):
+        assert got.usage.completion_tokens == max_tokens
+        assert want["text"].text.startswith(got.choices[0].message.content), (max_tokens, got.choices[0].message)
+    server.wait_idle()
 
 
 def test_a_server_sized_by_gpu_memory_utilization_stays_inside_its_share(media):
