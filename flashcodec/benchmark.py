@@ -280,7 +280,10 @@ def run_file_benchmark(path: str, *, sampling: str = "dense", peers: str = "all"
         for line in (line for g in gpus for line in g.lines()):
             say("  " + line)
     if json_path:
-        Path(json_path).write_text(json.dumps(summary, indent=2))
+        try:
+            Path(json_path).write_text(json.dumps(summary, indent=2))
+        except OSError as e:  # after the whole run (the table is printed above): say where it could not go
+            raise OSError(e.errno, f"cannot write the results to {json_path}: {e.strerror or e}") from None
     return summary
 
 

@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -141,6 +142,10 @@ def test_an_unwritable_destination_is_refused_before_decoding(tiny_h264, tmp_pat
     assert error_line(PermissionError(13, "Permission denied")) == "Permission denied"
     assert error_line(SourceNotFoundError("a.mp4: does not exist")) == "a.mp4: does not exist"
     assert error_line(ValueError("--out x: bad")) == "--out x: bad"
+    if Path("/dev/full").exists():  # a write that fails after the whole run: where it could not go, and why
+        result = run_cli("bench", tiny_h264, "--repeat", "1", "--peers", "pyav", "--json", "/dev/full")
+        assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == \
+            "flashcodec: error: cannot write the results to /dev/full: No space left on device", result.stderr
 
 
 def test_a_path_that_is_not_a_regular_file_says_so():
