@@ -34,6 +34,7 @@
 #              `bench/policies/bench_policies.py --merge` turns into the three-policy table; rates whose
 #              arrivals would outlast the run are skipped (64 requests at 0.2 req/s alone are 320 s), so a
 #              policy's rates may take several runs (RATES=...), which --merge joins
+#   (serve and policies: SERVE_EXTRA_ARGS adds flags to every server they start, e.g. --no-async-scheduling)
 #   tests      the `cuda` tests named in CUDA_TESTS again (pytest paths or node ids; default: every one), with the
 #              csrc/ build they need, on whichever wheels are carried (GPU_WHEELS); DECODE_BENCH=1 adds
 #              bench/decode/bench_open.py, bench_stream.py and bench_gpu.py --short $DECODE_BENCH_ARGS after them.
@@ -318,7 +319,7 @@ serve)
   serve_under_mps
   step "serve --device cuda on the 7B preset: one 3-minute video, 4 requests decoding, streaming vs whole ingest"
   run 240 serve-7b python3 bench/serve/ttft_breakdown.py --ingest both --num-decoding 4 \
-    --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16" --result-json "$out/ttft_cuda_7b.json"
+    --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16 ${SERVE_EXTRA_ARGS:-}" --result-json "$out/ttft_cuda_7b.json"
   cp bench/results/ttft_breakdown_server_*.log "$out/" 2>/dev/null
   stop_mps
   step "issue 14's fault: a device-side assert in decode under serve-node's own MPS daemon, then its restart"
@@ -352,7 +353,7 @@ policies)
     --time-budget-s "$budget" --warmups 2 ${frames_args[@]+"${frames_args[@]}"} \
     --workload long-video --video-seconds "${VIDEO_SECONDS:-60,300}" --scale 1 --num-videos 4 \
     --num-requests "${NUM_REQUESTS:-64}" --output-len 128 --goodput ttft:10000 tbt:100 \
-    --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16 --patch-buffer-gb 4 --no-prefix-caching --media-cache-gb 0" \
+    --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16 --patch-buffer-gb 4 --no-prefix-caching --media-cache-gb 0 ${SERVE_EXTRA_ARGS:-}" \
     --out "$out/policies-${policy//,/+}"
   stop_mps
   ;;
