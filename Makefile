@@ -8,10 +8,13 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml requirements/cpu.txt scripts/ensure_ffmpeg.sh
+# torch first, then the project; Triton pinned only beside a CPU build of torch (requirements/triton-cpu.txt)
+$(STAMP): pyproject.toml requirements/cpu.txt requirements/triton-cpu.txt scripts/ensure_ffmpeg.sh
 	@scripts/ensure_ffmpeg.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements/cpu.txt -e '.[torchcodec,test,ray]'
+	$(PY) -m pip install -q -r requirements/cpu.txt
+	$(PY) -m pip install -q -r requirements/cpu.txt -e '.[torchcodec,test,ray]' \
+	  $$($(PY) -c 'import torch; print("" if torch.version.cuda else "-r requirements/triton-cpu.txt")')
 	@touch $(STAMP)
 
 test: setup

@@ -94,3 +94,19 @@ def test_gpu_check_turns_a_faulted_path_off_for_the_steps_after_it(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-2:] == ["A=unset B=unset C=0", "child C=0"]
     assert (out / "status.txt").read_text() == "faulted: a GPU fault; the steps after it run with C=0\n"
+
+
+def test_make_setup_pins_triton_only_beside_a_cpu_torch():
+    """PyPI's torch 2.13.0 for Linux is a CUDA build that requires triton==3.7.1: a Triton pin among the pins
+    `make setup` always installs made pip refuse the whole install on any machine without a CPU build of torch at
+    hand. The pin lives apart, and the Makefile adds it only where the installed torch has no CUDA."""
+    from packaging.requirements import Requirement
+
+    def names(path):
+        lines = (line.strip() for line in (ROOT / path).read_text().splitlines())
+        return [Requirement(line).name for line in lines if line and not line.startswith("#")]
+
+    assert names("requirements/cpu.txt") == ["torch", "torchcodec"]
+    assert names("requirements/triton-cpu.txt") == ["triton"]
+    make = (ROOT / "Makefile").read_text()
+    assert "import torch; print(\"\" if torch.version.cuda else \"-r requirements/triton-cpu.txt\")" in make
