@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/triton-cpu.txt script
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements/cpu.txt
 	$(PY) -m pip install -q -r requirements/cpu.txt -e '.[torchcodec,test,ray]' \
-	  $$($(PY) -c 'import torch; print("" if torch.version.cuda else "-r requirements/triton-cpu.txt")')
+	  $$($(PY) -c 'import torch; print("" if torch.version.cuda else "-r requirements/triton-cpu.txt")' 2>/dev/null)
 	@touch $(STAMP)
 
 test: setup
