@@ -4,7 +4,7 @@ Every field either works or is refused: an OpenAI field this server does not imp
 naming it (unless it carries its neutral value, e.g. ``tools: []``), and so does any other
 unknown field. Types are strict, as OpenAI's API checks them: ``"max_tokens": "2"``, ``true`` for a
 number or ``"yes"`` for a boolean are refused, not coerced (an integer is a valid number). Text must
-be valid Unicode (a lone surrogate such as ``"\ud800"`` is refused).
+be valid Unicode (a lone surrogate such as ``"\\ud800"`` in JSON is refused).
 ``response_format`` ``json_object`` and ``json_schema`` are enforced by grammar-constrained decoding
 (``unifiedserve.engine.structured``).
 """
