@@ -298,8 +298,9 @@ def _media_paths(needed: list[tuple[str, int]], cfg: WorkloadConfig, media_dir: 
         import concurrent.futures
         import multiprocessing
 
-        # fork: the workers need nothing but this module's functions, and spawn would re-run a caller's __main__
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        # forkserver, not fork: a fork of a process with threads (torch's, a test runner's) can copy a lock some
+        # thread holds, and the workers then wait on it forever (seen under Python 3.13: the pool never finished)
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("forkserver")) as pool:
             futures = [pool.submit(_media_path, kind, index, cfg, media_dir) for kind, index in missing]
             for f in tqdm(concurrent.futures.as_completed(futures), total=len(futures), desc="media", unit="file",
                           disable=not progress):
