@@ -9,10 +9,11 @@ STAMP  := $(VENV)/.installed
 setup: $(STAMP)
 
 # torch first, then the project; Triton pinned only beside a CPU build of torch (requirements/triton-cpu.txt)
-$(STAMP): pyproject.toml requirements/cpu.txt requirements/triton-cpu.txt scripts/ensure_ffmpeg.sh
+$(STAMP): pyproject.toml requirements/cpu.txt requirements/triton-cpu.txt scripts/ensure_ffmpeg.sh \
+          scripts/check_python.py
 	@scripts/ensure_ffmpeg.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c 'import sys; v = sys.version_info; sys.exit(v < (3, 11) and f"error: unifiedserve needs Python >= 3.11, $(VENV) has {v[0]}.{v[1]}; remove $(VENV) and run make with PYTHON=python3.11 (or newer)")'
+	@$(PY) scripts/check_python.py
 	$(PY) -m pip install -q -r requirements/cpu.txt
 	$(PY) -m pip install -q -r requirements/cpu.txt -e '.[torchcodec,test,ray]' \
 	  $$($(PY) -c 'import torch; print("" if torch.version.cuda else "-r requirements/triton-cpu.txt")' 2>/dev/null)

@@ -110,3 +110,17 @@ def test_make_setup_pins_triton_only_beside_a_cpu_torch():
     assert names("requirements/triton-cpu.txt") == ["triton"]
     make = (ROOT / "Makefile").read_text()
     assert "import torch; print(\"\" if torch.version.cuda else \"-r requirements/triton-cpu.txt\")" in make
+
+
+def test_make_setup_refuses_an_older_python_with_pyprojects_floor():
+    """scripts/check_python.py runs in the new venv before anything is installed: its floor is requires-python's, and
+    the Python running this suite passes it."""
+    import re
+    import sys
+
+    floor = re.search(r'requires-python = ">=(\d+)\.(\d+)"', (ROOT / "pyproject.toml").read_text())
+    script = (ROOT / "scripts" / "check_python.py").read_text()
+    assert floor and f"FLOOR = ({floor[1]}, {floor[2]})" in script
+    ok = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_python.py")], capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stderr == ""
+    assert "@$(PY) scripts/check_python.py" in (ROOT / "Makefile").read_text()
