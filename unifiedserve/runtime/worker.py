@@ -309,6 +309,9 @@ def worker_main(worker_cls: type[Worker], config: RuntimeConfig) -> None:
     try:
         worker = worker_cls(config)
         info = worker.setup()
+        # its gauges first (pools, weights per process): api reads them before it counts this worker ready, so the
+        # server's /metrics is whole from its first answer (the first report used to wait for the first idle poll)
+        worker._send_stats(force=True)
         worker.send("api", protocol.WorkerReady(worker_cls.name, os.getpid(), info))
         worker.run()
     except SystemExit:
