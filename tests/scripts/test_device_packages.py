@@ -182,7 +182,10 @@ def test_gpu_checks_install_step_installs_a_packed_set_once(tmp_path):
     assert tool("pack", str(carried)).returncode == 0
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    (bindir / "python3").symlink_to(sys.executable)
+    # a wrapper, not a symlink: a symlink to a venv's python outside the venv runs the base interpreter, which
+    # may lack the venv's packages (Python 3.13's has no `packaging`, which device_packages.py needs)
+    (bindir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bindir / "python3").chmod(0o755)
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "GPU_WHEELS": str(carried)}
     for run in range(2):
         done = subprocess.run(["bash", "-c", f"set -uo pipefail\n{body}"], capture_output=True, text=True, cwd=ROOT,
