@@ -567,12 +567,12 @@ def _float32_reference(hf, full: list[int], rows: list[int], ours: list[int], th
             t.data = t.data.to(dtype)
     best = truth.argmax(-1).tolist()
     top2 = truth.topk(2, dim=-1).values
-    margins = (top2[:, 0] - top2[:, 1]).tolist()
+    gaps = top2[:, 0] - top2[:, 1]  # [steps]
     steps = len(rows)
     return {"top1_vs_float32": sum(a == b for a, b in zip(ours, best)) / steps,
             "transformers_top1_vs_float32": sum(a == b for a, b in zip(theirs, best)) / steps,
-            "tie_margins": [round(m, 4) for a, b, m in zip(ours, best, margins) if a != b][:16],
-            "median_margin": float(torch.tensor(margins).median())}
+            "tie_margins": [round(m, 4) for a, b, m in zip(ours, best, gaps.tolist()) if a != b][:16],
+            "median_margin": float(gaps.median())}
 
 
 def _throughput(units: int, unit: str, ours_s: float, hf_s: float, flops: float, peak: float | None) -> dict:
