@@ -272,7 +272,7 @@ attention)
   # (the skinny GEMM's and the split-free graphs' tests run in the engine group, each in a process of its own)
   run 240 pytest-cuda python3 -m pytest -v --timeout=90 -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests/unifiedserve \
     tests/bench/test_bench_engine.py --deselect tests/unifiedserve/server/test_server_cuda.py \
-    --ignore=tests/unifiedserve/ops/test_skinny.py --ignore=tests/unifiedserve/attention/test_split_kv.py
+    --ignore=tests/unifiedserve/ops/test_skinny_cuda.py --ignore=tests/unifiedserve/attention/test_split_kv.py
   step "the whole server on the GPU (demo model): serve --device cuda against the engine's own output, and sized by --gpu-memory-utilization"
   run 260 pytest-cuda-server python3 -m pytest -v --timeout=200 -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda-server.xml" \
     tests/unifiedserve/server/test_server_cuda.py
@@ -289,7 +289,7 @@ engine)
     "the K/V write folded in, graphs); flashinfer's split-free decode graphs against its split ones"
   # two processes: neither has run on a device before, and a GPU fault in one would fail every later test in it
   run 180 pytest-cuda-skinny python3 -m pytest -v --timeout=160 -m cuda -p no:cacheprovider \
-    --junitxml="$out/pytest-cuda-skinny.xml" tests/unifiedserve/ops/test_skinny.py
+    --junitxml="$out/pytest-cuda-skinny.xml" tests/unifiedserve/ops/test_skinny_cuda.py
   switch_off_after_fault pytest-cuda-skinny UNIFIEDSERVE_SKINNY_GEMM
   run 60 pytest-cuda-split-kv python3 -m pytest -v --timeout=50 -m cuda -p no:cacheprovider \
     --junitxml="$out/pytest-cuda-split-kv.xml" tests/unifiedserve/attention/test_split_kv.py

@@ -1,4 +1,5 @@
-"""The native ops' fixtures, shared by the paged-copy and fused-op tests."""
+"""The native ops' fixtures, shared by the paged-copy and fused-op tests, and the skinny GEMM's table reset around
+each of its tune() tests."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from unifiedserve import ops
+from unifiedserve.ops import skinny
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +30,11 @@ def cuda_native():
         pytest.skip(reason)
     assert ops.native_available() and ops.build_info()["cuda"], ops.build_info().get("cuda_reason")
     return torch.ops.unifiedserve
+
+
+@pytest.fixture
+def clean_table():
+    """skinny's table of choices empty before and after the test (tune() fills it for the whole process)."""
+    skinny.reset()
+    yield
+    skinny.reset()
