@@ -37,6 +37,8 @@ ROOT = HERE.parents[1]
 for extra in (ROOT / "datasets", ROOT / "bench" / "serve"):
     sys.path.insert(0, str(extra))
 
+import workload_config  # noqa: E402
+import workload_synthetic  # noqa: E402
 import workloads  # noqa: E402
 from bench_serve import (CUT_ERROR, RequestRecord, compute_metrics, machine_info, meets_slo,  # noqa: E402
                          parse_goodput, run_benchmark, warm_up)
@@ -287,7 +289,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--rates", default="0.05,0.1,0.2", help="request rates, req/s (comma-separated)")
-    p.add_argument("--workload", default="long-video", choices=workloads.SYNTHETIC)
+    p.add_argument("--workload", default="long-video", choices=workload_config.SYNTHETIC)
     p.add_argument("--num-requests", type=int, default=12)
     p.add_argument("--scale", type=float, default=0.05, help="shrinks video durations and sizes for CPU runs")
     p.add_argument("--video-seconds", type=workloads.seconds_range, default=None, metavar="MIN,MAX",
@@ -328,7 +330,7 @@ def main(argv=None) -> int:
         p.error(f"--warmups must be at least 1, got {a.warmups}")
     rates = [float(r) for r in a.rates.split(",")]
     a.out.mkdir(parents=True, exist_ok=True)
-    base = workloads.generate_workload(workloads.WorkloadConfig(
+    base = workload_synthetic.generate_workload(workload_config.WorkloadConfig(
         workload=a.workload, num_requests=a.num_requests, output_len=a.output_len, ignore_eos=True, seed=a.seed,
         scale=a.scale, video_seconds=a.video_seconds, num_videos=a.num_videos, max_frames=a.max_frames),
         progress=True)
@@ -361,8 +363,8 @@ def main(argv=None) -> int:
                     continue
                 print(f"{policy} @ {rate} req/s: offered load {rate * alone_ttft:.2f} (rate x one request's TTFT "
                       f"alone), about {need:.0f} s", flush=True)
-                reqs = workloads.with_arrivals(base, rate, arrival="gamma" if a.burstiness != 1 else "poisson",
-                                               burstiness=a.burstiness, seed=a.seed)
+                reqs = workload_config.with_arrivals(base, rate, arrival="gamma" if a.burstiness != 1 else "poisson",
+                                                     burstiness=a.burstiness, seed=a.seed)
                 started = time.perf_counter()
                 records, duration = asyncio.run(run_benchmark(
                     server.url, reqs, max_concurrency=a.max_concurrency, progress=True,

@@ -30,6 +30,8 @@ for extra in (ROOT / "datasets", HERE):
     sys.path.insert(0, str(extra))
 
 import synthetic_video  # noqa: E402
+import workload_config  # noqa: E402
+import workload_media  # noqa: E402
 import workloads  # noqa: E402
 from bench_serve import compute_metrics, machine_info, parse_goodput, run_benchmark  # noqa: E402
 from server_process import ServerProcess, run_main  # noqa: E402
@@ -96,16 +98,16 @@ def follow_ups(server: ServerProcess, video: Path, output_len: int) -> list[dict
 def main(argv=None) -> int:
     a = parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    media_dir = a.media_dir or workloads.default_media_dir()
+    media_dir = a.media_dir or workload_media.default_media_dir()
     media_dir.mkdir(parents=True, exist_ok=True)
     video = synthetic_video.make_video(media_dir / f"followup-{a.followup_video_s:g}s.mp4", codec="h264", width=480,
                                        height=270, duration_s=a.followup_video_s, fps=24.0, gop=48, seed=11)
     records = []
     if a.num_requests:
-        cfg = workloads.WorkloadConfig(workload="multi-question", num_requests=a.num_requests,
-                                       request_rate=a.request_rate, output_len=a.output_len,
-                                       num_videos=a.num_videos, questions_per_video=a.questions_per_video,
-                                       media_dir=str(media_dir))
+        cfg = workload_config.WorkloadConfig(workload="multi-question", num_requests=a.num_requests,
+                                             request_rate=a.request_rate, output_len=a.output_len,
+                                             num_videos=a.num_videos, questions_per_video=a.questions_per_video,
+                                             media_dir=str(media_dir))
         records = workloads.build_workload(cfg)
     slo = parse_goodput(a.goodput)
     allowed = str(Path("/").resolve())  # workload media live in the cache folder; allow the file system root

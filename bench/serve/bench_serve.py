@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "datasets") not in sys.path:
     sys.path.insert(0, str(ROOT / "datasets"))
 
+import workload_config  # noqa: E402
+import workload_jsonl  # noqa: E402
 import workloads  # noqa: E402
 
 __all__ = ["RequestRecord", "compute_metrics", "fetch_model", "format_metrics", "machine_info",
@@ -417,13 +419,13 @@ def load_requests(a: argparse.Namespace) -> tuple[list[dict], dict]:
     if a.workload_file is not None:
         if a.workload is not None:
             raise ValueError("give either --workload-file or --workload, not both")
-        requests = workloads.read_workload(a.workload_file)
+        requests = workload_jsonl.read_workload(a.workload_file)
         if given:  # re-generate arrivals with the seed
             if "request_rate" not in given:
                 raise ValueError("--arrival/--burstiness need --request-rate with --workload-file")
             cfg = workloads.config_from_args(a, workload="long-video")  # validates the arrival options
-            requests = workloads.with_arrivals(requests, cfg.request_rate, arrival=cfg.arrival,
-                                               burstiness=cfg.burstiness, seed=cfg.seed)
+            requests = workload_config.with_arrivals(requests, cfg.request_rate, arrival=cfg.arrival,
+                                                     burstiness=cfg.burstiness, seed=cfg.seed)
         return requests, {"file": str(a.workload_file), **given}
     if a.workload is None:
         raise ValueError("give --workload-file PATH or --workload NAME (see --help)")

@@ -150,9 +150,9 @@ def fake_bench(monkeypatch, run_benchmark, warm_ups):
     monkeypatch.setattr(bp, "ServerProcess", fake_server)
     monkeypatch.setattr(bp, "run_benchmark", run_benchmark)
     monkeypatch.setattr(bp, "warm_up", warm_up)
-    monkeypatch.setattr(bp.workloads, "generate_workload", lambda cfg, progress=False: [
+    monkeypatch.setattr(bp.workload_synthetic, "generate_workload", lambda cfg, progress=False: [
         {"id": f"q{i}", "media": [], "prompt": "hi", "output_len": 5} for i in range(4)])
-    monkeypatch.setattr(bp.workloads, "with_arrivals", lambda base, rate, **kw: base)
+    monkeypatch.setattr(bp.workload_config, "with_arrivals", lambda base, rate, **kw: base)
 
 
 def alone(ttft_s: float, e2e_s: float, rid: str = "w") -> RequestRecord:

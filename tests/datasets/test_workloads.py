@@ -1,4 +1,5 @@
-"""Tests for datasets/workloads.py (seeded serving workloads and dataset loaders)."""
+"""Tests for datasets/workloads.py and its workload_*.py modules (seeded serving workloads and dataset
+loaders)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import dataclasses
 import pathlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -15,6 +17,11 @@ import numpy as np
 import pytest
 
 import workloads as wl
+from workload_config import WorkloadConfig, arrival_times
+from workload_datasets import load_egoschema, load_mlvu, load_visionarena
+from workload_jsonl import read_workload, validate_record, write_workload
+from workload_media import image_spec, video_spec
+from workload_synthetic import TEXT_PROMPTS, VIDEO_QUESTIONS, generate_workload, video_questions
 
 TINY = dict(scale=0.01, num_videos=1)  # 9-minute videos become ~5 s at 114x64
 
@@ -29,7 +36,7 @@ def gaps(times):
 
 
 def test_poisson_mean_inter_arrival_is_one_over_rate():
-    t = wl.arrival_times(20_000, 4.0, seed=1)
+    t = arrival_times(20_000, 4.0, seed=1)
     assert t[0] == 0.0 and np.all(gaps(t) >= 0)
     g = gaps(t)
     assert g.mean() == pytest.approx(0.25, rel=0.03)
@@ -39,22 +46,22 @@ def test_poisson_mean_inter_arrival_is_one_over_rate():
 @pytest.mark.parametrize("burstiness", [0.25, 4.0])
 def test_gamma_burstiness_sets_the_variance(burstiness):
     rate = 4.0
-    g = gaps(wl.arrival_times(20_000, rate, arrival="gamma", burstiness=burstiness, seed=2))
+    g = gaps(arrival_times(20_000, rate, arrival="gamma", burstiness=burstiness, seed=2))
     assert g.mean() == pytest.approx(1 / rate, rel=0.05)  # the rate does not change
     # gamma(k, 1/(rate*k)) has variance 1/(k*rate^2)
     assert g.var() == pytest.approx(1 / (burstiness * rate**2), rel=0.1)
 
 
 def test_infinite_rate_puts_every_request_at_zero():
-    assert wl.arrival_times(7, float("inf")) == [0.0] * 7
-    assert wl.arrival_times(0, 2.0) == [] and wl.arrival_times(1, 2.0) == [0.0]
+    assert arrival_times(7, float("inf")) == [0.0] * 7
+    assert arrival_times(0, 2.0) == [] and arrival_times(1, 2.0) == [0.0]
 
 
 def test_arrival_argument_errors():
     with pytest.raises(ValueError, match="--arrival gamma"):
-        wl.arrival_times(3, 1.0, arrival="poisson", burstiness=0.5)
+        arrival_times(3, 1.0, arrival="poisson", burstiness=0.5)
     with pytest.raises(ValueError, match="request_rate"):
-        wl.arrival_times(3, 0.0)
+        arrival_times(3, 0.0)
 
 
 # ---------------------------------------------------------------------------
@@ -63,33 +70,33 @@ def test_arrival_argument_errors():
 
 
 def test_same_seed_gives_identical_jsonl(tmp_path):
-    cfg = wl.WorkloadConfig(workload="mixed", num_requests=20, request_rate=5.0, seed=3,
-                            media_dir=str(tmp_path / "media"), **TINY)
-    a = wl.write_workload(wl.generate_workload(cfg), tmp_path / "a.jsonl")
-    b = wl.write_workload(wl.generate_workload(cfg), tmp_path / "b.jsonl")
+    cfg = WorkloadConfig(workload="mixed", num_requests=20, request_rate=5.0, seed=3,
+                         media_dir=str(tmp_path / "media"), **TINY)
+    a = write_workload(generate_workload(cfg), tmp_path / "a.jsonl")
+    b = write_workload(generate_workload(cfg), tmp_path / "b.jsonl")
     assert a.read_bytes() == b.read_bytes()
-    other = wl.generate_workload(dataclasses.replace(cfg, seed=4))
-    assert other != wl.read_workload(a)
+    other = generate_workload(dataclasses.replace(cfg, seed=4))
+    assert other != read_workload(a)
 
 
 def test_mixed_has_every_kind_and_valid_records(tmp_path):
-    cfg = wl.WorkloadConfig(workload="mixed", num_requests=40, text_share=0.25, output_len=16,
-                            media_dir=str(tmp_path), **TINY)
-    records = wl.generate_workload(cfg)
+    cfg = WorkloadConfig(workload="mixed", num_requests=40, text_share=0.25, output_len=16,
+                         media_dir=str(tmp_path), **TINY)
+    records = generate_workload(cfg)
     kinds = {tuple(m["type"] for m in r["media"]) for r in records}
     assert kinds == {("video",), ("image",), ()}
     for r in records:
-        wl.validate_record(r)
+        validate_record(r)
         assert r["output_len"] == 16 and r["ignore_eos"] is True
         for m in r["media"]:
             assert m["path"].startswith(str(tmp_path)) and (m["fps"] == 2.0) == (m["type"] == "video")
-    assert {r["prompt"] for r in records if not r["media"]} <= set(wl.TEXT_PROMPTS)
+    assert {r["prompt"] for r in records if not r["media"]} <= set(TEXT_PROMPTS)
 
 
 def test_request_rate_changes_only_the_arrivals(tmp_path):
     base = dict(workload="image", num_requests=10, media_dir=str(tmp_path), **TINY)
-    slow = wl.generate_workload(wl.WorkloadConfig(request_rate=1.0, **base))
-    fast = wl.generate_workload(wl.WorkloadConfig(request_rate=100.0, **base))
+    slow = generate_workload(WorkloadConfig(request_rate=1.0, **base))
+    fast = generate_workload(WorkloadConfig(request_rate=100.0, **base))
     strip = [{k: v for k, v in r.items() if k != "arrival_s"} for r in slow]
     assert strip == [{k: v for k, v in r.items() if k != "arrival_s"} for r in fast]
     assert slow[-1]["arrival_s"] > fast[-1]["arrival_s"] > 0
@@ -97,24 +104,24 @@ def test_request_rate_changes_only_the_arrivals(tmp_path):
 
 def test_scale_shrinks_durations_and_sizes():
     for i in range(5):
-        full, small = wl.video_spec("long-video", i), wl.video_spec("long-video", i, scale=0.05)
+        full, small = video_spec("long-video", i), video_spec("long-video", i, scale=0.05)
         assert 480 <= full["duration_s"] <= 600 and (full["width"], full["height"]) == (1280, 720)
         assert small["duration_s"] == pytest.approx(full["duration_s"] * 0.05, abs=0.01)
         assert small["width"] < full["width"] and small["height"] == 64 and small["width"] % 2 == 0
         assert 2 * 30 <= full["gop"] <= 8 * 30 and small["gop"] == full["gop"]
-    short = wl.video_spec("short-video", 0)
-    assert short["duration_s"] == 180 and wl.video_spec("short-video", 0, scale=0.1)["duration_s"] == 18
-    img_full, img_small = wl.image_spec(3), wl.image_spec(3, scale=0.05)
+    short = video_spec("short-video", 0)
+    assert short["duration_s"] == 180 and video_spec("short-video", 0, scale=0.1)["duration_s"] == 18
+    img_full, img_small = image_spec(3), image_spec(3, scale=0.05)
     assert img_small["width"] < img_full["width"] and min(img_small["width"], img_small["height"]) == 64
 
 
 def test_video_seconds_replaces_the_duration_range_unscaled():
     for i in range(5):
-        spec = wl.video_spec("long-video", i, seconds=(60, 300))
+        spec = video_spec("long-video", i, seconds=(60, 300))
         assert 60 <= spec["duration_s"] <= 300 and (spec["width"], spec["height"]) == (1280, 720)
-        small = wl.video_spec("long-video", i, scale=0.5, seconds=(60, 300))
+        small = video_spec("long-video", i, scale=0.5, seconds=(60, 300))
         assert small["duration_s"] == spec["duration_s"] and (small["width"], small["height"]) == (640, 360)
-    assert {wl.video_spec("long-video", i, seconds=(90, 90))["duration_s"] for i in range(3)} == {90}
+    assert {video_spec("long-video", i, seconds=(90, 90))["duration_s"] for i in range(3)} == {90}
     cfg = wl.config_from_args(argparse_for_workloads().parse_args(["--video-seconds", "60,300"]))
     assert cfg.video_seconds == (60.0, 300.0)
 
@@ -127,7 +134,7 @@ def test_video_seconds_replaces_the_duration_range_unscaled():
 ])
 def test_bad_video_seconds(kw, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
-        wl.WorkloadConfig(**kw)
+        WorkloadConfig(**kw)
 
 
 def test_video_seconds_flag_needs_two_numbers():
@@ -143,9 +150,9 @@ def argparse_for_workloads():
 
 
 def test_generated_video_matches_its_scaled_spec(tmp_path):
-    cfg = wl.WorkloadConfig(workload="long-video", num_requests=1, media_dir=str(tmp_path), **TINY)
-    (rec,) = wl.generate_workload(cfg)
-    spec = wl.video_spec("long-video", 0, scale=TINY["scale"])
+    cfg = WorkloadConfig(workload="long-video", num_requests=1, media_dir=str(tmp_path), **TINY)
+    (rec,) = generate_workload(cfg)
+    spec = video_spec("long-video", 0, scale=TINY["scale"])
     with av.open(rec["media"][0]["path"]) as c:
         s = c.streams.video[0]
         assert (s.codec_context.name, s.width, s.height) == ("h264", spec["width"], spec["height"])
@@ -154,18 +161,18 @@ def test_generated_video_matches_its_scaled_spec(tmp_path):
 
 
 def test_media_files_exist_and_are_reused(tmp_path):
-    cfg = wl.WorkloadConfig(workload="short-video", num_requests=6, num_videos=2, scale=0.01,
-                            media_dir=str(tmp_path))
-    first = wl.generate_workload(cfg)
+    cfg = WorkloadConfig(workload="short-video", num_requests=6, num_videos=2, scale=0.01,
+                         media_dir=str(tmp_path))
+    first = generate_workload(cfg)
     paths = [r["media"][0]["path"] for r in first]
     assert paths[0::2] == [paths[0]] * 3 and paths[1::2] == [paths[1]] * 3 and paths[0] != paths[1]
     files = sorted(tmp_path.rglob("*.mp4"))
     assert len(files) == 2
     mtimes = [f.stat().st_mtime_ns for f in files]
-    again = wl.generate_workload(cfg)
+    again = generate_workload(cfg)
     assert [r["media"][0]["path"] for r in again] == paths
     assert sorted(tmp_path.rglob("*.mp4")) == files and [f.stat().st_mtime_ns for f in files] == mtimes
-    images = wl.generate_workload(dataclasses.replace(cfg, workload="image", num_requests=3))
+    images = generate_workload(dataclasses.replace(cfg, workload="image", num_requests=3))
     assert all(p.is_file() for p in tmp_path.rglob("img_*"))
     assert len({r["media"][0]["path"] for r in images}) == 2
 
@@ -181,29 +188,29 @@ def test_missing_media_are_made_in_parallel_processes_when_there_are_cores(tmp_p
             super().__init__(jobs, **kw)
 
     monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Recording)
-    monkeypatch.setattr(wl.os, "cpu_count", lambda: 16)
-    cfg = wl.WorkloadConfig(workload="short-video", num_requests=6, num_videos=3, scale=0.01,
-                            media_dir=str(tmp_path))
-    records = wl.generate_workload(cfg)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    cfg = WorkloadConfig(workload="short-video", num_requests=6, num_videos=3, scale=0.01,
+                         media_dir=str(tmp_path))
+    records = generate_workload(cfg)
     assert pools == [3]  # three missing clips, up to 16 // 4 workers
     paths = {r["media"][0]["path"] for r in records}
     assert len(paths) == 3 and all(pathlib.Path(p).is_file() for p in paths)
     assert not list(tmp_path.rglob(".tmp-*"))
-    assert wl.generate_workload(cfg) == records and pools == [3]  # all cached: no pool the second time
+    assert generate_workload(cfg) == records and pools == [3]  # all cached: no pool the second time
     sequential = tmp_path / "sequential"
-    monkeypatch.setattr(wl.os, "cpu_count", lambda: 2)
-    again = wl.generate_workload(dataclasses.replace(cfg, media_dir=str(sequential)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    again = generate_workload(dataclasses.replace(cfg, media_dir=str(sequential)))
     assert pools == [3] and sorted(pathlib.Path(r["media"][0]["path"]).name for r in again) == sorted(
         pathlib.Path(r["media"][0]["path"]).name for r in records)
 
 
 def test_config_errors_say_what_to_fix():
     with pytest.raises(ValueError, match="scale"):
-        wl.WorkloadConfig(scale=0.0)
+        WorkloadConfig(scale=0.0)
     with pytest.raises(ValueError, match="--dataset-path"):
-        wl.WorkloadConfig(workload="mlvu")
+        WorkloadConfig(workload="mlvu")
     with pytest.raises(ValueError, match="unknown workload"):
-        wl.WorkloadConfig(workload="audio")
+        WorkloadConfig(workload="audio")
 
 
 # ---------------------------------------------------------------------------
@@ -225,7 +232,7 @@ def test_load_mlvu(tmp_path):
              {"video": "gone.mp4", "question": "Lost?", "candidates": ["yes", "no"]}]
     touch(tmp_path / "json" / "1_plotQA.json", json.dumps(items).encode())
     with pytest.warns(UserWarning, match="skipped 1"):
-        records = wl.load_mlvu(tmp_path, video_fps=1.0, max_frames=256)
+        records = load_mlvu(tmp_path, video_fps=1.0, max_frames=256)
     assert [r["request_id"] for r in records] == ["mlvu-1_plotQA-0", "mlvu-1_plotQA-1"]
     assert records[0]["prompt"].splitlines()[:3] == ["Who runs?", "(A) dog", "(B) cat"]
     assert records[0]["media"] == [{"type": "video", "path": str((tmp_path / "video/1_plotQA/a.mp4").resolve()),
@@ -237,10 +244,10 @@ def test_load_egoschema_and_sampling(tmp_path):
     touch(tmp_path / "videos" / "q1.mp4")
     qs = [{"q_uid": "q1", "question": "What is c doing?", **{f"option {k}": f"o{k}" for k in range(5)}}]
     touch(tmp_path / "questions.json", json.dumps(qs).encode())
-    (rec,) = wl.load_egoschema(tmp_path)
+    (rec,) = load_egoschema(tmp_path)
     assert rec["request_id"] == "egoschema-q1" and "(E) o4" in rec["prompt"]
-    cfg = wl.WorkloadConfig(workload="egoschema", dataset_path=str(tmp_path), num_requests=3,
-                            output_len=8, request_rate=2.0)
+    cfg = WorkloadConfig(workload="egoschema", dataset_path=str(tmp_path), num_requests=3,
+                         output_len=8, request_rate=2.0)
     out = wl.build_workload(cfg)
     assert [r["request_id"] for r in out] == ["egoschema-q1", "egoschema-q1#1", "egoschema-q1#2"]
     assert all(r["output_len"] == 8 for r in out) and out[0]["arrival_s"] == 0 < out[2]["arrival_s"]
@@ -254,14 +261,14 @@ def test_load_visionarena(tmp_path):
              {"question": "Missing", "images": ["img/none.png"]}]
     touch(tmp_path / "chat.jsonl", "\n".join(json.dumps(x) for x in lines).encode())
     with pytest.warns(UserWarning):
-        records = wl.load_visionarena(tmp_path)
+        records = load_visionarena(tmp_path)
     assert [r["prompt"] for r in records] == ["What is this?", "And this?"]
     assert records[0]["media"][0] == {"type": "image", "path": str((tmp_path / "img/1.png").resolve()),
                                       "fps": None, "max_frames": None}
 
 
-@pytest.mark.parametrize("loader,layout", [(wl.load_mlvu, "json/*.json"), (wl.load_egoschema, "questions.json"),
-                                           (wl.load_visionarena, "*.jsonl")])
+@pytest.mark.parametrize("loader,layout", [(load_mlvu, "json/*.json"), (load_egoschema, "questions.json"),
+                                           (load_visionarena, "*.jsonl")])
 def test_loaders_name_the_layout_when_missing(tmp_path, loader, layout):
     with pytest.raises(FileNotFoundError, match="expected layout") as e:
         loader(tmp_path / "nope")
@@ -280,9 +287,9 @@ GOOD = {"request_id": "r0", "arrival_s": 0.5, "prompt": "q", "output_len": 4, "i
 
 def test_read_workload_round_trip(tmp_path):
     recs = [GOOD, {**GOOD, "request_id": "r1", "media": []}]
-    path = wl.write_workload(recs, tmp_path / "w.jsonl")
+    path = write_workload(recs, tmp_path / "w.jsonl")
     path.write_text(path.read_text() + "\n")  # blank lines are fine
-    assert wl.read_workload(path) == recs
+    assert read_workload(path) == recs
 
 
 @pytest.mark.parametrize("line,message", [
@@ -298,7 +305,7 @@ def test_read_workload_names_the_bad_line(tmp_path, line, message):
     path = tmp_path / "w.jsonl"
     path.write_text(json.dumps(GOOD) + "\n" + line + "\n")
     with pytest.raises(ValueError, match=f"w.jsonl:2: .*{message}"):
-        wl.read_workload(path)
+        read_workload(path)
 
 
 # ---------------------------------------------------------------------------
@@ -311,7 +318,7 @@ def test_cli_writes_a_workload(tmp_path, capsys):
     rc = wl.main(["--workload", "image", "--num-requests", "4", "--scale", "0.05", "--request-rate", "2",
                   "--burstiness", "0.5", "--media-dir", str(tmp_path / "m"), "--out", str(out), "--no-progress"])
     assert rc == 0 and "wrote 4 requests" in capsys.readouterr().out
-    recs = wl.read_workload(out)
+    recs = read_workload(out)
     assert len(recs) == 4 and recs[-1]["arrival_s"] > 0
 
 
@@ -333,12 +340,12 @@ def test_cli_help_runs_standalone():
 
 
 def test_multi_question_asks_k_different_questions_per_video(tmp_path):
-    cfg = wl.WorkloadConfig(workload="multi-question", num_requests=18, questions_per_video=4, num_videos=2,
-                            request_rate=4.0, scale=0.1, media_dir=str(tmp_path))
-    records = wl.generate_workload(cfg)
+    cfg = WorkloadConfig(workload="multi-question", num_requests=18, questions_per_video=4, num_videos=2,
+                         request_rate=4.0, scale=0.1, media_dir=str(tmp_path))
+    records = generate_workload(cfg)
     by_video = {}
     for r in records:
-        wl.validate_record(r)
+        validate_record(r)
         (m,) = r["media"]
         assert m["type"] == "video" and m["fps"] == 2.0
         by_video.setdefault(m["path"], []).append(r["prompt"])
@@ -359,20 +366,20 @@ def test_multi_question_asks_k_different_questions_per_video(tmp_path):
 
 def test_multi_question_videos_are_demo_size():
     for i in range(5):
-        spec = wl.video_spec("multi-question", i)
+        spec = video_spec("multi-question", i)
         assert (spec["width"], spec["height"]) == (480, 270) and 8 <= spec["duration_s"] <= 12
 
 
 def test_video_questions_beyond_the_pool_stay_different():
-    qs = wl.video_questions(len(wl.VIDEO_QUESTIONS) + 3, np.random.default_rng(0))
-    assert len(set(qs)) == len(qs) and set(wl.VIDEO_QUESTIONS) <= set(qs)
+    qs = video_questions(len(VIDEO_QUESTIONS) + 3, np.random.default_rng(0))
+    assert len(set(qs)) == len(qs) and set(VIDEO_QUESTIONS) <= set(qs)
 
 
 def test_questions_per_video_is_refused_elsewhere():
     with pytest.raises(ValueError, match="questions_per_video must be >= 1"):
-        wl.WorkloadConfig(workload="multi-question", questions_per_video=0)
+        WorkloadConfig(workload="multi-question", questions_per_video=0)
     with pytest.raises(ValueError, match="only applies to --workload multi-question"):
-        wl.WorkloadConfig(workload="mixed", questions_per_video=2)
+        WorkloadConfig(workload="mixed", questions_per_video=2)
 
 
 def test_cli_multi_question(tmp_path, capsys):
@@ -381,4 +388,4 @@ def test_cli_multi_question(tmp_path, capsys):
                   "--scale", "0.1", "--request-rate", "2", "--media-dir", str(tmp_path / "m"), "--out", str(out),
                   "--no-progress"])
     assert rc == 0 and "(2 media files" in capsys.readouterr().out
-    assert len(wl.read_workload(out)) == 6
+    assert len(read_workload(out)) == 6
