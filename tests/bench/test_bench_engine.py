@@ -204,7 +204,7 @@ def test_bench_engine_times_only_the_parts_asked_and_a_failed_check_still_times(
 def test_async_steps_are_profiled_overlapped_and_every_request_finishes(tmp_path, monkeypatch):
     """The step profile (CUDA only; its step loop here with the profiler stood in for): the requests have their
     first token and run overlapped before the profiled steps, no request ends inside them, and all finish after."""
-    import bench_engine
+    import decode_overhead
     import step_trace
 
     from unifiedserve.engine.llm import LLM, EngineConfig
@@ -222,7 +222,7 @@ def test_async_steps_are_profiled_overlapped_and_every_request_finishes(tmp_path
         return {"between_us": 1.0}
 
     monkeypatch.setattr(step_trace, "profile_steps", fake_profile)
-    summary = bench_engine._trace_async_steps(engine, [[11, 12, 13], [14, 15, 16, 17]], 9, 4, torch.device("cpu"))
+    summary = decode_overhead._trace_async_steps(engine, [[11, 12, 13], [14, 15, 16, 17]], 9, 4, torch.device("cpu"))
     assert summary == {"between_us": 1.0} and len(seen) == 4
     assert all(overlapped and pending and len(counts) == 2 for overlapped, pending, counts in seen)
     assert not engine.has_unfinished
@@ -247,7 +247,7 @@ def test_bench_multiturn_runs_and_the_answer_is_cached(tmp_path):
 def test_bf16_agreement_is_read_against_float32_transformers_and_its_weights_come_back_exact(tmp_path):
     """In bf16 the long agreement also reads both models' top-1 against transformers in float32 (the reference's own
     bf16 flips beside ours); the upcast is undone exactly: every parameter and buffer has its dtype and bits back."""
-    import bench_engine
+    import engine_parity
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from unifiedserve.engine.llm import LLM, EngineConfig
@@ -258,8 +258,8 @@ def test_bf16_agreement_is_read_against_float32_transformers_and_its_weights_com
     engine = LLM(tmp_path, EngineConfig(dtype="bfloat16", num_kv_blocks=64))
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
     before = {n: t.clone() for n, t in list(hf.named_parameters()) + list(hf.named_buffers())}
-    r = bench_engine._long_agreement(engine, engine.model, engine.runner, hf, list(range(20, 36)), 12,
-                                     torch.device("cpu"), forward_tokens)
+    r = engine_parity._long_agreement(engine, engine.model, engine.runner, hf, list(range(20, 36)), 12,
+                                      torch.device("cpu"), forward_tokens)
     after = dict(list(hf.named_parameters()) + list(hf.named_buffers()))
     assert before.keys() == after.keys()
     assert all(after[n].dtype == t.dtype and torch.equal(after[n], t) for n, t in before.items())
@@ -269,6 +269,6 @@ def test_bf16_agreement_is_read_against_float32_transformers_and_its_weights_com
     assert len(r["tie_margins"]) == wrong and all(m >= 0 for m in r["tie_margins"]) and r["median_margin"] >= 0
     hf32 = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
     engine32 = LLM(tmp_path, EngineConfig(num_kv_blocks=64))
-    r32 = bench_engine._long_agreement(engine32, engine32.model, engine32.runner, hf32, list(range(20, 36)), 4,
-                                       torch.device("cpu"), forward_tokens)
+    r32 = engine_parity._long_agreement(engine32, engine32.model, engine32.runner, hf32, list(range(20, 36)), 4,
+                                        torch.device("cpu"), forward_tokens)
     assert "top1_vs_float32" not in r32  # float32 already: no second reference

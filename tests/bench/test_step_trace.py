@@ -101,7 +101,7 @@ def test_profile_steps_reads_a_real_graph_replay_and_the_ops_around_it():
 def test_profile_steps_on_the_engines_async_graph_steps(tmp_path, capsys):
     """The engine's own async decode steps (demo model, graphs): replays found, and the operations between them
     listed (printed for the device log: the tiny model's count is the mechanism's, not the 7B's figure)."""
-    import bench_engine
+    import decode_overhead
 
     from unifiedserve.engine.llm import LLM, EngineConfig
     from unifiedserve.model.demo import write_demo_model
@@ -109,7 +109,7 @@ def test_profile_steps_on_the_engines_async_graph_steps(tmp_path, capsys):
     write_demo_model(tmp_path)
     engine = LLM(tmp_path, EngineConfig(device="cuda", num_kv_blocks=256, max_cuda_graph_batch=4))
     assert engine.runner.graphs is not None
-    s = bench_engine._trace_async_steps(engine, [[11, 12, 13, 14]] * 2, 14, 6, torch.device("cuda"))
+    s = decode_overhead._trace_async_steps(engine, [[11, 12, 13, 14]] * 2, 14, 6, torch.device("cuda"))
     if s.get("error", "").startswith("the profiler failed"):
         pytest.skip(s["error"])  # the machine refuses CUPTI: a platform fact, said in the skip reason
     assert "error" not in s, s
