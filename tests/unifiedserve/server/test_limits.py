@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from unifiedserve.model.demo import write_demo_model
 from unifiedserve.model.processor import load_processor
 from unifiedserve.runtime import protocol
-from unifiedserve.runtime.vision_worker import _one_line
+from unifiedserve.runtime.vision_decoding import _one_line
 from unifiedserve.server.api import ServerState, build_app
 from unifiedserve.server.engine_client import RequestError
 from unifiedserve.server.limits import BodyBudget, BodySizeLimit, RequestLimits
