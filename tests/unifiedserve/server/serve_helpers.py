@@ -28,6 +28,15 @@ def tiny_clip(folder: Path) -> Path:
                                       fps=10.0, gop=10, seed=1)
 
 
+QUESTION = "What happens in this video?"
+
+
+def video_message(path, question=QUESTION, **options):
+    """One user message: the video at ``path`` (``file://``) with ``video_url`` options, then the question."""
+    return [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": f"file://{path}", **options}},
+                                         {"type": "text", "text": question}]}]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
