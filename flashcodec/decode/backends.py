@@ -137,6 +137,10 @@ def convert_frame(frame: av.VideoFrame, height: int, width: int, resize: str = D
 #: it would have guessed comes from our probe (:func:`reorder_depth`). Other codecs' opens decode nothing already.
 FAST_OPEN_OPTIONS = {"h264": SKIP_STREAM_INFO_DECODE}
 _HAS_REORDER_DEPTH = hasattr(VideoCodecContext, "reorder_depth")  # the setter is not in every PyAV the pin allows
+#: The most pictures an H.264 decoder holds back (its DPB: 16 frames). A probe whose timestamps ask for more (they
+#: run backwards: the file's, not the codec's) gets FFmpeg's own open: told to hold more, FFmpeg's H.264 decoder
+#: fails an assertion and aborts the whole process (h264_slice.c, ``pics <= H264_MAX_DPB_FRAMES``).
+MAX_REORDER_DEPTH = 16
 
 
 @per_probe
@@ -167,13 +171,14 @@ class PyAVSegmentDecoder(SegmentDecoder):
         self._resize = check_resize_mode(resize)
         self._info = info
         self._convert = convert  # False only to measure pure decode time (bench/decode's floor)
-        fast = FAST_OPEN_OPTIONS.get(info.codec) if _HAS_REORDER_DEPTH else None
+        depth = reorder_depth(info)
+        fast = FAST_OPEN_OPTIONS.get(info.codec) if _HAS_REORDER_DEPTH and depth <= MAX_REORDER_DEPTH else None
         self._container = av.open(source.open(), mode="r", options=fast)
         self._stream = self._container.streams[info.stream_index]
         self._context = self._stream.codec_context
         self._context.thread_count = 1  # parallelism comes from GOP segments, not FFmpeg threads
         if fast:  # the stream-info pass guessed no depth (it decoded nothing): ours, never less than FFmpeg's
-            self._context.reorder_depth = max(self._context.reorder_depth, reorder_depth(info))
+            self._context.reorder_depth = max(self._context.reorder_depth, depth)
         self._out_h, self._out_w = stored_size(info, height, width)
         self._interpolation = interpolation
         self._pts_by_position, self._display_by_pts = pts_index(info)  # shared by the video's decoders

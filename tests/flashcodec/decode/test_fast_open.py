@@ -260,3 +260,26 @@ def test_flashcodec_bench_loads_the_library_before_listing_its_peers():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["True", "True", "None"], run.stdout
+
+
+def test_timestamps_that_run_backwards_get_ffmpegs_own_open_not_an_abort(video_factory, tmp_path):
+    """Presentation timestamps running backwards (the file's fault) make the probe's reorder depth the whole clip
+    (47 here). Told to hold more than H.264's 16 pictures, FFmpeg's decoder failed an assertion and aborted the
+    process (exit 134, no message: any client's file could kill the server's vision process); such a probe now gets
+    FFmpeg's own open, and the decode returns. In a child process: an abort would take pytest with it."""
+    src = av.open(str(_h264(video_factory, 0)))
+    path = tmp_path / "backwards.mkv"
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream_from_template(src.streams.video[0])
+        for k, packet in enumerate(p for p in src.demux(src.streams.video[0]) if p.size):
+            packet.pts, packet.dts = 51200 - 256 * k, 512 * k  # pts descending, dts ascending
+            packet.stream = stream
+            out.mux(packet)
+    src.close()
+    assert backends.reorder_depth(probe(Source.of(path))) > backends.MAX_REORDER_DEPTH
+    code = ("import sys, flashcodec; r = flashcodec.decode_video(sys.argv[1], backend='pyav'); "
+            "print(tuple(r.frames.shape))")
+    run = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    assert run.stdout.strip().startswith("(4, 3,"), run.stdout
