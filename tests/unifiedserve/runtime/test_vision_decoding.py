@@ -198,6 +198,29 @@ def test_a_bad_image_in_a_batch_fails_with_its_own_index(tmp_path, demo_model, i
     assert "truncated or corrupt" in failures[0]
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_an_image_past_the_servers_source_cap_fails_before_its_pixels_are_decoded(tmp_path, demo_model, batched):
+    """A tiny PNG whose header says 8000x6300 (50.4 M pixels, over MAX_IMAGE_SOURCE_PIXELS) fails from its header,
+    in both decode paths: PIL's limit (179 M) let such files cost the vision process gigabytes."""
+    from PIL import Image
+
+    from unifiedserve.runtime.vision_decoding import MAX_IMAGE_SOURCE_PIXELS
+
+    path = tmp_path / "wide.png"
+    Image.new("1", (8000, 6300)).save(path)  # 1-bit, all black: a few KB
+    assert path.stat().st_size < 100_000 and 8000 * 6300 > MAX_IMAGE_SOURCE_PIXELS
+    worker = batch_worker(tmp_path, demo_model, FakeNvjpeg()) if batched else \
+        make_worker(tmp_path, demo_model, streaming=False, delay_s=0.0)
+    try:
+        worker.handle(protocol.ProbeMedia("r1", [protocol.MediaRef("image", path=str(path))]))
+        pump(worker, lambda: messages(worker, protocol.MediaFailed))
+        message = messages(worker, protocol.MediaFailed)[0].message
+    finally:
+        worker.close()
+    assert message.startswith("media 0: ") and "too large (8000x6300" in message, message
+    assert f"the limit is {MAX_IMAGE_SOURCE_PIXELS}" in message
+
+
 @pytest.mark.cuda
 def test_on_a_gpu_images_are_decoded_and_cut_there(tmp_path, demo_model, image_factory):
     """A CUDA server's images: JPEGs on nvJPEG (the PNG on CPU threads), patches cut on the GPU in the pool's
