@@ -44,6 +44,7 @@ class SampledToken(NamedTuple):
     is_stop_token: bool = False  # one of the request's stop ids (not part of the text)
     #: with finish reason ``"error"``: why the request cannot go on (its token is then no output)
     error: str | None = None
+    error_status: int = 400  # the HTTP status of ``error`` (:attr:`SamplerState.error_status`)
 
     @property
     def is_text(self) -> bool:
@@ -76,7 +77,8 @@ def record_tokens(tokens: list[int], seqs: list[SequenceState],
     for seq, token, lp in zip(seqs, tokens, logprobs):
         error = seq.sampler.error
         if error is not None:  # its grammar allowed no token: what was sampled is not output
-            results.append(SampledToken(token, len(seq.output_token_ids), "error", None, False, error))
+            results.append(SampledToken(token, len(seq.output_token_ids), "error", None, False, error,
+                                        seq.sampler.error_status))
             continue
         seq.output_token_ids.append(token)
         reason = finish_reason(token, len(seq.output_token_ids), seq.stop_ids, seq.params.max_tokens,

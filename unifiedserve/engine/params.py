@@ -17,6 +17,14 @@ MAX_JSON_SCHEMA_BYTES = 64 * 1024
 MAX_ABS_PENALTY = 2.0
 #: Largest ``repetition_penalty`` (vLLM's bound; 1.0 is off, Qwen2.5-VL's generation config asks 1.05).
 MAX_REPETITION_PENALTY = 2.0
+#: Smallest ``repetition_penalty``: the penalty divides a seen token's positive logit, and in float32 a divisor
+#: much smaller than this turns the logit into inf (1e-300 is 0 in float32); values below 1 favour repetition,
+#: so 0.01 already makes every seen token with a positive logit win.
+MIN_REPETITION_PENALTY = 0.01
+#: A temperature below this is greedy, as in vLLM (``_SAMPLING_EPS``): dividing the logits by it in float32
+#: overflows (1e-40 is a float32 subnormal, 1e-300 is 0), and the limit of sampling as the temperature goes to 0
+#: is the argmax.
+SAMPLING_EPS = 1e-5
 #: OpenAI's range for a ``logit_bias`` value (-100 bans a token in effect, 100 all but forces it).
 MAX_ABS_LOGIT_BIAS = 100.0
 #: Most ``logit_bias`` entries a request may carry: each is added to the logits at every step of the request
@@ -26,7 +34,7 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` means greedy."""
+    """How to pick tokens and when to stop. ``temperature`` 0 (below :data:`SAMPLING_EPS`) means greedy."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -88,8 +96,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not (_is_number(value) and -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY):
                 raise ValueError(f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], got {value!r}")
-        if not (_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
-            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
+        if not (_is_number(self.repetition_penalty)
+                and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
+                             "(1 = off), "
                              f"got {self.repetition_penalty!r}")
         if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
@@ -119,7 +129,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def has_penalties(self) -> bool:

@@ -98,6 +98,12 @@ class SamplerState:
         ends with ``"error"``), else None."""
         return None if self.grammar is None else self.grammar.dead_end
 
+    @property
+    def error_status(self) -> int:
+        """The HTTP status of :attr:`error`: 400 for a schema that dead-ends, 500 for a token sampled against the
+        grammar's mask."""
+        return 400 if self.grammar is None else self.grammar.dead_end_status
+
 
 def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState],
                   suppress: list | None = None) -> torch.Tensor:
@@ -183,6 +189,7 @@ def _choose(logits: torch.Tensor, params: list[SamplingParams], states: list[Sam
         # keep the smallest prefix whose mass reaches top_p (always at least one token); rows
         # without top_p keep everything, even where rounding lets the cumsum pass 1.0
         drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p) & (top_p < 1.0)
+        drop[:, 0] = False  # a top_p below float32's range (1e-300) is 0 there, and 0 >= 0 would drop the first too
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
     race = torch.empty_like(probs)  # [R, vocab]: Exp(1) noise, each row from its own generator
     for r, i in enumerate(random_rows):

@@ -115,6 +115,9 @@ class Grammar:
         #: why no token may follow although the value is not closed (a schema that dead-ends mid-value, e.g. a
         #: required property whose $ref only refers to itself); set by :meth:`fill_bitmask`, None while fine
         self.dead_end: str | None = None
+        #: the HTTP status the request fails with at a dead end: 400 for the schema's, 500 when the sampler chose
+        #: a token the mask forbade (:meth:`accept`: a fault of the server's, e.g. non-finite logits)
+        self.dead_end_status = 400
         self._num_accepted = 0
         self._stop_ids = sorted({int(t) for t in stop_ids if 0 <= t < self.vocab_size})
         self._eos_ids = [t for t in tokenizer.eos_tokens if 0 <= t < self.vocab_size]
@@ -160,7 +163,11 @@ class Grammar:
             return  # a dead end's sampled token is no output (the request fails with the reason)
         self._num_accepted += 1
         if not self._matcher.consume_token(token):  # the mask made this impossible: a bug, not a client error
-            log.error("grammar rejected token %d: %s", token, self._matcher.get_error())
+            log.error("grammar rejected token %d: %s", token, self._matcher.get_error().splitlines()[0])
+            # the request fails rather than return output that breaks its grammar
+            self.dead_end = (f"internal error: token {token} was sampled against the grammar's mask after "
+                             f"{self._num_accepted - 1} output tokens")
+            self.dead_end_status = 500
 
 
 def apply_grammars(logits: torch.Tensor, grammars: Sequence[Grammar | None]) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from unifiedserve.engine.params import MAX_REPETITION_PENALTY
+from unifiedserve.engine.params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 
 __all__ = ["GenerationDefaults", "read_generation_config", "generation_eos_ids"]
 
@@ -96,8 +96,9 @@ class GenerationDefaults:
         return cls(temperature=number("temperature", lambda v: v >= 0, "a number >= 0"),
                    top_p=number("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
                    top_k=number("top_k", lambda v: v >= 0, "an integer >= 0", integer=True),
-                   repetition_penalty=number("repetition_penalty", lambda v: 0 < v <= MAX_REPETITION_PENALTY,
-                                             f"in (0, {MAX_REPETITION_PENALTY:g}]"),
+                   repetition_penalty=number("repetition_penalty",
+                                             lambda v: MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
+                                             f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]"),
                    min_p=number("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
                    max_tokens=number("max_new_tokens", lambda v: v >= 1, "an integer >= 1", integer=True),
                    unsupported=unsupported)

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from unifiedserve.engine.params import SamplingParams, check_logit_bias_ids
+from unifiedserve.engine.params import SamplingParams, check_logit_bias_ids, outside_vocabulary
 from unifiedserve.engine.structured import check_response_format
 from unifiedserve.model.generation import GenerationDefaults
 from unifiedserve.runtime import protocol
@@ -177,7 +177,7 @@ def _other_model(state: ServerState, model: str | None) -> JSONResponse | None:
 
 def _refuse_early(state: ServerState, body: SamplingRequest, num_prompts: int = 1) -> JSONResponse | None:
     """What refuses a request before any work: the server not serving, another model, too many choices (``n``
-    for each of ``num_prompts`` prompts), a ``logit_bias`` id outside the vocabulary."""
+    for each of ``num_prompts`` prompts), a ``logit_bias`` or ``stop_token_ids`` id outside the vocabulary."""
     if (why := _not_serving(state)) is not None:
         return _error(why, 503)
     if (wrong := _other_model(state, body.model)) is not None:
@@ -194,6 +194,9 @@ def _refuse_early(state: ServerState, body: SamplingRequest, num_prompts: int = 
             check_logit_bias_ids(body.logit_bias_pairs(), state.vocab_size)  # before any media work (core checks again)
         except ValueError as e:
             return _error(str(e), 400, "logit_bias")
+        # a stop id the model cannot sample would never match: refused, as logit_bias's are
+        if (problem := outside_vocabulary(body.stop_token_ids or (), state.vocab_size)) is not None:
+            return _error(f"stop_token_ids names {problem}", 400, "stop_token_ids")
     return None
 
 

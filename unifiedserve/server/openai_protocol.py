@@ -16,7 +16,8 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from unifiedserve.engine.params import MAX_ABS_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, min_tokens_problem
+from unifiedserve.engine.params import (MAX_ABS_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_REPETITION_PENALTY,
+                                       MIN_REPETITION_PENALTY, min_tokens_problem)
 
 
 def _valid_unicode(text: str) -> str:
@@ -159,7 +160,7 @@ class SamplingRequest(_Model):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     # vLLM extension (transformers' repetition penalty, over prompt and output; 1 = off)
-    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)] | None = None
     # vLLM extension: a random request keeps the tokens at least min_p times as likely as the most likely one
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     # {"token id": bias}, added to the logits before sampling (greedy too)

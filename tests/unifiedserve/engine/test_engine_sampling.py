@@ -26,7 +26,8 @@ def prompt(engine, text="Tell me a story about the sea."):
                                     dict(min_p=True), dict(logit_bias={3: 101}), dict(logit_bias={-1: 1.0}),
                                     dict(logit_bias={3: float("nan")}), dict(logit_bias=[(3, 1.0), (3, 2.0)]),
                                     dict(logit_bias=[(3,)]), dict(logit_bias={"3": 1.0}),
-                                    dict(logit_bias={i: 1.0 for i in range(1025)})])
+                                    dict(logit_bias={i: 1.0 for i in range(1025)}), dict(repetition_penalty=1e-300),
+                                    dict(repetition_penalty=0.009)])
 def test_bad_params_raise(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
@@ -42,6 +43,21 @@ def test_top_k_and_top_p_restrict_the_choice():
         assert sample(logits, [SamplingParams(temperature=1.0, top_p=0.8, seed=seed)], [state])[0] in (0, 1)
     state = SamplerState.for_params(SamplingParams(temperature=1.0, seed=0))
     assert sample(logits, [SamplingParams(temperature=1.0, top_p=0.1)], [state])[0] == 0  # always >= 1 token
+
+
+@pytest.mark.parametrize("knobs", [dict(temperature=1e-300), dict(temperature=1e-40), dict(temperature=9e-6),
+                                   dict(temperature=1.0, top_p=1e-300), dict(temperature=1.0, top_p=1e-46)])
+def test_knobs_below_float32s_range_give_the_most_likely_token(knobs):
+    """A temperature under 1e-5 is greedy (in float32 the logits divided by 1e-40 or by 1e-300, which is 0 there,
+    are inf or NaN, and the argmax of a NaN row is token 0); a top_p that is 0 in float32 still keeps the most
+    likely token."""
+    logits = torch.tensor([[-3.0, 4.0, 5.0, 0.0, -1.0]])
+    params = SamplingParams(seed=3, **knobs)
+    assert params.is_greedy == (knobs["temperature"] < 1e-5)
+    for seed in range(5):
+        params = SamplingParams(seed=seed, **knobs)
+        assert sample(logits, [params], [SamplerState.for_params(params)])[0] == 2
+    assert not SamplingParams(temperature=1e-5).is_greedy
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(engine):

@@ -188,6 +188,33 @@ def test_a_schema_that_dead_ends_mid_value_fails_the_request_without_a_bad_token
     assert not engine.has_unfinished and engine.pool_usage()["kv_blocks_used"] == 0
 
 
+def test_a_token_the_mask_forbade_fails_the_request_as_the_servers_fault(engine):
+    """Should the sampler ever pick a token the grammar's mask forbade (non-finite logits, a bug), the request fails
+    with a 500 instead of returning output that breaks its grammar (it used to end with "stop" and the bad token)."""
+    from unifiedserve.engine.core import record_tokens
+    from unifiedserve.runtime import protocol
+    from unifiedserve.runtime.worker import token_message
+
+    params = SamplingParams(max_tokens=8, response_format="json_object")
+    state = SamplerState.for_params(params, grammar=Grammar(params, engine.model_dir, engine.eos_token_ids))
+    vocab = engine.model_config.text.vocab_size
+    allowed = apply_grammars(torch.zeros(1, vocab), [state.grammar])[0] > float("-inf")
+    forbidden = int((~allowed).nonzero()[0])
+    assert state.error is None
+    state.grammar.accept(forbidden)
+    assert state.error.startswith(f"internal error: token {forbidden} was sampled against the grammar's mask after 0")
+    assert state.error_status == 500
+
+    class Seq:  # what record_tokens reads of a sequence
+        sampler, output_token_ids, stop_ids = state, [], ()
+
+    [sampled] = record_tokens([forbidden], [Seq], [None])
+    assert sampled.finish_reason == "error" and Seq.output_token_ids == []  # the token is no output
+    failed = token_message("r", sampled)
+    assert isinstance(failed, protocol.RequestFailed) and failed.status_code == 500
+    assert failed.message.startswith("response_format: internal error")
+
+
 def test_strict_refuses_what_it_cannot_enforce():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "unevaluatedProperties": False}
     check_response_format(schema_params(schema))  # not strict: the keyword is not enforced

@@ -39,7 +39,7 @@ def test_unsupported_fields_are_listed_only_when_they_ask_for_something():
     ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
     ({"top_k": 2.5}, "top_k must be an integer >= 0"),
     ({"top_k": True}, "top_k must be an integer >= 0"),
-    ({"repetition_penalty": 3.0}, r"repetition_penalty must be in \(0, 2\]"),
+    ({"repetition_penalty": 3.0}, r"repetition_penalty must be in \[0.01, 2\]"),
     ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
     ({"min_p": 1.2}, r"min_p must be in \[0, 1\]"),
 ])

@@ -175,7 +175,8 @@ def test_stop_strings_and_top_k_are_bounded(processor, media_dir):
     ({"frequency_penalty": "0.5"}, "frequency_penalty: Input should be a valid number"),
     ({"presence_penalty": 2.5}, "presence_penalty: Input should be less than or equal to 2"),
     ({"frequency_penalty": -3}, "frequency_penalty: Input should be greater than or equal to -2"),
-    ({"repetition_penalty": 0}, "repetition_penalty: Input should be greater than 0"),
+    ({"repetition_penalty": 0}, "repetition_penalty: Input should be greater than or equal to 0.01"),
+    ({"repetition_penalty": 1e-300}, "repetition_penalty: Input should be greater than or equal to 0.01"),
     ({"repetition_penalty": 2.01}, "repetition_penalty: Input should be less than or equal to 2"),
     ({"user": 5}, "user: Input should be a valid string"),
     ({"metadata": [1, 2]}, "metadata: Input should be a valid dictionary"),
@@ -287,6 +288,18 @@ def test_bad_logit_bias_and_min_p_are_refused(processor, media_dir, fields, need
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
     assert r.json()["error"]["param"].startswith("logit_bias" if "logit_bias" in fields else "min_p")
     assert client.added == [] and client.probed == []
+
+
+@pytest.mark.parametrize("ids, needle", [([1000], "token id 1000 outside"), ([5, 2**31 - 1, 1001], "ids 1001, 2147483647")])
+def test_stop_token_ids_outside_the_vocabulary_are_refused(processor, media_dir, ids, needle):
+    """A stop id the model cannot sample would never match: refused before any work, as logit_bias's are."""
+    http, client = make_api(processor, media_dir, vocab_size=1000)
+    r = http.post("/v1/chat/completions", json=chat(stop_token_ids=ids))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
+    assert r.json()["error"]["message"].startswith("stop_token_ids names token id") and needle in r.text, r.text
+    assert client.added == [] and client.probed == []
+    assert http.post("/v1/chat/completions", json=chat(stop_token_ids=[999])).status_code == 503  # reaches the engine
+    assert client.added[-1].params.stop_token_ids == (999,)
 
 
 def test_generation_config_defaults_fill_what_a_request_leaves_out(processor, media_dir):
