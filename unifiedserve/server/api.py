@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.routing import APIRoute
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -31,7 +32,7 @@ from unifiedserve.engine.structured import check_response_format
 from unifiedserve.model.generation import GenerationDefaults
 from unifiedserve.runtime import protocol
 from unifiedserve.server.engine_client import EngineClient, RequestError, RequestStream
-from unifiedserve.server.limits import BodyBudget, LimitError, RequestLimits
+from unifiedserve.server.limits import BodyBudget, LimitError, RequestLimits, check_json_shape
 from unifiedserve.server.media import MediaError, MediaPolicy
 from unifiedserve.server.metrics import Metrics
 from unifiedserve.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -77,9 +78,29 @@ def _error(message: str, status_code: int, param: str | None = None) -> JSONResp
     return JSONResponse(error_body(message, status_code, param), status_code=status_code)
 
 
+class _ShapedJsonRoute(APIRoute):
+    """A route whose request body is refused (400) before FastAPI parses and validates it, when it holds more JSON
+    objects, arrays or values than any request this server accepts (:func:`limits.check_json_shape`): that work
+    runs on the event loop, where every other request's stream waits for it."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def shaped(request: Request) -> Response:
+            if request.method == "POST":
+                try:
+                    check_json_shape(await request.body(), request.app.state.server.max_model_len)
+                except LimitError as e:
+                    return _error(str(e), e.status_code, e.param)
+            return await handler(request)
+
+        return shaped
+
+
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="UnifiedServe", version="0.1.0",
                   description="OpenAI-compatible long-video question answering (Qwen2.5-VL family).")
+    app.router.route_class = _ShapedJsonRoute  # before the routes below are added
     app.state.server = state
 
     @app.exception_handler(RequestValidationError)

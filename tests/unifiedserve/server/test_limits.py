@@ -135,6 +135,29 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing(processor, media_dir,
     assert tokenized and r.status_code == 503  # within the cap: on to the (fake) engine
 
 
+def test_a_body_of_more_json_objects_or_values_than_a_request_holds_is_refused_before_parsing(processor, media_dir):
+    """Counted in the raw bytes, before FastAPI parses and validates the body on the event loop (60 MB of empty
+    content parts held it 20 s): objects and arrays past 8 per token of --max-model-len plus a JSON schema's, and
+    commas past the text's characters, a prompt of ids and a schema."""
+    # objects and arrays: at most 8 x 100 + 65536; commas: 32 x 100 + 2**20 + 65536
+    http, client = make_api(processor, media_dir, max_model_len=100)
+    parts = b'{"type":"text","text":""},' * 66_400
+    body = b'{"messages":[{"role":"user","content":[' + parts + b'{"type":"text","text":""}]}]}'
+    r = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("the request body holds 66405 JSON objects and arrays; a request "
+                                                   "to this server holds at most 66336 (8 per token")
+    ids = b",".join(b"1" for _ in range(3200 + 2**20 + 65536 + 2))
+    r = http.post("/v1/completions", content=b'{"prompt":[' + ids + b'],"max_tokens":1}',
+                  headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON values; a request to this server holds at most 1117312" in r.text, r.text
+    r = http.post("/tokenize", content=b'{"prompt":[' + ids + b']}', headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON values" in r.text
+    assert client.added == [] and client.probed == []
+    r = http.post("/v1/chat/completions", json=chat(*[{"type": "text", "text": ""}] * 100))  # parsed, then counted
+    assert r.status_code == 400 and "101 content parts" in r.json()["error"]["message"]
+
+
 def test_many_messages_or_parts_are_refused_before_rendering(processor, media_dir, monkeypatch):
     """Empty messages pass the character cap but not the template's tokens around each; nor do empty parts."""
     http, client = make_api(processor, media_dir, max_model_len=100)
@@ -290,7 +313,8 @@ def test_bad_logit_bias_and_min_p_are_refused(processor, media_dir, fields, need
     assert client.added == [] and client.probed == []
 
 
-@pytest.mark.parametrize("ids, needle", [([1000], "token id 1000 outside"), ([5, 2**31 - 1, 1001], "ids 1001, 2147483647")])
+@pytest.mark.parametrize("ids, needle", [([1000], "token id 1000 outside"),
+                                         ([5, 2**31 - 1, 1001], "ids 1001, 2147483647")])
 def test_stop_token_ids_outside_the_vocabulary_are_refused(processor, media_dir, ids, needle):
     """A stop id the model cannot sample would never match: refused before any work, as logit_bias's are."""
     http, client = make_api(processor, media_dir, vocab_size=1000)
