@@ -23,7 +23,8 @@ from PIL import Image, ImageOps
 
 from flashcodec._errors import FlashCodecError
 from flashcodec.patches import PatchSpec, image_to_patches
-from flashcodec.plan.sampling import IMAGE_MAX_PIXELS, IMAGE_MIN_PIXELS, image_target_size, smart_resize
+from flashcodec.plan.sampling import (IMAGE_MAX_PIXELS, IMAGE_MIN_PIXELS, MAX_FRAME_PIXELS, image_target_size,
+                                     smart_resize)
 from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode
 from flashcodec.source import Source, SourceLike
 
@@ -80,9 +81,32 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def check_image_options(min_pixels, max_pixels, height, width, max_image_pixels, resize) -> None:
+    """Raise ValueError for options :func:`decode_image` (and ``ImageBatchDecoder``) do not take, before any image
+    is read."""
+    check_resize_mode(resize)
+    if (height is None) != (width is None):
+        raise ValueError("give both height and width, or neither")
+    for name, value in (("height", height), ("width", width), ("max_image_pixels", max_image_pixels)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if height is not None and height * width > MAX_FRAME_PIXELS:
+        raise ValueError(f"height x width must be at most {MAX_FRAME_PIXELS} pixels (8192x4352), got {height}x{width}")
+    _check_pixel_budget("min_pixels", min_pixels)
+    _check_pixel_budget("max_pixels", max_pixels)
+    low = min_pixels if min_pixels is not None else IMAGE_MIN_PIXELS
+    high = max_pixels if max_pixels is not None else IMAGE_MAX_PIXELS
+    if height is None and low > high:
+        raise ValueError(f"min_pixels ({low}) must not exceed max_pixels ({high})")
+
+
 def _check_pixel_budget(name: str, value: Any) -> None:
+    """A pixel budget is a positive number, at most a video frame's cap (the output is that large: 2 GB of RGB for
+    the 2e9 that nothing refused before, from a 3-KB JPEG)."""
     if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0):
         raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if value is not None and not value <= MAX_FRAME_PIXELS:  # inf and nan too
+        raise ValueError(f"{name} must be at most {MAX_FRAME_PIXELS} (8192x4352), got {value!r}")
 
 
 def _target_size(
@@ -168,18 +192,7 @@ def decode_image(
         flashcodec.SourceNotFoundError: the path does not exist.
         ValueError: invalid arguments.
     """
-    check_resize_mode(resize)
-    if (height is None) != (width is None):
-        raise ValueError("give both height and width, or neither")
-    for name, value in (("height", height), ("width", width), ("max_image_pixels", max_image_pixels)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    _check_pixel_budget("min_pixels", min_pixels)
-    _check_pixel_budget("max_pixels", max_pixels)
-    low = min_pixels if min_pixels is not None else IMAGE_MIN_PIXELS
-    high = max_pixels if max_pixels is not None else IMAGE_MAX_PIXELS
-    if height is None and low > high:
-        raise ValueError(f"min_pixels ({low}) must not exceed max_pixels ({high})")
+    check_image_options(min_pixels, max_pixels, height, width, max_image_pixels, resize)
 
     src = Source.of(source)
     name = src.name

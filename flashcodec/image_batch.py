@@ -36,12 +36,11 @@ from flashcodec.image import (
     DEFAULT_MAX_IMAGE_PIXELS,
     DecodedImage,
     ImageDecodeError,
-    _check_pixel_budget,
     _target_size,
+    check_image_options,
     decode_image,
 )
-from flashcodec.plan.sampling import IMAGE_MAX_PIXELS, IMAGE_MIN_PIXELS
-from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode, resize_frames_on_device
+from flashcodec.resize import DEFAULT_RESIZE_MODE, resize_frames_on_device
 from flashcodec.source import Source, SourceLike
 
 __all__ = ["ImageBatchDecoder", "JpegBatchFn", "decode_images", "is_jpeg", "nvjpeg_unavailable_reason"]
@@ -138,19 +137,8 @@ class _Options:
 
     def check(self) -> None:
         """The same validation as :func:`decode_image`, before any image is read."""
-        check_resize_mode(self.resize)
-        if (self.height is None) != (self.width is None):
-            raise ValueError("give both height and width, or neither")
-        for name in ("height", "width", "max_image_pixels"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        _check_pixel_budget("min_pixels", self.min_pixels)
-        _check_pixel_budget("max_pixels", self.max_pixels)
-        low = self.min_pixels if self.min_pixels is not None else IMAGE_MIN_PIXELS
-        high = self.max_pixels if self.max_pixels is not None else IMAGE_MAX_PIXELS
-        if self.height is None and low > high:
-            raise ValueError(f"min_pixels ({low}) must not exceed max_pixels ({high})")
+        check_image_options(self.min_pixels, self.max_pixels, self.height, self.width, self.max_image_pixels,
+                            self.resize)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch
 from PIL import Image, ImageOps
 
 from flashcodec.image import DecodedImage, ImageDecodeError, decode_image
+from flashcodec.image_batch import ImageBatchDecoder
 from flashcodec.patches import PatchSpec, frames_to_patches
 from flashcodec.plan.sampling import image_target_size, smart_resize
 
@@ -266,10 +267,19 @@ def test_missing_path(tmp_path: Path):
         {"min_pixels": 0},
         {"min_pixels": 5000, "max_pixels": 4000},
         {"max_image_pixels": 0},
+        # output sizes past a video frame's cap (2e8 pixels of output from a 28x28 PNG took 2.2 GB), inf and nan
+        {"min_pixels": 200_000_000, "max_pixels": 200_000_001},
+        {"max_pixels": 35_651_585},
+        {"min_pixels": float("inf"), "max_pixels": float("inf")},
+        {"max_pixels": float("nan")},
+        {"height": 10_000, "width": 10_000},
     ],
 )
 def test_bad_arguments(kwargs):
     data = _encode(Image.new("RGB", (28, 28)), "PNG")
     with pytest.raises(ValueError) as excinfo:
         decode_image(data, **kwargs)
+    assert not isinstance(excinfo.value, ImageDecodeError)
+    with pytest.raises(ValueError) as excinfo:  # the batch decoder takes the same options, checked the same way
+        ImageBatchDecoder("cpu").decode([data], **kwargs)
     assert not isinstance(excinfo.value, ImageDecodeError)
