@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -144,11 +145,21 @@ def _save(out: Path, frames, patches, grid_thw, frame_indices, sample_fps) -> st
     import numpy as np
     import torch
 
-    if out.suffix == ".npy":
-        np.save(out, (frames if frames is not None else patches).numpy())
-    elif out.suffix == ".pt":
-        torch.save({"frames": frames, "patches": patches, "grid_thw": grid_thw,
-                    "frame_indices": frame_indices, "sample_fps": sample_fps}, out)
+    if out.suffix in (".npy", ".pt"):
+        # into a file opened here, so a failed write names it: np.save's said only "No space left on device", and
+        # torch.save's writer raised a RuntimeError ("unexpected pos 832 vs 726") that became a traceback
+        try:
+            with open(out, "wb") as f:
+                if out.suffix == ".npy":
+                    np.save(f, (frames if frames is not None else patches).numpy())
+                else:
+                    torch.save({"frames": frames, "patches": patches, "grid_thw": grid_thw,
+                                "frame_indices": frame_indices, "sample_fps": sample_fps}, f)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror or str(e), str(out)) from None
+        except RuntimeError as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise OSError(errno.EIO, f"could not write the file ({reason})", str(out)) from None
     else:  # a folder of PNGs (suffixes were checked by _check_out)
         from PIL import Image
 
@@ -289,22 +300,37 @@ def _decode(args) -> int:
     return 0
 
 
+def _available_memory() -> tuple[int, str] | None:
+    """``(bytes, what)``: the memory the kernel says a new allocation can have (``MemAvailable``), else the
+    machine's physical memory; None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "available memory"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "memory"
+    except (ValueError, OSError, AttributeError):  # not a POSIX system that says
+        return None
+
+
 def _check_output_fits(plan, output: str) -> None:
-    """Refuse, before decoding, an output larger than this machine's memory (uint8 RGB frames, or float32 patches).
+    """Refuse, before decoding, an output larger than the memory this machine has free (uint8 RGB frames, or
+    float32 patches): against its whole memory, an output just under it ran the machine out of memory.
 
     Raises:
         ValueError: naming the size and the flags that shrink it.
     """
     per_pixel = 3 if output == "rgb" else 3 * 4
     need = plan.num_output_frames * plan.height * plan.width * per_pixel
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not a POSIX system that says
-        return
-    if need > memory:
+    found = _available_memory()
+    if found is not None and need > found[0]:
+        memory, what = found
         raise ValueError(f"the output would take {need / 2**30:.1f} GiB ({plan.num_output_frames} frames of "
                          f"{plan.height}x{plan.width}, {output}), more than this machine's {memory / 2**30:.1f} GiB of "
-                         f"memory; lower --max-pixels, --size, --fps or --max-frames")
+                         f"{what}; lower --max-pixels, --size, --fps or --max-frames")
 
 
 def _bench(args) -> int:

@@ -1,6 +1,7 @@
 """The flashcodec CLI: output formats, and one-line errors (no traceback, non-zero exit) on bad input."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -90,11 +91,18 @@ def test_an_output_larger_than_memory_is_refused_before_decoding(tiny_h264, monk
     from flashcodec import cli
 
     plan = SimpleNamespace(num_output_frames=768, height=4480, width=7980)  # 82 GB of RGB frames
-    monkeypatch.setattr(cli.os, "sysconf", {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 2**22}.__getitem__)  # 16 GiB
+    monkeypatch.setattr(cli, "_available_memory", lambda: (2**34, "available memory"))  # 16 GiB free
     with pytest.raises(ValueError, match=r"the output would take 76\.7 GiB \(768 frames of 4480x7980, rgb\), more "
-                                         r"than this machine's 16\.0 GiB of memory; lower --max-pixels"):
+                                         r"than this machine's 16\.0 GiB of available memory; lower --max-pixels"):
         cli._check_output_fits(plan, "rgb")
     cli._check_output_fits(SimpleNamespace(num_output_frames=8, height=280, width=392), "patches")
+    monkeypatch.undo()
+    # what the kernel says is free, not the whole memory (an output just under that ran the machine out)
+    free, what = cli._available_memory()
+    assert what == "available memory" and 0 < free <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    monkeypatch.setattr(cli, "open", lambda *a, **k: (_ for _ in ()).throw(OSError("no /proc")), raising=False)
+    monkeypatch.setattr(cli.os, "sysconf", {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 2**22}.__getitem__)
+    assert cli._available_memory() == (2**34, "memory")  # no /proc/meminfo: the physical memory
 
 
 def test_an_unwritable_destination_is_refused_before_decoding(tiny_h264, tmp_path, monkeypatch):
@@ -146,6 +154,15 @@ def test_an_unwritable_destination_is_refused_before_decoding(tiny_h264, tmp_pat
         result = run_cli("bench", tiny_h264, "--repeat", "1", "--peers", "pyav", "--json", "/dev/full")
         assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == \
             "flashcodec: error: cannot write the results to /dev/full: No space left on device", result.stderr
+        # --out through a link to a full device, or to a folder that does not exist: the path and the reason, for
+        # .pt too (torch.save's own writer raised a RuntimeError there, a traceback)
+        for name, target, reason in (("full.pt", "/dev/full", "No space left on device"),
+                                     ("full.npy", "/dev/full", "No space left on device"),
+                                     ("dangling.pt", str(tmp_path / "nowhere" / "a.pt"), "No such file or directory")):
+            (tmp_path / name).symlink_to(target)
+            result = run_cli("decode", tiny_h264, "--out", str(tmp_path / name))
+            assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+            assert result.stderr.strip().splitlines()[-1] == f"flashcodec: error: {tmp_path / name}: {reason}"
 
 
 def test_a_path_that_is_not_a_regular_file_says_so():
