@@ -31,6 +31,7 @@ import torch
 from flashcodec.decode import fast_open
 from flashcodec.decode.frame_mappings import frame_mappings
 from flashcodec.plan.segments import GopSegment
+from flashcodec._errors import CorruptVideoError
 from flashcodec._probe import SKIP_STREAM_INFO_DECODE, VideoInfo, per_probe
 from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode, resize_frames_uint8
 from flashcodec.source import Source
@@ -169,42 +170,78 @@ class PyAVSegmentDecoder(SegmentDecoder):
                  resize: str = DEFAULT_RESIZE_MODE, interpolation: str = DEFAULT_INTERPOLATION,
                  convert: bool = True):
         self._resize = check_resize_mode(resize)
+        self._source = source
         self._info = info
         self._convert = convert  # False only to measure pure decode time (bench/decode's floor)
-        depth = reorder_depth(info)
-        fast = FAST_OPEN_OPTIONS.get(info.codec) if _HAS_REORDER_DEPTH and depth <= MAX_REORDER_DEPTH else None
-        self._container = av.open(source.open(), mode="r", options=fast)
-        self._stream = self._container.streams[info.stream_index]
+        self._open()
+        self._out_h, self._out_w = stored_size(info, height, width)
+        self._interpolation = interpolation
+        self._pts_by_position, self._display_by_pts = pts_index(info)  # shared by the video's decoders
+        self._may_skip = info.codec in NONREF_SKIP_CODECS
+
+    def _open(self) -> None:
+        """Open the container and the stream's decoder, nothing demuxed yet (again: see :meth:`_seek_to`)."""
+        depth = reorder_depth(self._info)
+        fast = FAST_OPEN_OPTIONS.get(self._info.codec) if _HAS_REORDER_DEPTH and depth <= MAX_REORDER_DEPTH else None
+        self._container = av.open(self._source.open(), mode="r", options=fast)
+        self._stream = self._container.streams[self._info.stream_index]
         self._context = self._stream.codec_context
         self._context.thread_count = 1  # parallelism comes from GOP segments, not FFmpeg threads
         if fast:  # the stream-info pass guessed no depth (it decoded nothing): ours, never less than FFmpeg's
             self._context.reorder_depth = max(self._context.reorder_depth, depth)
-        self._out_h, self._out_w = stored_size(info, height, width)
-        self._interpolation = interpolation
-        self._pts_by_position, self._display_by_pts = pts_index(info)  # shared by the video's decoders
         self._skip = "DEFAULT"
-        self._may_skip = info.codec in NONREF_SKIP_CODECS
         self._packets = None  # demux iterator, positioned at self._position
         self._position = -1
 
     def _seek_to(self, position: int) -> None:
+        """Position the demuxer at the packet of decode position ``position`` (a keyframe's, or the stream's first).
+
+        A seek that fails (a raw H.264 stream has no index to seek by; an MP4 stream that starts mid-GOP has no
+        keyframe at or before its first packet) or lands past the packet (Matroska seeks to its next keyframe) falls
+        back to demuxing from the start of a fresh open.
+
+        Raises:
+            CorruptVideoError: the packet is not in the stream, from the start either (timestamps the probe read
+                differently).
+        """
         target_pts = int(self._pts_by_position[position])
         if self._packets is not None and self._position <= position <= self._position + MAX_DEMUX_SKIP_PACKETS:
-            pass  # close ahead: skip packets by demuxing only
+            if self._scan_to(position, target_pts):  # close ahead: skip packets by demuxing only
+                return
         else:
-            self._container.seek(target_pts, backward=True, any_frame=False, stream=self._stream)
-            self._packets = self._container.demux(self._stream)
-            self._position = None  # unknown until the keyframe packet is found
+            try:
+                self._container.seek(target_pts, backward=True, any_frame=False, stream=self._stream)
+            except av.error.FFmpegError as e:
+                log.debug("seek to pts %d failed (%s): demuxing from the start", target_pts, e)
+            else:
+                self._packets = self._container.demux(self._stream)
+                if self._scan_to(position, target_pts):
+                    return
+        self._container.close()
+        self._open()
+        self._packets = self._container.demux(self._stream)
+        if not self._scan_to(position, target_pts):
+            self._packets, self._position = None, -1
+            if self._untimed:  # the probe counted such packets; frames without timestamps cannot be placed
+                raise CorruptVideoError(f"{self._source.name}: its packets carry no timestamps (a raw H.264 or HEVC "
+                                        f"stream?); put it in a container first, e.g. ffmpeg -i IN -c copy OUT.mp4")
+            raise CorruptVideoError(f"{self._source.name}: the packet at decode position {position} (pts {target_pts}) "
+                                    f"is not in the stream; its timestamps or index are broken")
+
+    def _scan_to(self, position: int, target_pts: int) -> bool:
+        """Demux up to the packet whose pts (else dts) is ``target_pts`` and hold it as the next one to decode."""
+        self._position = None  # unknown until the packet is found
+        self._untimed = False
         for packet in self._packets:
             if packet.size == 0:
                 continue
             pts = packet.pts if packet.pts is not None else packet.dts
+            self._untimed |= pts is None
             if pts == target_pts:
                 self._position = position
                 self._pending = packet
-                return
-        self._packets, self._position = None, -1
-        raise EOFError(f"packet at decode position {position} not found")
+                return True
+        return False
 
     def decode_segment(self, segment: GopSegment, emit: Emit, should_stop: ShouldStop = never) -> list[int]:
         targets = set(segment.target_indices)

@@ -250,3 +250,43 @@ def test_segment_decoders_of_one_probe_share_its_pts_index(tiny_h264):
     with pytest.raises(ValueError):  # shared by every thread's decoder: nobody may write it
         pts_by_position[0] = 1
     assert pts_index(flashcodec.probe(tiny_h264))[0] is not pts_by_position  # a new probe, its own index
+
+
+def _remux(src_path, path, drop: int = 0, raw: bool = False):
+    """``src_path``'s video packets into ``path`` without the first ``drop`` (a stream that starts mid-GOP), or as a
+    raw Annex-B H.264 stream (no timestamps at all)."""
+    src = av.open(str(src_path))
+    if raw:
+        with open(path, "wb") as out, av.open(str(src_path)) as again:
+            bsf = av.BitStreamFilterContext("h264_mp4toannexb", again.streams.video[0])
+            for packet in again.demux(again.streams.video[0]):
+                for p in bsf.filter(packet if packet.size else None):
+                    out.write(bytes(p))
+        src.close()
+        return path
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream_from_template(src.streams.video[0])
+        for packet in [p for p in src.demux(src.streams.video[0]) if p.size][drop:]:
+            packet.stream = stream
+            out.mux(packet)
+    src.close()
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".mkv", ".mp4"])
+def test_a_stream_that_starts_mid_gop_fails_its_first_frames_cleanly_and_decodes_the_rest(tiny_h264, tmp_path, suffix):
+    """Without its first keyframe the stream's first frames cannot be decoded: a CorruptVideoError naming them, and
+    with on_corrupt="repeat" the rest. The segment from packet 0 used to seek to a keyframe that is not there: Matroska
+    landed on the next one (an EOFError traceback), MP4 refused the seek (av's PermissionError, "Operation not
+    permitted")."""
+    path = _remux(tiny_h264, tmp_path / f"nokey{suffix}", drop=1)
+    with pytest.raises(flashcodec.CorruptVideoError, match="sampled frames could not be decoded"):
+        flashcodec.decode_video(str(path), backend="pyav")
+    result = flashcodec.decode_video(str(path), backend="pyav", on_corrupt="repeat")
+    assert result.frames.shape[0] == 4 and result.failed_frame_indices == [0]
+
+
+def test_a_raw_stream_without_timestamps_is_refused_with_the_way_out(tiny_h264, tmp_path):
+    path = _remux(tiny_h264, tmp_path / "raw.h264", raw=True)
+    with pytest.raises(flashcodec.CorruptVideoError, match=r"raw.h264: its packets carry no timestamps .* -c copy"):
+        flashcodec.decode_video(str(path), backend="pyav")
