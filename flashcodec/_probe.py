@@ -18,7 +18,8 @@ from typing import Callable, TypeVar
 import av
 import numpy as np
 
-from flashcodec._errors import CorruptVideoError, NoFramesError, NotAVideoError, UnsupportedCodecError
+from flashcodec._errors import (CorruptVideoError, NoFramesError, NotAVideoError, UnsupportedCodecError,
+                                VideoTooLargeError)
 from flashcodec.source import Source, SourceLike
 
 
@@ -181,13 +182,24 @@ def _ffmpeg_reason(e: Exception) -> str:
     return getattr(e, "strerror", None) or str(e).splitlines()[0]
 
 
-def probe(source: SourceLike | Source) -> VideoInfo:
+def check_source_size(name: str, width: int, height: int, max_source_pixels: int | None) -> None:
+    """Raise VideoTooLargeError when a video's stored pictures exceed ``max_source_pixels`` (None: no cap)."""
+    if max_source_pixels is not None and width * height > max_source_pixels:
+        raise VideoTooLargeError(f"{name}: its pictures are {width}x{height} ({width * height} pixels); at most "
+                                 f"{max_source_pixels} are decoded (max_source_pixels)")
+
+
+def probe(source: SourceLike | Source, max_source_pixels: int | None = None) -> VideoInfo:
     """Scan a video's packets and return its :class:`VideoInfo`.
+
+    ``max_source_pixels``: refuse a video whose stored pictures are larger, from its header, before its packets are
+    scanned and its first keyframe decoded (a 752-KB file of one 16000x16000 picture took 843 MB to refuse after).
 
     Raises:
         SourceNotFoundError: the path does not exist.
         NotAVideoError: not a container, or no video stream in it.
         UnsupportedCodecError: no decoder for the video codec.
+        VideoTooLargeError: pictures over ``max_source_pixels``.
         NoFramesError: the video stream holds no frames.
         CorruptVideoError: the first keyframe cannot be decoded.
     """
@@ -213,6 +225,7 @@ def probe(source: SourceLike | Source) -> VideoInfo:
             codec = None
         if not codec:
             raise UnsupportedCodecError(f"{src.name}: no decoder available for this video stream's codec")
+        check_source_size(src.name, int(codec_context.width), int(codec_context.height), max_source_pixels)
         open_depth = _stated_reorder_depth(codec_context) if fast else None  # before any decode raises it
 
         pts_list: list[int] = []

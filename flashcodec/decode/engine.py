@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from flashcodec._errors import DecodeCancelledError, VideoTooLargeError
+from flashcodec._errors import DecodeCancelledError
 from flashcodec.decode.backends import Backend, get_backend
 from flashcodec.decode.request import BitstreamAnalysis, DecodedSlice, DecodedVideo, DecodeRequest
 from flashcodec.decode.scheduler import RankGroup, RankJob, RankScheduler
@@ -26,7 +26,7 @@ from flashcodec.devices import (DEFAULT_NVDEC_SESSIONS, make_layout, parse_devic
                                 video_nvdec_engines, video_nvdec_reason)
 from flashcodec.plan.sampling import MAX_FRAME_PIXELS, SamplingOptions
 from flashcodec.plan.video import plan_video
-from flashcodec._probe import VideoInfo, probe
+from flashcodec._probe import VideoInfo, check_source_size, probe
 from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode
 from flashcodec.source import Source, SourceLike
 
@@ -135,11 +135,8 @@ class DecodeEngine:
         started = time.perf_counter()
         src = Source.of(source)
         if info is None:
-            info = probe(src)
-        if info.width * info.height > self.max_source_pixels:
-            raise VideoTooLargeError(
-                f"{src.name}: its pictures are {info.width}x{info.height} ({info.width * info.height} pixels); "
-                f"at most {self.max_source_pixels} are decoded (max_source_pixels)")
+            info = probe(src, self.max_source_pixels)
+        check_source_size(src.name, info.width, info.height, self.max_source_pixels)
         speeds, allowed, reason = self.layout.shares(lambda gpu: video_nvdec_reason(info, gpu))
         if reason is not None:
             log.warning("flashcodec: %s decodes on the CPU rank: %s", src.name, reason)

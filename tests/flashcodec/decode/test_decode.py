@@ -190,14 +190,19 @@ def test_get_decoding_output_errors(engine, tiny_h264):
         engine.add_decoding_request(key, output="jpeg")
 
 
-def test_pictures_over_max_source_pixels_are_refused_before_decoding(tiny_h264):
-    """The cap is on the stored picture (128x96 here), checked at analysis: nothing is queued or decoded."""
-    from flashcodec import DecodeEngine, VideoTooLargeError
+def test_pictures_over_max_source_pixels_are_refused_before_decoding(tiny_h264, monkeypatch):
+    """The cap is on the stored picture (128x96 here), checked at analysis from the header: nothing is queued or
+    decoded, not even the probe's first keyframe (a 16000x16000 one took 843 MB to refuse after it)."""
+    from flashcodec import DecodeEngine, VideoTooLargeError, _probe
     from flashcodec.decode.engine import MAX_SOURCE_PIXELS
 
     assert MAX_SOURCE_PIXELS >= 7680 * 4320  # 8K UHD fits the default
     small = DecodeEngine(cpu_threads=1, max_source_pixels=128 * 96 - 1)
     try:
+        with monkeypatch.context() as m:
+            m.setattr(_probe, "_first_frame_rotation", lambda *a: pytest.fail("the probe decoded a keyframe"))
+            with pytest.raises(VideoTooLargeError, match=r"128x96 \(12288 pixels\); at most 12287 are decoded"):
+                small.analyse_bitstream(tiny_h264, num_frames=4)
         with pytest.raises(VideoTooLargeError, match=r"128x96 \(12288 pixels\); at most 12287 are decoded"):
             small.analyse_bitstream(tiny_h264, num_frames=4)
         with pytest.raises(VideoTooLargeError):
