@@ -179,7 +179,8 @@ class SamplingRequest(_Model):
     include_stop_str_in_output: bool = False
     # vLLM extension: false keeps special tokens (<|im_end|>, ...) in the content
     skip_special_tokens: bool = True
-    # OpenAI's field that changes nothing here: accepted when well-formed (OpenAI's type and size), not used
+    # OpenAI's end-user id, for its abuse monitoring, which this server does not do: accepted when well-formed (OpenAI's
+    # type and size) because common clients send it, and changes nothing
     user: Annotated[Text, Field(max_length=512)] | None = None
 
     @field_validator("logit_bias")
@@ -234,7 +235,8 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False  # each output token's log-probability (log-softmax of the model's raw logits)
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # and the k most likely tokens'
     response_format: ResponseFormat | None = None  # the output follows a grammar (see engine.structured)
-    # OpenAI's fields that change nothing here: accepted when well-formed (OpenAI's types and sizes), not used
+    # OpenAI's fields about storing completions and processing tiers: this server stores none and has one tier, so
+    # only their neutral values are taken (store false, metadata empty, service_tier "auto" or "default")
     metadata: Annotated[dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]],
                         Field(max_length=16)] | None = None
     store: bool | None = None
@@ -251,6 +253,15 @@ class ChatCompletionRequest(SamplingRequest):
     def _check(self) -> None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.store:
+            raise ValueError("store: true keeps the completion for later, which this server does not do; send false "
+                             "or leave it out")
+        if self.metadata:
+            raise ValueError("metadata is kept with stored completions (store: true), which this server does not keep; "
+                             "leave it out")
+        if self.service_tier not in (None, "auto", "default"):
+            raise ValueError(f"service_tier {self.service_tier!r} is not offered: this server has one processing tier "
+                             f"(\"auto\" or \"default\")")
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
             raise ValueError(f"max_tokens ({self.max_tokens}) and max_completion_tokens ({self.max_completion_tokens}) "
                              f"disagree; send one of them")

@@ -204,6 +204,10 @@ def test_stop_strings_and_top_k_are_bounded(processor, media_dir):
     ({"user": 5}, "user: Input should be a valid string"),
     ({"metadata": [1, 2]}, "metadata: Input should be a valid dictionary"),
     ({"metadata": {"k": 1}}, "metadata.k: Input should be a valid string"),
+    # what would be stored or tiered: this server stores nothing and has one tier
+    ({"store": True}, "store: true keeps the completion for later, which this server does not do"),
+    ({"metadata": {"k": "v"}}, "metadata is kept with stored completions"),
+    ({"service_tier": "flex"}, "service_tier 'flex' is not offered: this server has one processing tier"),
     ({"stream_options": {"include_usage": True}}, "stream_options needs stream: true"),
     ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
      "continuous_usage_stats needs include_usage: true"),
@@ -219,7 +223,8 @@ def test_types_are_strict_and_fields_consistent(processor, media_dir, fields, ne
 def test_well_formed_fields_pass(processor, media_dir):
     http, client = make_api(processor, media_dir)
     r = http.post("/v1/chat/completions", json=chat(temperature=1, top_p=1, max_tokens=3, max_completion_tokens=3,
-                                                    user="u", metadata={"k": "v"}, store=False, stream=True,
+                                                    user="u", metadata={}, store=False, service_tier="auto",
+                                                    stream=True,
                                                     stream_options={"include_usage": True}))
     assert r.status_code == 503 and client.added[0].params.temperature == 1.0
 
