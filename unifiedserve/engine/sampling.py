@@ -71,7 +71,7 @@ class SamplerState:
         """A fresh state: seeded from ``params.seed``, else from a non-deterministic seed."""
         g = torch.Generator(device=device)
         if params.seed is not None:
-            g.manual_seed(params.seed)
+            g.manual_seed(generator_seed(params.seed, g.device))
         else:
             g.seed()
         return cls(g, grammar)
@@ -103,6 +103,21 @@ class SamplerState:
         """The HTTP status of :attr:`error`: 400 for a schema that dead-ends, 500 for a token sampled against the
         grammar's mask."""
         return 400 if self.grammar is None else self.grammar.dead_end_status
+
+
+def generator_seed(seed: int, device: torch.device) -> int:
+    """The seed a generator on ``device`` is given for a request's 64-bit ``seed`` (negative ones taken modulo 2**64).
+
+    torch's CPU generator (mt19937) keeps only a seed's low 32 bits, so 5 and 5 + 2**32, or 0 and -2**63, drew the
+    same numbers. There a seed of 2**32 or more is first mixed into 32 bits (splitmix64's finaliser); smaller seeds
+    keep their draws. CUDA's Philox generator takes all 64 bits as they are.
+    """
+    s = seed % 2**64
+    if device.type != "cpu" or s < 2**32:
+        return s
+    s = ((s ^ (s >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    s = ((s ^ (s >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (s ^ (s >> 31)) & 0xFFFFFFFF
 
 
 def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState],

@@ -152,6 +152,29 @@ def test_batched_sampler_matches_per_request_sampling():
         assert batched[9] == 7  # a bias of 100 on a greedy row wins
 
 
+def test_64_bit_seeds_draw_differently_on_the_cpu():
+    """torch's CPU generator keeps a seed's low 32 bits: seeds that differ only above them drew the same tokens. They
+    are mixed into 32 bits first; seeds below 2**32 keep their draws, and CUDA's generator gets the seed as it is."""
+    from unifiedserve.engine.sampling import generator_seed
+
+    logits = torch.zeros(1, 1000)  # uniform: the draw is the generator's alone
+
+    def draws(seed):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        state = SamplerState.for_params(params)
+        return [sample(logits, [params], [state])[0] for _ in range(8)]
+
+    for a, b in ((5, 5 + 2**32), (0, -2**63), (0, 2**63), (-1, 2**64 - 1 - 2**32), (2**40, 2**40 + 2**33)):
+        assert draws(a) != draws(b), (a, b)
+    assert draws(-1) == draws(2**64 - 1)  # the same 64-bit seed, signed or not
+    g = torch.Generator()
+    g.manual_seed(7)
+    assert draws(7)[0] == int(torch.empty(1000).exponential_(1.0, generator=g).reciprocal().argmax())  # unchanged
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert generator_seed(5, cpu) == 5 and generator_seed(5 + 2**32, cpu) < 2**32
+    assert generator_seed(5 + 2**32, cuda) == 5 + 2**32 and generator_seed(-1, cuda) == 2**64 - 1
+
+
 def test_min_p_keeps_the_tokens_near_the_most_likely():
     """Probabilities 0.5, 0.3, 0.15, 0.05: min_p 0.35 keeps the first two (>= 0.175), 0.05 keeps all four."""
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
