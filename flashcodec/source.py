@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Union
 
 from flashcodec._errors import SourceNotFoundError
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")  # http://, https://, rtsp://, s3:// ... (file:// is a path)
 
 #: What the public API accepts as a video or image source.
 SourceLike = Union[str, os.PathLike, bytes, bytearray, memoryview, BinaryIO]
@@ -36,12 +39,15 @@ class Source:
             if not os.path.isfile(path):
                 what = ("is a directory" if os.path.isdir(path) else
                         "is not a regular file (a device, pipe or socket)" if os.path.exists(path) else
-                        "does not exist")
+                        "is a URL: flashcodec reads local files, bytes and binary files (download it first)"
+                        if _URL.match(path) else "does not exist")
                 raise SourceNotFoundError(f"{path}: {what}")
             return cls(path=path)
         if isinstance(source, (bytes, bytearray, memoryview)):
             return cls(data=bytes(source))
         if hasattr(source, "read"):
+            if isinstance(source, io.TextIOBase):  # its read() would decode the bytes as text (UnicodeDecodeError)
+                raise TypeError("file-like sources must be opened in binary mode")
             data = source.read()
             if not isinstance(data, (bytes, bytearray)):
                 raise TypeError("file-like sources must be opened in binary mode")

@@ -130,11 +130,14 @@ def smart_nframes(total_frames: int, video_fps: float, options: SamplingOptions 
     """Number of frames to sample: ``fps`` frames per second, 4..768, even, at most ``total_frames``.
 
     Raises:
-        ValueError: if fewer than two frames would be sampled (the video is too short).
+        NoFramesError: the video has fewer than two frames (a ValueError too).
+        ValueError: if fewer than two frames would be sampled.
     """
     if total_frames < FRAME_FACTOR:
-        raise ValueError(f"the video has {total_frames} frame{'' if total_frames == 1 else 's'}; sampling needs at "
-                         f"least {FRAME_FACTOR} (one temporal patch): send a still picture as an image")
+        from flashcodec._errors import NoFramesError  # a ValueError too
+
+        raise NoFramesError(f"the video has {total_frames} frame{'' if total_frames == 1 else 's'}; sampling needs at "
+                            f"least {FRAME_FACTOR} (one temporal patch): send a still picture as an image")
     if options.num_frames is not None:
         num_frames = round_by_factor(options.num_frames, FRAME_FACTOR)
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -76,9 +77,11 @@ def plan_video(
     if frame_indices is None:
         indices, sample_fps = sample_frame_indices(info.num_frames, info.average_fps, options)
     else:
-        indices = sorted(int(i) for i in frame_indices)
+        indices = sorted(_frame_index(i) for i in frame_indices)
         if not indices:
             raise ValueError("frame_indices is empty")
+        if len(indices) > info.num_frames:  # repeats: each is an output frame (10,000 of frame 0 took 3.4 GB)
+            raise ValueError(f"frame_indices lists {len(indices)} frames; the video has {info.num_frames}")
         sample_fps = len(indices) / max(info.num_frames, 1) * info.average_fps
     height, width = video_target_size(info.display_height, info.display_width, len(indices), options)
     ranks = plan_distribution(
@@ -87,6 +90,17 @@ def plan_video(
         slot_speeds=slot_speeds,
     )
     return VideoPlan(tuple(indices), sample_fps, height, width, tuple(ranks))
+
+
+def _frame_index(value) -> int:
+    """A frame index as an int: Python's, numpy's or a 0-d integer tensor's (``__index__``); 3.7, "3" and True are
+    refused, where ``int()`` truncated or parsed them."""
+    if isinstance(value, bool):
+        raise ValueError(f"frame_indices holds {value!r}; a frame index is an integer")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"frame_indices holds {value!r}; a frame index is an integer") from None
 
 
 def floor_cost(info, frame_indices) -> int:

@@ -61,6 +61,7 @@ def test_decode_json_summary(tiny_h264, capsys):
     (lambda tmp, good: tmp / "missing.mp4", "does not exist"),
     (lambda tmp, good: (tmp / "text.mp4", (tmp / "text.mp4").write_text("hello " * 100))[0], "not a readable video"),
     (lambda tmp, good: synthetic_video.truncate_file(good, tmp / "cut.mp4", keep_fraction=0.3), "error"),
+    (lambda tmp, good: "https://example.com/clip.mp4", "is a URL: flashcodec reads local files"),  # not "does not exist"
 ])
 def test_user_mistakes_get_one_line_errors(tiny_h264, tmp_path, make_bad, needle):
     bad = make_bad(tmp_path, tiny_h264)
@@ -214,3 +215,11 @@ def test_corrupt_image_is_a_one_line_error(tmp_path):
     bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40)
     result = run_cli("decode", bad)
     assert result.returncode == 1 and "Traceback" not in result.stderr and "flashcodec: error:" in result.stderr
+
+
+def test_a_text_mode_file_is_refused_as_one(tiny_h264):
+    """A file opened in text mode: its read() decoded the video's bytes as text (a UnicodeDecodeError)."""
+    import flashcodec
+
+    with open(tiny_h264) as f, pytest.raises(TypeError, match="must be opened in binary mode"):
+        flashcodec.decode_video(f)
