@@ -199,11 +199,14 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         capacity = self.blocks.num_blocks * self.blocks.block_size
         if capacity < request.max_total_tokens:
-            raise ValueError(f"request {request.request_id!r} needs {request.max_total_tokens} tokens of KV cache "
-                             f"(prompt + max_tokens), more than the whole cache holds ({capacity})")
-        if self.patch_pages.num_pages * self.patch_pages.page_size < request.num_patch_tokens:
-            raise ValueError(f"request {request.request_id!r} has {request.num_patch_tokens} patch tokens, more than "
-                             f"the patch buffer holds")
+            raise ValueError(f"the request needs {request.max_total_tokens} tokens of KV cache (prompt + max_tokens), "
+                             f"more than the whole cache holds ({capacity}); lower max_tokens, or give the server a "
+                             f"larger --kv-cache-gb")
+        rows = self.patch_pages.num_pages * self.patch_pages.page_size
+        if rows < request.num_patch_tokens:
+            raise ValueError(f"the request's media make {request.num_patch_tokens} patch rows, more than the patch "
+                             f"buffer holds ({rows}); send smaller media (max_pixels, fps, max_frames) or give the "
+                             f"server a larger --patch-buffer-gb")
 
     def adopt(self, request: Request) -> None:
         """Decode ``request`` here: its prompt was prefilled elsewhere (its first output token is there).
