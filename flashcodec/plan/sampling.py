@@ -116,6 +116,10 @@ class SamplingOptions:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if (self.height is None) != (self.width is None):
             raise ValueError("give both height and width, or neither")
+        for name in ("num_frames", "max_frames"):  # 1 rounded to 0 frames: "cannot sample 0 frames"
+            if (getattr(self, name) or FRAME_FACTOR) < FRAME_FACTOR:
+                raise ValueError(f"{name} must be at least {FRAME_FACTOR} (one temporal patch of frames), got "
+                                 f"{getattr(self, name)}")
         for name in ("min_pixels", "max_pixels"):
             if (getattr(self, name) or 0) > MAX_FRAME_PIXELS:
                 raise ValueError(f"{name} must be at most {MAX_FRAME_PIXELS} (8192x4352), got {getattr(self, name)}")

@@ -65,8 +65,11 @@ def test_bad_options_raise_value_error(kwargs):
 def test_too_few_frames_is_a_clear_error():
     with pytest.raises(ValueError, match="the video has 1 frame; sampling needs at least 2 .*send a still picture"):
         smart_nframes(1, 30.0)
-    with pytest.raises(ValueError, match=r"cannot sample 0 frames from a video of 3 frames \(need between 2 and 3\)"):
-        smart_nframes(3, 30.0, SamplingOptions(num_frames=1))  # rounds to 0
+    with pytest.raises(ValueError, match=r"cannot sample 4 frames from a video of 3 frames \(need between 2 and 3\)"):
+        smart_nframes(3, 30.0, SamplingOptions(num_frames=3))  # rounds to 4
+    for name in ("num_frames", "max_frames"):  # 1 would round to 0 frames: said of the option itself
+        with pytest.raises(ValueError, match=f"{name} must be at least 2 \\(one temporal patch of frames\\), got 1"):
+            SamplingOptions(**{name: 1})
     with pytest.raises(ValueError, match="no frames"):
         sample_frame_indices(0, 30.0)
 

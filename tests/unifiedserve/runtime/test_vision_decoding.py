@@ -21,7 +21,7 @@ def test_a_video_is_probed_once_per_media_key(tmp_path, demo_model, clips, monke
 
     probed = []
     real = engine_module.probe
-    monkeypatch.setattr(engine_module, "probe", lambda src: probed.append(src.name) or real(src))
+    monkeypatch.setattr(engine_module, "probe", lambda src, *cap: probed.append(src.name) or real(src, *cap))
     worker = make_worker(tmp_path, demo_model, streaming=False, delay_s=0.0)
     try:
         ref = protocol.MediaRef("video", path=clips[0].path, min_pixels=3136, max_pixels=128 * 96, key="k-a")
