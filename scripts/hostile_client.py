@@ -152,6 +152,14 @@ def build_cases(media: dict[str, Path], outside: Path) -> list[tuple[str, dict |
         ("half a head, then silence", None, {408}, None),  # answered after the server's 30-s head timeout
         ("half a body, then silence", None, {408}, None),  # answered when its pace runs out (30 s + 1 s / 64 KiB)
         ("min_tokens 1e9", {"messages": text, "min_tokens": 10**9}, bad, None),
+        # found by review on 2026-11-27
+        ("a 13000x13000 PNG of a few KB", {"messages": user({"type": "image_url", "image_url": {
+            "url": f"file://{media['bomb']}"}})}, bad, None),
+        ("60 MB of empty content parts", None, bad, None),
+        ("repetition_penalty 1e-300", {"messages": text, "repetition_penalty": 1e-300}, bad, None),
+        ("stop_token_ids past the vocabulary", {"messages": text, "stop_token_ids": [2**31 - 1]}, bad, None),
+        ("store true", {"messages": text, "store": True}, bad, None),
+        ("service_tier flex", {"messages": text, "service_tier": "flex"}, bad, None),
         ("min_tokens with a JSON grammar", {"messages": text, "min_tokens": 2,
                                             "response_format": {"type": "json_object"}}, bad, None),
         # /v1/completions (OpenAI's legacy endpoint)
@@ -221,6 +229,11 @@ def special(client: Client, name: str, media: dict[str, Path] | None = None) -> 
         return client.raw("POST", "/v1/chat/completions", body)
     if name == "deeply nested JSON body":
         return client.raw("POST", "/v1/chat/completions", b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}")
+    if name == "60 MB of empty content parts":  # refused from its raw bytes, before the event loop parses them
+        part = b'{"type":"text","text":""},'
+        parts = part * ((60 << 20) // len(part))
+        return client.raw("POST", "/v1/chat/completions",
+                          b'{"messages":[{"role":"user","content":[' + parts + b'{"type":"text","text":""}]}]}')
     if name == "malformed JSON":
         return client.raw("POST", "/v1/chat/completions", b'{"messages": [')
     if name == "JSON array body":
@@ -345,6 +358,9 @@ def main(argv=None) -> int:
                                                 duration_s=4.0, fps=10.0, gop=10, seed=1),
              "png": synthetic_video.make_image(media_dir / "tiny.png", width=8, height=8, seed=2)}
     media["corrupt"] = synthetic_video.corrupt_middle(media["clip"], media_dir / "corrupt.mp4", seed=3)
+    media["bomb"] = media_dir / "bomb.png"  # 169 M pixels declared in a few KB: refused from its header
+    from PIL import Image
+    Image.new("1", (13000, 13000)).save(media["bomb"])
     media["truncated"] = synthetic_video.truncate_file(media["clip"], media_dir / "truncated.mp4", 0.4)
     outside = synthetic_video.make_image(outside_dir / "secret.png", seed=4)
     media["escape"] = media_dir / "escape.png"
