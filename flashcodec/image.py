@@ -110,7 +110,8 @@ def _check_pixel_budget(name: str, value: Any) -> None:
 
 
 def _target_size(
-    h: int, w: int, min_pixels: int | None, max_pixels: int | None, height: int | None, width: int | None
+    h: int, w: int, min_pixels: int | None, max_pixels: int | None, height: int | None, width: int | None,
+    name: str | None = None,
 ) -> tuple[int, int]:
     try:
         if height is not None and width is not None:
@@ -118,7 +119,7 @@ def _target_size(
             return smart_resize(height, width)
         return image_target_size(h, w, min_pixels=min_pixels, max_pixels=max_pixels)
     except ValueError as exc:  # the aspect ratio exceeds 200
-        raise ImageDecodeError(str(exc)) from exc
+        raise ImageDecodeError(f"{name}: {exc}" if name else str(exc)) from exc
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:
@@ -209,12 +210,12 @@ def decode_image(
                     f"{name}: the image is too large ({w}x{h} = {w * h} pixels, the limit is {max_image_pixels})"
                 )
             if height is None:
-                _target_size(h, w, min_pixels, max_pixels, None, None)  # aspect ratio, before decoding
+                _target_size(h, w, min_pixels, max_pixels, None, None, name)  # aspect ratio, before decoding
             if resize == "fast":
                 # the target follows from the full size, which draft() would hide: take both first
                 swapped = _swaps(im)
                 oh, ow = (w, h) if swapped else (h, w)
-                target = _target_size(oh, ow, min_pixels, max_pixels, height, width)
+                target = _target_size(oh, ow, min_pixels, max_pixels, height, width, name)
                 _draft_for(im, target, swapped)
             im.load()  # decode now: truncated or corrupt data fails here, not later
             try:
@@ -229,7 +230,7 @@ def decode_image(
                     rgb = rgb.resize((tw, th), resample=Image.Resampling.BICUBIC, reducing_gap=_FAST_REDUCING_GAP)
             else:
                 oh, ow = rgb.height, rgb.width
-                th, tw = _target_size(oh, ow, min_pixels, max_pixels, height, width)
+                th, tw = _target_size(oh, ow, min_pixels, max_pixels, height, width, name)
                 if (th, tw) != (oh, ow):
                     rgb = rgb.resize((tw, th), resample=Image.Resampling.BICUBIC)
             pixels = _to_tensor(rgb)  # [3, th, tw]

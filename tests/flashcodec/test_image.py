@@ -233,6 +233,7 @@ def test_extreme_aspect_ratio():
     with pytest.raises(ImageDecodeError) as excinfo:
         decode_image(data)
     _assert_decode_error(excinfo, "aspect ratio")
+    assert str(excinfo.value).startswith(f"<{len(data)} bytes>: aspect ratio must be at most 200")  # names the source
     # Inside the limit the tall strip decodes (to the minimum width of 28).
     assert decode_image(_encode(Image.new("RGB", (1, 200)), "PNG")).size[1] == 28
 
