@@ -275,6 +275,20 @@ def generation_defaults(args: argparse.Namespace, model: str | None):
     return GenerationDefaults() if model is None else GenerationDefaults.load(model)
 
 
+def warn_if_images_cannot_fit(config, processor, model_config, limits: RequestLimits) -> bool:
+    """Say once at start-up when an image at the largest size this server allows (``--max-pixels`` and the model's
+    own ``max_pixels``) makes more patch rows than the patch buffer holds: every such image would be refused."""
+    rows = config.engine.num_patch_pages * config.engine.page_size
+    pixels = min(processor.image_max_pixels, limits.max_pixels)
+    image_rows = pixels // model_config.vision.patch_size ** 2
+    if image_rows <= rows:
+        return False
+    log.warning("the patch buffer holds %d patch rows; an image at the largest size allowed (%d pixels: --max-pixels "
+                "and the model's max_pixels) makes %d, and such images will be refused: give --patch-buffer-gb more "
+                "room, or lower --max-pixels", rows, pixels, image_rows)
+    return True
+
+
 def build_state(runtime, client, args: argparse.Namespace, limits: RequestLimits):
     """The API's ServerState over a started runtime (its workers ready). Also what each Ray replica builds."""
     from unifiedserve.model.config import ModelConfig
@@ -294,6 +308,7 @@ def build_state(runtime, client, args: argparse.Namespace, limits: RequestLimits
                  "none: the OpenAI API's): %s", generation.describe())
     for key, value in generation.unsupported:
         log.warning("the generation config sets %s=%r, which this server does not implement; not applied", key, value)
+    warn_if_images_cannot_fit(config, processor, model_config, limits)
     return ServerState(client, processor, metrics, media_policy(args),
                        config.served_model_name, config.max_model_len, config.default_max_tokens,
                        tuple(model_config.eos_token_ids), config.policy, args.api_key, limits, generation=generation,

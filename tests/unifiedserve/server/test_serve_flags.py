@@ -161,3 +161,24 @@ def test_async_scheduling_is_on_for_cuda_unless_turned_off():
     assert parse(["serve", "--no-async-scheduling"]).async_scheduling is False
     assert async_scheduling_default(None, "cuda") and not async_scheduling_default(None, "cpu")
     assert async_scheduling_default(True, "cpu") and not async_scheduling_default(False, "cuda")
+
+
+def test_a_patch_buffer_too_small_for_the_largest_image_is_said_at_start(caplog):
+    """With the default --max-pixels (12.8 M: 65,536 rows of 14x14 patches) a 0.25-GiB patch buffer (53,248 rows)
+    refused every image sent without pixel options; the server now says so when it starts."""
+    from types import SimpleNamespace
+
+    from unifiedserve.server.limits import RequestLimits
+    from unifiedserve.server.serve import warn_if_images_cannot_fit
+
+    def config(pages):
+        return SimpleNamespace(engine=SimpleNamespace(num_patch_pages=pages, page_size=1024))
+
+    processor = SimpleNamespace(image_max_pixels=16384 * 28 * 28)
+    model = SimpleNamespace(vision=SimpleNamespace(patch_size=14))
+    with caplog.at_level("WARNING", logger="unifiedserve"):
+        assert warn_if_images_cannot_fit(config(52), processor, model, RequestLimits())
+        assert "the patch buffer holds 53248 patch rows; an image at the largest size allowed (12845056 pixels" \
+            in caplog.text and "makes 65536" in caplog.text
+        assert not warn_if_images_cannot_fit(config(64), processor, model, RequestLimits())  # 65,536 rows: fits
+        assert not warn_if_images_cannot_fit(config(52), processor, model, RequestLimits(max_pixels=1024 * 196))
