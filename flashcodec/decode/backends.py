@@ -205,7 +205,7 @@ class PyAVSegmentDecoder(SegmentDecoder):
                 differently).
         """
         target_pts = int(self._pts_by_position[position])
-        if self._packets is not None and self._position <= position <= self._position + MAX_DEMUX_SKIP_PACKETS:
+        if self._packets is not None and 0 <= self._position <= position <= self._position + MAX_DEMUX_SKIP_PACKETS:
             if self._scan_to(position, target_pts):  # close ahead: skip packets by demuxing only
                 return
         else:
@@ -230,7 +230,7 @@ class PyAVSegmentDecoder(SegmentDecoder):
 
     def _scan_to(self, position: int, target_pts: int) -> bool:
         """Demux up to the packet whose pts (else dts) is ``target_pts`` and hold it as the next one to decode."""
-        self._position = None  # unknown until the packet is found
+        self._position = -1  # unknown until the packet is found (also if the demuxer raises here)
         self._untimed = False
         for packet in self._packets:
             if packet.size == 0:
@@ -260,7 +260,7 @@ class PyAVSegmentDecoder(SegmentDecoder):
             while position <= segment.stop_position:
                 if should_stop():  # cancelled: stop at this packet; the next segment seeks afresh
                     self._context.flush_buffers()
-                    self._position, self._pending = -1, None
+                    self._packets, self._position, self._pending = None, -1, None
                     return sorted(targets)
                 if packet is None:
                     packet = next(packets)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Sequence
@@ -73,6 +74,11 @@ def plan_video(
     one per rank), ``rank_speeds`` (relative throughput; 0 for a rank that cannot decode this
     video) and ``slot_speeds`` (one decoder's throughput while it runs) are passed to
     :func:`~flashcodec.plan.segments.plan_distribution`.
+
+    Raises:
+        NoFramesError: the video has fewer than two frames (Qwen sampling).
+        ValueError: ``frame_indices`` empty, holding anything but whole numbers, more of them than the video has
+            frames, or one out of range; options the video cannot satisfy.
     """
     if frame_indices is None:
         indices, sample_fps = sample_frame_indices(info.num_frames, info.average_fps, options)
@@ -93,14 +99,20 @@ def plan_video(
 
 
 def _frame_index(value) -> int:
-    """A frame index as an int: Python's, numpy's or a 0-d integer tensor's (``__index__``); 3.7, "3" and True are
-    refused, where ``int()`` truncated or parsed them."""
-    if isinstance(value, bool):
-        raise ValueError(f"frame_indices holds {value!r}; a frame index is an integer")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise ValueError(f"frame_indices holds {value!r}; a frame index is an integer") from None
+    """A frame index as an int: an integer (Python's, numpy's, a 0-d tensor's: ``__index__``) or a whole float
+    (``np.linspace(...).round()``); 3.7, "3" and True are refused, where ``int()`` truncated or parsed them."""
+    if not isinstance(value, (bool, str, bytes)):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if number.is_integer():
+            return int(number)
+    raise ValueError(f"frame_indices holds {value!r}; a frame index is a whole number")
 
 
 def floor_cost(info, frame_indices) -> int:

@@ -81,6 +81,9 @@ class RuntimeConfig:
     process_env: dict[str, dict[str, str]] = field(default_factory=dict)
     gpu: int = 0  # CUDA: the physical GPU the pools live on (workers see it as cuda:0)
     max_video_seconds: float = 3600.0
+    #: the largest stored image (width x height) the vision process decodes, read from its header before any pixel
+    #: (``--max-image-source-mp``); about 10 bytes of vision-process memory per pixel while it decodes
+    max_image_source_pixels: int = 50_000_000
     ipc_dir: str = ""
     instance: str = ""
     pool_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # "kv", "patch", "weights": build_config
@@ -112,6 +115,8 @@ class RuntimeConfig:
                              "the CPU")
         if not self.max_video_seconds > 0:
             raise ValueError(f"max_video_seconds must be positive, got {self.max_video_seconds!r}")
+        if not self.max_image_source_pixels > 0:
+            raise ValueError(f"max_image_source_pixels must be positive, got {self.max_image_source_pixels!r}")
         if self.tbt_slo_ms is not None and not self.tbt_slo_ms > 0:
             raise ValueError(f"tbt_slo_ms must be positive, got {self.tbt_slo_ms!r}")
         unknown = set(self.torch_threads) | set(self.cpu_affinity) | set(self.nice) | set(self.process_env)

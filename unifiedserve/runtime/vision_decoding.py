@@ -25,10 +25,6 @@ log = logging.getLogger("unifiedserve")
 
 #: what the probes kept may hold: an hour of 30-fps video's probe is about 1.7 MB (two int64 per frame)
 PROBE_CACHE_BYTES = 64 << 20
-#: The largest stored image (width x height) the server decodes, read from its header before any pixel is: 50 M
-#: pixels (a 48-MP phone photo, 8000x6000, fits). PIL's own limit (flashcodec's default, 179 M) let a 656-KB PNG of
-#: 13000x13000 cost the vision process 1.5 GB for one decode, and it decodes one image per CPU thread at once.
-MAX_IMAGE_SOURCE_PIXELS = 50_000_000
 
 
 class ProbeCache:
@@ -122,7 +118,7 @@ class MediaDecoding:
                     t0 = time.perf_counter()
                     min_pixels, max_pixels = self._image_pixels(ref)
                     image = decode_image(source, min_pixels=min_pixels, max_pixels=max_pixels,
-                                         max_image_pixels=MAX_IMAGE_SOURCE_PIXELS)
+                                         max_image_pixels=self.config.max_image_source_pixels)
                     patches, grid = image.to_patches(self.spec)
                     job.patches[index] = patches
                     job.decode_s[index] = time.perf_counter() - t0
@@ -185,13 +181,13 @@ class MediaDecoding:
             t0, wall_start = time.perf_counter(), time.time()
             try:
                 images = self.image_decoder.decode(sources, min_pixels=min_pixels, max_pixels=max_pixels,
-                                                   max_image_pixels=MAX_IMAGE_SOURCE_PIXELS)
+                                                   max_image_pixels=self.config.max_image_source_pixels)
             except Exception:  # the batch names its first bad image by its source, not its index
                 images = []
                 for index, source in zip(indices, sources):
                     try:
                         images += self.image_decoder.decode([source], min_pixels=min_pixels, max_pixels=max_pixels,
-                                                            max_image_pixels=MAX_IMAGE_SOURCE_PIXELS)
+                                                            max_image_pixels=self.config.max_image_source_pixels)
                     except Exception as e:
                         out[index] = e
                         break

@@ -224,7 +224,8 @@ def build_runtime(args: argparse.Namespace):
             policy=args.policy, default_max_tokens=args.default_max_tokens, tbt_slo_ms=args.tbt_slo_ms,
             vision_threads=args.vision_threads, vision_device=args.vision_device,
             vision_ahead_gb=args.vision_ahead_gb, decode_threads=args.decode_threads,
-            max_video_seconds=args.max_video_seconds, streaming_ingest=args.ingest == "streaming",
+            max_video_seconds=args.max_video_seconds, max_image_source_pixels=int(args.max_image_source_mp * 1e6),
+            streaming_ingest=args.ingest == "streaming",
             budget_overrides=budgets, **placement)
     except ValueError as e:
         raise ValueError(_name_flag(str(e), args)) from None

@@ -105,6 +105,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--max-request-mb)")
     g.add_argument("--max-video-seconds", type=_positive_float, default=RuntimeConfig.max_video_seconds,
                    help="refuse longer videos (default %(default)g)")
+    g.add_argument("--max-image-source-mp", type=_positive_float, default=RuntimeConfig.max_image_source_pixels / 1e6,
+                   metavar="MP", help="refuse images whose stored size is larger, in megapixels, from their header "
+                   "before any pixel is decoded (default %(default)g: a 48-MP phone photo fits; the vision process "
+                   "needs about 10 bytes per pixel for each image it decodes at once)")
     g.add_argument("--vision-threads", type=int, default=RuntimeConfig.vision_threads,
                    help="FlashCodec decoder threads shared by all requests (default: one per core)")
     g.add_argument("--vision-device", choices=VISION_DEVICES, default=RuntimeConfig.vision_device,

@@ -95,3 +95,27 @@ def test_cancel_before_decoding_and_unknown_keys(tiny_h264):
             engine.add_decoding_request(a.key_id)
         assert not engine.cancel(12345)
         assert isinstance(engine.decode_video(tiny_h264, num_frames=4).frames, torch.Tensor)
+
+
+def test_a_segment_stopped_midway_leaves_its_decoder_to_seek_afresh(tiny_h264, monkeypatch):
+    """A stopped run (a cancel, or the losing run of a backed-up segment) forgets where its demuxer was: the
+    decoder's next segment seeks to its own keyframe, neither scanning on from the stopped one to the end of the file
+    nor opening the video again."""
+    from flashcodec._probe import probe
+    from flashcodec.decode.backends import PyAVSegmentDecoder
+    from flashcodec.plan.segments import GopSegment
+    from flashcodec.source import Source
+
+    src = Source.of(tiny_h264)
+    decoder = PyAVSegmentDecoder(src, probe(src), 96, 128)
+    opens = []
+    real_open = decoder._open
+    monkeypatch.setattr(decoder, "_open", lambda: opens.append(1) or real_open())
+    calls = []
+    stop = lambda: calls.append(1) or len(calls) > 4  # noqa: E731
+    left = decoder.decode_segment(GopSegment(24, 35, tuple(range(24, 36))), lambda i, f: None, stop)
+    assert left  # stopped with targets left
+    got = []
+    assert decoder.decode_segment(GopSegment(0, 11, tuple(range(12))), lambda i, f: got.append(i)) == []
+    assert sorted(got) == list(range(12)) and opens == []
+    decoder.close()

@@ -299,13 +299,15 @@ def test_a_raw_stream_without_timestamps_is_refused_with_the_way_out(tiny_h264, 
 
 def test_frame_indices_are_integers_and_no_more_than_the_video_has(tiny_h264):
     """3.7 was truncated to 3, "3" and True taken as 3 and 1; 10,000 repeats of frame 0 made 10,000 output frames
-    (3.4 GB). numpy's and torch's integers are indices too."""
+    (3.4 GB). numpy's and torch's integers, and whole floats, are indices."""
     import numpy as np
 
     for bad, needle in (([1.5, 3], "holds 1.5"), (["3"], "holds '3'"), ([True, 2], "holds True"),
-                        ([0] * 49, "lists 49 frames; the video has 48")):
+                        (torch.tensor([3.5]), r"holds tensor\(3.5"), ([0] * 49, "lists 49 frames; the video has 48")):
         with pytest.raises(ValueError, match=needle):
             flashcodec.decode_video(str(tiny_h264), frame_indices=bad)
-    for good in ([np.int64(3), 7], torch.tensor([3, 7]), [0] * 48):
+    # whole floats are indices (np.linspace(...).round() is a common way to pick frames)
+    for good in ([np.int64(3), 7], torch.tensor([3, 7]), np.linspace(3, 7, 2).round(), torch.tensor([3.0, 7.0]),
+                 [0] * 48):
         result = flashcodec.decode_video(str(tiny_h264), frame_indices=good)
         assert len(result.frame_indices) == (48 if len(good) == 48 else 2)

@@ -200,25 +200,36 @@ def test_a_bad_image_in_a_batch_fails_with_its_own_index(tmp_path, demo_model, i
 
 @pytest.mark.parametrize("batched", [False, True])
 def test_an_image_past_the_servers_source_cap_fails_before_its_pixels_are_decoded(tmp_path, demo_model, batched):
-    """A tiny PNG whose header says 8000x6300 (50.4 M pixels, over MAX_IMAGE_SOURCE_PIXELS) fails from its header,
-    in both decode paths: PIL's limit (179 M) let such files cost the vision process gigabytes."""
+    """A tiny PNG whose header says 8000x6300 (50.4 M pixels, over the default --max-image-source-mp 50) fails from
+    its header, in both decode paths: PIL's limit (179 M) let such files cost the vision process gigabytes. The cap
+    is the server's setting (RuntimeConfig.max_image_source_pixels)."""
+    import dataclasses
+
     from PIL import Image
 
-    from unifiedserve.runtime.vision_decoding import MAX_IMAGE_SOURCE_PIXELS
+    from unifiedserve.runtime.config import RuntimeConfig
 
-    path = tmp_path / "wide.png"
-    Image.new("1", (8000, 6300)).save(path)  # 1-bit, all black: a few KB
-    assert path.stat().st_size < 100_000 and 8000 * 6300 > MAX_IMAGE_SOURCE_PIXELS
+    cap = RuntimeConfig.max_image_source_pixels
+    wide, small = tmp_path / "wide.png", tmp_path / "small.png"
+    Image.new("1", (8000, 6300)).save(wide)  # 1-bit, all black: a few KB
+    Image.new("RGB", (80, 60)).save(small)
+    assert wide.stat().st_size < 100_000 and 8000 * 6300 > cap == 50_000_000
     worker = batch_worker(tmp_path, demo_model, FakeNvjpeg()) if batched else \
         make_worker(tmp_path, demo_model, streaming=False, delay_s=0.0)
+
+    def failure(request_id, path):
+        worker.handle(protocol.ProbeMedia(request_id, [protocol.MediaRef("image", path=str(path))]))
+        pump(worker, lambda: any(m.request_id == request_id for m in messages(worker, protocol.MediaFailed)))
+        return next(m.message for m in messages(worker, protocol.MediaFailed) if m.request_id == request_id)
+
     try:
-        worker.handle(protocol.ProbeMedia("r1", [protocol.MediaRef("image", path=str(path))]))
-        pump(worker, lambda: messages(worker, protocol.MediaFailed))
-        message = messages(worker, protocol.MediaFailed)[0].message
+        message = failure("r1", wide)
+        assert message.startswith("media 0: ") and "too large (8000x6300" in message, message
+        assert f"the limit is {cap}" in message
+        worker.config = dataclasses.replace(worker.config, max_image_source_pixels=4000)  # 80x60 is 4800
+        assert "too large (80x60 = 4800 pixels, the limit is 4000)" in failure("r2", small)
     finally:
         worker.close()
-    assert message.startswith("media 0: ") and "too large (8000x6300" in message, message
-    assert f"the limit is {MAX_IMAGE_SOURCE_PIXELS}" in message
 
 
 @pytest.mark.cuda

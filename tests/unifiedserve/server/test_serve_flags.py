@@ -39,6 +39,7 @@ from unifiedserve.cli import main
     (["--mps", "maybe"], "argument --mps: invalid choice"),
     (["--vision-device", "nvdec"], "argument --vision-device: invalid choice"),
     (["--vision-ahead-gb", "0"], "argument --vision-ahead-gb: must be a positive finite number"),
+    (["--max-image-source-mp", "0"], "argument --max-image-source-mp: must be a positive finite number"),
 ])
 def test_bad_values_are_one_line_before_anything_starts(args, needle, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -182,3 +183,22 @@ def test_a_patch_buffer_too_small_for_the_largest_image_is_said_at_start(caplog)
             in caplog.text and "makes 65536" in caplog.text
         assert not warn_if_images_cannot_fit(config(64), processor, model, RequestLimits())  # 65,536 rows: fits
         assert not warn_if_images_cannot_fit(config(52), processor, model, RequestLimits(max_pixels=1024 * 196))
+
+
+def test_the_image_source_cap_reaches_the_vision_process(tmp_path):
+    """--max-image-source-mp (default 50: a 48-MP photo fits) is the vision process's header check, in pixels."""
+    import argparse
+
+    from unifiedserve.model.demo import write_demo_model
+    from unifiedserve.server import serve
+    from unifiedserve.server.serve_flags import add_arguments
+
+    model = write_demo_model(tmp_path / "demo")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for argv, pixels in (([], 50_000_000), (["--max-image-source-mp", "108"], 108_000_000)):
+        runtime = serve.build_runtime(parser.parse_args(["--model", str(model), "--device", "cpu", *argv]))
+        try:
+            assert runtime.config.max_image_source_pixels == pixels
+        finally:
+            runtime.stop()  # nothing started: removes its socket folder
