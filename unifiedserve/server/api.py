@@ -32,7 +32,7 @@ from unifiedserve.engine.structured import check_response_format
 from unifiedserve.model.generation import GenerationDefaults
 from unifiedserve.runtime import protocol
 from unifiedserve.server.engine_client import EngineClient, RequestError, RequestStream
-from unifiedserve.server.limits import BodyBudget, LimitError, RequestLimits, check_json_shape
+from unifiedserve.server.limits import TOKEN_ID_ROUTES, BodyBudget, LimitError, RequestLimits, check_json_shape
 from unifiedserve.server.media import MediaError, MediaPolicy
 from unifiedserve.server.metrics import Metrics
 from unifiedserve.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -78,6 +78,9 @@ def _error(message: str, status_code: int, param: str | None = None) -> JSONResp
     return JSONResponse(error_body(message, status_code, param), status_code=status_code)
 
 
+_AUTH_ERROR = "invalid or missing API key (Authorization: Bearer <key>)"
+
+
 class _ShapedJsonRoute(APIRoute):
     """A route whose request body is refused (400) before FastAPI parses and validates it, when it holds more JSON
     objects, arrays or values than any request this server accepts (:func:`limits.check_json_shape`): that work
@@ -87,9 +90,13 @@ class _ShapedJsonRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def shaped(request: Request) -> Response:
+            state = request.app.state.server
             if request.method == "POST":
+                if state.api_key and not _authorized(request.headers.get("authorization", ""), state.api_key):
+                    return _error(_AUTH_ERROR, 401)  # before the body is looked at (FastAPI parses it before _auth)
                 try:
-                    check_json_shape(await request.body(), request.app.state.server.max_model_len)
+                    check_json_shape(await request.body(), state.max_model_len,
+                                     token_ids=request.url.path in TOKEN_ID_ROUTES)
                 except LimitError as e:
                     return _error(str(e), e.status_code, e.param)
             return await handler(request)
@@ -131,7 +138,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def _auth(request: Request) -> None:  # a dependency, not middleware: that would hide disconnects
         if state.api_key and not _authorized(request.headers.get("authorization", ""), state.api_key):
-            raise StarletteHTTPException(401, "invalid or missing API key (Authorization: Bearer <key>)")
+            raise StarletteHTTPException(401, _AUTH_ERROR)
 
     @app.get("/health")
     async def health():

@@ -32,10 +32,11 @@ Everything a client can size has a server-wide cap (each a ``unifiedserve serve`
   content parts than tokens (150,000 empty messages are 5 MB of JSON but 750,000 tokens of template,
   and rendering them took the api process seconds).
 - **a body's JSON shape**: at most :data:`MAX_JSON_CONTAINERS_PER_TOKEN` objects and arrays, and
-  :data:`MAX_CHARS_PER_TOKEN` commas, per token of ``--max-model-len`` (plus room for a JSON schema and a
-  prompt of token ids), counted in the raw bytes before they are parsed (:func:`check_json_shape`): parsing and
-  validating a 60-MB body of 2.4 M empty content parts held the api process's event loop, and so every other
-  request's stream, for 20 s, and took it from 0.3 to 2.3 GB, before the count of parts could refuse it.
+  :data:`MAX_CHARS_PER_TOKEN` commas, per token of ``--max-model-len`` (plus room for a JSON schema, and on the
+  routes that take them a prompt of token ids), counted in the raw bytes before they are parsed
+  (:func:`check_json_shape`): parsing and validating a 60-MB body of 2.4 M empty content parts held the api
+  process's event loop, and so every other request's stream, for 20 s, and took it from 0.3 to 2.3 GB, before
+  the count of parts could refuse it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ import asyncio
 import collections
 import json
 from dataclasses import dataclass
+
+from unifiedserve.engine.params import MAX_JSON_SCHEMA_BYTES
+from unifiedserve.server.openai_protocol import MAX_PROMPT_TOKEN_IDS
 
 #: qwen-vl-utils' MAX_PIXELS (16384 * 28 * 28) and FPS_MAX_FRAMES.
 QWEN_MAX_PIXELS = 16384 * 28 * 28
@@ -63,17 +67,20 @@ MIN_TOKENS_PER_MESSAGE = 4
 
 #: JSON objects and arrays a request body may hold per token of --max-model-len: every message and content part is
 #: one (an image or video part two) and costs tokens, and text may hold braces, which a run of them tokenizes
-#: several to a token; a JSON schema's (:data:`MAX_JSON_SCHEMA_BYTES`) come on top.
-MAX_JSON_CONTAINERS_PER_TOKEN = 8
+#: several to a token; a JSON schema's (:data:`MAX_JSON_SCHEMA_BYTES`) come on top. Parsing and validating a body
+#: of that many empty content parts still holds the event loop: about 0.8 s at 32768 tokens here.
+MAX_JSON_CONTAINERS_PER_TOKEN = 4
 
 
-def check_json_shape(body: bytes, max_model_len: int) -> None:
+#: the routes whose body may list token ids (a prompt's, or ids to detokenize)
+TOKEN_ID_ROUTES = ("/v1/completions", "/tokenize", "/detokenize")
+
+
+def check_json_shape(body: bytes, max_model_len: int, token_ids: bool = False) -> None:
     """Refuse a body holding more JSON objects and arrays, or more values, than any request a server of
     ``max_model_len`` tokens accepts could, counted in the raw bytes (braces, brackets and commas inside strings
-    too: the bounds leave room for them) before anything is parsed."""
-    from unifiedserve.engine.params import MAX_JSON_SCHEMA_BYTES
-    from unifiedserve.server.openai_protocol import MAX_PROMPT_TOKEN_IDS
-
+    too: the bounds leave room for them) before anything is parsed. ``token_ids``: the route takes a list of token
+    ids (``/v1/completions``, ``/tokenize``, ``/detokenize``), whose commas the values' bound allows too."""
     containers = body.count(b"{") + body.count(b"[")
     limit = MAX_JSON_CONTAINERS_PER_TOKEN * max_model_len + MAX_JSON_SCHEMA_BYTES
     if containers > limit:
@@ -81,10 +88,10 @@ def check_json_shape(body: bytes, max_model_len: int) -> None:
                          f"holds at most {limit} ({MAX_JSON_CONTAINERS_PER_TOKEN} per token of --max-model-len "
                          f"{max_model_len}, and a JSON schema's)")
     commas = body.count(b",")  # a value in an object or array after its first: the count of values, nearly
-    limit = MAX_CHARS_PER_TOKEN * max_model_len + MAX_PROMPT_TOKEN_IDS + MAX_JSON_SCHEMA_BYTES
+    limit = MAX_CHARS_PER_TOKEN * max_model_len + MAX_JSON_SCHEMA_BYTES + (MAX_PROMPT_TOKEN_IDS if token_ids else 0)
     if commas > limit:
         raise LimitError(f"the request body holds {commas} JSON values; a request to this server holds at most "
-                         f"{limit} (its text, a prompt of token ids and a JSON schema)")
+                         f"{limit} (its text{', a prompt of token ids' if token_ids else ''} and a JSON schema)")
 
 
 def check_message_sizes(num_chars: int, num_messages: int, num_parts: int, max_model_len: int) -> None:

@@ -137,21 +137,29 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing(processor, media_dir,
 
 def test_a_body_of_more_json_objects_or_values_than_a_request_holds_is_refused_before_parsing(processor, media_dir):
     """Counted in the raw bytes, before FastAPI parses and validates the body on the event loop (60 MB of empty
-    content parts held it 20 s): objects and arrays past 8 per token of --max-model-len plus a JSON schema's, and
-    commas past the text's characters, a prompt of ids and a schema."""
-    # objects and arrays: at most 8 x 100 + 65536; commas: 32 x 100 + 2**20 + 65536
+    content parts held it 20 s): objects and arrays past 4 per token of --max-model-len plus a JSON schema's, and
+    commas past the text's characters and a schema (and a prompt of token ids on the routes that take one). A client
+    without the API key is told so first, its body not looked at."""
+    # objects and arrays: at most 4 x 100 + 65536; commas: 32 x 100 + 65536, and 2**20 more for token ids
     http, client = make_api(processor, media_dir, max_model_len=100)
-    parts = b'{"type":"text","text":""},' * 66_400
+    parts = b'{"type":"text","text":""},' * 66_000
     body = b'{"messages":[{"role":"user","content":[' + parts + b'{"type":"text","text":""}]}]}'
-    r = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    json_headers = {"Content-Type": "application/json"}
+    r = http.post("/v1/chat/completions", content=body, headers=json_headers)
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["message"].startswith("the request body holds 66405 JSON objects and arrays; a request "
-                                                   "to this server holds at most 66336 (8 per token")
-    ids = b",".join(b"1" for _ in range(3200 + 2**20 + 65536 + 2))
-    r = http.post("/v1/completions", content=b'{"prompt":[' + ids + b'],"max_tokens":1}',
-                  headers={"Content-Type": "application/json"})
-    assert r.status_code == 400 and "JSON values; a request to this server holds at most 1117312" in r.text, r.text
-    r = http.post("/tokenize", content=b'{"prompt":[' + ids + b']}', headers={"Content-Type": "application/json"})
+    assert r.json()["error"]["message"].startswith("the request body holds 66005 JSON objects and arrays; a request "
+                                                   "to this server holds at most 65936 (4 per token")
+    r = http.post("/v1/chat/completions", content=body, headers={**json_headers, "Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and "invalid or missing API key" in r.text
+    commas = b'{"messages":[{"role":"user","content":"hi"}],"logit_bias":{' + b'"5":1,' * 68_800 + b'"6":1}}'
+    r = http.post("/v1/chat/completions", content=commas, headers=json_headers)
+    assert r.status_code == 400 and "68802 JSON values; a request to this server holds at most 68736 (its text and a" \
+        in r.text, r.text
+    ids = b",".join(b"1" for _ in range(3200 + 65536 + 2**20 + 2))
+    r = http.post("/v1/completions", content=b'{"prompt":[' + ids + b'],"max_tokens":1}', headers=json_headers)
+    assert r.status_code == 400 and "JSON values; a request to this server holds at most 1117312 (its text, a prompt " \
+        "of token ids" in r.text, r.text
+    r = http.post("/tokenize", content=b'{"prompt":[' + ids + b']}', headers=json_headers)
     assert r.status_code == 400 and "JSON values" in r.text
     assert client.added == [] and client.probed == []
     r = http.post("/v1/chat/completions", json=chat(*[{"type": "text", "text": ""}] * 100))  # parsed, then counted
