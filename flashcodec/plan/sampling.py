@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from flashcodec._errors import NoFramesError
+
 PATCH_SIZE = 14
 SPATIAL_MERGE_SIZE = 2
 #: Height and width are rounded to multiples of this (one merged 2x2 patch group).
@@ -138,8 +140,6 @@ def smart_nframes(total_frames: int, video_fps: float, options: SamplingOptions 
         ValueError: if fewer than two frames would be sampled.
     """
     if total_frames < FRAME_FACTOR:
-        from flashcodec._errors import NoFramesError  # a ValueError too
-
         raise NoFramesError(f"the video has {total_frames} frame{'' if total_frames == 1 else 's'}; sampling needs at "
                             f"least {FRAME_FACTOR} (one temporal patch): send a still picture as an image")
     if options.num_frames is not None:

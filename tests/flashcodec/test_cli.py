@@ -61,7 +61,8 @@ def test_decode_json_summary(tiny_h264, capsys):
     (lambda tmp, good: tmp / "missing.mp4", "does not exist"),
     (lambda tmp, good: (tmp / "text.mp4", (tmp / "text.mp4").write_text("hello " * 100))[0], "not a readable video"),
     (lambda tmp, good: synthetic_video.truncate_file(good, tmp / "cut.mp4", keep_fraction=0.3), "error"),
-    (lambda tmp, good: "https://example.com/clip.mp4", "is a URL: flashcodec reads local files"),  # not "does not exist"
+    # a URL is not "does not exist"
+    (lambda tmp, good: "https://example.com/clip.mp4", "is a URL: flashcodec reads local files"),
 ])
 def test_user_mistakes_get_one_line_errors(tiny_h264, tmp_path, make_bad, needle):
     bad = make_bad(tmp_path, tiny_h264)

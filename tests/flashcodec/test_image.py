@@ -281,6 +281,6 @@ def test_bad_arguments(kwargs):
     with pytest.raises(ValueError) as excinfo:
         decode_image(data, **kwargs)
     assert not isinstance(excinfo.value, ImageDecodeError)
-    with pytest.raises(ValueError) as excinfo:  # the batch decoder takes the same options, checked the same way
-        ImageBatchDecoder("cpu").decode([data], **kwargs)
+    with ImageBatchDecoder("cpu") as batch, pytest.raises(ValueError) as excinfo:  # the same options, the same checks
+        batch.decode([data], **kwargs)
     assert not isinstance(excinfo.value, ImageDecodeError)

@@ -6,7 +6,7 @@ first), and samples with its ``temperature``, ``top_p``, ``top_k``, ``min_p`` an
 otherwise. vLLM's server does the same by default (``--generation-config auto``): those fields, and
 ``max_new_tokens``, are the defaults of a request that does not set them. So does this server
 (``unifiedserve serve --generation-config auto|none|DIR``). As in vLLM, ``do_sample`` is not read: a request
-is greedy when its temperature (its own or the default) is 0.
+is greedy when its temperature (its own or the default) is 0 (below 1e-5).
 """
 
 from __future__ import annotations

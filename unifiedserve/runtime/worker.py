@@ -185,8 +185,9 @@ class Worker:
 def token_message(request_id: str, sampled, stages: protocol.StageTimes | None = None):
     """What api is told of one sampled token (an engine ``SampledToken``): a ``TokenOutput`` (with ``stages`` for a
     first token), or a ``RequestFailed`` when the request's grammar dead-ended and the token is no output."""
-    if sampled.error is not None:
-        return protocol.RequestFailed(request_id, f"response_format: {sampled.error}", sampled.error_status)
+    if sampled.error is not None:  # a 500's message says it is the server's fault; a 400's names the field
+        message = sampled.error if sampled.error_status >= 500 else f"response_format: {sampled.error}"
+        return protocol.RequestFailed(request_id, message, sampled.error_status)
     return protocol.TokenOutput(request_id, sampled.index, sampled.token_id, sampled.finish_reason, stages,
                                 *(sampled.logprobs if sampled.logprobs is not None else (None, None)))
 

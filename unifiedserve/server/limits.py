@@ -46,6 +46,7 @@ import collections
 import json
 from dataclasses import dataclass
 
+from flashcodec.plan.sampling import MAX_FRAME_PIXELS
 from unifiedserve.engine.params import MAX_JSON_SCHEMA_BYTES
 from unifiedserve.server.openai_protocol import MAX_PROMPT_TOKEN_IDS
 
@@ -141,6 +142,8 @@ class RequestLimits:
                 raise ValueError(f"{flag} must be a positive number, got {value!r}")
         if self.max_frames < 2:
             raise ValueError(f"--max-frames must be at least 2 (one temporal patch), got {self.max_frames}")
+        if self.max_pixels > MAX_FRAME_PIXELS:  # flashcodec decodes no larger frame or image
+            raise ValueError(f"--max-pixels must be at most {MAX_FRAME_PIXELS} (8192x4352), got {self.max_pixels}")
         inflight = self.max_inflight_request_bytes
         if inflight is not None and (isinstance(inflight, bool) or not isinstance(inflight, int)
                                      or inflight < self.max_request_bytes):

@@ -277,16 +277,18 @@ def generation_defaults(args: argparse.Namespace, model: str | None):
 
 
 def warn_if_images_cannot_fit(config, processor, model_config, limits: RequestLimits) -> bool:
-    """Say once at start-up when an image at the largest size this server allows (``--max-pixels`` and the model's
-    own ``max_pixels``) makes more patch rows than the patch buffer holds: every such image would be refused."""
+    """Say once at start-up when an image at the default largest size (the model's ``max_pixels``, within
+    ``--max-pixels``) makes more patch rows than the patch buffer holds: every such image sent without a smaller
+    ``max_pixels`` would be refused."""
     rows = config.engine.num_patch_pages * config.engine.page_size
     pixels = min(processor.image_max_pixels, limits.max_pixels)
     image_rows = pixels // model_config.vision.patch_size ** 2
     if image_rows <= rows:
         return False
-    log.warning("the patch buffer holds %d patch rows; an image at the largest size allowed (%d pixels: --max-pixels "
-                "and the model's max_pixels) makes %d, and such images will be refused: give --patch-buffer-gb more "
-                "room, or lower --max-pixels", rows, pixels, image_rows)
+    log.warning("the patch buffer holds %d patch rows; an image at the default largest size (%d pixels: the "
+                "model's max_pixels, within --max-pixels) makes %d, and such images will be refused unless their "
+                "request lowers max_pixels: give --patch-buffer-gb more room, or lower --max-pixels", rows, pixels,
+                image_rows)
     return True
 
 

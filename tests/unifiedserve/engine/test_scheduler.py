@@ -143,3 +143,16 @@ def test_server_token_budgets_take_the_papers_values_on_a_gpu():
         "prefill_token_budget": 2048, "encode_token_budget": 999}  # a flag wins
     assert server_token_budgets("cuda", {}, 50.0) == {}  # the SLO's profile derives them
     assert server_token_budgets("cuda", {"prefill_token_budget": 128}, 50.0) == {"prefill_token_budget": 128}
+
+
+def test_a_request_that_can_never_run_is_told_what_to_change():
+    """Over the whole KV cache or patch buffer: the sizes, and what lowers them (no internal request id)."""
+    import pytest
+
+    s = Scheduler(SchedulerConfig(), BlockManager(4, block_size=4), PageAllocator(2, 4), PageAllocator(2, 4))
+    with pytest.raises(ValueError, match=r"^the request needs 21 tokens of KV cache \(prompt \+ max_tokens\), more "
+                                         r"than the whole cache holds \(16\); lower max_tokens"):
+        s.add(make_request("r1", 1, 0, 0, 20))
+    with pytest.raises(ValueError, match=r"^the request's media make 24 patch rows, more than the patch buffer holds "
+                                         r"\(8\); send smaller media \(max_pixels, fps, max_frames\)"):
+        s.add(make_request("r2", 0, 3, 0, 1))

@@ -212,7 +212,7 @@ def test_a_token_the_mask_forbade_fails_the_request_as_the_servers_fault(engine)
     assert sampled.finish_reason == "error" and Seq.output_token_ids == []  # the token is no output
     failed = token_message("r", sampled)
     assert isinstance(failed, protocol.RequestFailed) and failed.status_code == 500
-    assert failed.message.startswith("response_format: internal error")
+    assert failed.message.startswith("internal error: token")
 
 
 def test_strict_refuses_what_it_cannot_enforce():

@@ -55,6 +55,7 @@ def test_bad_values_are_one_line_before_anything_starts(args, needle, capsys):
     (["--gpus", "0"], "--gpus applies to CUDA only"),
     (["--model", "/nonexistent/folder"], "no config.json there"),
     (["--vision-threads", "-1"], "--vision-threads must be >= 0"),
+    (["--max-pixels", "35651585"], "--max-pixels must be at most 35651584 (8192x4352)"),  # flashcodec's largest
     (["--vision-device", "cuda"], "--vision-device: vision_device cuda (NVDEC) needs the server on CUDA"),
     (["--decode-threads", "-2"], "--decode-threads and --vision-threads must be >= 0"),
     (["--num-kv-blocks", "4", "--max-model-len", "4096"], "--max-model-len 4096 needs more KV cache"),
@@ -179,7 +180,7 @@ def test_a_patch_buffer_too_small_for_the_largest_image_is_said_at_start(caplog)
     model = SimpleNamespace(vision=SimpleNamespace(patch_size=14))
     with caplog.at_level("WARNING", logger="unifiedserve"):
         assert warn_if_images_cannot_fit(config(52), processor, model, RequestLimits())
-        assert "the patch buffer holds 53248 patch rows; an image at the largest size allowed (12845056 pixels" \
+        assert "the patch buffer holds 53248 patch rows; an image at the default largest size (12845056 pixels" \
             in caplog.text and "makes 65536" in caplog.text
         assert not warn_if_images_cannot_fit(config(64), processor, model, RequestLimits())  # 65,536 rows: fits
         assert not warn_if_images_cannot_fit(config(52), processor, model, RequestLimits(max_pixels=1024 * 196))
