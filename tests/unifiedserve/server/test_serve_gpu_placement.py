@@ -111,7 +111,9 @@ def test_a_cuda_server_sizes_its_kv_cache_by_utilization_unless_given_a_size(mon
 
     monkeypatch.setattr(memory_plan, "size_server_kv", profile)
     try:  # the CPU builds a CUDA config without a GPU only as far as the first thing that needs one
-        serve.build_runtime(flags("--model", str(demo_path), *argv))
+        runtime = serve.build_runtime(flags("--model", str(demo_path), *argv))
     except ValueError as e:
         assert expected is None or f"profiled at {expected}" in str(e)
+    else:
+        runtime.stop()  # nothing started: removes its socket folder
     assert asked == ([] if expected is None else [expected])
