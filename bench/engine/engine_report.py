@@ -76,8 +76,8 @@ def _print(results: dict, device: str, dtype: str) -> None:
     if "penalties" in results:
         print(f"{'penalties':<10} {'plain ms':>9} {'pen. ms':>9} {'ratio':>7} {'+ms/tok':>8} {'steps':>6}")
         for batch, r in results["penalties"].items():
-            print(f"{f'batch {batch}':<10} {r['plain_step_ms']:>9.2f} {r['penalized_step_ms']:>9.2f} {r['ratio']:>6.3f}x "
-                  f"{r['overhead_per_token_ms']:>8.3f} {r['steps_timed']:>6}")
+            print(f"{f'batch {batch}':<10} {r['plain_step_ms']:>9.2f} {r['penalized_step_ms']:>9.2f} "
+                  f"{r['ratio']:>6.3f}x {r['overhead_per_token_ms']:>8.3f} {r['steps_timed']:>6}")
     for name, unit in (("prefill", "tokens"), ("vision", "patches")):
         if name not in results:
             continue
@@ -85,8 +85,8 @@ def _print(results: dict, device: str, dtype: str) -> None:
         mfu = (f", MFU ours {r['ours_mfu']:.1%} / transformers {r['transformers_mfu']:.1%}" if "ours_mfu" in r
                else "")
         chunk = f", ours in chunks of {r['chunk']}" if r.get("chunk") else ""
-        print(f"{name} ({r[unit]} {unit}{chunk}): ours {r[f'ours_{unit}_per_s']:.0f}/s ({r['ours_tflops']:.3g} TFLOP/s), "
-              f"transformers {r[f'transformers_{unit}_per_s']:.0f}/s ({r['transformers_tflops']:.3g} TFLOP/s), "
+        print(f"{name} ({r[unit]} {unit}{chunk}): ours {r[f'ours_{unit}_per_s']:.0f}/s "
+              f"({r['ours_tflops']:.3g} TFLOP/s), transformers {r[f'transformers_{unit}_per_s']:.0f}/s ({r['transformers_tflops']:.3g} TFLOP/s), "
               f"{r['speedup']:.2f}x{mfu}")
     split = results.get("vision", {}).get("split")
     if split:

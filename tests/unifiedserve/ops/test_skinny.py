@@ -122,7 +122,8 @@ ROPE_KERNEL = """
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, {root!r})
     from unifiedserve.ops import skinny
-    from tests.unifiedserve.ops.skinny_reference import emulated_norm, expected, expected_norm, rope_reference, truncated
+    from tests.unifiedserve.ops.skinny_reference import (emulated_norm, expected, expected_norm, rope_reference,
+                                                         truncated)
     g = torch.Generator().manual_seed(3)
     C = skinny.SkinnyConfig
 

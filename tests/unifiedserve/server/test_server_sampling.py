@@ -209,7 +209,8 @@ def test_min_tokens_include_stop_str_and_special_tokens_equal_the_engine(server,
     eos = min(llm.eos_token_ids)
     messages = [{"role": "user", "content": "Say something."}]
     ids, _ = llm.build_prompt(messages)
-    for extra in ({"min_tokens": 4}, {"min_tokens": 4, "include_stop_str_in_output": True, "skip_special_tokens": False},
+    for extra in ({"min_tokens": 4},
+                  {"min_tokens": 4, "include_stop_str_in_output": True, "skip_special_tokens": False},
                   {"min_tokens": 1, "temperature": 1.0, "seed": 3, "skip_special_tokens": False}):
         body = {"max_tokens": 10, "logit_bias": {str(eos): 100.0}, "temperature": 0, **extra}
         ref = llm.generate([(ids, [], SamplingParams(**{**body, "logit_bias": {eos: 100.0}}))])[0]
