@@ -42,7 +42,8 @@ class NoFramesError(FlashCodecError, ValueError):
 
 def error_line(e: BaseException) -> str:
     """``e`` as a CLI's one error line: an ``OSError`` from the system as ``path: reason`` (its strerror, without
-    Python's ``[Errno N]`` and quotes), anything else as its message."""
+    Python's ``[Errno N]`` and quotes), anything else as its message's first line."""
     if isinstance(e, OSError) and not isinstance(e, FlashCodecError) and e.strerror:
         return f"{e.filename}: {e.strerror}" if e.filename is not None else e.strerror
-    return str(e)
+    lines = str(e).strip().splitlines()  # one line, whatever a library's message spans
+    return lines[0] if lines else type(e).__name__

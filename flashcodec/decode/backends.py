@@ -327,15 +327,19 @@ class TorchCodecSegmentDecoder(SegmentDecoder):
         # exact: torchcodec converts at full resolution and we resize; fast: its own Resize transform
         self._resize_to = (height, width) if check_resize_mode(resize) == "exact" else None
 
-        with fast_open.opening(info, reorder_depth(info)):
-            self._decoder = VideoDecoder(
-                source.path if source.path is not None else source.data,
-                stream_index=info.stream_index,
-                dimension_order="NHWC",
-                num_ffmpeg_threads=1,
-                custom_frame_mappings=frame_mappings(info),
-                transforms=[] if self._resize_to else [Resize((height, width))],
-            )
+        try:
+            with fast_open.opening(info, reorder_depth(info)):
+                self._decoder = VideoDecoder(
+                    source.path if source.path is not None else source.data,
+                    stream_index=info.stream_index,
+                    dimension_order="NHWC",
+                    num_ffmpeg_threads=1,
+                    custom_frame_mappings=frame_mappings(info),
+                    transforms=[] if self._resize_to else [Resize((height, width))],
+                )
+        except (ValueError, RuntimeError) as e:  # e.g. a raw stream: "The maximum pts value in seconds is unknown"
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CorruptVideoError(f"{source.name}: torchcodec cannot open the video ({first})") from e
 
     def _to_output(self, frames: torch.Tensor) -> np.ndarray:
         """``[N, H0, W0, 3]`` decoded frames -> ``[N, H, W, 3]`` at the output size."""

@@ -295,6 +295,12 @@ def test_a_raw_stream_without_timestamps_is_refused_with_the_way_out(tiny_h264, 
     path = _remux(tiny_h264, tmp_path / "raw.h264", raw=True)
     with pytest.raises(flashcodec.CorruptVideoError, match=r"raw.h264: its packets carry no timestamps .* -c copy"):
         flashcodec.decode_video(str(path), backend="pyav")
+    if "torchcodec" in flashcodec.available_backends():  # its open raised a plain, three-line ValueError
+        with pytest.raises(flashcodec.CorruptVideoError, match=r"raw.h264: torchcodec cannot open the video \("):
+            flashcodec.decode_video(str(path), backend="torchcodec")
+    from flashcodec._errors import error_line
+
+    assert error_line(ValueError("first line\nThis should never happen.\nPlease report")) == "first line"
 
 
 def test_frame_indices_are_integers_and_no_more_than_the_video_has(tiny_h264):
