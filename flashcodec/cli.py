@@ -206,8 +206,15 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 
 
 def _decode_image(args) -> int:
+    import warnings
+
+    from PIL import Image
+
     from flashcodec.image import decode_image
 
+    # decode_image refuses images over its own max_image_pixels; PIL's warning above half its limit only printed two
+    # lines, a source path among them, before the result (the CLI's process: a library caller keeps PIL's filters)
+    warnings.simplefilter("ignore", Image.DecompressionBombWarning)
     started = time.perf_counter()
     kw = {k: getattr(args, k) for k in ("min_pixels", "max_pixels") if getattr(args, k) is not None}
     if args.size:

@@ -224,3 +224,20 @@ def test_a_text_mode_file_is_refused_as_one(tiny_h264):
 
     with open(tiny_h264) as f, pytest.raises(TypeError, match="must be opened in binary mode"):
         flashcodec.decode_video(f)
+
+
+def test_an_image_past_pils_warning_size_prints_no_warning(tmp_path, monkeypatch, capsys):
+    """PIL warns (two lines on stderr, a source path among them) above half its own limit; the CLI's image decode
+    has its own cap, so its output is the result line alone. Here PIL's limit is lowered to 1000 pixels."""
+    import warnings
+
+    from PIL import Image
+
+    path = tmp_path / "wide.png"
+    Image.new("RGB", (40, 30)).save(path)  # 1200 pixels: over 1000, under PIL's error at 2000
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["decode", str(path), "--no-progress"]) == 0
+    assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
+    assert capsys.readouterr().err == ""
