@@ -40,10 +40,15 @@ class NoFramesError(FlashCodecError, ValueError):
     """The video stream has no frames (or too few to sample)."""
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (a library's may span several), or its type's name when it has none."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
 def error_line(e: BaseException) -> str:
     """``e`` as a CLI's one error line: an ``OSError`` from the system as ``path: reason`` (its strerror, without
     Python's ``[Errno N]`` and quotes), anything else as its message's first line."""
     if isinstance(e, OSError) and not isinstance(e, FlashCodecError) and e.strerror:
         return f"{e.filename}: {e.strerror}" if e.filename is not None else e.strerror
-    lines = str(e).strip().splitlines()  # one line, whatever a library's message spans
-    return lines[0] if lines else type(e).__name__
+    return first_line(e)

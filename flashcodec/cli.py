@@ -158,8 +158,9 @@ def _save(out: Path, frames, patches, grid_thw, frame_indices, sample_fps) -> st
         except OSError as e:
             raise OSError(e.errno, e.strerror or str(e), str(out)) from None
         except RuntimeError as e:
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise OSError(errno.EIO, f"could not write the file ({reason})", str(out)) from None
+            from flashcodec._errors import first_line
+
+            raise OSError(errno.EIO, f"could not write the file ({first_line(e)})", str(out)) from None
     else:  # a folder of PNGs (suffixes were checked by _check_out)
         from PIL import Image
 

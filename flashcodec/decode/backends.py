@@ -31,7 +31,7 @@ import torch
 from flashcodec.decode import fast_open
 from flashcodec.decode.frame_mappings import frame_mappings
 from flashcodec.plan.segments import GopSegment
-from flashcodec._errors import CorruptVideoError
+from flashcodec._errors import CorruptVideoError, first_line
 from flashcodec._probe import SKIP_STREAM_INFO_DECODE, VideoInfo, per_probe
 from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode, resize_frames_uint8
 from flashcodec.source import Source
@@ -338,8 +338,7 @@ class TorchCodecSegmentDecoder(SegmentDecoder):
                     transforms=[] if self._resize_to else [Resize((height, width))],
                 )
         except (ValueError, RuntimeError) as e:  # e.g. a raw stream: "The maximum pts value in seconds is unknown"
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CorruptVideoError(f"{source.name}: torchcodec cannot open the video ({first})") from e
+            raise CorruptVideoError(f"{source.name}: torchcodec cannot open the video ({first_line(e)})") from e
 
     def _to_output(self, frames: torch.Tensor) -> np.ndarray:
         """``[N, H0, W0, 3]`` decoded frames -> ``[N, H, W, 3]`` at the output size."""

@@ -163,7 +163,7 @@ class Grammar:
             return  # a dead end's sampled token is no output (the request fails with the reason)
         self._num_accepted += 1
         if not self._matcher.consume_token(token):  # the mask made this impossible: a bug, not a client error
-            log.error("grammar rejected token %d: %s", token, self._matcher.get_error().splitlines()[0])
+            log.error("grammar rejected token %d: %s", token, (self._matcher.get_error().splitlines() or [""])[0])
             # the request fails rather than return output that breaks its grammar
             self.dead_end = (f"internal error: token {token} was sampled against the grammar's mask after "
                              f"{self._num_accepted - 1} output tokens")

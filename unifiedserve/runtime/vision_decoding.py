@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashcodec import DecodeCancelledError, FlashCodecError, SamplingOptions
+from flashcodec._errors import first_line
 from flashcodec.image import decode_image
 from flashcodec.source import Source
 from unifiedserve.runtime import protocol
@@ -236,8 +237,7 @@ class MediaDecoding:
 def _one_line(e: BaseException, ref: protocol.MediaRef | None = None) -> str:
     """The first line of an error, naming the media as the client did: the resolved path (which may be a
     symlink's target) never reaches the client."""
-    text = str(e).strip().splitlines()
-    line = text[0] if text else type(e).__name__
+    line = first_line(e)
     if ref is not None and ref.path:
         line = line.replace(ref.path, ref.shown or "the media file")
     return line
