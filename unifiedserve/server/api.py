@@ -92,7 +92,7 @@ class _ShapedJsonRoute(APIRoute):
         async def shaped(request: Request) -> Response:
             state = request.app.state.server
             if request.method == "POST":
-                if state.api_key and not _authorized(request.headers.get("authorization", ""), state.api_key):
+                if not _authorized(request, state.api_key):
                     return _error(_AUTH_ERROR, 401)  # before the body is looked at (FastAPI parses it before _auth)
                 try:
                     check_json_shape(await request.body(), state.max_model_len,
@@ -137,7 +137,7 @@ def build_app(state: ServerState) -> FastAPI:
         return _error(f"internal server error: {type(exc).__name__}", 500)
 
     async def _auth(request: Request) -> None:  # a dependency, not middleware: that would hide disconnects
-        if state.api_key and not _authorized(request.headers.get("authorization", ""), state.api_key):
+        if not _authorized(request, state.api_key):
             raise StarletteHTTPException(401, _AUTH_ERROR)
 
     @app.get("/health")
@@ -177,9 +177,12 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-def _authorized(header: str, api_key: str) -> bool:
-    """``Authorization: Bearer <key>``; the scheme is case-insensitive (RFC 7235), the key compared in constant time."""
-    scheme, _, token = header.strip().partition(" ")
+def _authorized(request: Request, api_key: str | None) -> bool:
+    """No ``api_key``, or ``Authorization: Bearer <key>``; the scheme is case-insensitive (RFC 7235), the key compared
+    in constant time."""
+    if not api_key:
+        return True
+    scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
