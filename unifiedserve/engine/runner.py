@@ -50,7 +50,11 @@ class RopeTables:
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """int64 ``[3, N]`` on the device -> ``(cos, sin)``, each ``[N, head_dim]`` in ``dtype``."""
-        emb = positions[self.axis].T * self.inv_freq  # [N, D] float32: int64 * float32 computes in float32
+        # [N, D] float32 (int64 * float32 computes in float32), written row-major: the product of the transposed
+        # gather alone would keep its column-major strides, and so would cos and sin, which the Q/K/V epilogue
+        # (ops/skinny_rope.RopeWrite) needs with contiguous rows (the first H100 run with it failed there)
+        emb = torch.mul(positions[self.axis].T, self.inv_freq,
+                        out=torch.empty(positions.shape[1], self.inv_freq.shape[0], device=positions.device))
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

@@ -63,7 +63,7 @@ class RopeWrite:
         for name, t in (("cos", self.cos), ("sin", self.sin)):
             if t.shape != (m, d) or t.dtype != x.dtype or t.stride(1) != 1 or t.stride(0) != self.cos.stride(0):
                 raise ValueError(f"{name} must be [{m}, {d}] {x.dtype} with contiguous rows (cos's stride), got "
-                                 f"{list(t.shape)} {t.dtype}")
+                                 f"{list(t.shape)} {t.dtype} with strides {t.stride()}")
         for name, t in (("k_cache", self.k_cache), ("v_cache", self.v_cache)):
             if t.dim() != 3 or t.shape[1:] != (self.kv_heads, d) or t.dtype != x.dtype or not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous [slots, {self.kv_heads}, {d}] {x.dtype}, got "

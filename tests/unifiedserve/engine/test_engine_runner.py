@@ -34,6 +34,8 @@ def test_rope_tables_equal_mrope_cos_sin(model, device):
         ours = RopeTables(t, torch.device(device))(positions, dtype)
         ref = mrope_cos_sin(positions, t.head_dim, t.rope_theta, t.mrope_section, dtype)
         assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+        # row-major, as the skinny Q/K/V epilogue's rotary reads them (RopeWrite.check)
+        assert all(t.is_contiguous() for t in ours)
 
 
 @torch.inference_mode()
