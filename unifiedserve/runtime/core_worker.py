@@ -46,6 +46,10 @@ class CoreWorker(Worker):
         weights = open_pool(cfg.pools["weights"]) if "weights" in cfg.pools else None
         self.model, self.model_config = load_model(cfg.model, DTYPES[eng.dtype], eng.device, llm_storage=weights)
         self.model.eval()
+        if weights is not None and "decode" in cfg.processes:  # decode waits for this before it runs the model
+            if torch.device(eng.device).type == "cuda":
+                torch.cuda.synchronize(eng.device)  # the copies into the pool are done before decode reads it
+            self.send("decode", protocol.WeightsLoaded())
         self._weight_gauges = weight_gauges(self.model, weights)
         kv, patch = open_pool(cfg.pools["kv"]), open_pool(cfg.pools["patch"])
         self._pages_barrier = pool_barrier(patch.device)  # before vision may write pages this process read

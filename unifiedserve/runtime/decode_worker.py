@@ -60,8 +60,13 @@ class DecodeWorker(Worker):
 
     def setup(self) -> dict[str, str]:
         cfg, eng = self.config, self.config.engine
-        # core fills the shared weights pool; decode only maps it (it runs nothing before core's first hand-off)
+        # core fills the shared weights pool; decode only maps it. Its start-up runs the model (the decode GEMMs'
+        # tune times and checks kernels on these weights, the CUDA graphs' warm-up): only once core says they are
+        # in. (Before, decode tuned on a pool core was still writing: on the H100 its output checks compared
+        # against all-zero and half-written layers and refused configs that were right.)
         weights = open_pool(cfg.pools["weights"]) if "weights" in cfg.pools else None
+        if weights is not None:
+            self.wait_for(protocol.WeightsLoaded, "core to load the weights")
         # decode never encodes: the vision tower is left unallocated
         self.model, _ = load_model(cfg.model, DTYPES[eng.dtype], eng.device, llm_storage=weights,
                                    fill_llm=weights is None, load_vision=False)

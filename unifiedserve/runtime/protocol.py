@@ -158,6 +158,11 @@ class Handoff(msgspec.Struct, tag=True):
     penalty_prompt_ids: list[int] = []
 
 
+class WeightsLoaded(msgspec.Struct, tag=True):
+    """Core's, once at start-up: the LLM's weights are in the shared pool (decode maps them and waits for this
+    before it runs anything on them)."""
+
+
 # -- to api --------------------------------------------------------------------------------------
 class MediaProbed(msgspec.Struct, tag=True):
     request_id: str
@@ -209,7 +214,7 @@ class Shutdown(msgspec.Struct, tag=True):
 
 ToVision = Union[ProbeMedia, WritePatches, CancelMedia, Shutdown]
 ToCore = Union[AddRequest, AbortRequest, MediaReady, ReleaseBlocks, Shutdown]
-ToDecode = Union[Handoff, AbortRequest, Shutdown]
+ToDecode = Union[Handoff, AbortRequest, WeightsLoaded, Shutdown]
 ToApi = Union[MediaProbed, MediaFailed, TokenOutputs, RequestFailed, WorkerReady, WorkerStats]
 
 _encoder = msgspec.msgpack.Encoder()

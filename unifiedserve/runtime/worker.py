@@ -74,6 +74,7 @@ class Worker:
         self._last_stats_time = 0.0
         self._fault = parse_fault(os.environ.get(FAULT_ENV), self.name)
         self._steps = 0
+        self._early: list = []  # messages that came while setup waited for another (handled when the loop starts)
 
     # -- to override ------------------------------------------------------------------------
     def setup(self) -> dict[str, str]:
@@ -120,6 +121,25 @@ class Worker:
                 return
             self.handle(message)
 
+    def wait_for(self, kind: type, what: str) -> None:
+        """Block until a ``kind`` message arrives: start-up order between workers. Messages that come first are
+        kept for the loop; a ``Shutdown``, or the server gone, ends the worker. Logs once after 30 s."""
+        start, said = time.monotonic(), False
+        while True:
+            if self.inbox.poll(1000):
+                message = self._decoder.decode(self.inbox.recv(copy=False).buffer)
+                if isinstance(message, kind):
+                    return
+                if isinstance(message, protocol.Shutdown):
+                    raise SystemExit(0)
+                self._early.append(message)
+            if os.getppid() != self._parent:
+                log.error("the server process is gone; exiting")
+                raise SystemExit(0)
+            if not said and time.monotonic() - start > 30:
+                log.info("still waiting for %s (%.0f s)", what, time.monotonic() - start)
+                said = True
+
     def _send_stats(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last_stats_time < 0.05:
@@ -133,6 +153,9 @@ class Worker:
         self._last_stats_time = now
 
     def run(self) -> None:
+        early, self._early = self._early, []
+        for message in early:
+            self.handle(message)
         while not self.stopping:
             busy = self.has_work()
             self._drain(0 if busy else IDLE_POLL_MS)

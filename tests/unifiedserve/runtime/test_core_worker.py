@@ -39,6 +39,7 @@ def core(tmp_path):
     worker.events = []
     try:
         worker.setup()
+        worker.setup_events, worker.events = worker.events, []
         worker._pages_barrier = lambda: worker.events.append("barrier")
         yield worker
     finally:
@@ -69,3 +70,8 @@ def test_a_text_only_request_needs_no_barrier(core):
     core.handle(protocol.AddRequest("t", [11, 12, 13], [], SamplingParams(max_tokens=2), []))
     core.step()
     assert "barrier" not in core.events and "WritePatches" not in core.events
+
+
+def test_core_tells_decode_once_the_weights_are_in_the_shared_pool(core):
+    # decode maps the pool and runs nothing on it (the GEMM tune's checks, graph warm-up) before this message
+    assert core.setup_events == ["WeightsLoaded"]

@@ -20,6 +20,7 @@ MESSAGES = [
     (p.ToCore, p.ReleaseBlocks(["a", "b"])),
     (p.ToCore, p.ReleaseBlocks(["a", "b"], [[5, 6, 7], []])),
     (p.ToDecode, p.Handoff("r1", [0, 1], 30, -4, 17, PARAMS, [9], b"\x00\x01state")),
+    (p.ToDecode, p.WeightsLoaded()),
     (p.ToApi, p.MediaProbed("r1", [p.MediaPlan("image", (1, 4, 4))], 0.01)),
     (p.ToApi, p.MediaFailed("r1", "media 0: not a video")),
     (p.ToApi, p.TokenOutputs([p.TokenOutput("r1", 0, 5, None, p.StageTimes(added=1.0, admitted=2.0)),
