@@ -66,15 +66,29 @@ def describe_decoders(engine: DecodeEngine) -> str:
 
 
 def warm_gpu_kernels(spec, device: torch.device, dtype: torch.dtype) -> None:
-    """Run the GPU resize and patchify once at start-up, so their first compile (Triton: about a second
-    each) and the CUDA context are not paid by the first request."""
+    """Run the GPU resize and patchify at start-up in every layout a request's decode gives them, so that no first
+    compile (Triton: about a second each, under a lock every NVDEC session waits on) nor the CUDA context is paid
+    by the first request.
+
+    Triton specialises each kernel on whether the frames' rows are dense (innermost stride 1), so each layout is
+    its own compile. NVDEC frames come from torchcodec as a channels-last view (its NCHW is a permute of
+    ``[N, H, W, 3]``) and FlashCodec's outputs are ``[T, H, W, 3]`` buffers permuted the same way: not dense. Until
+    2026-11-27 the warm-up ran dense frames only, and the H100 server's first video compiled both kernels on its
+    path (the first server on the machine: decode 1.87 s against 1.06 s for the next server's, from Triton's disk
+    cache). Dense frames are warmed too (images, other callers)."""
     from flashcodec.patches import frames_to_patches
     from flashcodec.resize import resize_frames_on_device
 
-    frames = torch.zeros((spec.temporal_patch_size, 3, 2 * spec.factor, 2 * spec.factor), dtype=torch.uint8,
-                         device=device)  # [T, 3, H, W]
-    frames_to_patches(resize_frames_on_device(frames, spec.factor, spec.factor), spec, dtype=dtype)
-    torch.cuda.synchronize(device)
+    size = 2 * spec.factor
+    for channels_last in (True, False):
+        frames = (torch.zeros((spec.temporal_patch_size, size, size, 3), dtype=torch.uint8, device=device)
+                  .permute(0, 3, 1, 2) if channels_last else
+                  torch.zeros((spec.temporal_patch_size, 3, size, size), dtype=torch.uint8, device=device))
+        resized = resize_frames_on_device(frames, spec.factor, spec.factor)  # [T, 3, f, f], dense rows
+        frames_to_patches(resized, spec, dtype=dtype)
+        frames_to_patches(frames, spec, dtype=dtype)  # the frames' own layout
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def write_op(device: torch.device) -> str:

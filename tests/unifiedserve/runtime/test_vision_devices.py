@@ -64,3 +64,60 @@ def test_images_decode_on_a_gpu_where_videos_would(monkeypatch, caplog):
         assert image_decode_gpu("cuda", gpu, broken) is None
     warned = [r for r in caplog.records if "vision_device cuda decodes images on the CPU" in r.getMessage()]
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+
+
+def test_the_warm_up_runs_both_gpu_kernels_in_every_layout_a_decode_gives_them(monkeypatch, clips):
+    """Triton compiles each kernel once per layout of the frames' rows (dense or not): the start-up warm-up must
+    run the layouts a request's decode hands them, or the first request compiles on its path (the H100 server's
+    first video did, 2026-11-27). NVDEC's frames are torchcodec's NCHW, a channels-last view, and FlashCodec's
+    outputs are channels-last too; both are checked here on the CPU (torchcodec's CPU frames, a CPU decode)."""
+    import flashcodec
+    import flashcodec.patches as patches
+    import flashcodec.resize as resize
+    from flashcodec.patches import PatchSpec
+    from torchcodec.decoders import VideoDecoder
+
+    from unifiedserve.runtime.vision_devices import warm_gpu_kernels
+
+    layouts = {"torchcodec NCHW": VideoDecoder(clips[0].path, dimension_order="NCHW").get_frames_at([0, 1]).data,
+               "FlashCodec frames": flashcodec.decode_video(clips[0].path, num_frames=4).frames}
+    assert {name: f.stride(3) == 1 for name, f in layouts.items()} == dict.fromkeys(layouts, False)
+    seen = set()
+
+    def fake_resize(frames, height, width):
+        seen.add(("resize", frames.stride(3) == 1))
+        return torch.zeros((frames.shape[0], 3, height, width), dtype=torch.uint8)
+
+    monkeypatch.setattr(resize, "resize_frames_on_device", fake_resize)
+    monkeypatch.setattr(patches, "frames_to_patches",
+                        lambda frames, spec, dtype: seen.add(("patchify", frames.stride(3) == 1, dtype)))
+    warm_gpu_kernels(PatchSpec(), torch.device("cpu"), torch.bfloat16)
+    assert seen == {("resize", False), ("resize", True), ("patchify", False, torch.bfloat16),
+                    ("patchify", True, torch.bfloat16)}
+
+
+@pytest.mark.cuda
+def test_cuda_after_the_warm_up_a_videos_nvdec_decode_compiles_nothing(clips):
+    """The variants a video's decode on NVDEC launches (resize on the session's frames, patchify of the output)
+    are all compiled by the warm-up: the first request pays no Triton compile."""
+    import flashcodec
+    from flashcodec import patch_kernel, resize_kernel
+    from flashcodec.patches import PatchSpec
+
+    from unifiedserve.runtime.vision_devices import warm_gpu_kernels
+
+    device = torch.device("cuda", 0)
+    warm_gpu_kernels(PatchSpec(), device, torch.bfloat16)
+    before = (set(resize_kernel._launches._done), set(patch_kernel._launches._done))
+    engine = flashcodec.DecodeEngine(devices=["cuda:0"], cpu_threads=0)
+    try:
+        for stream in (False, True):
+            key = engine.analyse_bitstream(clips[0].path, max_pixels=128 * 96).key_id
+            engine.add_decoding_request(key, output="patches", patch_dtype=torch.bfloat16, stream=stream)
+            if stream:
+                assert list(engine.stream_decoding_output(key))
+            else:
+                engine.get_decoding_output(key)
+    finally:
+        engine.close()
+    assert (resize_kernel._launches._done, patch_kernel._launches._done) == before
