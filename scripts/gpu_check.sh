@@ -94,7 +94,9 @@ run() {  # run LIMIT_S NAME CMD...: time-limited, output to OUTDIR/NAME.log and 
 }
 
 step "machine"
-date -u +%FT%TZ; git rev-parse --short HEAD 2>/dev/null || true
+# the device's copy of .git may be older than the tree it was sent (2026-11-27: it named the session's first commit
+# for a tree with a later one): "+ changes" says the tracked files differ from the commit named
+date -u +%FT%TZ; echo "$(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo ' + changes')"
 ldd --version 2>&1 | head -1  # glibc: llguidance's wheel needs 2.31
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || echo "no nvidia-smi"
 
