@@ -5,10 +5,14 @@ A stream (``add_decoding_request(stream=True)``, the server's streaming ingest) 
 frames. flashcodec gives a streamed request's segments to a rank's slots as one queue in display order; the
 peer here is the lane plan every other request gets (one contiguous run of segments per slot), where the prefix
 is the first lane's progress. Both run on the same engine, alternated; the lane plan is forced by giving the
-scheduler's jobs ``in_order=False``.
+scheduler's jobs ``in_order=False``. A whole (unstreamed) decode of the same video runs beside them, so a stream's
+cost over it shows; each run is traced (every slot's opens and segments), and the median run's trace is
+summarised per rank.
 
     python bench/decode/bench_stream.py                      # 720p H.264, 60 s, 2-s GOPs, the CPU's threads
     python bench/decode/bench_stream.py --device cuda:0      # NVDEC sessions
+    python bench/decode/bench_stream.py --device cuda:0,cpu --size 854x480 --duration 180 --gop 250
+                                                             # the GPU server's video on its decoders
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ sys.path.insert(0, str(ROOT / "bench" / "decode"))
 
 import synthetic_video  # noqa: E402
 from bench_open import size_arg  # noqa: E402
+from gpu_report import trace_summary  # noqa: E402
 
 import flashcodec  # noqa: E402
 from flashcodec import FlashCodecError  # noqa: E402
@@ -36,11 +41,14 @@ QUARTERS = (0.25, 0.5, 0.75, 1.0)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu", help="cpu or cuda:N (NVDEC sessions only); default cpu")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda:N (NVDEC sessions only), or a list such as cuda:0,cpu (NVDEC and the CPU's "
+                        "threads, as the GPU server's vision process); default cpu")
     p.add_argument("--threads", type=int, default=None, help="CPU decoder threads (default: flashcodec's default)")
     p.add_argument("--clip", type=Path, help="a video to use instead of the generated clip")
     p.add_argument("--size", type=size_arg, default=(1280, 720), help="generated clip's size WxH (default 1280x720)")
     p.add_argument("--duration", type=float, default=60.0, help="generated clip's length in seconds (default 60)")
+    p.add_argument("--gop", type=int, default=60, help="generated clip's GOP in frames at 30 fps (default 60)")
     p.add_argument("--repeat", type=int, default=3, help="runs per plan, alternated (default 3)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where the JSON goes")
     p.add_argument("--cache", type=Path, default=None, help="clip cache (default ~/.cache/flashcodec/videos)")
@@ -69,23 +77,50 @@ def streamed(engine, path: str) -> dict:
     analysis = engine.analyse_bitstream(path)
     n = len(analysis.plan.frame_indices)
     started = time.perf_counter()
-    engine.add_decoding_request(analysis.key_id, stream=True)
+    engine.add_decoding_request(analysis.key_id, stream=True, trace=True)
     marks: dict[float, float] = {}
-    got = 0
+    got, first, trace = 0, None, []
     for part in engine.stream_decoding_output(analysis.key_id):
         got = part.stop
+        first = time.perf_counter() - started if first is None else first
+        trace = part.trace or trace
         for q in QUARTERS:
             if q not in marks and got >= q * n:
                 marks[q] = time.perf_counter() - started
     total = time.perf_counter() - started
-    return {"frames": n, "seconds": total, "share_of_time": {str(q): marks[q] / total for q in QUARTERS}}
+    return {"frames": n, "seconds": total, "first_part_s": first,
+            "share_of_time": {str(q): marks[q] / total for q in QUARTERS}, "trace": trace_summary(trace, total, slots(engine))}
+
+
+def whole(engine, path: str) -> dict:
+    analysis = engine.analyse_bitstream(path)
+    started = time.perf_counter()
+    engine.add_decoding_request(analysis.key_id, trace=True)
+    out = engine.get_decoding_output(analysis.key_id)
+    total = time.perf_counter() - started
+    return {"frames": len(analysis.plan.frame_indices), "seconds": total,
+            "trace": trace_summary(out.trace, total, slots(engine))}
+
+
+def slots(engine) -> dict[str, int]:
+    """Decoder slots per rank, by the names the trace gives ranks."""
+    layout = engine.layout
+    return {**{f"cuda:{gpu}": layout.nvdec_sessions for gpu in layout.gpus},
+            **({"cpu": layout.cpu_threads} if layout.cpu_threads else {})}
+
+
+def rank_lines(trace: dict) -> list[str]:
+    return [f"    {rank}: {t['segments']} segments ({t['stolen']} stolen, {t['backups']} backups) on "
+            f"{t['slots_used']}/{t['slots']} slots, first decode {t['first_decode_s']:.3f} s, end {t['end_s']:.3f} s, "
+            f"busy {t['busy']:.2f}, opens {t['open_s_sum']:.3f} s (max {t['open_s_max']:.3f})"
+            for rank, t in trace["ranks"].items() if t["segments"]]
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     fast_open.install()
     width, height = args.size
-    spec = dict(codec="h264", width=width, height=height, duration_s=args.duration, fps=30.0, gop=60, bframes=3,
+    spec = dict(codec="h264", width=width, height=height, duration_s=args.duration, fps=30.0, gop=args.gop, bframes=3,
                 suffix=".mp4", preset="veryfast", seed=0)
     path = str(args.clip or synthetic_video.cached_video(spec, cache_dir=args.cache))
     try:
@@ -93,33 +128,38 @@ def main(argv=None) -> int:
     except FlashCodecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.device.startswith("cuda"):
-        engine = flashcodec.DecodeEngine(devices=[args.device], cpu_threads=0)
+    devices = args.device.split(",")
+    if any(d.startswith("cuda") for d in devices):
+        engine = flashcodec.DecodeEngine(devices=devices, cpu_threads=args.threads if "cpu" in devices else 0)
     else:
         engine = flashcodec.DecodeEngine(num_threads=args.threads)
     plans = _Plans()
-    runs: dict[str, list[dict]] = {"in_order": [], "lanes": []}
+    runs: dict[str, list[dict]] = {"in_order": [], "lanes": [], "whole": []}
     try:
         with engine:
-            streamed(engine, path)  # warm
+            streamed(engine, path)  # warm: opens, kernels
             for _ in range(args.repeat):
                 for name in runs:
                     plans.in_order = name == "in_order"
-                    runs[name].append(streamed(engine, path))
+                    runs[name].append(whole(engine, path) if name == "whole" else streamed(engine, path))
     finally:
         plans.restore()
     print(f"{Path(path).name}: {info.codec} {info.width}x{info.height}, {len(info.gops)} GOPs; "
           f"{runs['in_order'][0]['frames']} frames streamed on {args.device}")
-    print(f"{'plan':<10} " + " ".join(f"{int(q * 100):>4}%" for q in QUARTERS) + "  (share of the decode's time, "
-          "median run)   seconds")
+    print(f"{'plan':<10} first part s " + " ".join(f"{int(q * 100):>4}%" for q in QUARTERS)
+          + "  (share of the decode's time, median run)   seconds")
     summary = {}
     for name, rs in runs.items():
-        middle = sorted(rs, key=lambda r: r["share_of_time"]["0.5"])[len(rs) // 2]
+        middle = sorted(rs, key=lambda r: r["share_of_time"]["0.5"] if "share_of_time" in r else r["seconds"])[
+            len(rs) // 2]
         summary[name] = middle
-        print(f"{name:<10} " + " ".join(f"{middle['share_of_time'][str(q)]:5.2f}" for q in QUARTERS)
-              + "  " + ", ".join(f"{r['seconds']:.2f}" for r in rs))
+        shares = (" ".join(f"{middle['share_of_time'][str(q)]:5.2f}" for q in QUARTERS) if "share_of_time" in middle
+                  else " ".join(f"{'-':>5}" for _ in QUARTERS))
+        first = f"{middle['first_part_s']:12.3f}" if "first_part_s" in middle else f"{'-':>12}"
+        print(f"{name:<10} {first} {shares}  " + ", ".join(f"{r['seconds']:.2f}" for r in rs))
+        print("\n".join(rank_lines(middle["trace"])))
     args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"bench_stream_{args.device.replace(':', '')}.json"
+    out = args.out / f"bench_stream_{args.device.replace(':', '').replace(',', '+')}.json"
     out.write_text(json.dumps({"command": "python bench/decode/bench_stream.py " + " ".join(argv or sys.argv[1:]),
                                "clip": str(args.clip) if args.clip else spec, "runs": runs, "median": summary},
                               indent=1))

@@ -173,7 +173,9 @@ class DecodeEngine:
                 computed in float32 and rounded once to it, as a model casting float32 patches to its
                 own dtype would (a bfloat16 server asks for bfloat16 and holds half the memory).
             trace: record when each decoder slot opened its decoder and decoded each segment
-                (``DecodedVideo.trace``; a benchmark's view of where a request's time went).
+                (``DecodedVideo.trace``; a benchmark's view of where a request's time went). A stream's
+                trace comes with its last part (``DecodedSlice.trace``), which then waits for every slot
+                to end its work on the request (a backup run stops at its next packet).
         """
         check_resize_mode(resize)
         if not isinstance(patch_dtype, torch.dtype) or not patch_dtype.is_floating_point:
@@ -182,8 +184,6 @@ class DecodeEngine:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
         if on_corrupt not in ON_CORRUPT:
             raise ValueError(f"on_corrupt must be one of {ON_CORRUPT}, got {on_corrupt!r}")
-        if trace and stream:
-            raise ValueError("trace=True is for whole outputs (DecodedVideo.trace); a streamed request has none")
         with self._lock:
             analysis = self._analyses.pop(key_id, None)
             if analysis is None:
@@ -328,6 +328,15 @@ class DecodeEngine:
                     stopped = request.cancelled
                 if stopped or ready == delivered:  # the end: cancelled, or every final row handed out
                     break
+                trace = None
+                if request.trace is not None and ready == request.num_frames:  # the last part: the whole trace
+                    with request.changed:
+                        while not (request.finished or request.cancelled):
+                            remaining = None if deadline is None else deadline - time.monotonic()
+                            if remaining is not None and remaining <= 0:
+                                raise TimeoutError(f"decoding did not finish within {timeout} s")
+                            request.changed.wait(remaining)
+                    trace = list(request.trace[1])
                 frames = request.take_rows(delivered, ready).permute(0, 3, 1, 2)  # [n, 3, H, W]
                 patches = None
                 if request.output == "patches":
@@ -337,7 +346,7 @@ class DecodeEngine:
                     frames = None
                 yield DecodedSlice(key_id, delivered // unit * rows_per_unit, ready // unit * rows_per_unit,
                                    request.num_frames // unit * rows_per_unit, frames, patches, tuple(grid),
-                                   time.perf_counter() - request.started)
+                                   time.perf_counter() - request.started, trace)
                 delivered = ready
             with self._done:  # finished, or about to be when cancelled: wait for its end to be recorded
                 while key_id in self._in_flight:

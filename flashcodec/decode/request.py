@@ -88,6 +88,8 @@ class DecodedSlice:
     patches: torch.Tensor | None  # float32 [stop - start, 3*2*14*14], Qwen2.5-VL layout
     grid_thw: tuple[int, int, int]  # of the whole video
     decode_s: float  # since the request was queued
+    #: the last part of a request queued with ``trace=True``: as ``DecodedVideo.trace``, every slot's work whole
+    trace: list[SlotEvent] | None = None
 
     @property
     def is_last(self) -> bool:

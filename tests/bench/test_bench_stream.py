@@ -16,7 +16,7 @@ from flashcodec.decode import scheduler  # noqa: E402
 
 def test_times_the_prefix_of_both_plans_and_restores_the_scheduler(tmp_path, capsys):
     init = scheduler.RankJob.__init__
-    assert bench_stream.main(["--size", "160x96", "--duration", "4", "--repeat", "1", "--threads", "2",
+    assert bench_stream.main(["--size", "160x96", "--duration", "4", "--gop", "24", "--repeat", "1", "--threads", "2",
                               "--out", str(tmp_path), "--cache", str(tmp_path / "videos")]) == 0
     assert scheduler.RankJob.__init__ is init
     report = json.loads((tmp_path / "bench_stream_cpu.json").read_text())
@@ -24,4 +24,15 @@ def test_times_the_prefix_of_both_plans_and_restores_the_scheduler(tmp_path, cap
         (run,) = report["runs"][name]
         shares = [run["share_of_time"][q] for q in ("0.25", "0.5", "0.75", "1.0")]
         assert run["frames"] > 0 and shares == sorted(shares) and 0 < shares[0] and shares[-1] <= 1.0
-    assert "in_order" in capsys.readouterr().out
+        assert 0 < run["first_part_s"] <= run["seconds"]
+    # the whole decode beside them; every run traced: the CPU rank decoded every segment of the 4-s clip's GOPs
+    (whole,) = report["runs"]["whole"]
+    assert whole["frames"] == report["runs"]["in_order"][0]["frames"] and whole["seconds"] > 0
+    segments = set()
+    for name in ("in_order", "lanes", "whole"):
+        cpu = report["runs"][name][0]["trace"]["ranks"]["cpu"]
+        assert cpu["slots"] == 2 and cpu["end_s"] <= report["runs"][name][0]["seconds"]
+        segments.add(cpu["segments"])
+    assert len(segments) == 1 and segments.pop() > 1  # the same GOP segments in each plan, several
+    out = capsys.readouterr().out
+    assert "in_order" in out and "whole" in out and "    cpu: " in out
