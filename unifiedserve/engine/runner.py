@@ -54,7 +54,8 @@ class RopeTables:
         # gather alone would keep its column-major strides, and so would cos and sin, which the Q/K/V epilogue
         # (ops/skinny_rope.RopeWrite) needs with contiguous rows (the first H100 run with it failed there)
         emb = torch.mul(positions[self.axis].T, self.inv_freq,
-                        out=torch.empty(positions.shape[1], self.inv_freq.shape[0], device=positions.device))
+                        out=torch.empty(positions.shape[1], self.inv_freq.shape[0], dtype=torch.float32,
+                                            device=positions.device))
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

@@ -10,7 +10,7 @@ Who sends what (see docs/architecture.md for the order in a request's life)::
     api    -> core   : AddRequest, AbortRequest, Shutdown
     core   -> vision : WritePatches, CancelMedia
     vision -> core   : MediaReady
-    core   -> decode : Handoff, AbortRequest, Shutdown
+    core   -> decode : WeightsLoaded (once, at start-up), Handoff, AbortRequest, Shutdown
     decode -> core   : ReleaseBlocks
     core   -> api    : TokenOutputs, RequestFailed, WorkerReady, WorkerStats
     decode -> api    : TokenOutputs, WorkerReady, WorkerStats

@@ -8,6 +8,7 @@ pages in ``WritePatches``. Here the barrier is recorded instead of waited for.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from unifiedserve.engine.config import EngineConfig
 from unifiedserve.engine.params import SamplingParams
@@ -20,23 +21,42 @@ from unifiedserve.runtime.launcher import Runtime, build_config
 
 
 class RecordingCore(CoreWorker):
-    """Core with its outgoing messages recorded (by type) instead of sent."""
+    """Core with its outgoing messages recorded (by type) instead of sent; ``WeightsLoaded`` also with its peer and
+    whether the model's weights, in the shared pool, equal the checkpoint's when it goes out."""
 
     def send(self, peer, message):
         self.events.append(type(message).__name__)
+        if isinstance(message, protocol.WeightsLoaded):
+            self.weights_sent.append((peer, weights_equal_checkpoint(self)))
 
 
-@pytest.fixture
-def core(tmp_path):
+def weights_equal_checkpoint(core) -> bool:
+    from unifiedserve.model.loader import load_model
+
+    model = getattr(core, "model", None)
+    if model is None:
+        return False
+    ref, _ = load_model(core.config.model)  # read again into memory of its own
+    mine = dict(model.named_parameters())
+    return all(torch.equal(mine[name], p) for name, p in ref.named_parameters())
+
+
+def make_core(tmp_path, policy: str = "unified"):
     model = write_demo_model(tmp_path / "demo", seed=1)
     engine = EngineConfig(device="cpu", scheduler=SchedulerConfig(patches_ready_on_admit=False))  # as serve's
     config = build_config(str(model), engine,
                           PoolBudgets(kv_cache_gb=0.02, patch_buffer_gb=0.02, visual_buffer_gb=0.01),
-                          served_model_name="demo", policy="unified")
+                          served_model_name="demo", policy=policy)
     runtime = Runtime(config, shm_dir=str(tmp_path))
     runtime.create_pools()
     worker = RecordingCore(runtime.config)
-    worker.events = []
+    worker.events, worker.weights_sent = [], []
+    return runtime, worker
+
+
+@pytest.fixture
+def core(tmp_path):
+    runtime, worker = make_core(tmp_path)
     try:
         worker.setup()
         worker.setup_events, worker.events = worker.events, []
@@ -73,5 +93,16 @@ def test_a_text_only_request_needs_no_barrier(core):
 
 
 def test_core_tells_decode_once_the_weights_are_in_the_shared_pool(core):
-    # decode maps the pool and runs nothing on it (the GEMM tune's checks, graph warm-up) before this message
-    assert core.setup_events == ["WeightsLoaded"]
+    # decode maps the pool and runs nothing on it (the GEMM tune's checks, graph warm-up) before this message,
+    # which goes out once the pool holds the checkpoint's values
+    assert core.setup_events == ["WeightsLoaded"] and core.weights_sent == [("decode", True)]
+
+
+def test_a_monolithic_core_has_no_decode_process_to_tell(tmp_path):
+    runtime, worker = make_core(tmp_path, policy="monolithic")
+    try:
+        worker.setup()
+        assert worker.weights_sent == [] and "WeightsLoaded" not in worker.events
+    finally:
+        worker.close()
+        runtime.stop()

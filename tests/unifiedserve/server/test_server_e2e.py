@@ -206,7 +206,7 @@ def test_media_crosses_no_process_boundary(server, client, media):
     patch_bytes = visual_tokens * 4 * 1176 * 4  # 4 patches per visual token, 1176 float32 values each
     assert 0 < moved < 0.01 * patch_bytes, (moved, patch_bytes, after)
     for edge in (("api", "vision"), ("vision", "core"), ("core", "decode"), ("decode", "api")):
-        assert after.get(edge, 0) > 0, (edge, after)
+        assert after.get(edge, 0) > before.get(edge, 0), (edge, before, after)
 
 
 def test_video_nonstream_and_stream_agree(server, client, media):
