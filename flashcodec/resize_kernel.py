@@ -143,7 +143,7 @@ def fused_resize_available(device: torch.device | str) -> bool:
 
 _tables: OrderedDict = OrderedDict()
 _tables_lock = threading.Lock()
-_launches = CompileOnce()  # variants: (frames' rows dense, output's rows dense)
+_launches = CompileOnce()  # variants: (frames' rows dense, their stride divisible by 16, output's rows dense)
 
 
 def _device_tables(device: torch.device, in_size: int, out_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,7 +202,8 @@ def resize_frames_fused(frames: torch.Tensor, height: int, width: int,
     # one compilation serves every size (see the kernel) for each pattern of innermost strides; the first launch
     # of a pattern compiles under a lock, so the NVDEC sessions' threads, which all start on the same video at
     # once, compile it once
-    variant = (frames.stride(3) == 1, out.stride(3) == 1)
+    # (Triton also specialises an innermost stride divisible by 16: a rotated video's frames, W * 3)
+    variant = (frames.stride(3) == 1, frames.stride(3) % 16 == 0, out.stride(3) == 1)
     taps = (x_weight.shape[1], y_weight.shape[1])
 
     def launch():

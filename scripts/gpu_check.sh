@@ -23,9 +23,9 @@
 #              replay and host time; the skinny decode GEMMs' start-up timing against cuBLAS), then its decode on
 #              cuBLAS alone, then with the fused ops off
 #   serve      the multi-process server on the GPU, under a private MPS daemon: one long video's TTFT breakdown
-#              (streaming vs whole ingest) with 4 requests decoding, on the 7B preset; bench_stream.py on that
-#              video and the server's decoders (NVDEC + CPU); then an injected CUDA fault under serve-node.sh's
-#              MPS and its restart
+#              (streaming vs whole ingest) with 4 requests decoding, on the 7B preset; then an injected CUDA
+#              fault under serve-node.sh's MPS and its restart; then bench_stream.py on that video with the
+#              server's sampling and decoders (NVDEC + CPU)
 #   policies   issue 14's serving table, one policy per run, or several (POLICY=unified,monolithic: each gets an
 #              even share of the run's time left when its server starts):
 #              bench/policies on the 7B preset under a private MPS daemon, the long-video workload at 1-5
@@ -97,7 +97,12 @@ run() {  # run LIMIT_S NAME CMD...: time-limited, output to OUTDIR/NAME.log and 
 step "machine"
 # the device's copy of .git may be older than the tree it was sent (2026-11-27: it named the session's first commit
 # for a tree with a later one): "+ changes" says the tracked files differ from the commit named
-date -u +%FT%TZ; echo "$(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo ' + changes')"
+date -u +%FT%TZ
+if git rev-parse -q --verify HEAD > /dev/null 2>&1; then
+  echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' + changes')"
+else
+  echo "no git here: the tree's commit is unknown"
+fi
 ldd --version 2>&1 | head -1  # glibc: llguidance's wheel needs 2.31
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || echo "no nvidia-smi"
 
@@ -325,9 +330,6 @@ serve)
     --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16 ${SERVE_EXTRA_ARGS:-}" --result-json "$out/ttft_cuda_7b.json"
   cp bench/results/ttft_breakdown_server_*.log "$out/" 2>/dev/null
   stop_mps
-  step "bench/decode/bench_stream.py on the server's video and decoders (flashcodec alone: first part, stream vs whole)"
-  run 80 bench-stream-server python3 bench/decode/bench_stream.py --device cuda:0,cpu --size 854x480 --duration 180 \
-    --gop 250 --repeat 2 --out "$out"
   step "issue 14's fault: a device-side assert in decode under serve-node's own MPS daemon, then its restart"
   if [ $(( deadline - $(date +%s) )) -lt 200 ]; then  # two 7B server starts: cut short, it proves nothing
     echo "pytest-fault: skipped (under 200 s left; it starts the 7B server twice)" | tee -a "$out/status.txt"
@@ -335,6 +337,10 @@ serve)
     run 240 pytest-fault python3 -m pytest -v --timeout=225 -p no:cacheprovider -m cuda -k cuda_fault tests/launch
   fi
   stop_leftover_nodes
+  # after the fault test, which needs 200 s: this fits in what a short run leaves
+  step "bench/decode/bench_stream.py on the server's video, sampling and decoders (flashcodec alone: first part, stream vs whole)"
+  run 80 bench-stream-server python3 bench/decode/bench_stream.py --device cuda:0,cpu --size 854x480 --duration 180 \
+    --gop 250 --max-pixels 112896 --output patches --repeat 2 --out "$out"
   ;;
 policies)
   serve_under_mps

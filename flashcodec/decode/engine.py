@@ -336,6 +336,8 @@ class DecodeEngine:
                             if remaining is not None and remaining <= 0:
                                 raise TimeoutError(f"decoding did not finish within {timeout} s")
                             request.changed.wait(remaining)
+                    if request.cancelled:  # as untraced: no part after a cancel (its trace would be partial)
+                        break
                     trace = list(request.trace[1])
                 frames = request.take_rows(delivered, ready).permute(0, 3, 1, 2)  # [n, 3, H, W]
                 patches = None

@@ -99,7 +99,8 @@ def test_the_warm_up_runs_both_gpu_kernels_in_every_layout_a_decode_gives_them(m
 @pytest.mark.cuda
 def test_cuda_after_the_warm_up_a_videos_nvdec_decode_compiles_nothing(clips):
     """The variants a video's decode on NVDEC launches (resize on the session's frames, patchify of the output)
-    are all compiled by the warm-up: the first request pays no Triton compile."""
+    are all compiled by the warm-up: the first request pays no Triton compile (counted in Triton's own caches,
+    which key on more than flashcodec's locks do: pointer alignment, integers divisible by 16)."""
     import flashcodec
     from flashcodec import patch_kernel, resize_kernel
     from flashcodec.patches import PatchSpec
@@ -108,7 +109,14 @@ def test_cuda_after_the_warm_up_a_videos_nvdec_decode_compiles_nothing(clips):
 
     device = torch.device("cuda", 0)
     warm_gpu_kernels(PatchSpec(), device, torch.bfloat16)
-    before = (set(resize_kernel._launches._done), set(patch_kernel._launches._done))
+    kernels = [module._kernel(False)[1] for module in (resize_kernel, patch_kernel)]
+    if any(getattr(k, "device_caches", None) is None for k in kernels):
+        pytest.skip("this Triton version keeps its compiled kernels elsewhere")
+
+    def compiled():
+        return [sum(len(cache[0]) for cache in k.device_caches.values()) for k in kernels]
+
+    before = compiled()
     engine = flashcodec.DecodeEngine(devices=["cuda:0"], cpu_threads=0)
     try:
         for stream in (False, True):
@@ -120,4 +128,4 @@ def test_cuda_after_the_warm_up_a_videos_nvdec_decode_compiles_nothing(clips):
                 engine.get_decoding_output(key)
     finally:
         engine.close()
-    assert (resize_kernel._launches._done, patch_kernel._launches._done) == before
+    assert compiled() == before
