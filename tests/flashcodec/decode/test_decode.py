@@ -246,6 +246,42 @@ def test_a_traced_request_says_which_slot_opened_and_decoded_what_and_when(video
     assert all(0 <= e.start_s <= e.end_s <= parts[-1].decode_s for e in parts[-1].trace)
 
 
+def test_a_traced_stream_cancelled_while_its_slots_end_yields_no_partial_last_part(video_factory, monkeypatch):
+    """The last part of a traced stream waits for every slot's end (its trace whole); a cancel in that wait ends the
+    stream as an untraced one would (no further part, DecodeCancelledError), not with a part carrying half a trace."""
+    from flashcodec.decode import backends
+
+    path = video_factory(codec="h264", suffix=".mp4", bframes=2, seed=5, width=128, height=96, duration_s=4.0,
+                         fps=24.0, gop=12)
+    decode = backends.PyAVSegmentDecoder.decode_segment
+
+    def slow(self, *args, **kwargs):  # a slot still working after its frames are out
+        failed = decode(self, *args, **kwargs)
+        time.sleep(0.5)
+        return failed
+
+    monkeypatch.setattr(backends.PyAVSegmentDecoder, "decode_segment", slow)
+    with flashcodec.DecodeEngine("pyav", num_threads=2) as engine:
+        analysis = engine.analyse_bitstream(path, num_frames=16)
+        engine.add_decoding_request(analysis.key_id, trace=True, stream=True)
+        request = engine._streams[analysis.key_id]
+
+        def cancel_once_every_frame_is_out():
+            while request.num_ready < request.num_frames:
+                time.sleep(0.005)
+            time.sleep(0.1)
+            engine.cancel(analysis.key_id)
+
+        canceller = threading.Thread(target=cancel_once_every_frame_is_out)
+        canceller.start()
+        parts = []
+        with pytest.raises(flashcodec.DecodeCancelledError):
+            for part in engine.stream_decoding_output(analysis.key_id):
+                parts.append(part)
+        canceller.join(10)
+        assert not any(p.is_last or p.trace is not None for p in parts)
+
+
 def test_segment_decoders_of_one_probe_share_its_pts_index(tiny_h264):
     from flashcodec.decode.backends import PyAVSegmentDecoder, pts_index
     from flashcodec.source import Source
