@@ -87,13 +87,12 @@ def streamed(engine, path: str, args) -> dict:
     started = time.perf_counter()
     engine.add_decoding_request(analysis.key_id, output=args.output, stream=True, trace=True)
     marks: dict[float, float] = {}
-    got, first, trace = 0, None, []
+    first, trace = None, []
     for part in engine.stream_decoding_output(analysis.key_id):
-        got = part.stop
         first = time.perf_counter() - started if first is None else first
         trace = part.trace or trace
-        for q in QUARTERS:
-            if q not in marks and got >= q * n:
+        for q in QUARTERS:  # by rows: frames, or patch rows (whole temporal patches) with --output patches
+            if q not in marks and part.stop >= q * part.num_rows:
                 marks[q] = time.perf_counter() - started
     total = time.perf_counter() - started
     return {"frames": n, "seconds": total, "first_part_s": first,

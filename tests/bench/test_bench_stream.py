@@ -36,3 +36,14 @@ def test_times_the_prefix_of_both_plans_and_restores_the_scheduler(tmp_path, cap
     assert len(segments) == 1 and segments.pop() > 1  # the same GOP segments in each plan, several
     out = capsys.readouterr().out
     assert "in_order" in out and "whole" in out and "    cpu: " in out
+
+
+def test_patch_rows_count_toward_the_same_quarters(tmp_path):
+    """With --output patches the parts are patch rows, not frames: the quarters are shares of the rows."""
+    assert bench_stream.main(["--size", "160x96", "--duration", "4", "--gop", "24", "--repeat", "1", "--threads", "2",
+                              "--output", "patches", "--out", str(tmp_path), "--cache", str(tmp_path / "videos")]) == 0
+    report = json.loads((tmp_path / "bench_stream_cpu.json").read_text())
+    for name in ("in_order", "lanes"):
+        (run,) = report["runs"][name]
+        shares = [run["share_of_time"][q] for q in ("0.25", "0.5", "0.75", "1.0")]
+        assert shares == sorted(shares) and shares[-1] > 0.5, shares  # the last quarter comes with the end
