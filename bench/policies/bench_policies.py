@@ -90,10 +90,15 @@ def measured_rates(results: dict) -> list[float]:
     return sorted({run["rate"] for runs in results.values() for run in runs})
 
 
+def monolithic_complete(results: dict) -> list[float]:
+    """The rates at which monolithic completed every request."""
+    return [r["rate"] for r in results.get("monolithic", []) if r["metrics"]["failed"] == 0
+            and r["metrics"]["completed"] == r["metrics"]["num_requests"]]
+
+
 def comparison_rate(results: dict, rates: list[float]) -> float:
-    """The issue's condition: the highest rate at which monolithic completed every request."""
-    complete = [r["rate"] for r in results.get("monolithic", []) if r["metrics"]["failed"] == 0
-                and r["metrics"]["completed"] == r["metrics"]["num_requests"]]
+    """The issue's condition: the highest rate at which monolithic completed every request (else the lowest)."""
+    complete = monolithic_complete(results)
     return max(complete) if complete else rates[0]
 
 
@@ -148,7 +153,12 @@ def on_gpu(server_args: str) -> bool:
 def summarize(results: dict, rate: float, slo: dict, gpu: bool = False) -> str:
     """Markdown: each policy's numbers at ``rate``, unified's ratios at every rate, capacities."""
     slo_text = " and ".join(f"{'TTFT' if k == 'ttft' else 'p90 of its TBTs'} <= {v:g} ms" for k, v in slo.items())
-    rows = [f"Comparison rate: **{rate:g} req/s** (the highest rate at which monolithic completed every request). "
+    complete = monolithic_complete(results)
+    why = ("the highest rate at which monolithic completed every request" if complete and rate == max(complete) else
+           "monolithic did not run here: the lowest rate" if "monolithic" not in results else
+           "monolithic completed every request at no rate: the lowest rate" if not complete else
+           "the rate asked for")
+    rows = [f"Comparison rate: **{rate:g} req/s** ({why}). "
             f"A request meets the SLO when {slo_text}.", "",
             "| policy | completed | mean TTFT (s) | p90 TTFT (s) | p50 TBT (ms) | p99 TBT (ms) | SLO attainment | goodput (req/s) |",
             "|---|---|---|---|---|---|---|---|"]

@@ -56,6 +56,13 @@ def test_comparison_rate_skips_rates_where_monolithic_lost_requests(results):
     assert bp.comparison_rate(results, [0.5, 1.0]) == 0.5
 
 
+def test_the_summary_says_why_its_comparison_rate_was_chosen(results):
+    assert "(the highest rate at which monolithic completed every request)" in bp.summarize(results, 1.0, SLO)
+    alone = {"unified": results["unified"]}  # a first GPU call runs one policy
+    rate = bp.comparison_rate(alone, [0.5, 1.0])
+    assert rate == 0.5 and "(monolithic did not run here: the lowest rate)" in bp.summarize(alone, rate, SLO)
+
+
 def test_capacity_and_slo_scaling(results):
     assert bp.capacity(results["unified"]) == 1.0
     assert bp.capacity(results["monolithic"]) == 0.5
