@@ -32,6 +32,17 @@ from flashcodec.benchmark import best_time, sampling_indices  # noqa: E402
 from flashcodec.decode import fast_open  # noqa: E402
 
 
+def positive_int(text: str) -> int:
+    """An integer >= 1, for argparse."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def size_arg(text: str) -> tuple[int, int]:
     """``WxH`` -> ``(width, height)``, for argparse."""
     try:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "datasets"))
 sys.path.insert(0, str(ROOT / "bench" / "decode"))
 
 import synthetic_video  # noqa: E402
-from bench_open import size_arg  # noqa: E402
+from bench_open import positive_int, size_arg  # noqa: E402
 from gpu_report import trace_summary  # noqa: E402
 
 import flashcodec  # noqa: E402
@@ -44,16 +44,16 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu",
                    help="cpu, cuda:N (NVDEC sessions only), or a list such as cuda:0,cpu (NVDEC and the CPU's "
                         "threads, as the GPU server's vision process); default cpu")
-    p.add_argument("--threads", type=int, default=None, help="CPU decoder threads (default: flashcodec's default)")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU decoder threads (default: flashcodec's default)")
     p.add_argument("--clip", type=Path, help="a video to use instead of the generated clip")
     p.add_argument("--size", type=size_arg, default=(1280, 720), help="generated clip's size WxH (default 1280x720)")
     p.add_argument("--duration", type=float, default=60.0, help="generated clip's length in seconds (default 60)")
-    p.add_argument("--gop", type=int, default=60, help="generated clip's GOP in frames at 30 fps (default 60)")
-    p.add_argument("--max-pixels", type=int, default=None,
+    p.add_argument("--gop", type=positive_int, default=60, help="generated clip's GOP in frames at 30 fps (default 60)")
+    p.add_argument("--max-pixels", type=positive_int, default=None,
                    help="frame size budget per sampled frame, as a request's max_pixels (default: flashcodec's)")
     p.add_argument("--output", choices=("rgb", "patches"), default="rgb",
                    help="frames, or Qwen2.5-VL patch rows as the server asks for (default rgb)")
-    p.add_argument("--repeat", type=int, default=3, help="runs per plan, alternated (default 3)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="runs per plan, alternated (default 3)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where the JSON goes")
     p.add_argument("--cache", type=Path, default=None, help="clip cache (default ~/.cache/flashcodec/videos)")
     return p.parse_args(argv)
@@ -136,10 +136,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     devices = args.device.split(",")
-    if any(d.startswith("cuda") for d in devices):
-        engine = flashcodec.DecodeEngine(devices=devices, cpu_threads=args.threads if "cpu" in devices else 0)
-    else:
-        engine = flashcodec.DecodeEngine(num_threads=args.threads)
+    try:  # an unknown device or one this machine lacks: one error line
+        engine = flashcodec.DecodeEngine(devices=devices, cpu_threads=0 if all(d.startswith("cuda") for d in devices)
+                                           else args.threads)
+    except (FlashCodecError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     plans = _Plans()
     runs: dict[str, list[dict]] = {"in_order": [], "lanes": [], "whole": []}
     try:

@@ -6,6 +6,8 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench" / "decode"))
 
@@ -47,3 +49,13 @@ def test_patch_rows_count_toward_the_same_quarters(tmp_path):
         (run,) = report["runs"][name]
         shares = [run["share_of_time"][q] for q in ("0.25", "0.5", "0.75", "1.0")]
         assert shares == sorted(shares) and shares[-1] > 0.5, shares  # the last quarter comes with the end
+
+
+def test_bad_arguments_get_one_error_line(tmp_path, capsys):
+    args = ["--size", "160x96", "--duration", "2", "--repeat", "1", "--out", str(tmp_path), "--cache", str(tmp_path / "v")]
+    assert bench_stream.main([*args, "--device", "bogus"]) == 2  # was taken for the CPU
+    assert capsys.readouterr().err.startswith("error: unknown device 'bogus'")
+    for bad in (["--gop", "0"], ["--max-pixels", "-5"], ["--repeat", "0"]):
+        with pytest.raises(SystemExit):
+            bench_stream.main([*args, *bad])
+        assert "must be at least 1" in capsys.readouterr().err
