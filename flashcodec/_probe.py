@@ -19,7 +19,7 @@ import av
 import numpy as np
 
 from flashcodec._errors import (CorruptVideoError, NoFramesError, NotAVideoError, UnsupportedCodecError,
-                                VideoTooLargeError)
+                                VideoTooLargeError, first_line)
 from flashcodec.source import Source, SourceLike
 
 
@@ -179,7 +179,7 @@ def _stream_known(container) -> bool:
 
 
 def _ffmpeg_reason(e: Exception) -> str:
-    return getattr(e, "strerror", None) or str(e).splitlines()[0]
+    return getattr(e, "strerror", None) or first_line(e)
 
 
 def check_source_size(name: str, width: int, height: int, max_source_pixels: int | None) -> None:

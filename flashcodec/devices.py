@@ -117,7 +117,9 @@ def _torchcodec_cuda_reason() -> str | None:
     except ImportError:
         return "torchcodec >= 0.16 (a CUDA build) is not installed"
     except Exception as e:  # torchcodec raises OSError/RuntimeError when FFmpeg's libraries are missing
-        return f"torchcodec cannot load ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        from flashcodec._errors import first_line
+
+        return f"torchcodec cannot load ({first_line(e)})"
     version = getattr(torchcodec, "__version__", "")
     if "+cpu" in version:
         return f"torchcodec {version} is a CPU-only build"

@@ -23,8 +23,8 @@ from PIL import Image, ImageOps
 
 from flashcodec._errors import FlashCodecError
 from flashcodec.patches import PatchSpec, image_to_patches
-from flashcodec.plan.sampling import (IMAGE_MAX_PIXELS, IMAGE_MIN_PIXELS, MAX_FRAME_PIXELS, image_target_size,
-                                     smart_resize)
+from flashcodec.plan.sampling import (IMAGE_MAX_PIXELS, IMAGE_MIN_PIXELS, MAX_FRAME_PIXELS, check_output_size,
+                                     image_target_size, smart_resize)
 from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode
 from flashcodec.source import Source, SourceLike
 
@@ -90,8 +90,7 @@ def check_image_options(min_pixels, max_pixels, height, width, max_image_pixels,
     for name, value in (("height", height), ("width", width), ("max_image_pixels", max_image_pixels)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if height is not None and height * width > MAX_FRAME_PIXELS:
-        raise ValueError(f"height x width must be at most {MAX_FRAME_PIXELS} pixels (8192x4352), got {height}x{width}")
+    check_output_size(height, width)
     _check_pixel_budget("min_pixels", min_pixels)
     _check_pixel_budget("max_pixels", max_pixels)
     low = min_pixels if min_pixels is not None else IMAGE_MIN_PIXELS

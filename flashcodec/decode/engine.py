@@ -135,8 +135,9 @@ class DecodeEngine:
         started = time.perf_counter()
         src = Source.of(source)
         if info is None:
-            info = probe(src, self.max_source_pixels)
-        check_source_size(src.name, info.width, info.height, self.max_source_pixels)
+            info = probe(src, self.max_source_pixels)  # checks the size from the header
+        else:  # a probe of the caller's, perhaps under another engine's cap
+            check_source_size(src.name, info.width, info.height, self.max_source_pixels)
         speeds, allowed, reason = self.layout.shares(lambda gpu: video_nvdec_reason(info, gpu))
         if reason is not None:
             log.warning("flashcodec: %s decodes on the CPU rank: %s", src.name, reason)
@@ -263,10 +264,7 @@ class DecodeEngine:
                         raise KeyError(f"key id {key_id} was never queued (call add_decoding_request first)")
                     if key_id is None and not self._in_flight - self._streams.keys():
                         raise KeyError("no decoding request is in flight")
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        raise TimeoutError(f"decoding did not finish within {timeout} s")
-                    self._done.wait(remaining)
+                    _wait(self._done, deadline, timeout)
                     continue
                 request = self._finished.pop(key)
                 break
@@ -320,10 +318,7 @@ class DecodeEngine:
                 with request.changed:
                     while not (request.finished or request.cancelled
                                or request.num_ready - request.num_ready % unit > delivered):
-                        remaining = None if deadline is None else deadline - time.monotonic()
-                        if remaining is not None and remaining <= 0:
-                            raise TimeoutError(f"decoding did not finish within {timeout} s")
-                        request.changed.wait(remaining)
+                        _wait(request.changed, deadline, timeout)
                     ready = request.num_ready - request.num_ready % unit
                     stopped = request.cancelled
                 if stopped or ready == delivered:  # the end: cancelled, or every final row handed out
@@ -332,10 +327,7 @@ class DecodeEngine:
                 if request.trace is not None and ready == request.num_frames:  # the last part: the whole trace
                     with request.changed:
                         while not (request.finished or request.cancelled):
-                            remaining = None if deadline is None else deadline - time.monotonic()
-                            if remaining is not None and remaining <= 0:
-                                raise TimeoutError(f"decoding did not finish within {timeout} s")
-                            request.changed.wait(remaining)
+                            _wait(request.changed, deadline, timeout)
                     if request.cancelled:  # as untraced: no part after a cancel (its trace would be partial)
                         break
                     trace = list(request.trace[1])
@@ -352,10 +344,7 @@ class DecodeEngine:
                 delivered = ready
             with self._done:  # finished, or about to be when cancelled: wait for its end to be recorded
                 while key_id in self._in_flight:
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        raise TimeoutError(f"decoding did not finish within {timeout} s")
-                    self._done.wait(remaining)
+                    _wait(self._done, deadline, timeout)
                 ended = True
                 self._streams.pop(key_id, None)
                 if key_id in self._cancelled:
@@ -397,6 +386,18 @@ class DecodeEngine:
 
 _engines: dict[str, DecodeEngine] = {}
 _default_lock = threading.Lock()
+
+
+def _wait(cond: threading.Condition, deadline: float | None, timeout: float | None) -> None:
+    """``cond.wait()`` (held) until notified or ``deadline`` (``time.monotonic()``; None: no limit).
+
+    Raises:
+        TimeoutError: the deadline has passed (``timeout`` is the caller's, for the message).
+    """
+    remaining = None if deadline is None else deadline - time.monotonic()
+    if remaining is not None and remaining <= 0:
+        raise TimeoutError(f"decoding did not finish within {timeout} s")
+    cond.wait(remaining)
 
 
 def default_engine(device: str = "cpu") -> DecodeEngine:

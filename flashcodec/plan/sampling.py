@@ -125,11 +125,16 @@ class SamplingOptions:
         for name in ("min_pixels", "max_pixels"):
             if (getattr(self, name) or 0) > MAX_FRAME_PIXELS:
                 raise ValueError(f"{name} must be at most {MAX_FRAME_PIXELS} (8192x4352), got {getattr(self, name)}")
-        if self.height is not None and self.height * self.width > MAX_FRAME_PIXELS:
-            raise ValueError(f"height x width must be at most {MAX_FRAME_PIXELS} pixels (8192x4352), got "
-                             f"{self.height}x{self.width}")
+        check_output_size(self.height, self.width)
         if None not in (self.min_frames, self.max_frames) and self.min_frames > self.max_frames:
             raise ValueError(f"min_frames ({self.min_frames}) is above max_frames ({self.max_frames})")
+
+
+def check_output_size(height: int | None, width: int | None) -> None:
+    """An explicit output size (both given, positive) is at most a frame's cap, :data:`MAX_FRAME_PIXELS`: video
+    frames and images alike. ValueError otherwise."""
+    if height is not None and height * width > MAX_FRAME_PIXELS:
+        raise ValueError(f"height x width must be at most {MAX_FRAME_PIXELS} pixels (8192x4352), got {height}x{width}")
 
 
 def smart_nframes(total_frames: int, video_fps: float, options: SamplingOptions = SamplingOptions()) -> int:

@@ -55,7 +55,7 @@ class RopeTables:
         # (ops/skinny_rope.RopeWrite) needs with contiguous rows (the first H100 run with it failed there)
         emb = torch.mul(positions[self.axis].T, self.inv_freq,
                         out=torch.empty(positions.shape[1], self.inv_freq.shape[0], dtype=torch.float32,
-                                            device=positions.device))
+                                        device=positions.device))
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

@@ -132,9 +132,12 @@ class Grammar:
             probe = np.zeros((self.vocab_size + 31) // 32, dtype=np.uint32)
             self._matcher.unsafe_compute_mask_ptr(probe.ctypes.data, probe.nbytes)
             if self._matcher.is_error():
-                reason = self._matcher.get_error().splitlines()[0] if self._matcher.get_error() else "no token fits"
                 raise ValueError(f"invalid JSON schema: it admits no value (e.g. a $ref that only refers to itself; "
-                                 f"{reason})")
+                                 f"{self._error_line() or 'no token fits'})")
+
+    def _error_line(self) -> str:
+        """The first line of the matcher's error, or ''."""
+        return (self._matcher.get_error().splitlines() or [""])[0]
 
     @property
     def is_complete(self) -> bool:
@@ -163,7 +166,7 @@ class Grammar:
             return  # a dead end's sampled token is no output (the request fails with the reason)
         self._num_accepted += 1
         if not self._matcher.consume_token(token):  # the mask made this impossible: a bug, not a client error
-            log.error("grammar rejected token %d: %s", token, (self._matcher.get_error().splitlines() or [""])[0])
+            log.error("grammar rejected token %d: %s", token, self._error_line())
             # the request fails rather than return output that breaks its grammar
             self.dead_end = (f"internal error: token {token} was sampled against the grammar's mask after "
                              f"{self._num_accepted - 1} output tokens")

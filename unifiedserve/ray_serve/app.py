@@ -26,6 +26,7 @@ from ray.serve.config import RequestRouterConfig
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from flashcodec._errors import first_line
 from unifiedserve.ray_serve.metrics import ROUTE_COUNTS, ROUTERS, merge_replica_metrics
 from unifiedserve.ray_serve.route_key import route_key
 from unifiedserve.ray_serve.routing import RoutingConfig, RoutingHints
@@ -274,7 +275,7 @@ class Ingress:
             try:
                 start = await gen.__anext__()
             except RayError as e:
-                log.warning("a replica failed before answering: %s", _first_line(e))
+                log.warning("a replica failed before answering: %s", first_line(e))
                 return _error("the replica serving this request failed; retry the request", 503)
             except StopAsyncIteration:
                 return _error("the replica ended the request without a response", 502)
@@ -296,7 +297,7 @@ class Ingress:
                 yield chunk
             done = True
         except RayError as e:
-            log.warning("replica %s failed mid-request: %s", replica_id, _first_line(e))
+            log.warning("replica %s failed mid-request: %s", replica_id, first_line(e))
             done = True
             if streamed:  # the status is sent already: say it in-band, as the API does for a dead worker
                 message = f"the replica serving this request ({replica_id}) failed; retry the request"
@@ -333,7 +334,7 @@ class Ingress:
                 results.append(await asyncio.wait_for(call.__anext__(), SCRAPE_TIMEOUT_S))
             except (RayError, asyncio.TimeoutError, StopAsyncIteration) as e:
                 log.warning("replica %s did not answer %s: %s", hints.replica_id or "(any)", method,
-                            _first_line(e) if str(e) else type(e).__name__)
+                            first_line(e))
         return results
 
     async def metrics_text(self) -> bytes:
@@ -350,10 +351,6 @@ class Ingress:
         replicas = {h["replica_id"]: h for h in await self._each_replica("health")}
         ok = any(h["healthy"] for h in replicas.values())
         return JSONResponse({"status": "ok" if ok else "unhealthy", "replicas": replicas}, status_code=200 if ok else 503)
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def build_application(args: argparse.Namespace, *, router: str = "media-affinity"):

@@ -65,13 +65,13 @@ class DecodeWorker(Worker):
         # in. (Before, decode tuned on a pool core was still writing: on the H100 its output checks compared
         # against all-zero and half-written layers and refused configs that were right.)
         weights = open_pool(cfg.pools["weights"]) if "weights" in cfg.pools else None
-        if weights is not None:
-            self.wait_for(protocol.WeightsLoaded, "core to load the weights")
         # decode never encodes: the vision tower is left unallocated
         self.model, _ = load_model(cfg.model, DTYPES[eng.dtype], eng.device, llm_storage=weights,
                                    fill_llm=weights is None, load_vision=False)
         self.model.eval()
         self._weight_gauges = weight_gauges(self.model, weights)
+        if weights is not None:  # building the model above read none of them
+            self.wait_for(protocol.WeightsLoaded, "core to load the weights")
         runner = ModelRunner(self.model, num_kv_blocks=eng.num_kv_blocks, block_size=eng.block_size,
                              num_patch_pages=0, num_visual_pages=0, page_size=eng.page_size, device=eng.device,
                              kv_storage=open_pool(cfg.pools["kv"]), attention=eng.attention)

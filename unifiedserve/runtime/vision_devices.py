@@ -79,14 +79,12 @@ def warm_gpu_kernels(spec, device: torch.device, dtype: torch.dtype) -> None:
     from flashcodec.patches import frames_to_patches
     from flashcodec.resize import resize_frames_on_device
 
-    size = 2 * spec.factor
-    for channels_last in (True, False):
-        frames = (torch.zeros((spec.temporal_patch_size, size, size, 3), dtype=torch.uint8, device=device)
-                  .permute(0, 3, 1, 2) if channels_last else
-                  torch.zeros((spec.temporal_patch_size, 3, size, size), dtype=torch.uint8, device=device))
-        resized = resize_frames_on_device(frames, spec.factor, spec.factor)  # [T, 3, f, f], dense rows
-        frames_to_patches(resized, spec, dtype=dtype)
-        frames_to_patches(frames, spec, dtype=dtype)  # the frames' own layout
+    t, size = spec.temporal_patch_size, 2 * spec.factor
+    dense = torch.zeros((t, 3, size, size), dtype=torch.uint8, device=device)
+    channels_last = torch.zeros((t, size, size, 3), dtype=torch.uint8, device=device).permute(0, 3, 1, 2)
+    for frames in (dense, channels_last):
+        resize_frames_on_device(frames, spec.factor, spec.factor)  # its output has dense rows, as patchified below
+        frames_to_patches(frames, spec, dtype=dtype)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -88,17 +88,20 @@ class _ShapedJsonRoute(APIRoute):
 
     def get_route_handler(self):
         handler = super().get_route_handler()
+        if "POST" not in (self.methods or ()):  # no JSON body to look at (/health, /metrics, /v1/models)
+            return handler
 
         async def shaped(request: Request) -> Response:
             state = request.app.state.server
-            if request.method == "POST":
-                if not _authorized(request, state.api_key):
-                    return _error(_AUTH_ERROR, 401)  # before the body is looked at (FastAPI parses it before _auth)
-                try:
-                    check_json_shape(await request.body(), state.max_model_len,
-                                     token_ids=request.url.path in TOKEN_ID_ROUTES)
-                except LimitError as e:
-                    return _error(str(e), e.status_code, e.param)
+            # the key first, before the body is looked at: FastAPI parses the body before the _auth dependency
+            # (which checks the key again, as for every route)
+            if not _authorized(request, state.api_key):
+                return _error(_AUTH_ERROR, 401)
+            try:
+                check_json_shape(await request.body(), state.max_model_len,
+                                 token_ids=request.url.path in TOKEN_ID_ROUTES)
+            except LimitError as e:
+                return _error(str(e), e.status_code, e.param)
             return await handler(request)
 
         return shaped

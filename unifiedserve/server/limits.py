@@ -83,14 +83,15 @@ def check_json_shape(body: bytes, max_model_len: int, token_ids: bool = False) -
     ``max_model_len`` tokens accepts could, counted in the raw bytes (braces, brackets and commas inside strings
     too: the bounds leave room for them) before anything is parsed. ``token_ids``: the route takes a list of token
     ids (``/v1/completions``, ``/tokenize``, ``/detokenize``), whose commas the values' bound allows too."""
-    containers = body.count(b"{") + body.count(b"[")
+    # a count is at most the body's length: a body no longer than a bound is not counted against it
     limit = MAX_JSON_CONTAINERS_PER_TOKEN * max_model_len + MAX_JSON_SCHEMA_BYTES
+    containers = body.count(b"{") + body.count(b"[") if len(body) > limit else 0
     if containers > limit:
         raise LimitError(f"the request body holds {containers} JSON objects and arrays; a request to this server "
                          f"holds at most {limit} ({MAX_JSON_CONTAINERS_PER_TOKEN} per token of --max-model-len "
                          f"{max_model_len}, and a JSON schema's)")
-    commas = body.count(b",")  # a value in an object or array after its first: the count of values, nearly
     limit = MAX_CHARS_PER_TOKEN * max_model_len + MAX_JSON_SCHEMA_BYTES + (MAX_PROMPT_TOKEN_IDS if token_ids else 0)
+    commas = body.count(b",") if len(body) > limit else 0  # values after an object's or array's first: nearly all
     if commas > limit:
         raise LimitError(f"the request body holds {commas} JSON values; a request to this server holds at most "
                          f"{limit} (its text{', a prompt of token ids' if token_ids else ''} and a JSON schema)")
