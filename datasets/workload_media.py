@@ -115,7 +115,7 @@ def _media_cached(kind: str, index: int, cfg: WorkloadConfig, media_dir: pathlib
     return (media_dir / "videos" / synthetic_video._spec_name(spec)[0]).exists()
 
 
-def _media_paths(needed: list[tuple[str, int]], cfg: WorkloadConfig, media_dir: pathlib.Path,
+def media_paths(needed: list[tuple[str, int]], cfg: WorkloadConfig, media_dir: pathlib.Path,
                  progress: bool) -> dict[tuple[str, int], str]:
     """Each needed media file's path, made first where missing. Files are made in parallel processes when the
     machine has the cores: drawing a clip's frames is one Python thread per file, so on the GPU machine (16

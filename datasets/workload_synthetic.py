@@ -11,7 +11,7 @@ import pathlib
 import numpy as np
 
 from workload_config import SYNTHETIC, WorkloadConfig, arrival_times
-from workload_media import _media_paths, default_media_dir
+from workload_media import media_paths, default_media_dir
 
 __all__ = ["generate_workload", "video_questions"]
 
@@ -58,7 +58,7 @@ def generate_workload(cfg: WorkloadConfig, *, progress: bool = False) -> list[di
 
     media_dir = pathlib.Path(cfg.media_dir) if cfg.media_dir else default_media_dir()
     needed = sorted({(k, i) for k, i, _ in plan if i is not None})
-    paths = _media_paths(needed, cfg, media_dir, progress)
+    paths = media_paths(needed, cfg, media_dir, progress)
 
     arrivals = arrival_times(cfg.num_requests, cfg.request_rate, arrival=cfg.arrival,
                              burstiness=cfg.burstiness, seed=cfg.seed)

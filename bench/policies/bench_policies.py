@@ -150,15 +150,21 @@ def on_gpu(server_args: str) -> bool:
                                                   and words[i + 1].startswith("cuda")) for i, w in enumerate(words))
 
 
+def comparison_reason(results: dict, rate: float) -> str:
+    """Why ``rate`` is the summary's comparison rate (:func:`comparison_rate`'s rule, or the caller's choice)."""
+    complete = monolithic_complete(results)
+    if "monolithic" not in results:
+        return "monolithic did not run here: the lowest rate"
+    if not complete:
+        return "monolithic completed every request at no rate: the lowest rate"
+    return "the highest rate at which monolithic completed every request" if rate == max(complete) else \
+        "the rate asked for"
+
+
 def summarize(results: dict, rate: float, slo: dict, gpu: bool = False) -> str:
     """Markdown: each policy's numbers at ``rate``, unified's ratios at every rate, capacities."""
     slo_text = " and ".join(f"{'TTFT' if k == 'ttft' else 'p90 of its TBTs'} <= {v:g} ms" for k, v in slo.items())
-    complete = monolithic_complete(results)
-    why = ("the highest rate at which monolithic completed every request" if complete and rate == max(complete) else
-           "monolithic did not run here: the lowest rate" if "monolithic" not in results else
-           "monolithic completed every request at no rate: the lowest rate" if not complete else
-           "the rate asked for")
-    rows = [f"Comparison rate: **{rate:g} req/s** ({why}). "
+    rows = [f"Comparison rate: **{rate:g} req/s** ({comparison_reason(results, rate)}). "
             f"A request meets the SLO when {slo_text}.", "",
             "| policy | completed | mean TTFT (s) | p90 TTFT (s) | p50 TBT (ms) | p99 TBT (ms) | SLO attainment | goodput (req/s) |",
             "|---|---|---|---|---|---|---|---|"]

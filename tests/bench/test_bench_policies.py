@@ -61,6 +61,8 @@ def test_the_summary_says_why_its_comparison_rate_was_chosen(results):
     alone = {"unified": results["unified"]}  # a first GPU call runs one policy
     rate = bp.comparison_rate(alone, [0.5, 1.0])
     assert rate == 0.5 and "(monolithic did not run here: the lowest rate)" in bp.summarize(alone, rate, SLO)
+    results["monolithic"] = [dict(r, metrics=dict(r["metrics"], failed=1)) for r in results["monolithic"]]
+    assert bp.comparison_reason(results, 0.5) == "monolithic completed every request at no rate: the lowest rate"
 
 
 def test_capacity_and_slo_scaling(results):

@@ -39,7 +39,6 @@ def run_interpreted(script: str, timeout: int = 300) -> list[str]:
     return run.stdout.splitlines()
 
 
-
 def expected_norm(x, residual, norm_weight, w, b, silu_mul, eps=1e-6):
     """The unfused path with the add + RMSNorm in front: ``(output, stream)``."""
     if residual is None:
@@ -69,7 +68,6 @@ def truncated(t):
     return (t.float().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
-
 def rope_reference(y, hq, hk, cos, sin, slot_mapping, write_rows, slots, rnd=None):
     """Rotary + the K/V write on the projection's output ``y [M, (Hq + 2 Hk) * D]``: ``(q [M, Hq * D], k_cache,
     v_cache)`` with unwritten slots NaN. ``rnd`` None: the unfused path (csrc's reference, rotary_cache); else its
@@ -95,7 +93,6 @@ def rope_reference(y, hq, hk, cos, sin, slot_mapping, write_rows, slots, rnd=Non
     k_cache[slot_mapping] = k[src]
     v_cache[slot_mapping] = v[src]
     return q.reshape(m, -1), k_cache, v_cache
-
 
 
 def fake_timer(times):

@@ -13,11 +13,8 @@ import torch
 from unifiedserve.engine.config import EngineConfig
 from unifiedserve.engine.params import SamplingParams
 from unifiedserve.engine.scheduler import SchedulerConfig
-from unifiedserve.model.demo import write_demo_model
 from unifiedserve.runtime import protocol
-from unifiedserve.runtime.config import PoolBudgets
 from unifiedserve.runtime.core_worker import CoreWorker
-from unifiedserve.runtime.launcher import Runtime, build_config
 
 
 class RecordingCore(CoreWorker):
@@ -41,22 +38,16 @@ def weights_equal_checkpoint(core) -> bool:
     return all(torch.equal(mine[name], p) for name, p in ref.named_parameters())
 
 
-def make_core(tmp_path, policy: str = "unified"):
-    model = write_demo_model(tmp_path / "demo", seed=1)
+def make_core(make_runtime, policy: str = "unified") -> RecordingCore:
     engine = EngineConfig(device="cpu", scheduler=SchedulerConfig(patches_ready_on_admit=False))  # as serve's
-    config = build_config(str(model), engine,
-                          PoolBudgets(kv_cache_gb=0.02, patch_buffer_gb=0.02, visual_buffer_gb=0.01),
-                          served_model_name="demo", policy=policy)
-    runtime = Runtime(config, shm_dir=str(tmp_path))
-    runtime.create_pools()
-    worker = RecordingCore(runtime.config)
+    worker = RecordingCore(make_runtime(policy, engine).config)
     worker.events, worker.weights_sent = [], []
-    return runtime, worker
+    return worker
 
 
 @pytest.fixture
-def core(tmp_path):
-    runtime, worker = make_core(tmp_path)
+def core(make_runtime):
+    worker = make_core(make_runtime)
     try:
         worker.setup()
         worker.setup_events, worker.events = worker.events, []
@@ -64,7 +55,6 @@ def core(tmp_path):
         yield worker
     finally:
         worker.close()
-        runtime.stop()
 
 
 def add(core, rid: str, num_images: int) -> None:
@@ -98,11 +88,10 @@ def test_core_tells_decode_once_the_weights_are_in_the_shared_pool(core):
     assert core.setup_events == ["WeightsLoaded"] and core.weights_sent == [("decode", True)]
 
 
-def test_a_monolithic_core_has_no_decode_process_to_tell(tmp_path):
-    runtime, worker = make_core(tmp_path, policy="monolithic")
+def test_a_monolithic_core_has_no_decode_process_to_tell(make_runtime):
+    worker = make_core(make_runtime, policy="monolithic")
     try:
         worker.setup()
         assert worker.weights_sent == [] and "WeightsLoaded" not in worker.events
     finally:
         worker.close()
-        runtime.stop()

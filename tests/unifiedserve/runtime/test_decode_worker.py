@@ -12,25 +12,12 @@ import time
 import pytest
 import zmq
 
-from unifiedserve.engine.config import EngineConfig
-from unifiedserve.model.demo import write_demo_model
 from unifiedserve.runtime import decode_worker, protocol
-from unifiedserve.runtime.config import PoolBudgets
-from unifiedserve.runtime.launcher import Runtime, build_config
 
 
 @pytest.fixture
-def runtime(tmp_path):
-    model = write_demo_model(tmp_path / "demo", seed=1)
-    config = build_config(str(model), EngineConfig(device="cpu"),
-                          PoolBudgets(kv_cache_gb=0.02, patch_buffer_gb=0.02, visual_buffer_gb=0.01),
-                          served_model_name="demo", policy="unified")
-    rt = Runtime(config, shm_dir=str(tmp_path))
-    rt.create_pools()
-    try:
-        yield rt
-    finally:
-        rt.stop()
+def runtime(make_runtime):
+    return make_runtime()
 
 
 def send_later(address: str, messages: list, delay_s: float, sent: list) -> threading.Thread:

@@ -37,6 +37,13 @@ def video_message(path, question=QUESTION, **options):
                                          {"type": "text", "text": question}]}]
 
 
+def openai_client(server: "Server"):
+    """The openai client the server tests use: the server's /v1, no retries (a retry would hide a failure)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

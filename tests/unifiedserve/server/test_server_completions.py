@@ -6,10 +6,9 @@ import http.client as httplib
 import json
 import signal
 
-import openai
 import pytest
 
-from serve_helpers import Server, http
+from serve_helpers import Server, http, openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +24,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,14 @@ import re
 import signal
 import time
 
-import openai
 import pytest
 
 import synthetic_video
-from serve_helpers import QUESTION, Server, alive, http, leftovers, tiny_clip, video_message
+from serve_helpers import QUESTION, Server, alive, http, leftovers, openai_client, tiny_clip, video_message
 from unifiedserve.runtime.launcher import UNIFIED_NICE
 
 pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def media(tmp_path_factory):
@@ -55,7 +55,7 @@ def server(media):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def image_message(path, question="Describe the image."):

@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from serve_helpers import QUESTION, Server, http, leftovers, video_message
+from serve_helpers import QUESTION, Server, http, leftovers, openai_client, video_message
 
 pytestmark = pytest.mark.slow
 
@@ -31,22 +31,35 @@ def server(clip_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    import openai
-
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
-def test_penalties_cross_the_hand_off(client, media):
+@pytest.fixture(scope="module")
+def llm():
+    """The in-process engine the server is checked against (built once: its outputs depend on the request only)."""
+    from unifiedserve.engine import LLM
+
+    return LLM()
+
+
+@pytest.fixture(scope="module")
+def video(llm, media):
+    """The clip's patches as the engine's vision input, decoded once."""
+    import flashcodec
+    from unifiedserve.engine import VisionInput
+
+    _, files = media
+    return VisionInput.from_video(flashcodec.decode_video(str(files["video"]), output="patches",
+                                                          patch_spec=llm.processor.patch_spec))
+
+
+def test_penalties_cross_the_hand_off(client, media, llm, video):
     """Penalties, logit bias and min_p through the server equal the engine's: core samples the first token,
     decode goes on with the counts rebuilt from the hand-off (the prompt's distinct ids for the repetition
     penalty, the first token) and the request's parameters."""
-    import flashcodec
-    from unifiedserve.engine import LLM, SamplingParams, VisionInput
+    from unifiedserve.engine import SamplingParams
 
     _, files = media
-    llm = LLM()
-    video = VisionInput.from_video(flashcodec.decode_video(str(files["video"]), output="patches",
-                                                           patch_spec=llm.processor.patch_spec))
     # a repetition penalty below 1 draws the answer to the prompt's tokens: lost prompt ids would show at once
     penalties = dict(repetition_penalty=0.5, frequency_penalty=0.5, presence_penalty=0.25)
     story = [{"role": "user", "content": "Tell me a story about a cat."}]
@@ -105,16 +118,12 @@ def _stream_choices(server, body):
     return texts, reasons, usage, roles, ids
 
 
-def test_n_choices_are_seeded_requests_that_share_the_prompt(server, client, media):
+def test_n_choices_are_seeded_requests_that_share_the_prompt(server, client, media, llm, video):
     """n choices: choice i is the engine's request seeded seed + i (vLLM's rule), streamed or not; the prompt
     is counted once; choices after the first find the video's prompt in the prefix cache."""
-    import flashcodec
-    from unifiedserve.engine import LLM, SamplingParams, VisionInput
+    from unifiedserve.engine import SamplingParams
 
     _, files = media
-    llm = LLM()
-    video = VisionInput.from_video(flashcodec.decode_video(str(files["video"]), output="patches",
-                                                           patch_spec=llm.processor.patch_spec))
     ids, vision = llm.build_prompt([{"role": "user", "content": [{"type": "video", "vision": video},
                                                                  {"type": "text", "text": "Describe it twice."}]}])
     seed = 2**64 - 2  # choice 2 wraps to 0
@@ -165,11 +174,10 @@ def test_n_choices_stop_on_their_own(server, client, media):
     server.wait_idle()
 
 
-def test_stop_token_ids_end_a_choice_where_the_token_comes(server, client):
+def test_stop_token_ids_end_a_choice_where_the_token_comes(server, client, llm):
     """vLLM's stop_token_ids: the choice ends at the token (not in the text), at the first token too."""
-    from unifiedserve.engine import LLM, SamplingParams
+    from unifiedserve.engine import SamplingParams
 
-    llm = LLM()
     messages = [{"role": "user", "content": "Tell me a story."}]
     ids, _ = llm.build_prompt(messages)
     plain = llm.generate([(ids, [], SamplingParams(max_tokens=12, ignore_eos=True))])[0]
@@ -200,12 +208,11 @@ def test_streamed_content_equals_the_whole_with_stop_strings_across_tokens(serve
     server.wait_idle()
 
 
-def test_min_tokens_include_stop_str_and_special_tokens_equal_the_engine(server, client):
+def test_min_tokens_include_stop_str_and_special_tokens_equal_the_engine(server, client, llm):
     """vLLM's min_tokens, include_stop_str_in_output and skip_special_tokens: the server (core samples the first
     token, decode the rest) equals the engine, streamed or not; bad combinations are a 400 before any work."""
-    from unifiedserve.engine import LLM, SamplingParams
+    from unifiedserve.engine import SamplingParams
 
-    llm = LLM()
     eos = min(llm.eos_token_ids)
     messages = [{"role": "user", "content": "Say something."}]
     ids, _ = llm.build_prompt(messages)

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from json_schemas import PERSON
-from serve_helpers import Server, http
+from serve_helpers import Server, http, openai_client
 
 jsonschema = pytest.importorskip("jsonschema")  # the test extra (validates outputs); the GPU machine lacks it
 
@@ -48,7 +48,7 @@ def server(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def _both(client, **kw):
