@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_helpers import tiny_clip
+from serve_helpers import openai_client, tiny_clip
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +13,18 @@ def clip_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("clip")
     tiny_clip(d)
     return d
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """An openai client of the module's ``server`` fixture."""
+    return openai_client(server)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    """The in-process engine a module checks its server against (built once: its outputs depend on the request
+    only)."""
+    from unifiedserve.engine import LLM
+
+    return LLM()

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from serve_helpers import Server, http, openai_client
+from serve_helpers import Server, http
 
 pytestmark = pytest.mark.slow
 
@@ -20,18 +20,6 @@ def server(tmp_path_factory):
     srv = Server("--max-model-len", "512", media_dir=tmp_path_factory.mktemp("media"))
     yield srv
     assert srv.stop(signal.SIGTERM) == 0, srv.log()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
-
-
-@pytest.fixture(scope="module")
-def llm():
-    from unifiedserve.engine import LLM
-
-    return LLM()
 
 
 def _stream(server, body):

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import synthetic_video
-from serve_helpers import QUESTION, Server, alive, http, leftovers, openai_client, tiny_clip, video_message
+from serve_helpers import QUESTION, Server, alive, http, leftovers, tiny_clip, video_message
 from unifiedserve.runtime.launcher import UNIFIED_NICE
 
 pytestmark = pytest.mark.slow
@@ -51,11 +51,6 @@ def server(media):
         time.sleep(0.1)
     assert not [p for p in pids if alive(p)], "orphan processes after SIGTERM"
     assert leftovers(srv.instance) == []
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
 
 
 def image_message(path, question="Describe the image."):

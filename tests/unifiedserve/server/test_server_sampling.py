@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from serve_helpers import QUESTION, Server, http, leftovers, openai_client, video_message
+from serve_helpers import QUESTION, Server, http, leftovers, video_message
 
 pytestmark = pytest.mark.slow
 
@@ -27,19 +27,6 @@ def server(clip_dir):
     yield srv
     assert srv.stop(signal.SIGTERM) == 0, srv.log()
     assert leftovers(srv.instance) == []
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
-
-
-@pytest.fixture(scope="module")
-def llm():
-    """The in-process engine the server is checked against (built once: its outputs depend on the request only)."""
-    from unifiedserve.engine import LLM
-
-    return LLM()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from json_schemas import PERSON
-from serve_helpers import Server, http, openai_client
+from serve_helpers import Server, http
 
 jsonschema = pytest.importorskip("jsonschema")  # the test extra (validates outputs); the GPU machine lacks it
 
@@ -44,11 +44,6 @@ def server(request, tmp_path_factory):
     srv = Server("--policy", policy, *flags, media_dir=tmp_path_factory.mktemp("structured"))
     yield srv
     assert srv.stop(signal.SIGTERM) == 0, srv.log()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
 
 
 def _both(client, **kw):
