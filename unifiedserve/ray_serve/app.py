@@ -30,8 +30,8 @@ from flashcodec._errors import first_line
 from unifiedserve.ray_serve.metrics import ROUTE_COUNTS, ROUTERS, merge_replica_metrics
 from unifiedserve.ray_serve.route_key import route_key
 from unifiedserve.ray_serve.routing import RoutingConfig, RoutingHints
-from unifiedserve.server.limits import (TOKEN_ID_ROUTES, BodyBudget, BodyRefused, LimitError, check_json_shape,
-                                       read_body)
+from unifiedserve.server.limits import (AUTH_ERROR, AUTH_HEADERS, BODY_METHODS, TOKEN_ID_ROUTES, BodyBudget,
+                                       BodyRefused, LimitError, authorized, check_json_shape, read_body)
 from unifiedserve.server.openai_protocol import error_body
 
 log = logging.getLogger("unifiedserve")
@@ -68,8 +68,8 @@ class HttpCall:
     body: bytes
 
 
-def _error(message: str, status_code: int) -> JSONResponse:
-    return JSONResponse(error_body(message, status_code), status_code=status_code)
+def _error(message: str, status_code: int, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status_code), status_code=status_code, headers=headers)
 
 
 def replica_rank_metadata() -> dict:
@@ -236,6 +236,9 @@ class Ingress:
         self.limits = request_limits(args)
         # the bodies this ingress holds at once: read, keyed and handed to a replica (--max-inflight-request-mb)
         self.body_budget = BodyBudget(self.limits.inflight_request_bytes)
+        # the key checked here before a body is read, as the plain server's middleware does (the replicas check it
+        # again, for every route): a client without it takes no room in body_budget
+        self.api_key = args.api_key
         from unifiedserve.runtime.launcher import served_name
 
         self.model_name = served_name(args.model, args.served_model_name)  # the replicas' media-key context
@@ -248,6 +251,8 @@ class Ingress:
             return Response(await self.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
         if request.url.path == "/health" and request.method == "GET":
             return await self.health()
+        if request.method in BODY_METHODS and not authorized(request.headers.get("authorization"), self.api_key):
+            return _error(AUTH_ERROR, 401, AUTH_HEADERS)
         body = await self._read_body(request)
         if isinstance(body, Response):
             return body

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import hmac
 import logging
 import time
 import uuid
@@ -32,7 +31,8 @@ from unifiedserve.engine.structured import check_response_format
 from unifiedserve.model.generation import GenerationDefaults
 from unifiedserve.runtime import protocol
 from unifiedserve.server.engine_client import EngineClient, RequestError, RequestStream
-from unifiedserve.server.limits import TOKEN_ID_ROUTES, BodyBudget, LimitError, RequestLimits, check_json_shape
+from unifiedserve.server.limits import (AUTH_ERROR, AUTH_HEADERS, TOKEN_ID_ROUTES, BodyBudget, LimitError,
+                                       RequestLimits, authorized, check_json_shape)
 from unifiedserve.server.media import MediaError, MediaPolicy
 from unifiedserve.server.metrics import Metrics
 from unifiedserve.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -74,11 +74,9 @@ def _given(value, default, neutral):
     return neutral if default is None else default
 
 
-def _error(message: str, status_code: int, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status_code, param), status_code=status_code)
-
-
-_AUTH_ERROR = "invalid or missing API key (Authorization: Bearer <key>)"
+def _error(message: str, status_code: int, param: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status_code, param), status_code=status_code, headers=headers)
 
 
 class _ShapedJsonRoute(APIRoute):
@@ -96,7 +94,7 @@ class _ShapedJsonRoute(APIRoute):
             # the key first, before the body is looked at: FastAPI parses the body before the _auth dependency
             # (which checks the key again, as for every route)
             if not _authorized(request, state.api_key):
-                return _error(_AUTH_ERROR, 401)
+                return _unauthorized()
             try:
                 check_json_shape(await request.body(), state.max_model_len,
                                  token_ids=request.url.path in TOKEN_ID_ROUTES)
@@ -132,7 +130,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return _error(str(exc.detail), exc.status_code)
+        return _error(str(exc.detail), exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
@@ -141,7 +139,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def _auth(request: Request) -> None:  # a dependency, not middleware: that would hide disconnects
         if not _authorized(request, state.api_key):
-            raise StarletteHTTPException(401, _AUTH_ERROR)
+            raise StarletteHTTPException(401, AUTH_ERROR, AUTH_HEADERS)
 
     @app.get("/health")
     async def health():
@@ -181,12 +179,11 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 def _authorized(request: Request, api_key: str | None) -> bool:
-    """No ``api_key``, or ``Authorization: Bearer <key>``; the scheme is case-insensitive (RFC 7235), the key compared
-    in constant time."""
-    if not api_key:
-        return True
-    scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+    return authorized(request.headers.get("authorization"), api_key)
+
+
+def _unauthorized() -> JSONResponse:
+    return _error(AUTH_ERROR, 401, headers=AUTH_HEADERS)
 
 
 def render_metrics(state: ServerState) -> bytes:

@@ -377,7 +377,7 @@ async def _serve(runtime, args, limits: RequestLimits, sock: socket.socket | Non
         state = build_state(runtime, client, args, limits)
         metrics = state.metrics
         state.body_budget = BodyBudget(limits.inflight_request_bytes)  # behind --ray, the ingress holds its own
-        app = BodySizeLimit(build_app(state), limits.max_request_bytes, state.body_budget)
+        app = BodySizeLimit(build_app(state), limits.max_request_bytes, state.body_budget, args.api_key)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                access_log=False, timeout_graceful_shutdown=5,
                                                **uvicorn_options()))

@@ -66,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     g.add_argument("--api-key", default=os.environ.get("UNIFIEDSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $UNIFIEDSERVE_API_KEY, or none)")
+                   help="require 'Authorization: Bearer KEY' on /v1 routes and /(de)tokenize, checked before a request "
+                        "body is read (default: $UNIFIEDSERVE_API_KEY, or none)")
     g.add_argument("--policy", choices=POLICIES, default=RuntimeConfig.policy,
                    help="unified (default): encode+prefill (core) and decode in separate processes sharing every "
                         "core/device and the KV cache, decode at priority (see --decode-threads). monolithic: one process batches decode tokens into the "

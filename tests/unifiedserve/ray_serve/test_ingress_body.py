@@ -4,6 +4,7 @@ same status, same OpenAI-style body, nothing read past a declared length (Ray im
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -104,6 +105,60 @@ def test_the_ingress_refuses_a_body_with_no_room_as_the_plain_server_does(monkey
     assert b"--max-inflight-request-mb" in response.body
 
 
+@pytest.mark.parametrize("authorization", [None, b"Bearer wrong", b"Basic sekret", b"sekret"])
+def test_without_the_api_key_no_body_is_read_and_none_takes_room(authorization):
+    """--api-key: a body-carrying request without the key gets the same 401 from the plain server's middleware
+    and the ingress before a byte of its body is read, so it holds no room that a client with the key needs."""
+    headers = [(b"content-length", b"2")] + ([(b"authorization", authorization)] if authorization else [])
+    sent = []
+
+    async def app(scope, receive, send):  # pragma: no cover - an unauthorized request never reaches it
+        raise AssertionError("an unauthorized request reached the app")
+
+    async def send(message):
+        sent.append(message)
+
+    receive, plain_calls = feeder([b"{}"])
+    budget = BodyBudget(LIMIT)
+    asyncio.run(BodySizeLimit(app, LIMIT, budget, api_key="sekret")(scope(headers), receive, send))
+    assert sent[0]["status"] == 401 and (b"www-authenticate", b"Bearer") in sent[0]["headers"]
+    assert plain_calls == [] and budget.held == 0
+
+    ingress = Ingress.__new__(Ingress)
+    ingress.api_key, ingress.body_budget = "sekret", BodyBudget(LIMIT)
+    ingress._read_body = lambda request: pytest.fail("the ingress read an unauthorized body")
+    receive, ray_calls = feeder([b"{}"])
+    response = asyncio.run(ingress(Request(scope(headers), receive)))
+    assert response.status_code == 401 and json.loads(response.body) == json.loads(sent[1]["body"])
+    assert response.headers["www-authenticate"] == "Bearer" and ray_calls == []
+    assert json.loads(response.body)["error"]["type"] == "authentication_error"
+
+
+def test_with_the_api_key_the_body_is_read_and_handed_on():
+    headers = [(b"content-length", b"2"), (b"authorization", b"bearer  sekret ")]
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append((await receive())["body"])
+
+    receive, _ = feeder([b"{}"])
+    asyncio.run(BodySizeLimit(app, LIMIT, BodyBudget(LIMIT), api_key="sekret")(scope(headers), receive, None))
+    assert reached == [b"{}"]
+
+    ingress = Ingress.__new__(Ingress)
+    ingress.api_key, ingress.body_budget = "sekret", BodyBudget(LIMIT)
+    ingress.limits = RequestLimits(max_request_bytes=LIMIT)
+
+    async def route(request, body):
+        reached.append(body)
+        return "routed"
+
+    ingress._route = route
+    receive, _ = feeder([b"{}"])
+    assert asyncio.run(ingress(Request(scope(headers), receive))) == "routed" and reached[-1] == b"{}"
+    assert ingress.body_budget.held == 0
+
+
 def test_a_body_within_the_limit_is_read_whole():
     response, _ = ray_ingress([(b"content-length", b"12")], [b'{"messages"', b":[]}"])
     assert response == b'{"messages":[]}'
@@ -115,7 +170,6 @@ def test_a_body_within_the_limit_is_read_whole():
                                         ("/v1/completions", False)])
 def test_chat_and_tokenize_are_routed_by_their_first_media(tmp_path, path, keyed):
     """A video's /tokenize goes where its questions go (its probe warms that replica's probe cache)."""
-    import json
     from pathlib import Path
 
     from unifiedserve.server.media import MediaPolicy
@@ -140,6 +194,7 @@ def test_chat_and_tokenize_are_routed_by_their_first_media(tmp_path, path, keyed
 
     ingress = Ingress.__new__(Ingress)
     ingress.limits, ingress.model_name, ingress.max_model_len = RequestLimits(), "demo", 32768
+    ingress.api_key = None
     ingress.body_budget = BodyBudget(len(body))
     ingress.policy = MediaPolicy(Path(tmp_path))
     ingress.replicas = Replicas

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -28,6 +29,12 @@ def test_decode_worker_death_fails_requests_and_exits_nonzero(clip_dir):
     pids = srv.pids()
     try:
         assert http("GET", srv.url + "/v1/models")[0] == 401
+        # a body's request without the key: 401 before its body is read (here the body is never sent)
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as conn:
+            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 50000000\r\n\r\n")
+            head = conn.recv(4096).lower()
+        assert head.startswith(b"http/1.1 401") and b"www-authenticate: bearer" in head, head
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0, timeout=60)
         assert client.models.list().data[0].id == "demo-model"
         messages = [{"role": "user", "content": [
