@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from flashcodec.devices import NVDEC_HOST_CORES
+from flashcodec._sysmem import available_memory
 
 #: Show a progress bar when a decode has at least this many frames to decode.
 PROGRESS_MIN_FRAMES = 1000
@@ -308,22 +309,6 @@ def _decode(args) -> int:
     return 0
 
 
-def _available_memory() -> tuple[int, str] | None:
-    """``(bytes, what)``: the memory the kernel says a new allocation can have (``MemAvailable``), else the
-    machine's physical memory; None where neither can be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "available memory"
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "memory"
-    except (ValueError, OSError, AttributeError):  # not a POSIX system that says
-        return None
-
-
 def _check_output_fits(plan, output: str) -> None:
     """Refuse, before decoding, an output larger than the memory this machine has free (uint8 RGB frames, or
     float32 patches): against its whole memory, an output just under it ran the machine out of memory.
@@ -333,7 +318,7 @@ def _check_output_fits(plan, output: str) -> None:
     """
     per_pixel = 3 if output == "rgb" else 3 * 4
     need = plan.num_output_frames * plan.height * plan.width * per_pixel
-    found = _available_memory()
+    found = available_memory()
     if found is not None and need > found[0]:
         memory, what = found
         raise ValueError(f"the output would take {need / 2**30:.1f} GiB ({plan.num_output_frames} frames of "

@@ -7,8 +7,7 @@ memory lives exactly as long as the last process that maps it and nothing is lef
 after ``kill -9``.
 
 On CUDA the launcher allocates each pool with the driver and sends its 64-byte IPC handle; every
-worker maps it once (``unifiedserve/runtime/cuda_pools.py``). That path is written and CPU-tested
-(bookkeeping, teardown order) but has not run on a GPU yet.
+worker maps it once (``unifiedserve/runtime/cuda_pools.py``; ran on an H200 and an H100, docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -47,15 +46,32 @@ class PoolSpec:
         return math.prod(self.shape) * self.torch_dtype.itemsize
 
 
-def check_shm_space(shm_dir: str, num_bytes: int) -> None:
-    """Raise a clear ``ValueError`` when the tmpfs folder is missing or cannot hold the pools."""
+#: check_shm_space's default: read the memory cgroup's room
+READ_CGROUP = -1
+
+
+def check_shm_space(shm_dir: str, num_bytes: int, cgroup_room: int | None = READ_CGROUP) -> None:
+    """Raise a clear ``ValueError`` when the tmpfs folder is missing or cannot hold the pools, or when the
+    process's memory cgroup could not hold them: a tmpfs page counts against the limit of the cgroup that
+    touches it, so pools sized by a host-wide /dev/shm in a container with a smaller ``--memory`` would end in
+    the OOM killer mid-serving. ``cgroup_room``: that limit's room in bytes (None: no limit), or
+    :data:`READ_CGROUP` to read it (:func:`flashcodec._sysmem.cgroup_memory_room`)."""
     if not os.path.isdir(shm_dir):
         raise ValueError(f"--shm-dir {shm_dir} is not a folder; give a tmpfs folder such as /dev/shm")
+    shrink = "shrink the pools (--kv-cache-gb, --patch-buffer-gb, --visual-buffer-gb)"
     free = shutil.disk_usage(shm_dir).free
     if free < num_bytes:
         raise ValueError(f"the shared pools need {num_bytes / 2**30:.2f} GiB but {shm_dir} has "
-                           f"{free / 2**30:.2f} GiB free; shrink the pools (--kv-cache-gb, --patch-buffer-gb) or "
-                           f"give a bigger tmpfs with --shm-dir (in Docker: --shm-size)")
+                         f"{free / 2**30:.2f} GiB free; {shrink} or give a bigger tmpfs with --shm-dir (in Docker: "
+                         f"--shm-size)")
+    if cgroup_room == READ_CGROUP:
+        from flashcodec._sysmem import cgroup_memory_room
+
+        cgroup_room = cgroup_memory_room()
+    if cgroup_room is not None and cgroup_room < num_bytes:
+        raise ValueError(f"the shared pools need {num_bytes / 2**30:.2f} GiB but this process's memory limit "
+                         f"(cgroup) leaves {cgroup_room / 2**30:.2f} GiB, and their pages count against it; "
+                         f"{shrink} or raise the limit (in Docker: --memory)")
 
 
 def create_cpu_pool(shm_dir: str, prefix: str, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> PoolSpec:

@@ -39,3 +39,14 @@ def test_bfloat16_pool(tmp_path):
 def test_not_enough_shared_memory_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="--shm-dir"):
         check_shm_space(str(tmp_path), 2**62)
+
+
+def test_pools_over_the_memory_cgroups_room_are_a_clear_error(tmp_path):
+    """tmpfs pages count against the memory cgroup: pools the folder could hold but the container's limit could
+    not are refused at start-up, not met by the OOM killer while serving."""
+    with pytest.raises(ValueError, match=r"need 2\.00 GiB but this process's memory limit \(cgroup\) leaves 1\.00 GiB"
+                                         r".*--kv-cache-gb.*--memory"):
+        check_shm_space(str(tmp_path), 2**31, cgroup_room=2**30)
+    check_shm_space(str(tmp_path), 2**29, cgroup_room=2**30)
+    check_shm_space(str(tmp_path), 2**29, cgroup_room=None)  # no limit
+    check_shm_space(str(tmp_path), 2**20)  # this machine's own cgroups, read
