@@ -178,6 +178,12 @@ def _stream_known(container) -> bool:
     return context is not None and bool(context.name) and context.width > 0 and context.height > 0
 
 
+def untimed_message(name: str) -> str:
+    """The refusal of a video whose packets carry no timestamps (the probe's, at its first such packet)."""
+    return (f"{name}: its packets carry no timestamps (a raw H.264 or HEVC stream?); put it in a container first, "
+            f"e.g. ffmpeg -i IN -c copy OUT.mp4")
+
+
 def _ffmpeg_reason(e: Exception) -> str:
     return getattr(e, "strerror", None) or first_line(e)
 
@@ -237,8 +243,8 @@ def probe(source: SourceLike | Source, max_source_pixels: int | None = None) -> 
                 if packet.size == 0:
                     continue  # the demuxer's end-of-stream marker
                 pts = packet.pts if packet.pts is not None else packet.dts
-                if pts is None:  # no timestamps at all (raw streams): count frames
-                    pts = len(pts_list)
+                if pts is None:  # no timestamps at all (a raw stream): no frame of it could be placed and decoded
+                    raise CorruptVideoError(untimed_message(src.name))
                 if packet.is_keyframe:
                     keyframe_positions.append(len(pts_list))
                     if first_keyframe is None:

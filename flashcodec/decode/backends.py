@@ -32,7 +32,7 @@ from flashcodec.decode import fast_open
 from flashcodec.decode.frame_mappings import frame_mappings
 from flashcodec.plan.segments import GopSegment
 from flashcodec._errors import CorruptVideoError, first_line
-from flashcodec._probe import SKIP_STREAM_INFO_DECODE, VideoInfo, per_probe
+from flashcodec._probe import SKIP_STREAM_INFO_DECODE, VideoInfo, per_probe, untimed_message
 from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode, resize_frames_uint8
 from flashcodec.source import Source
 
@@ -215,21 +215,25 @@ class PyAVSegmentDecoder(SegmentDecoder):
                 log.debug("seek to pts %d failed (%s): demuxing from the start", target_pts, e)
             else:
                 self._packets = self._container.demux(self._stream)
-                if self._scan_to(position, target_pts):
+                if self._scan_to(position, target_pts, after_seek=True):
                     return
         self._container.close()
         self._open()
         self._packets = self._container.demux(self._stream)
         if not self._scan_to(position, target_pts):
             self._packets, self._position = None, -1
-            if self._untimed:  # the probe counted such packets; frames without timestamps cannot be placed
-                raise CorruptVideoError(f"{self._source.name}: its packets carry no timestamps (a raw H.264 or HEVC "
-                                        f"stream?); put it in a container first, e.g. ffmpeg -i IN -c copy OUT.mp4")
+            if self._untimed:  # the probe refuses such streams at their first packet; a file that changed since
+                raise CorruptVideoError(untimed_message(self._source.name))
             raise CorruptVideoError(f"{self._source.name}: the packet at decode position {position} (pts {target_pts}) "
                                     f"is not in the stream; its timestamps or index are broken")
 
-    def _scan_to(self, position: int, target_pts: int) -> bool:
-        """Demux up to the packet whose pts (else dts) is ``target_pts`` and hold it as the next one to decode."""
+    def _scan_to(self, position: int, target_pts: int, after_seek: bool = False) -> bool:
+        """Demux up to the packet whose pts (else dts) is ``target_pts`` and hold it as the next one to decode.
+
+        ``after_seek``: the demuxer was just seeked, and may have landed past the packet (Matroska seeks to the next
+        keyframe when none is at or before it): a packet the probe placed after ``position`` ends the search at
+        once, rather than demuxing the rest of the file for a packet behind it. (Only there: from the start of the
+        stream, two packets with one pts, which a broken file can have, must not end the search early.)"""
         self._position = -1  # unknown until the packet is found (also if the demuxer raises here)
         self._untimed = False
         for packet in self._packets:
@@ -241,6 +245,10 @@ class PyAVSegmentDecoder(SegmentDecoder):
                 self._position = position
                 self._pending = packet
                 return True
+            if after_seek and pts is not None:
+                display = self._display_by_pts.get(pts)
+                if display is not None and int(self._info.decode_positions[display]) > position:
+                    return False
         return False
 
     def decode_segment(self, segment: GopSegment, emit: Emit, should_stop: ShouldStop = never) -> list[int]:

@@ -332,13 +332,74 @@ def test_a_stream_that_starts_mid_gop_fails_its_first_frames_cleanly_and_decodes
     assert result.frames.shape[0] == 4 and result.failed_frame_indices == [0]
 
 
-def test_a_raw_stream_without_timestamps_is_refused_with_the_way_out(tiny_h264, tmp_path):
+def test_a_seek_that_lands_past_its_packet_demuxes_no_further(tiny_h264, tmp_path, monkeypatch):
+    """Matroska seeks to the next keyframe when none is at or before the packet (a stream that starts mid-GOP):
+    the first packet past it ends that search, and the decoder starts again from the top, instead of demuxing the
+    rest of the file first (36 of 47 packets here; a long video's whole file)."""
+    from flashcodec.decode import backends
+
+    path = _remux(tiny_h264, tmp_path / "nokey.mkv", drop=1)  # 47 packets, keyframes at 11, 23, 35
+    demuxed = []
+
+    class Counting:  # the container, its demux counted
+        def __init__(self, container):
+            self._container = container
+
+        def __getattr__(self, name):
+            return getattr(self._container, name)
+
+        def demux(self, *streams):
+            for packet in self._container.demux(*streams):
+                demuxed[-1] += 1
+                yield packet
+
+    opened = backends.PyAVSegmentDecoder._open
+
+    def counting_open(self):
+        opened(self)
+        self._container = Counting(self._container)
+
+    monkeypatch.setattr(backends.PyAVSegmentDecoder, "_open", counting_open)
+    original_scan = backends.PyAVSegmentDecoder._scan_to
+
+    def scan(self, *args, **kwargs):
+        demuxed.append(0)
+        return original_scan(self, *args, **kwargs)
+
+    monkeypatch.setattr(backends.PyAVSegmentDecoder, "_scan_to", scan)
+    result = flashcodec.decode_video(str(path), backend="pyav", on_corrupt="repeat", num_threads=1)
+    assert result.failed_frame_indices == [0]
+    # the seek for position 0 landed on the keyframe at 11, past it: one packet (37 before, to the end of the
+    # file); then the search from the top found it
+    assert demuxed[0] == 1 and len(demuxed) > 1, demuxed
+
+
+def test_a_raw_stream_without_timestamps_is_refused_by_its_probe_with_the_way_out(tiny_h264, tmp_path, monkeypatch):
+    """At the probe's first packet: no frame of it could be placed, and decoding used to find that out only after
+    demuxing the whole stream twice (the probe's scan, then a segment's search for its first packet)."""
     path = _remux(tiny_h264, tmp_path / "raw.h264", raw=True)
     with pytest.raises(flashcodec.CorruptVideoError, match=r"raw.h264: its packets carry no timestamps .* -c copy"):
-        flashcodec.decode_video(str(path), backend="pyav")
-    if "torchcodec" in flashcodec.available_backends():  # its open raised a plain, three-line ValueError
-        with pytest.raises(flashcodec.CorruptVideoError, match=r"raw.h264: torchcodec cannot open the video \("):
-            flashcodec.decode_video(str(path), backend="torchcodec")
+        flashcodec.probe(str(path))
+    from flashcodec.decode import backends
+
+    monkeypatch.setattr(backends.PyAVSegmentDecoder, "_seek_to", lambda *a: pytest.fail("a raw stream was decoded"))
+    for backend in ["pyav"] + (["torchcodec"] if "torchcodec" in flashcodec.available_backends() else []):
+        with pytest.raises(flashcodec.CorruptVideoError, match=r"raw.h264: its packets carry no timestamps"):
+            flashcodec.decode_video(str(path), backend=backend)
+
+
+@pytest.mark.skipif("torchcodec" not in flashcodec.available_backends(), reason="torchcodec not installed")
+def test_a_file_torchcodec_cannot_open_is_one_clear_error(tiny_h264, tmp_path):
+    """torchcodec's open raises a plain, three-line ValueError or RuntimeError (a file that changed after its
+    probe, here one that is no video any more)."""
+    from flashcodec.decode.backends import TorchCodecSegmentDecoder
+    from flashcodec.source import Source
+
+    info = flashcodec.probe(str(tiny_h264))
+    garbage = tmp_path / "changed.mp4"
+    garbage.write_bytes(b"\x00" * 4096)
+    with pytest.raises(flashcodec.CorruptVideoError, match=r"changed.mp4: torchcodec cannot open the video \("):
+        TorchCodecSegmentDecoder(Source(str(garbage)), info, 64, 64)
     from flashcodec._errors import error_line
 
     assert error_line(ValueError("first line\nThis should never happen.\nPlease report")) == "first line"
