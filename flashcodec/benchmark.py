@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Callable
@@ -21,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 import flashcodec
+from flashcodec._provenance import source_commit
 from flashcodec.decode import fast_open
 from flashcodec.decode.backends import DEFAULT_INTERPOLATION, PyAVSegmentDecoder, convert_frame
 from flashcodec.plan.video import VideoPlan, floor_cost
@@ -173,11 +173,7 @@ def machine_info() -> dict:
     import av
     import torch
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
-    except Exception:
-        commit = None
+    commit = source_commit()
     return {"machine": platform.machine(), "processor": platform.processor() or None, "cores": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__, "av": av.__version__,
             "flashcodec": flashcodec.__version__, "commit": commit}

@@ -18,9 +18,7 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -258,12 +256,9 @@ def format_kernels(summary: dict) -> str:
 
 def machine_info(device: torch.device) -> dict:
     """Machine, versions and commit for the JSON (no optional imports: the GPU image lacks PyAV)."""
-    root = Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=root, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
+    from flashcodec._provenance import source_commit
+
+    commit = source_commit()
     info = {"machine": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "cuda": torch.version.cuda, "commit": commit, "device": str(device),
             "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}

@@ -36,6 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from flashcodec._provenance import source_commit  # noqa: E402
 from unifiedserve import ops  # noqa: E402
 from unifiedserve.memory.pages import RaggedIndex  # noqa: E402
 from unifiedserve.ops import RaggedIndexTensors, reference  # noqa: E402
@@ -155,7 +156,7 @@ def machine_info(device: str = "cpu") -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
     return {"machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__, "commit": git("rev-parse", "--short", "HEAD"),
+            "python": platform.python_version(), "torch": torch.__version__, "commit": source_commit(),
             "dirty": bool(git("status", "--porcelain", "--", "csrc", "unifiedserve/ops")),
             "native_build": ops.build_info(), **gpu_info(device)}
 

@@ -38,6 +38,7 @@ if str(ROOT / "datasets") not in sys.path:
     sys.path.insert(0, str(ROOT / "datasets"))
 
 import workload_config  # noqa: E402
+from flashcodec._provenance import source_commit  # noqa: E402
 import workload_jsonl  # noqa: E402
 import workloads  # noqa: E402
 
@@ -366,7 +367,7 @@ def machine_info() -> dict:
     gpus = run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"])
     return {"platform": platform.platform(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "packages": versions,
-            "gpus": gpus.splitlines() if gpus else [], "commit": run(["git", "rev-parse", "HEAD"])}
+            "gpus": gpus.splitlines() if gpus else [], "commit": source_commit()}
 
 
 def parse_goodput(items: list[str] | None) -> dict | None:
