@@ -108,7 +108,9 @@ class Processor:
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special tokens written in the text map to their ids. ``add_special_tokens``
         adds what the tokenizer's post-processor adds (Qwen's add nothing; the chat template writes its own)."""
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # the batch call: it lets go of the GIL while it works, the single one holds it (1 MB of text: 0.66 s in
+        # which no other thread ran, the server's event loop and every stream on it included; batched, 0.02 s)
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def expand_vision_tokens(self, ids: Sequence[int], image_grid_thws: Sequence[Sequence[int]] = (),
                              video_grid_thws: Sequence[Sequence[int]] = (), merge_size: int | None = None) -> list[int]:
@@ -155,8 +157,8 @@ class Processor:
             return token.encode("utf-8")
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Text of ``ids`` (through the batch call, which lets go of the GIL: see :meth:`tokenize`)."""
+        return self.tokenizer.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         """A streaming detokenizer for one sequence's generated tokens."""

@@ -137,3 +137,36 @@ def test_token_bytes_spell_the_text_exactly(processor):
     assert b"".join(processor.token_bytes(i) for i in ids) == text.encode("utf-8")
     assert any(len(processor.token_bytes(i)) == 1 and processor.token_bytes(i)[0] >= 0x80 for i in ids)
     assert processor.token_bytes(10**9) == b""
+
+
+def test_a_long_text_is_tokenized_and_decoded_without_holding_the_gil(processor):
+    """The server tokenizes on a worker thread: the single-text calls held the GIL throughout (1 MB: 0.66 s in which
+    the event loop, and every stream on it, stood still); the batch calls the processor uses let go of it."""
+    import threading
+    import time
+
+    text = "a b " * 250_000
+    ticks, done = [], threading.Event()
+
+    def ticker():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    time.sleep(0.02)
+    try:
+        marks = [time.perf_counter()]
+        ids = processor.tokenize(text)
+        marks.append(time.perf_counter())
+        text_again = processor.decode(ids, skip_special_tokens=False)
+        marks.append(time.perf_counter())
+    finally:
+        done.set()
+        thread.join()
+    assert text_again == text and ids == processor.tokenizer.encode(text, add_special_tokens=False).ids
+    # held: one tick at most in a call; let go: a tick every few ms of it (here about 0.6 s, then 0.06 s)
+    for name, start, end in (("tokenize", marks[0], marks[1]), ("decode", marks[1], marks[2])):
+        during = sum(start < t < end for t in ticks)
+        assert during >= 5, f"{name}: {during} ticks in {end - start:.3f} s"
