@@ -40,6 +40,18 @@ class _Model(BaseModel):
     # an unknown field is refused, never silently ignored; values are never coerced from another JSON type
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """A ``null`` sent for an optional field means its default, as in OpenAI's API, whose optional fields are
+        nullable (``"stream": null`` is no stream, ``"n": null`` one choice); a required field's null stays an
+        error."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        nulls = [k for k, v in data.items() if v is None and k in fields and not fields[k].is_required()]
+        return {k: v for k, v in data.items() if k not in nulls} if nulls else data
+
 
 class TextPart(_Model):
     type: Literal["text"]
@@ -324,6 +336,9 @@ class CompletionRequest(SamplingRequest):
         if self.echo and self.logprobs is not None:
             raise ValueError("echo with logprobs asks for the prompt's log-probabilities, which this server does not "
                              "compute; send one of them")
+        best_of = (self.model_extra or {}).get("best_of")
+        if best_of == 1 and self.n > 1:  # OpenAI's and vLLM's rule: best_of candidates must cover the n returned
+            raise ValueError(f"best_of (1) must be at least n ({self.n}); leave best_of out")
 
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]

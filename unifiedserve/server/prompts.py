@@ -183,8 +183,12 @@ def convert_messages(body: ChatCompletionRequest, policy: MediaPolicy, limits: R
                                  for part in m.content if not isinstance(part, TextPart)))
     messages, media = [], []
     for m, message in enumerate(body.messages):
+        # OpenAI's "developer" role is its newer name for the system instructions; Qwen2.5-VL was trained with
+        # "system" (its chat template also writes its default system prompt when the first message is not one), so
+        # the template gets "system": the role the model knows, not a turn it never saw
+        role = "system" if message.role == "developer" else message.role
         if message.content is None or isinstance(message.content, str):
-            messages.append({"role": message.role, "content": message.content or ""})
+            messages.append({"role": role, "content": message.content or ""})
             continue
         parts = []
         for j, part in enumerate(message.content):
@@ -213,5 +217,5 @@ def convert_messages(body: ChatCompletionRequest, policy: MediaPolicy, limits: R
                                                min_pixels=v.min_pixels, max_pixels=v.max_pixels,
                                                shown=describe(v.url), pixel_ceiling=limits.max_pixels))
                 parts.append({"type": "video"})
-        messages.append({"role": message.role, "content": parts})
+        messages.append({"role": role, "content": parts})
     return messages, media
