@@ -307,6 +307,7 @@ class Ingress:
             if streamed:  # the status is sent already: say it in-band, as the API does for a dead worker
                 message = f"the replica serving this request ({replica_id}) failed; retry the request"
                 yield f"data: {json.dumps(error_body(message, 503))}\n\n"
+                yield "data: [DONE]\n\n"
         finally:
             if not done:  # the client went away: stop the replica's work too
                 gen.cancel()

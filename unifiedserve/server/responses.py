@@ -338,8 +338,9 @@ async def sse(state: ServerState, gens: list[Generation], include_usage: bool, c
         yield "data: [DONE]\n\n"
         done = True
         _finished(state, gens)
-    except RequestError as e:  # a worker died mid-stream: tell the client in-band, then end
+    except RequestError as e:  # a worker died mid-stream: tell the client in-band, then end as every stream does
         yield f"data: {json.dumps(error_body(e.message, e.status_code))}\n\n"
+        yield "data: [DONE]\n\n"  # as vLLM: a client reading up to [DONE] is not left waiting for it
         done = True
         _abort(state, gens)  # the other choices' requests
     finally:

@@ -89,6 +89,11 @@ def test_a_schema_that_dead_ends_mid_value_is_a_400_and_the_server_goes_on(serve
     assert error is not None and "admits no continuation" in error, error
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == '{"a":'
     assert not [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    # on the wire: the error event, then [DONE] as every stream ends (vLLM's too)
+    status, raw = http("POST", url, {"messages": MESSAGES, "response_format": dead, "max_tokens": 50, "stream": True})
+    events = [line for line in raw.splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "data: [DONE]", events[-3:]
+    assert "admits no continuation" in json.loads(events[-2].removeprefix("data: "))["error"]["message"]
     ok = client.chat.completions.create(model="demo-model", messages=MESSAGES, max_tokens=100, temperature=0,
                                         response_format=PERSON_FORMAT)
     jsonschema.validate(json.loads(ok.choices[0].message.content), PERSON)
