@@ -87,14 +87,10 @@ CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", "messages",
 TEXT = Shape("cmpl", "text_completion", "text_completion", "prompt", False)
 
 
-def _legacy_logprobs(entries: list[dict], offset: int) -> dict:
+def _legacy_logprobs(entries: list[dict], offsets: list[int]) -> dict:
     """Chat ``logprobs.content`` entries as a completion's ``logprobs`` (OpenAI's legacy format, as vLLM fills
     it): the tokens, their log-probabilities, each token's top tokens with the sampled one among them, and each
-    token's offset in the choice's text (``offset`` is the first's: the echoed prompt's length, or 0)."""
-    offsets = []
-    for e in entries:
-        offsets.append(offset)
-        offset += len(e["token"])
+    token's ``offsets``: where its text begins in the choice's text (echoed prompt included)."""
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [{**{t["token"]: t["logprob"] for t in e["top_logprobs"]}, e["token"]: e["logprob"]}
                              for e in entries], "text_offset": offsets}
@@ -114,7 +110,11 @@ class Generation:
         self.state, self.request_id, self.stream, self.params = state, request_id, stream, params
         self.shape, self.echo, self.prompt_index = shape, echo, prompt_index
         self.leads = first is not None  # its prompt's first choice: the one whose first token is the prompt's TTFT
-        self._offset = len(echo)  # a streamed completion's text offset of its next token (legacy logprobs)
+        #: each logprob entry's token: where its text begins in the choice's text, echo included (legacy logprobs'
+        #: text_offset). Counted in the text itself, not in the tokens' display strings: a token that is part of a
+        #: character (shown as its bytes, "\\x91") or a special token the text skips adds less, or nothing
+        self._text_offsets: list[int] = []
+        self._legacy_sent = 0  # entries a streamed completion has sent
         self.index, self.response_id = index, response_id or request_id
         self._first = first  # already read from the stream (choice 0's, before the response starts)
         self.stop_ids = stop_ids
@@ -139,10 +139,12 @@ class Generation:
         self.num_tokens += 1
         metrics.generation_tokens.inc()
         is_stop_token = out.finish_reason == "stop" and out.token_id in self.stop_ids
+        offset = len(self.echo) + len(self.output.text)  # where this token's text begins
         text = self.output.add(out.token_id, out.index, is_stop_token)
         if self.logprobs is not None and out.logprob is not None and (not is_stop_token or self.output.include_stop):
             # a stop token's logprob is output with its text only
             self.logprobs.append(self._logprob_entry(out.token_id, out.logprob, out.top_logprobs or []))
+            self._text_offsets.append(offset)
         if self.output.stopped:
             self.finish_reason = "stop"
         elif out.finish_reason is not None:
@@ -216,7 +218,7 @@ class Generation:
         """The choice in a whole response."""
         if not self.shape.chat:
             return {"index": self.index, "text": self.echo + self.output.text,
-                    "logprobs": None if self.logprobs is None else _legacy_logprobs(self.logprobs, len(self.echo)),
+                    "logprobs": None if self.logprobs is None else _legacy_logprobs(self.logprobs, self._text_offsets),
                     "finish_reason": self.finish_reason}
         return {"index": self.index, "message": {"role": "assistant", "content": self.output.text},
                 "logprobs": None if self.logprobs is None else {"content": self.logprobs},
@@ -235,8 +237,8 @@ class Generation:
         else:
             legacy = None
             if logprobs is not None:
-                legacy = _legacy_logprobs(logprobs, self._offset)
-                self._offset += sum(len(e["token"]) for e in logprobs)
+                sent, self._legacy_sent = self._legacy_sent, self._legacy_sent + len(logprobs)
+                legacy = _legacy_logprobs(logprobs, self._text_offsets[sent:self._legacy_sent])
             choices = [{"index": self.index, "text": delta.get("content", ""), "logprobs": legacy,
                         "finish_reason": finish_reason}]
         body = {"id": self.response_id, "object": self.shape.chunk_object, "created": self.created,

@@ -97,6 +97,15 @@ def test_echo_logprobs_stop_strings_and_choices(server, client, llm):
     streamed = [c["logprobs"] for e in events for c in e["choices"] if c["logprobs"]]
     assert [t for s in streamed for t in s["tokens"]] == lp["tokens"]
     assert [t for s in streamed for t in s["text_offset"]] == lp["text_offset"]
+    assert lp["text_offset"][-1] <= len(whole["choices"][0]["text"])
+    # offsets are counted in the text: a token the text skips (a special token) adds nothing, however it is shown
+    special = str(llm.processor.tokenizer.token_to_id("<|im_start|>"))
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 0, "ignore_eos": True,
+            "logit_bias": {special: 100}}
+    status, whole = http("POST", server.url + "/v1/completions", body)
+    assert status == 200 and whole["choices"][0]["text"] == "", whole
+    assert whole["choices"][0]["logprobs"]["tokens"] == ["<|im_start|>"] * 4
+    assert whole["choices"][0]["logprobs"]["text_offset"] == [0] * 4
     # a stop string, and n seeded choices
     stop = ref.text[len(ref.text) // 2:len(ref.text) // 2 + 2]
     res = client.completions.create(model="demo-model", prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop],
