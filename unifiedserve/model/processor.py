@@ -93,17 +93,27 @@ class Processor:
         ``<|vision_start|><|image_pad|><|vision_end|>`` (or ``<|video_pad|>``) in the text.
 
         Raises:
-            ValueError: the checkpoint has no chat template.
+            ValueError: the checkpoint has no chat template, or its template refuses the messages (its
+                ``raise_exception``) or fails on them.
         """
         if self.chat_template is None:
             raise ValueError("tokenizer_config.json has no chat_template; pass a prompt string instead")
+        from jinja2 import TemplateError
+
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                     eos_token=self.eos_token, pad_token=self.pad_token)
+            env.globals["raise_exception"] = _raise_exception  # as transformers gives templates (many call it)
+            try:
+                self._template = env.from_string(self.chat_template)
+            except TemplateError as e:
+                raise ValueError(f"the checkpoint's chat template does not compile: {e}") from None
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         eos_token=self.eos_token, pad_token=self.pad_token)
+        except (TemplateError, TypeError) as e:  # it refused these messages (raise_exception), or failed on them
+            raise ValueError(f"the chat template refused the messages: {e}") from None
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special tokens written in the text map to their ids. ``add_special_tokens``
@@ -201,6 +211,14 @@ class IncrementalDecoder:
         text = self._decode(self._ids[self._prefix:])
         self._prefix = self._read = len(self._ids)
         return text[len(emitted):]
+
+
+def _raise_exception(message: str) -> None:
+    """The chat template's ``raise_exception(message)``: its refusal of the messages (a ``TemplateError``, as in
+    transformers), which the renderer turns into a ``ValueError`` (the server's 400)."""
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
 
 
 def load_processor(path: str | Path) -> Processor:

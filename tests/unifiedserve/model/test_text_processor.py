@@ -170,3 +170,25 @@ def test_a_long_text_is_tokenized_and_decoded_without_holding_the_gil(processor)
     for name, start, end in (("tokenize", marks[0], marks[1]), ("decode", marks[1], marks[2])):
         during = sum(start < t < end for t in ticks)
         assert during >= 5, f"{name}: {during} ticks in {end - start:.3f} s"
+
+
+def test_a_template_that_refuses_the_messages_is_a_value_error(checkpoint, tmp_path):
+    """Templates call transformers' raise_exception (e.g. roles that must alternate): a ValueError here, which the
+    server answers with 400, not jinja's UndefinedError (a 500). A template that fails on the messages too."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{% if m['role'] == 'assistant' and loop.first %}"
+                               "{{ raise_exception('Conversation roles must start with user') }}{% endif %}"
+                               "{{ m['content'] + 1 if m['role'] == 'tool' else m['content'] }}{% endfor %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    processor = load_processor(folder)
+    assert processor.render_chat([{"role": "user", "content": "hi"}]) == "hi"
+    with pytest.raises(ValueError, match="the chat template refused the messages: Conversation roles must start"):
+        processor.render_chat([{"role": "assistant", "content": "hi"}])
+    with pytest.raises(ValueError, match="the chat template refused the messages"):
+        processor.render_chat([{"role": "tool", "content": "x"}])
+    config["chat_template"] = "{% for m in messages %}"  # never closed
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="does not compile"):
+        load_processor(folder).render_chat([{"role": "user", "content": "hi"}])
