@@ -38,8 +38,13 @@ class Prompt:
 
 
 def ids_outside_vocabulary(ids: list[int], state: ServerState) -> str | None:
-    """What is wrong with token ids outside the model's vocabulary (:func:`outside_vocabulary`), or None."""
-    vocab = state.vocab_size if state.vocab_size is not None else state.processor.tokenizer.get_vocab_size()
+    """What is wrong with prompt (or /detokenize) token ids outside the vocabulary (:func:`outside_vocabulary`), or
+    None. The tokenizer's vocabulary bounds them where it is the smaller: the model's embedding rows past it are
+    padding (Qwen2.5-VL: 151,665 tokens, 152,064 rows) that no text has, and were never trained as input (vLLM
+    refuses prompt ids past the tokenizer's too)."""
+    vocab = state.processor.tokenizer.get_vocab_size(with_added_tokens=True)
+    if state.vocab_size is not None:
+        vocab = min(vocab, state.vocab_size)
     return outside_vocabulary(ids, vocab)
 
 

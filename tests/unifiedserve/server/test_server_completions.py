@@ -183,6 +183,8 @@ def test_a_batch_whose_client_goes_away_frees_every_choice(server):
     ({"prompt": ["hi", "x <|video_pad|>"]}, 400, "prompt[1] holds the video placeholder token", "prompt"),
     ({"prompt": "hi <|image_pad|>"}, 400, "the prompt holds the image placeholder token", "prompt"),
     ({"prompt": [1, 2, 10**9]}, 400, "token id 1000000000 outside the vocabulary", "prompt"),
+    # the demo model's embedding has 1280 rows, its tokenizer 1253 tokens: the rest are padding no text has
+    ({"prompt": [1, 1279, 1253]}, 400, "token ids 1253, 1279 outside the vocabulary (ids 0..1252)", "prompt"),
     ({"prompt": list(range(600))}, 400, "the prompt has 600 token ids; this server's context holds 512", "prompt"),
     ({"prompt": [5] * (2**20 + 1)}, 400, "prompt has 1048577 token ids; at most 1048576 are accepted", "prompt"),
     ({"prompt": "x" * 20000}, 400, "the prompt holds 20000 characters", "prompt"),

@@ -93,6 +93,7 @@ def test_the_generation_prompt_and_detokenize_round_trip(server, processor):
         {"type": "video_url", "video_url": {"url": "file:///etc/passwd"}}]}]}, 400, "outside"),
     ("/tokenize", {"messages": [{"role": "user", "content": "look <|video_pad|>"}]}, 400, "<|video_pad|>"),
     ("/detokenize", {"tokens": [1, 10**6]}, 400, "Token id 1000000 outside the vocabulary"),
+    ("/detokenize", {"tokens": [1, 1260]}, 400, "Token id 1260 outside the vocabulary (ids 0..1252)"),
     ("/detokenize", {"tokens": [-1]}, 400, "greater than or equal to 0"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
     ("/detokenize", {"tokens": [1], "model": "gpt-4"}, 404, "does not exist"),
