@@ -425,6 +425,10 @@ async def _admit(state: ServerState, body: SamplingRequest, request: Request, st
     defaults = state.generation
     if max_tokens is None:
         max_tokens = min(state.default_max_tokens, defaults.max_tokens or room, room)
+        if body.min_tokens > max_tokens > 0:  # say where the limit came from: the client sent none
+            raise RequestError(f"min_tokens ({body.min_tokens}) exceeds this request's default completion length, "
+                               f"{max_tokens} tokens (the least of the server's --default-max-tokens, the model's "
+                               f"generation config and the context's room); send max_tokens", 400)
     if room < 1 or prompt_len + max_tokens > state.max_model_len:
         raise RequestError(
             f"this model's maximum context length is {state.max_model_len} tokens, but the request needs "

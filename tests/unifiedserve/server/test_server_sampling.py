@@ -222,6 +222,9 @@ def test_min_tokens_include_stop_str_and_special_tokens_equal_the_engine(server,
                          ({"min_tokens": 2, "response_format": {"type": "json_object"}},
                           "min_tokens cannot be combined with a response_format"),
                          ({"min_tokens": -1}, "min_tokens: Input should be greater than or equal to 0"),
+                         # no max_tokens sent: the message says where the default came from
+                         ({"min_tokens": 100_000}, "min_tokens (100000) exceeds this request's default completion "
+                                                   "length"),
                          ({"skip_special_tokens": "no"}, "skip_special_tokens: Input should be a valid boolean")):
         status, answer = http("POST", server.url + "/v1/chat/completions", {"messages": messages, **body})
         assert status == 400 and needle in answer["error"]["message"], answer
