@@ -286,11 +286,12 @@ async def _tokenize(state: ServerState, body: TokenizeRequest, request: Request)
         if body.prompt is not None:
             check_prompt_chars(body.prompt, state.max_model_len)
             ids = await run_in_threadpool(processor.tokenize, body.prompt, body.add_special_tokens)
+            check_visual_tokens(state, [], len(ids), "prompt")  # the same bound with or without media
         else:
             ids, media = await chat_prompt(state, body, body.add_generation_prompt, body.add_special_tokens)
-            if media:
-                plans = await _probe_only(state, media, request)
-                check_visual_tokens(state, plans, len(ids))
+            plans = await _probe_only(state, media, request) if media else []
+            check_visual_tokens(state, plans, len(ids))
+            if plans:
                 ids = expanded_ids(state, ids, plans)
     except LimitError as e:
         return _error(str(e), e.status_code, e.param)

@@ -109,3 +109,13 @@ def test_a_video_over_the_context_is_refused_with_its_count(server, clip_dir):
     message = answer["error"]["message"]
     assert f"maximum context length is {MAX_MODEL_LEN} tokens" in message and "visual tokens" in message
     server.wait_idle()
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"prompt": "word " * 1500}, "but the prompt alone needs"),
+    ({"messages": [{"role": "user", "content": "word " * 1500}]}, "but the messages alone need"),
+])
+def test_text_over_the_context_is_refused_with_its_count_as_media_is(server, body, needle):
+    """The same bound with or without media (until 2026-11-27 only a video's count was refused)."""
+    answer = tokenize(server, body, status=400)
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens, {needle}" in answer["error"]["message"], answer
