@@ -65,6 +65,10 @@ class Processor:
         self.image_token_id = self._special_id(IMAGE_PAD)
         self.video_token_id = self._special_id(VIDEO_PAD)
         self._template = None
+        #: ids that decode to no text when special tokens are skipped: the special tokens, and ids past the
+        #: tokenizer's vocabulary (the model's padding rows)
+        self._special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        self._vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
 
     def _special_id(self, token: str) -> int:
         token_id = self.tokenizer.token_to_id(token)
@@ -172,7 +176,12 @@ class Processor:
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         """A streaming detokenizer for one sequence's generated tokens."""
-        return IncrementalDecoder(self.tokenizer, skip_special_tokens)
+        return IncrementalDecoder(self.tokenizer, skip_special_tokens, self._special_ids, self._vocab_size)
+
+
+#: Tokens an :class:`IncrementalDecoder` holds back as the inside of a character before it emits them as decoded
+#: (a UTF-8 character has at most 4 bytes, and a byte-level token at least one)
+MAX_PENDING = 16
 
 
 class IncrementalDecoder:
@@ -180,12 +189,23 @@ class IncrementalDecoder:
 
     Byte-level BPE tokens may end inside a UTF-8 character; such text is held back (it decodes
     to U+FFFD) until a later token completes it. Concatenating every piece returned by
-    :meth:`step` and :meth:`flush` gives ``decode(all_ids)``.
+    :meth:`step` and :meth:`flush` gives ``decode(all_ids)``, with one exception below.
+
+    The work per token is bounded: each step decodes the pending tokens again, so tokens that add no text
+    would make a long output quadratic (32k forced special tokens: seconds of the server's event loop).
+    Tokens that decode to nothing (``special_ids`` when skipped; ids past ``vocab_size``) are dropped at once,
+    which changes no text; and after :data:`MAX_PENDING` tokens that still end inside a character (bytes that
+    never complete one, a client's ``logit_bias`` can force them) or add no text, the pending text is emitted as
+    decoded, its U+FFFD included: only there may the pieces differ from ``decode(all_ids)``, and only if the
+    tokens after them would have completed a character begun among them.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, special_ids: frozenset[int] = frozenset(),
+                 vocab_size: int | None = None):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._silent = special_ids if skip_special_tokens else frozenset()
+        self._vocab_size = vocab_size
         self._ids: list[int] = []
         # ids[prefix:read] were emitted already and are decoded again only as context for the next
         # tokens (a byte-level token's text can depend on its neighbours); ids[read:] are pending.
@@ -197,10 +217,12 @@ class IncrementalDecoder:
 
     def step(self, token_id: int) -> str:
         """Add one token; return the new text it completes (possibly empty)."""
+        if token_id in self._silent or (self._vocab_size is not None and token_id >= self._vocab_size):
+            return ""  # no text, now or as a neighbour's context
         self._ids.append(token_id)
         emitted = self._decode(self._ids[self._prefix:self._read])
         text = self._decode(self._ids[self._prefix:])
-        if len(text) <= len(emitted) or text.endswith("\ufffd"):
+        if (len(text) <= len(emitted) or text.endswith("\ufffd")) and len(self._ids) - self._read < MAX_PENDING:
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return text[len(emitted):]

@@ -192,3 +192,35 @@ def test_a_template_that_refuses_the_messages_is_a_value_error(checkpoint, tmp_p
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="does not compile"):
         load_processor(folder).render_chat([{"role": "user", "content": "hi"}])
+
+
+def test_tokens_that_add_no_text_cost_the_decoder_nothing(processor):
+    """Special tokens the output skips and ids past the tokenizer's vocabulary (padding rows) are dropped at once:
+    the text is decode(all_ids)'s, and the decoder holds nothing for them (it decoded everything pending again at
+    every step: 32k forced specials took seconds of the server's event loop)."""
+    words = processor.tokenize("hello world")
+    im_start = processor.tokenizer.token_to_id("<|im_start|>")
+    ids = words[:1] + [im_start] * 5000 + [1270] * 100 + words[1:]
+    decoder = processor.incremental_decoder()
+    pieces = []
+    for t in ids:
+        pieces.append(decoder.step(t))
+        assert len(decoder._ids) <= len(words)
+    assert "".join(pieces) + decoder.flush() == processor.decode(ids) == "hello world"
+    shown = processor.incremental_decoder(skip_special_tokens=False)  # not skipped: they are text
+    text = "".join(shown.step(t) for t in words[:1] + [im_start] * 3) + shown.flush()
+    assert text == processor.decode(words[:1] + [im_start] * 3, skip_special_tokens=False)
+
+
+def test_bytes_that_never_complete_a_character_are_emitted_after_a_bound(processor):
+    """A client's logit_bias can force a lone UTF-8 continuation byte forever: after MAX_PENDING such tokens the
+    decoder emits what they decode to (U+FFFD) rather than decoding an ever longer tail at every step."""
+    from unifiedserve.model.processor import MAX_PENDING
+
+    byte = processor.tokenize("é")  # the demo tokenizer: two byte tokens
+    continuation = byte[-1] if len(byte) > 1 else pytest.skip("'é' is one token in this tokenizer")
+    decoder = processor.incremental_decoder()
+    pieces = [decoder.step(continuation) for _ in range(10 * MAX_PENDING)]
+    assert len(decoder._ids) - decoder._read < MAX_PENDING  # pending stays bounded
+    assert sum(1 for p in pieces if p) >= 9 and set("".join(pieces)) == {"\ufffd"}
+    assert "".join(pieces) + decoder.flush() == processor.decode([continuation] * 10 * MAX_PENDING)
