@@ -139,7 +139,13 @@ class JSONSchemaFormat(_Model):
 ResponseFormat = Annotated[Union[TextFormat, JSONObjectFormat, JSONSchemaFormat], Field(discriminator="type")]
 
 
-StopText = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
+def _stop_not_empty(text: str) -> str:
+    if not text:  # before any media work (SamplingParams refuses it too, after the probe)
+        raise ValueError("stop strings must not be empty")
+    return text
+
+
+StopText = Annotated[Text, Field(max_length=MAX_STOP_CHARS), AfterValidator(_stop_not_empty)]
 
 
 def _token_id_key(key: str) -> str:

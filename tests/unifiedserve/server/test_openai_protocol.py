@@ -69,3 +69,10 @@ def test_the_developer_role_reaches_the_template_as_system(tmp_path):
     messages, media = convert_messages(body, MediaPolicy(tmp_path))
     assert [m["role"] for m in messages] == ["system", "user", "system"] and media == []
     assert messages[0]["content"] == "Be terse." and messages[2]["content"] == [{"type": "text", "text": "Answer in French."}]
+
+
+@pytest.mark.parametrize("stop", ["", ["a", ""]])
+def test_an_empty_stop_string_is_refused_by_the_schema(stop):
+    """Before any media is probed (the sampling parameters refused it only after)."""
+    with pytest.raises(ValidationError, match="stop strings must not be empty"):
+        ChatCompletionRequest.model_validate({"messages": MESSAGES, "stop": stop})
