@@ -161,8 +161,10 @@ FAST_PROBE_OPTIONS = SKIP_STREAM_INFO_DECODE
 
 
 def _open_container(source: Source, options: dict | None = None):
+    # tags are not UTF-8 in every file (a Latin-1 title made PyAV's open raise UnicodeDecodeError on a valid
+    # video): nothing here reads them, so an undecodable byte becomes U+FFFD, as ffprobe shows it
     try:
-        return av.open(source.open(), mode="r", options=options)
+        return av.open(source.open(), mode="r", options=options, metadata_errors="replace")
     except av.error.FFmpegError as e:
         raise NotAVideoError(f"{source.name}: not a readable video container ({_ffmpeg_reason(e)})") from None
 

@@ -37,7 +37,7 @@ def peer_pyav(path, indices, height, width, threads):
 
     wanted, frames = set(indices), {}
     last = max(indices)
-    with av.open(path) as container:
+    with av.open(path, metadata_errors="replace") as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
         for i, frame in enumerate(container.decode(stream)):
@@ -54,7 +54,7 @@ def sequential_reference(path: str, indices: list[int], height: int, width: int)
 
     wanted, frames = set(indices), {mode: {} for mode in RESIZE_MODES}
     last = max(indices)
-    with av.open(path) as container:
+    with av.open(path, metadata_errors="replace") as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
         for i, frame in enumerate(container.decode(stream)):

@@ -30,6 +30,7 @@ import torch
 
 from flashcodec.decode import fast_open
 from flashcodec.decode.frame_mappings import frame_mappings
+from flashcodec.plan.sampling import MAX_FRAME_PIXELS
 from flashcodec.plan.segments import GopSegment
 from flashcodec._errors import CorruptVideoError, first_line
 from flashcodec._probe import SKIP_STREAM_INFO_DECODE, VideoInfo, per_probe, untimed_message
@@ -183,10 +184,14 @@ class PyAVSegmentDecoder(SegmentDecoder):
         """Open the container and the stream's decoder, nothing demuxed yet (again: see :meth:`_seek_to`)."""
         depth = reorder_depth(self._info)
         fast = FAST_OPEN_OPTIONS.get(self._info.codec) if _HAS_REORDER_DEPTH and depth <= MAX_REORDER_DEPTH else None
-        self._container = av.open(self._source.open(), mode="r", options=fast)
+        self._container = av.open(self._source.open(), mode="r", options=fast, metadata_errors="replace")
         self._stream = self._container.streams[self._info.stream_index]
         self._context = self._stream.codec_context
         self._context.thread_count = 1  # parallelism comes from GOP segments, not FFmpeg threads
+        # the probe checked the header's picture size; a stream may change size midway (a transport stream can),
+        # and FFmpeg then allocates whatever the new pictures ask for (12000x12000 ones decoded at 1.3 GB): above
+        # the largest any decode may have, its decoder refuses to allocate, and those pictures count as corrupt
+        self._context.options = {**self._context.options, "max_pixels": str(MAX_FRAME_PIXELS)}
         if fast:  # the stream-info pass guessed no depth (it decoded nothing): ours, never less than FFmpeg's
             self._context.reorder_depth = max(self._context.reorder_depth, depth)
         self._skip = "DEFAULT"

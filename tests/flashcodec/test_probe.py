@@ -162,3 +162,23 @@ def test_a_stream_the_fast_pass_cannot_size_is_opened_again(tiny_h264, monkeypat
     monkeypatch.setattr(probe_module, "_stream_known", lambda container: False)
     assert probe(tiny_h264).num_frames == 48
     assert opened == [probe_module.FAST_PROBE_OPTIONS, None]
+
+
+def test_a_tag_that_is_not_utf8_does_not_make_the_video_unreadable(tiny_h264, tmp_path):
+    """A Latin-1 title made PyAV's open raise UnicodeDecodeError (no file name, no flashcodec error) for a video
+    ffprobe reads: tags are read with undecodable bytes replaced."""
+    tagged = tmp_path / "tagged.mp4"
+    with av.open(str(tiny_h264)) as src, av.open(str(tagged), "w") as out:
+        out.metadata["title"] = "Cafe_ZZ_title"
+        stream = out.add_stream_from_template(src.streams.video[0])
+        for packet in src.demux(src.streams.video[0]):
+            if packet.size:
+                packet.stream = stream
+                out.mux(packet)
+    raw = tagged.read_bytes()
+    assert raw.count(b"_ZZ_") == 1
+    latin1 = tmp_path / "latin1.mp4"
+    latin1.write_bytes(raw.replace(b"_ZZ_", b"\xe9 ZZ"))
+    info = flashcodec.probe(str(latin1))
+    assert info.num_frames == flashcodec.probe(str(tiny_h264)).num_frames
+    assert flashcodec.decode_video(str(latin1), backend="pyav", num_frames=4).frames.shape[0] == 4

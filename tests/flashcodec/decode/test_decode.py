@@ -374,6 +374,52 @@ def test_a_seek_that_lands_past_its_packet_demuxes_no_further(tiny_h264, tmp_pat
     assert demuxed[0] == 1 and len(demuxed) > 1, demuxed
 
 
+def _size_switch_ts(path, small=(64, 48), large=(128, 96), n_small=8, n_large=4):
+    """One H.264 transport stream whose pictures grow midway (its header says ``small``)."""
+    parts = []
+    for (w, h), n in ((small, n_small), (large, n_large)):
+        part = path.with_suffix(f".{w}.ts")
+        with av.open(str(part), "w", format="mpegts") as out:
+            stream = out.add_stream("libx264", rate=24)
+            stream.width, stream.height, stream.options = w, h, {"preset": "ultrafast", "g": "4", "bf": "0"}
+            for i in range(n):
+                frame = av.VideoFrame.from_ndarray(np.full((h, w, 3), 40 * i % 255, np.uint8), format="rgb24")
+                frame.pts = i
+                for packet in stream.encode(frame):
+                    out.mux(packet)
+            for packet in stream.encode():
+                out.mux(packet)
+        with av.open(str(part)) as src:
+            parts.append([p for p in src.demux(src.streams.video[0]) if p.size])
+    with av.open(str(path), "w", format="mpegts") as out, av.open(str(path.with_suffix(f".{small[0]}.ts"))) as t:
+        stream = out.add_stream_from_template(t.streams.video[0])
+        offset = 0
+        for packets in parts:
+            base = min(p.pts for p in packets)
+            for p in packets:
+                p.pts, p.dts, p.stream = p.pts - base + offset, p.dts - base + offset, stream
+                out.mux(p)
+            offset = max(p.pts for p in packets) + 3750
+    return path
+
+
+def test_pictures_that_grow_past_the_cap_midway_are_not_decoded(tmp_path, monkeypatch):
+    """The probe checks the header's size; a stream may change size later (a 12000x12000 picture after 64x48 ones
+    was decoded at 1.3 GB): the decoder refuses pictures over the cap, which count as corrupt frames."""
+    from flashcodec.decode import backends
+
+    path = _size_switch_ts(tmp_path / "switch.ts")
+    info = flashcodec.probe(str(path))
+    assert (info.width, info.height, info.num_frames) == (64, 48, 12)
+    whole = flashcodec.decode_video(str(path), backend="pyav", frame_indices=list(range(12)))
+    assert whole.failed_frame_indices == []  # under the cap, the larger pictures decode
+    monkeypatch.setattr(backends, "MAX_FRAME_PIXELS", 64 * 48)  # the cap between the two sizes
+    with pytest.raises(flashcodec.CorruptVideoError, match=r"4 of 12 sampled frames could not be decoded"):
+        flashcodec.decode_video(str(path), backend="pyav", frame_indices=list(range(12)))
+    capped = flashcodec.decode_video(str(path), backend="pyav", frame_indices=list(range(12)), on_corrupt="repeat")
+    assert capped.failed_frame_indices == [8, 9, 10, 11]
+
+
 def test_a_raw_stream_without_timestamps_is_refused_by_its_probe_with_the_way_out(tiny_h264, tmp_path, monkeypatch):
     """At the probe's first packet: no frame of it could be placed, and decoding used to find that out only after
     demuxing the whole stream twice (the probe's scan, then a segment's search for its first packet)."""
