@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from flashcodec._errors import DecodeCancelledError
+from flashcodec._errors import DecodeCancelledError, NoFramesError
 from flashcodec.decode.backends import Backend, get_backend
 from flashcodec.decode.request import BitstreamAnalysis, DecodedSlice, DecodedVideo, DecodeRequest
 from flashcodec.decode.scheduler import RankGroup, RankJob, RankScheduler
@@ -144,8 +144,12 @@ class DecodeEngine:
         slot_speeds = self.layout.slot_speeds(speeds, lambda gpu: video_nvdec_engines(info, gpu))
         for rank in sorted(allowed):  # what the ranks' decoders derive from the probe, built once before they open
             self._ranks[rank].backend.prepare(info)
-        plan = plan_video(info, options, num_ranks=self.num_ranks, decoders_per_rank=[r.num_slots for r in self._ranks],
-                          frame_indices=frame_indices, rank_speeds=speeds, slot_speeds=slot_speeds)
+        try:
+            plan = plan_video(info, options, num_ranks=self.num_ranks,
+                              decoders_per_rank=[r.num_slots for r in self._ranks], frame_indices=frame_indices,
+                              rank_speeds=speeds, slot_speeds=slot_speeds)
+        except NoFramesError as e:  # the planner knows the probe, not the file: name it, as every other error does
+            raise NoFramesError(f"{src.name}: {e}") from None
         analysis = BitstreamAnalysis(next(self._keys), info, plan, time.perf_counter() - started, src,
                                      allowed if len(allowed) < self.num_ranks else None)
         with self._lock:

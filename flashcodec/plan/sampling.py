@@ -8,6 +8,7 @@ frames. All functions are pure and work on plain integers.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from flashcodec._errors import NoFramesError
@@ -109,8 +110,9 @@ class SamplingOptions:
     def __post_init__(self) -> None:
         if self.fps is not None and self.num_frames is not None:
             raise ValueError("give either fps or num_frames, not both")
-        if self.fps is not None and not (self.fps > 0 and math.isfinite(self.fps)):
-            raise ValueError(f"fps must be a positive number, got {self.fps}")
+        if self.fps is not None and (not isinstance(self.fps, numbers.Real) or isinstance(self.fps, bool)
+                                     or not (self.fps > 0 and math.isfinite(self.fps))):
+            raise ValueError(f"fps must be a positive number, got {self.fps!r}")
         for name in ("num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels",
                      "height", "width"):
             value = getattr(self, name)

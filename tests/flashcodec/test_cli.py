@@ -31,6 +31,17 @@ def test_probe_table_and_json(tiny_h264, capsys):
     assert data["num_frames"] == 48 and data["keyframe_indices"] == [0, 12, 24, 36]
 
 
+def test_probe_refuses_pictures_over_the_decode_cap_from_the_header(tiny_h264, capsys, monkeypatch):
+    """As decode does: before the probe decodes the first keyframe (one 16000x16000 picture took 300 MB)."""
+    from flashcodec import _probe
+    from flashcodec.plan import sampling
+
+    monkeypatch.setattr(sampling, "MAX_FRAME_PIXELS", 128 * 96 - 1)
+    monkeypatch.setattr(_probe, "_first_frame_rotation", lambda *a: pytest.fail("the first keyframe was decoded"))
+    assert main(["probe", str(tiny_h264)]) == 1
+    assert "128x96 (12288 pixels); at most 12287 are decoded" in capsys.readouterr().err
+
+
 def test_decode_to_npy_pt_and_png_folder(tiny_h264, tmp_path, capsys):
     npy, pt, pngs = tmp_path / "f.npy", tmp_path / "f.pt", tmp_path / "frames"
     assert main(["decode", str(tiny_h264), "--num-frames", "6", "--out", str(npy)]) == 0

@@ -182,3 +182,13 @@ def test_a_tag_that_is_not_utf8_does_not_make_the_video_unreadable(tiny_h264, tm
     info = flashcodec.probe(str(latin1))
     assert info.num_frames == flashcodec.probe(str(tiny_h264)).num_frames
     assert flashcodec.decode_video(str(latin1), backend="pyav", num_frames=4).frames.shape[0] == 4
+
+
+def test_a_stream_with_more_frames_than_the_cap_is_refused_during_the_scan(tiny_h264, monkeypatch):
+    """The probe's time and memory grow with the packets (10M one-byte packets: 21 s and 755 MB): at most
+    MAX_VIDEO_FRAMES, refused as the scan passes it."""
+    monkeypatch.setattr(probe_module, "MAX_VIDEO_FRAMES", 48)  # the clip's own count: fits
+    assert probe(str(tiny_h264)).num_frames == 48
+    monkeypatch.setattr(probe_module, "MAX_VIDEO_FRAMES", 47)
+    with pytest.raises(flashcodec.VideoTooLargeError, match=r"more than 47 frames; flashcodec reads at most 47"):
+        probe(str(tiny_h264))

@@ -1,5 +1,6 @@
 """Decoded frames equal a sequential PyAV decode converted the same way, for every codec and container."""
 
+import re
 import threading
 import time
 
@@ -465,3 +466,9 @@ def test_frame_indices_are_integers_and_no_more_than_the_video_has(tiny_h264):
                  [0] * 48):
         result = flashcodec.decode_video(str(tiny_h264), frame_indices=good)
         assert len(result.frame_indices) == (48 if len(good) == 48 else 2)
+
+
+def test_too_few_frames_to_sample_names_the_file(video_factory):
+    path = video_factory(codec="h264", suffix=".mp4", width=64, height=48, duration_s=1 / 24, fps=24.0, gop=1)
+    with pytest.raises(flashcodec.NoFramesError, match=rf"^{re.escape(str(path))}: the video has 1 frame; sampling needs"):
+        flashcodec.decode_video(str(path), backend="pyav")

@@ -56,7 +56,7 @@ def test_overrides():
 @pytest.mark.parametrize("kwargs", [dict(fps=2.0, num_frames=4), dict(fps=0.0), dict(num_frames=0),
                                     dict(max_frames=-1), dict(height=28), dict(fps=float("nan")),
                                     dict(min_frames=8, max_frames=4), dict(max_pixels=2**26),
-                                    dict(height=10_000, width=10_000)])
+                                    dict(height=10_000, width=10_000), dict(fps="2"), dict(fps=True)])
 def test_bad_options_raise_value_error(kwargs):
     with pytest.raises(ValueError):
         SamplingOptions(**kwargs)
