@@ -17,6 +17,7 @@ from flashcodec._errors import (
     FlashCodecError,
     NoFramesError,
     NotAVideoError,
+    OutputTooLargeError,
     SourceNotFoundError,
     UnsupportedCodecError,
     VideoTooLargeError,

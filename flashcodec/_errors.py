@@ -36,6 +36,10 @@ class VideoTooLargeError(FlashCodecError, ValueError):
     """The video's pictures are larger than the decoder accepts (``max_source_pixels``)."""
 
 
+class OutputTooLargeError(FlashCodecError, ValueError):
+    """A decode's output would not fit the memory this process can still take (checked before decoding)."""
+
+
 class NoFramesError(FlashCodecError, ValueError):
     """The video stream has no frames (or too few to sample)."""
 

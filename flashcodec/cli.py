@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 from flashcodec.devices import NVDEC_HOST_CORES
-from flashcodec._sysmem import available_memory
 
 #: Show a progress bar when a decode has at least this many frames to decode.
 PROGRESS_MIN_FRAMES = 1000
@@ -247,6 +246,7 @@ def _decode(args) -> int:
 
     _check_out(args)
     from flashcodec.resize import check_resize_mode
+    from flashcodec.decode.engine import check_output_memory
 
     check_resize_mode(args.resize)  # before any decoding work
     if Path(args.file).suffix.lower() in IMAGE_SUFFIXES:
@@ -255,7 +255,7 @@ def _decode(args) -> int:
     with flashcodec.DecodeEngine(args.backend, devices=args.device, cpu_threads=args.threads) as engine:
         analysis = engine.analyse_bitstream(args.file, **_sampling_kwargs(args))
         plan = analysis.plan
-        _check_output_fits(plan, args.output)
+        check_output_memory(plan, args.output)  # add_decoding_request checks too; here before a bar is drawn
         bar = None
         if not args.no_progress and plan.decode_cost >= PROGRESS_MIN_FRAMES:
             from tqdm import tqdm
@@ -307,23 +307,6 @@ def _decode(args) -> int:
         if saved:
             print(f"saved to {saved}")
     return 0
-
-
-def _check_output_fits(plan, output: str) -> None:
-    """Refuse, before decoding, an output larger than the memory this machine has free (uint8 RGB frames, or
-    float32 patches): against its whole memory, an output just under it ran the machine out of memory.
-
-    Raises:
-        ValueError: naming the size and the flags that shrink it.
-    """
-    per_pixel = 3 if output == "rgb" else 3 * 4
-    need = plan.num_output_frames * plan.height * plan.width * per_pixel
-    found = available_memory()
-    if found is not None and need > found[0]:
-        memory, what = found
-        raise ValueError(f"the output would take {need / 2**30:.1f} GiB ({plan.num_output_frames} frames of "
-                         f"{plan.height}x{plan.width}, {output}), more than this machine's {memory / 2**30:.1f} GiB of "
-                         f"{what}; lower --max-pixels, --size, --fps or --max-frames")
 
 
 def _bench(args) -> int:

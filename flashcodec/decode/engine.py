@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from flashcodec._errors import DecodeCancelledError, NoFramesError
+from flashcodec._errors import DecodeCancelledError, NoFramesError, OutputTooLargeError
 from flashcodec.decode.backends import Backend, get_backend
 from flashcodec.decode.request import BitstreamAnalysis, DecodedSlice, DecodedVideo, DecodeRequest
 from flashcodec.decode.scheduler import RankGroup, RankJob, RankScheduler
@@ -39,6 +39,34 @@ ON_CORRUPT = ("error", "repeat")
 #: The largest stored picture decoded by default: the most luma samples any H.264 or HEVC level allows
 #: (:data:`flashcodec.plan.sampling.MAX_FRAME_PIXELS`, 8192x4352; 8K UHD fits).
 MAX_SOURCE_PIXELS = MAX_FRAME_PIXELS
+
+
+def output_bytes(plan, output: str, patch_dtype: torch.dtype = torch.float32) -> int:
+    """Host memory a whole decode's output takes at its peak: the uint8 RGB frames, and for ``"patches"`` the
+    patches too (both are alive while the frames are cut into patches)."""
+    pixels = plan.num_output_frames * plan.height * plan.width
+    return pixels * 3 + (pixels * 3 * patch_dtype.itemsize if output == "patches" else 0)
+
+
+def check_output_memory(plan, output: str, patch_dtype: torch.dtype = torch.float32) -> None:
+    """Refuse, before decoding, a whole output larger than the memory this process can still take (the kernel's
+    available memory, or a container's limit: :func:`flashcodec._sysmem.available_memory`). Against the machine's
+    whole memory, an output just under it ran the machine out; unchecked, the library allocated 193 GB and failed
+    inside a decoder thread.
+
+    Raises:
+        OutputTooLargeError: naming the size and the options that shrink it.
+    """
+    from flashcodec._sysmem import available_memory
+
+    need = output_bytes(plan, output, patch_dtype)
+    found = available_memory()
+    if found is not None and need > found[0]:
+        memory, what = found
+        raise OutputTooLargeError(
+            f"the output would take {need / 2**30:.1f} GiB ({plan.num_output_frames} frames of {plan.height}x"
+            f"{plan.width}, {output}), more than this machine's {memory / 2**30:.1f} GiB of {what}; lower "
+            f"max_pixels, the size, fps or max_frames")
 
 
 class DecodeEngine:
@@ -193,6 +221,9 @@ class DecodeEngine:
             analysis = self._analyses.pop(key_id, None)
             if analysis is None:
                 raise KeyError(f"unknown or already queued key id {key_id}")
+        if not stream and self.output_device.type == "cpu":  # a stream's parts are freed as they are read
+            check_output_memory(analysis.plan, output, patch_dtype)  # refused: the analysis is forgotten
+        with self._lock:
             self._in_flight.add(key_id)
         request = DecodeRequest(analysis, output, on_corrupt, patch_spec, progress, self._request_done, self.output_device,
                            stream=stream, patch_dtype=patch_dtype, trace=trace)
@@ -373,8 +404,12 @@ class DecodeEngine:
         :meth:`add_decoding_request` for the other options."""
         check_resize_mode(resize)  # before probing: a bad option fails fast
         analysis = self.analyse_bitstream(source, frame_indices=frame_indices, **sampling)
-        self.add_decoding_request(analysis.key_id, output=output, on_corrupt=on_corrupt,
-                                  patch_spec=patch_spec, progress=progress, resize=resize)
+        try:
+            self.add_decoding_request(analysis.key_id, output=output, on_corrupt=on_corrupt,
+                                      patch_spec=patch_spec, progress=progress, resize=resize)
+        except BaseException:
+            self.cancel(analysis.key_id)  # a refused request's analysis is not kept
+            raise
         return self.get_decoding_output(analysis.key_id)
 
     def close(self) -> None:

@@ -215,8 +215,12 @@ def video_target_size(
     # A max_pixels below the default min_pixels is qwen-vl-utils 0.0.14's case too (fetch_video takes the
     # caller's max_pixels as it is and its smart_resize has no order check): a frame above max_pixels is scaled
     # down to it, one below min_pixels up to that. Follow it instead of refusing a request the reference serves.
-    return smart_resize(height, width, min_pixels=min_pixels, max_pixels=max_pixels,
+    size = smart_resize(height, width, min_pixels=min_pixels, max_pixels=max_pixels,
                         allow_inverted_budget=options.min_pixels is None)
+    if size[0] * size[1] > MAX_FRAME_PIXELS:  # min_pixels at the cap, rounded up to multiples of 28 (and 5 % over)
+        raise ValueError(f"the frames would be {size[0]}x{size[1]} ({size[0] * size[1]} pixels), over the "
+                         f"{MAX_FRAME_PIXELS} a frame may have; lower min_pixels")
+    return size
 
 
 def image_target_size(

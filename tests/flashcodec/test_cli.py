@@ -97,24 +97,39 @@ def test_sizes_and_counts_are_capped_before_any_memory(tiny_h264, args, needle):
     assert needle in lines[0]
 
 
-def test_an_output_larger_than_memory_is_refused_before_decoding(tiny_h264, monkeypatch):
+def test_an_output_larger_than_memory_is_refused_before_decoding(tiny_h264, monkeypatch, capsys):
     from types import SimpleNamespace
 
-    from flashcodec import cli
+    import flashcodec._sysmem
+    from flashcodec.decode.engine import check_output_memory
 
     plan = SimpleNamespace(num_output_frames=768, height=4480, width=7980)  # 82 GB of RGB frames
-    monkeypatch.setattr(cli, "available_memory", lambda: (2**34, "available memory"))  # 16 GiB free
-    with pytest.raises(ValueError, match=r"the output would take 76\.7 GiB \(768 frames of 4480x7980, rgb\), more "
-                                         r"than this machine's 16\.0 GiB of available memory; lower --max-pixels"):
-        cli._check_output_fits(plan, "rgb")
-    cli._check_output_fits(SimpleNamespace(num_output_frames=8, height=280, width=392), "patches")
-    # a container's limit (flashcodec/_sysmem.py): 1 GiB left under it
-    monkeypatch.setattr(cli, "available_memory", lambda: (2**30, "memory left under its memory limit (cgroup)"))
+    monkeypatch.setattr(flashcodec._sysmem, "available_memory", lambda: (2**34, "available memory"))  # 16 GiB free
+    with pytest.raises(flashcodec.OutputTooLargeError, match=r"the output would take 76\.7 GiB \(768 frames of "
+                                                             r"4480x7980, rgb\), more than this machine's 16\.0 GiB of "
+                                                             r"available memory; lower max_pixels"):
+        check_output_memory(plan, "rgb")
+    check_output_memory(SimpleNamespace(num_output_frames=8, height=280, width=392), "patches")
+    # a container's limit (flashcodec/_sysmem.py): 1.5 GiB left under it
+    monkeypatch.setattr(flashcodec._sysmem, "available_memory",
+                        lambda: (3 * 2**29, "memory left under its memory limit (cgroup)"))
     hd = SimpleNamespace(num_output_frames=64, height=1080, width=1920)
-    cli._check_output_fits(hd, "rgb")  # 0.4 GB
-    with pytest.raises(ValueError, match=r"take 1\.5 GiB .* more than this machine's 1\.0 GiB of memory left under its "
+    check_output_memory(hd, "rgb")  # 0.4 GB
+    # patches: the float32 patches (1.5 GiB) and the frames they are cut from, alive together
+    with pytest.raises(ValueError, match=r"take 1\.9 GiB .* more than this machine's 1\.5 GiB of memory left under its "
                                          r"memory limit \(cgroup\)"):
-        cli._check_output_fits(hd, "patches")
+        check_output_memory(hd, "patches")
+    # the CLI says it in one line before any decoding, and the library refuses it too (it allocated, unchecked, 193 GB
+    # in a decoder thread)
+    monkeypatch.setattr(flashcodec._sysmem, "available_memory", lambda: (1000, "available memory"))
+    assert main(["decode", str(tiny_h264), "--num-frames", "8"]) == 1
+    assert capsys.readouterr().err.startswith("flashcodec: error: the output would take")
+    with pytest.raises(flashcodec.OutputTooLargeError, match="the output would take"):
+        flashcodec.decode_video(str(tiny_h264), backend="pyav", num_frames=8)
+    with flashcodec.DecodeEngine("pyav", cpu_threads=1) as engine:
+        analysis = engine.analyse_bitstream(str(tiny_h264), num_frames=8)
+        engine.add_decoding_request(analysis.key_id, stream=True)  # a stream's parts are freed as they are read
+        assert sum(part.stop - part.start for part in engine.stream_decoding_output(analysis.key_id)) == 8
 
 
 def test_an_unwritable_destination_is_refused_before_decoding(tiny_h264, tmp_path, monkeypatch):

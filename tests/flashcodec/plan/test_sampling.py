@@ -139,3 +139,12 @@ def test_sample_frame_indices_properties(total, fps, want):
 @given(last=st.integers(0, 50000), count=st.integers(1, 800))
 def test_linspace_indices_match_torch(last, count):
     assert linspace_indices(0, last, count) == torch.linspace(0, last, count).round().long().tolist()
+
+
+def test_min_pixels_at_the_cap_cannot_round_past_it():
+    """qwen-vl-utils' video budget lets max_pixels reach 1.05 x min_pixels and rounds up to multiples of 28: at
+    the cap, a 4:3 frame came out at 5180x6916 (35,824,880 pixels, over 35,651,584)."""
+    with pytest.raises(ValueError, match=r"the frames would be \d+x\d+ \(\d+ pixels\), over the 35651584"):
+        video_target_size(240, 320, 120, SamplingOptions(min_pixels=35651584))
+    h, w = video_target_size(240, 320, 120, SamplingOptions(min_pixels=20_000_000))
+    assert h * w <= 35651584
