@@ -251,8 +251,12 @@ def probe(source: SourceLike | Source, max_source_pixels: int | None = None) -> 
                 if packet.size == 0:
                     continue  # the demuxer's end-of-stream marker
                 pts = packet.pts if packet.pts is not None else packet.dts
-                if pts is None:  # no timestamps at all (a raw stream): no frame of it could be placed and decoded
-                    raise CorruptVideoError(untimed_message(src.name))
+                if pts is None:  # no frame of such packets could be placed in display order, nor sought
+                    if not pts_list:  # from the first one on: a raw stream
+                        raise CorruptVideoError(untimed_message(src.name))
+                    raise CorruptVideoError(f"{src.name}: packet {len(pts_list)} of the video stream carries no "
+                                            f"timestamp, so its frames cannot be placed; remux the file, e.g. "
+                                            f"ffmpeg -fflags +genpts -i IN -c copy OUT.mp4")
                 if len(pts_list) >= MAX_VIDEO_FRAMES:  # the scan's time and memory grow with the packets
                     raise VideoTooLargeError(f"{src.name}: the video stream has more than {MAX_VIDEO_FRAMES} frames; "
                                              f"flashcodec reads at most {MAX_VIDEO_FRAMES} (MAX_VIDEO_FRAMES)")

@@ -3,8 +3,9 @@
 Inside a container (Docker ``--memory``, a Kubernetes limit, a systemd slice) ``/proc/meminfo`` describes the
 whole host: a check against it lets through an allocation the cgroup's limit then answers with the OOM killer.
 :func:`cgroup_memory_room` reads the limit of the process's memory cgroup and of each ancestor that has one
-(cgroup v2's ``memory.max``, v1's ``memory.limit_in_bytes``) and subtracts what each has charged, less its
-inactive file cache, which the kernel reclaims before it kills (Kubernetes' "working set" rule).
+(cgroup v2's ``memory.max``, v1's ``memory.limit_in_bytes``) and subtracts what each has charged, less its file
+cache (the active and inactive file lists, which the kernel reclaims before it kills, as ``MemAvailable`` counts
+them; a tmpfs page, such as the server's shared pools, is on the anonymous lists and stays counted).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ _V1_UNLIMITED = 1 << 62
 
 def _read_int(path: str) -> int | None:
     try:
-        with open(path) as f:
+        with open(path, errors="surrogateescape") as f:
             text = f.read().strip()
-    except OSError:
+    except (OSError, ValueError):
         return None
     if text == "max":  # v2: no limit
         return None
@@ -30,19 +31,23 @@ def _read_int(path: str) -> int | None:
         return None
 
 
-def _inactive_file(stat_path: str, keys: tuple[str, ...]) -> int:
-    """The first of ``keys`` in a ``memory.stat`` file (bytes), 0 when none is there."""
+def _file_cache(stat_path: str, version: int) -> int:
+    """Bytes on a cgroup's file lists (active and inactive) from its ``memory.stat``, 0 when it cannot be read
+    (v1: the hierarchical ``total_`` counts where present)."""
     try:
-        with open(stat_path) as f:
+        with open(stat_path, errors="surrogateescape") as f:
             fields = dict(line.split(None, 1) for line in f if " " in line)
     except (OSError, ValueError):
         return 0
-    for key in keys:
-        try:
-            return int(fields[key])
-        except (KeyError, ValueError):
-            continue
-    return 0
+    total = 0
+    for name in ("active_file", "inactive_file"):
+        for key in ((f"total_{name}", name) if version == 1 else (name,)):
+            try:
+                total += int(fields[key])
+                break
+            except (KeyError, ValueError):
+                continue
+    return total
 
 
 def _memory_cgroups(proc_cgroup: str, root: str) -> list[tuple[str, int]]:
@@ -50,10 +55,10 @@ def _memory_cgroups(proc_cgroup: str, root: str) -> list[tuple[str, int]]:
 
     The mount's own root is always among them: without a cgroup namespace, a container's ``/proc/self/cgroup``
     names a host path while its mount shows its own cgroup at the root."""
-    try:
-        with open(proc_cgroup) as f:
+    try:  # a cgroup's name need not be UTF-8
+        with open(proc_cgroup, errors="surrogateescape") as f:
             lines = f.read().splitlines()
-    except OSError:
+    except (OSError, ValueError):
         return []
     found = []
     for line in lines:
@@ -77,20 +82,20 @@ def _memory_cgroups(proc_cgroup: str, root: str) -> list[tuple[str, int]]:
 
 def cgroup_memory_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
     """Bytes the process's memory cgroups can still charge before their limit: the least over the process's
-    cgroup and its ancestors of ``limit - (usage - inactive file cache)``, at least 0; None where none has a
-    limit (or cgroups cannot be read)."""
+    cgroup and its ancestors of ``limit - (usage - file cache)``, at least 0; None where none has a limit (or
+    cgroups cannot be read)."""
     room = None
     for folder, version in _memory_cgroups(proc_cgroup, root):
         if version == 2:
             limit = _read_int(os.path.join(folder, "memory.max"))
             usage = _read_int(os.path.join(folder, "memory.current"))
-            cache = _inactive_file(os.path.join(folder, "memory.stat"), ("inactive_file",))
+            cache = _file_cache(os.path.join(folder, "memory.stat"), 2)
         else:
             limit = _read_int(os.path.join(folder, "memory.limit_in_bytes"))
             if limit is not None and limit >= _V1_UNLIMITED:
                 limit = None
             usage = _read_int(os.path.join(folder, "memory.usage_in_bytes"))
-            cache = _inactive_file(os.path.join(folder, "memory.stat"), ("total_inactive_file", "inactive_file"))
+            cache = _file_cache(os.path.join(folder, "memory.stat"), 1)
         if limit is None or usage is None:
             continue
         left = max(0, limit - max(0, usage - cache))

@@ -134,6 +134,14 @@ def convert_frame(frame: av.VideoFrame, height: int, width: int, resize: str = D
     return small[0].permute(1, 2, 0).numpy()  # [h, w, 3], contiguous
 
 
+def decoder_pixel_limit(max_source_pixels: int) -> int:
+    """FFmpeg's ``max_pixels`` for a decoder under a cap of ``max_source_pixels`` stored pixels: FFmpeg checks it
+    against the picture's padded size (its width aligned up for SIMD, 50x48 counts as 64x48), so a picture within
+    the cap must pass it; a quarter over the cap covers any padding of a picture of 256x256 or more (smaller
+    pictures are far under any cap), and still refuses a picture that grew far past it."""
+    return max(max_source_pixels + max_source_pixels // 4, 1 << 16)
+
+
 #: ``av.open`` options per codec for a segment decoder's open (a request opens one per CPU thread at once): H.264's
 #: stream-info pass decodes no picture (:data:`flashcodec._probe.SKIP_STREAM_INFO_DECODE`), and the reorder depth
 #: it would have guessed comes from our probe (:func:`reorder_depth`). Other codecs' opens decode nothing already.
@@ -169,8 +177,9 @@ class PyAVSegmentDecoder(SegmentDecoder):
 
     def __init__(self, source: Source, info: VideoInfo, height: int, width: int,
                  resize: str = DEFAULT_RESIZE_MODE, interpolation: str = DEFAULT_INTERPOLATION,
-                 convert: bool = True):
+                 convert: bool = True, max_source_pixels: int = MAX_FRAME_PIXELS):
         self._resize = check_resize_mode(resize)
+        self._max_pixels = decoder_pixel_limit(max_source_pixels)
         self._source = source
         self._info = info
         self._convert = convert  # False only to measure pure decode time (bench/decode's floor)
@@ -189,9 +198,9 @@ class PyAVSegmentDecoder(SegmentDecoder):
         self._context = self._stream.codec_context
         self._context.thread_count = 1  # parallelism comes from GOP segments, not FFmpeg threads
         # the probe checked the header's picture size; a stream may change size midway (a transport stream can),
-        # and FFmpeg then allocates whatever the new pictures ask for (12000x12000 ones decoded at 1.3 GB): above
-        # the largest any decode may have, its decoder refuses to allocate, and those pictures count as corrupt
-        self._context.options = {**self._context.options, "max_pixels": str(MAX_FRAME_PIXELS)}
+        # and FFmpeg then allocates whatever the new pictures ask for (12000x12000 ones decoded at 1.3 GB): past
+        # the engine's cap, its decoder refuses to allocate, and those pictures count as corrupt
+        self._context.options = {**self._context.options, "max_pixels": str(self._max_pixels)}
         if fast:  # the stream-info pass guessed no depth (it decoded nothing): ours, never less than FFmpeg's
             self._context.reorder_depth = max(self._context.reorder_depth, depth)
         self._skip = "DEFAULT"
@@ -318,14 +327,20 @@ class PyAVSegmentDecoder(SegmentDecoder):
 
 
 class PyAVBackend(Backend):
+    """``max_source_pixels``: the engine's cap, which its decoders also hold pictures to that a stream grows to
+    midway (:func:`decoder_pixel_limit`; the probe checks the header's size)."""
+
     name = "pyav"
+
+    def __init__(self, max_source_pixels: int = MAX_FRAME_PIXELS):
+        self.max_source_pixels = max_source_pixels
 
     def prepare(self, info):
         pts_index(info)
         reorder_depth(info)
 
     def open(self, source, info, height, width, resize=DEFAULT_RESIZE_MODE):
-        return PyAVSegmentDecoder(source, info, height, width, resize)
+        return PyAVSegmentDecoder(source, info, height, width, resize, max_source_pixels=self.max_source_pixels)
 
 
 class TorchCodecSegmentDecoder(SegmentDecoder):
@@ -411,7 +426,9 @@ def available_backends() -> list[str]:
     return names
 
 
-def get_backend(name: str) -> Backend:
+def get_backend(name: str, max_source_pixels: int = MAX_FRAME_PIXELS) -> Backend:
+    """The CPU backend ``name`` (``"auto"``: the default); a PyAV one holds its decoders to ``max_source_pixels``
+    (torchcodec's FFmpeg takes no decoder options from here: its pictures are checked from the header only)."""
     if name == "auto":
         name = DEFAULT_BACKEND
     if name not in BACKENDS:
@@ -419,4 +436,4 @@ def get_backend(name: str) -> Backend:
     if name == "torchcodec" and name not in available_backends():  # importing torchcodec is slow: only here
         raise ValueError(f"backend {name!r} is not usable here: install it with `pip install torchcodec` "
                          "and the system FFmpeg libraries")
-    return BACKENDS[name]()
+    return PyAVBackend(max_source_pixels) if name == "pyav" else BACKENDS[name]()

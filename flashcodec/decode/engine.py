@@ -66,7 +66,7 @@ def check_output_memory(plan, output: str, patch_dtype: torch.dtype = torch.floa
         raise OutputTooLargeError(
             f"the output would take {need / 2**30:.1f} GiB ({plan.num_output_frames} frames of {plan.height}x"
             f"{plan.width}, {output}), more than this machine's {memory / 2**30:.1f} GiB of {what}; lower "
-            f"max_pixels, the size, fps or max_frames")
+            f"max_pixels, the size, fps or max_frames (--max-pixels, --size, --fps, --max-frames)")
 
 
 class DecodeEngine:
@@ -116,7 +116,7 @@ class DecodeEngine:
         self.layout = make_layout(devices, num_threads if cpu_threads is None else cpu_threads, nvdec_sessions,
                                   rank_speeds)
         self.output_device = resolve_output_device(output_device, self.layout.output_gpu)
-        self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
+        self.backend = backend if isinstance(backend, Backend) else get_backend(backend, self.max_source_pixels)
         self.num_threads = self.layout.cpu_threads
         group = RankGroup()
         try:
@@ -209,6 +209,12 @@ class DecodeEngine:
                 (``DecodedVideo.trace``; a benchmark's view of where a request's time went). A stream's
                 trace comes with its last part (``DecodedSlice.trace``), which then waits for every slot
                 to end its work on the request (a backup run stops at its next packet).
+
+        Raises:
+            KeyError: ``key_id`` is not an analysed request (unknown, cancelled, or queued already).
+            OutputTooLargeError: a whole output on the CPU (``stream=False``) larger than the memory this process
+                can still take (:func:`check_output_memory`); the analysis is forgotten.
+            ValueError: a bad ``output``, ``on_corrupt``, ``resize`` or ``patch_dtype``.
         """
         check_resize_mode(resize)
         if not isinstance(patch_dtype, torch.dtype) or not patch_dtype.is_floating_point:
@@ -218,12 +224,19 @@ class DecodeEngine:
         if on_corrupt not in ON_CORRUPT:
             raise ValueError(f"on_corrupt must be one of {ON_CORRUPT}, got {on_corrupt!r}")
         with self._lock:
-            analysis = self._analyses.pop(key_id, None)
-            if analysis is None:
-                raise KeyError(f"unknown or already queued key id {key_id}")
+            analysis = self._analyses.get(key_id)
+        if analysis is None:
+            raise KeyError(f"unknown or already queued key id {key_id}")
         if not stream and self.output_device.type == "cpu":  # a stream's parts are freed as they are read
-            check_output_memory(analysis.plan, output, patch_dtype)  # refused: the analysis is forgotten
+            try:  # while the analysis is still registered: a cancel meanwhile finds it and forgets it
+                check_output_memory(analysis.plan, output, patch_dtype)
+            except OutputTooLargeError:
+                with self._lock:
+                    self._analyses.pop(key_id, None)  # refused: nothing of the request is kept
+                raise
         with self._lock:
+            if self._analyses.pop(key_id, None) is None:  # cancelled (or queued by another thread) meanwhile
+                raise KeyError(f"unknown or already queued key id {key_id}")
             self._in_flight.add(key_id)
         request = DecodeRequest(analysis, output, on_corrupt, patch_spec, progress, self._request_done, self.output_device,
                            stream=stream, patch_dtype=patch_dtype, trace=trace)

@@ -192,3 +192,32 @@ def test_a_stream_with_more_frames_than_the_cap_is_refused_during_the_scan(tiny_
     monkeypatch.setattr(probe_module, "MAX_VIDEO_FRAMES", 47)
     with pytest.raises(flashcodec.VideoTooLargeError, match=r"more than 47 frames; flashcodec reads at most 47"):
         probe(str(tiny_h264))
+
+
+def test_a_packet_without_timestamps_after_timed_ones_is_named(tiny_h264, monkeypatch):
+    """Only a stream untimed from its first packet is taken for a raw stream; a later untimed packet is named, as
+    the place where the file's timing breaks (its frames could not be placed either)."""
+    opened = probe_module._open_container
+
+    class OneUntimed:
+        def __init__(self, container):
+            self._container = container
+
+        def __getattr__(self, name):
+            return getattr(self._container, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._container.close()
+
+        def demux(self, *streams):
+            for i, packet in enumerate(self._container.demux(*streams)):
+                if i == 5:
+                    packet.pts = packet.dts = None
+                yield packet
+
+    monkeypatch.setattr(probe_module, "_open_container", lambda *a, **k: OneUntimed(opened(*a, **k)))
+    with pytest.raises(flashcodec.CorruptVideoError, match=r"packet 5 of the video stream carries no timestamp"):
+        probe(str(tiny_h264))

@@ -17,25 +17,30 @@ def write(path, text) -> str:
     return str(path)
 
 
-def v2_group(root, path, limit, current, inactive_file=0):
+def v2_group(root, path, limit, current, inactive_file=0, active_file=0):
     folder = os.path.join(root, path.lstrip("/"))
     write(os.path.join(folder, "memory.max"), f"{limit}\n")
     write(os.path.join(folder, "memory.current"), f"{current}\n")
-    write(os.path.join(folder, "memory.stat"), f"anon 1\ninactive_file {inactive_file}\nactive_file 5\n")
+    write(os.path.join(folder, "memory.stat"), f"anon 1\nshmem 9\ninactive_file {inactive_file}\n"
+                                               f"active_file {active_file}\n")
 
 
-def v1_group(root, path, limit, usage, total_inactive_file=0):
+def v1_group(root, path, limit, usage, total_inactive_file=0, total_active_file=0):
     folder = os.path.join(root, "memory", path.lstrip("/"))
     write(os.path.join(folder, "memory.limit_in_bytes"), f"{limit}\n")
     write(os.path.join(folder, "memory.usage_in_bytes"), f"{usage}\n")
-    write(os.path.join(folder, "memory.stat"), f"inactive_file 7\ntotal_inactive_file {total_inactive_file}\n")
+    write(os.path.join(folder, "memory.stat"), f"inactive_file 7\nactive_file 3\n"
+                                               f"total_inactive_file {total_inactive_file}\n"
+                                               f"total_active_file {total_active_file}\n")
 
 
-def test_v2_limit_less_usage_plus_reclaimable_cache(tmp_path):
+def test_v2_limit_less_usage_plus_the_file_cache(tmp_path):
+    """Both file lists are reclaimable (a video read twice, probe then decode, lands on the active one), as
+    MemAvailable counts them; tmpfs pages (the server's pools) are on the anonymous lists and stay counted."""
     root = str(tmp_path / "sys")
     proc = write(tmp_path / "cgroup", "0::/kubepods/pod1/ctr\n")
-    v2_group(root, "/kubepods/pod1/ctr", 8 * GiB, 3 * GiB, inactive_file=1 * GiB)
-    assert cgroup_memory_room(proc, root) == 6 * GiB  # 8 - (3 - 1)
+    v2_group(root, "/kubepods/pod1/ctr", 8 * GiB, 5 * GiB, inactive_file=1 * GiB, active_file=1 * GiB)
+    assert cgroup_memory_room(proc, root) == 5 * GiB  # 8 - (5 - 1 - 1)
 
 
 def test_the_tightest_ancestor_wins(tmp_path):
@@ -59,7 +64,7 @@ def test_v1_with_an_unlimited_sentinel_and_hybrid_mounts(tmp_path):
     root = str(tmp_path / "sys")
     # hybrid: systemd's unified line as well as the v1 memory controller, which is the one that charges
     proc = write(tmp_path / "cgroup", "9:name=systemd:/\n4:cpu,memory:/docker/abc\n0::/\n")
-    v1_group(root, "/docker/abc", 2 * GiB, GiB + GiB // 2, total_inactive_file=GiB // 2)
+    v1_group(root, "/docker/abc", 2 * GiB, GiB + GiB // 2, total_inactive_file=GiB // 4, total_active_file=GiB // 4)
     v1_group(root, "/docker", 9223372036854771712, 40 * GiB)  # 2^63 rounded to a page: no limit
     v1_group(root, "/", 9223372036854771712, 50 * GiB)
     assert cgroup_memory_room(proc, root) == GiB  # 2 - (1.5 - 0.5)
@@ -72,6 +77,21 @@ def test_a_container_without_a_cgroup_namespace_reads_its_mount_root(tmp_path):
     proc = write(tmp_path / "cgroup", "0::/system.slice/docker-abc.scope\n")
     v2_group(root, "/", 3 * GiB, 2 * GiB)
     assert cgroup_memory_room(proc, root) == 1 * GiB
+
+
+def test_a_cgroup_name_that_is_not_utf8_is_read(tmp_path):
+    """A cgroup's name is bytes: one that is not UTF-8 made the reader raise (every decode and the server's start
+    would have failed)."""
+    root = str(tmp_path / "sys")
+    proc = tmp_path / "cgroup"
+    proc.write_bytes(b"0::/caf\xe9\n")
+    assert cgroup_memory_room(str(proc), root) is None  # no such folder under the fake mount: no limit found
+    folder = os.path.join(root.encode(), b"caf\xe9")
+    os.makedirs(folder)
+    for name, value in ((b"memory.max", b"4096\n"), (b"memory.current", b"1024\n"), (b"memory.stat", b"x 1\n")):
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(value)
+    assert cgroup_memory_room(str(proc), root) == 3072
 
 
 def test_usage_over_the_limit_leaves_nothing(tmp_path):

@@ -68,7 +68,8 @@ class Processor:
         #: ids that decode to no text when special tokens are skipped: the special tokens, and ids past the
         #: tokenizer's vocabulary (the model's padding rows)
         self._special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
-        self._vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        #: the tokenizer's ids (added tokens included); a model's embedding may have more rows (padding)
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
 
     def _special_id(self, token: str) -> int:
         token_id = self.tokenizer.token_to_id(token)
@@ -176,7 +177,7 @@ class Processor:
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         """A streaming detokenizer for one sequence's generated tokens."""
-        return IncrementalDecoder(self.tokenizer, skip_special_tokens, self._special_ids, self._vocab_size)
+        return IncrementalDecoder(self.tokenizer, skip_special_tokens, self._special_ids, self.vocab_size)
 
 
 #: Tokens an :class:`IncrementalDecoder` holds back as the inside of a character before it emits them as decoded

@@ -252,7 +252,8 @@ class Ingress:
         if request.url.path == "/health" and request.method == "GET":
             return await self.health()
         if request.method in BODY_METHODS and not authorized(request.headers.get("authorization"), self.api_key):
-            return _error(AUTH_ERROR, 401, AUTH_HEADERS)
+            # the connection closes, as the plain server's middleware closes it: the unread body is not drained
+            return _error(AUTH_ERROR, 401, {**AUTH_HEADERS, "connection": "close"})
         body = await self._read_body(request)
         if isinstance(body, Response):
             return body

@@ -171,10 +171,12 @@ class MediaProbed(msgspec.Struct, tag=True):
 
 
 class MediaFailed(msgspec.Struct, tag=True):
-    """The media cannot be used (not a video, corrupt, unsupported, too long): a client error."""
+    """The media cannot be used (not a video, corrupt, unsupported, too long): a client error; or, 503, the vision
+    process has no memory for it now."""
 
     request_id: str
     message: str
+    status_code: int = 400
 
 
 class TokenOutput(msgspec.Struct):

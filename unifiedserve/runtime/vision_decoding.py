@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashcodec import DecodeCancelledError, FlashCodecError, SamplingOptions
+from flashcodec import DecodeCancelledError, FlashCodecError, OutputTooLargeError, SamplingOptions
 from flashcodec._errors import first_line
 from flashcodec.image import decode_image
 from flashcodec.source import Source
@@ -209,6 +209,10 @@ class MediaDecoding:
             decoded = self.engine.get_decoding_output(analysis.key_id)
         except DecodeCancelledError:  # the request went away, or core already has this media
             self.events.put(("cancelled", job.request_id))
+            return
+        except OutputTooLargeError:  # this process's memory now, not the client's media: 503, no figures shown
+            self.events.put(("failed", job.request_id, f"media {index}: the server has no memory for this video's "
+                             f"decoded frames now; retry later, or ask for fewer or smaller frames", index, 503))
             return
         except Exception as e:  # corrupt data, unsupported stream: the client's media, not our crash
             self.events.put(("failed", job.request_id, f"media {index}: {_one_line(e, job.media[index])}", index))

@@ -193,14 +193,14 @@ class VisionWorker(MediaDecoding, Worker):
         if job is None:  # cancelled meanwhile
             return
         if kind == "failed":
-            message, index = payload
+            message, index, *status = payload  # status: 503 where the server, not the media, is short
             if index in job.skip:  # core does not need this media any more
                 return
             self.jobs.pop(request_id)
             self._release(job)
             for key_id in job.key_ids.values():  # the request fails: its other videos stop too
                 self.engine.cancel(key_id)
-            self.send("api", protocol.MediaFailed(request_id, message))
+            self.send("api", protocol.MediaFailed(request_id, message, *status))
         elif kind == "probed":
             plans, probe_s, analyses = payload
             job.plans = plans

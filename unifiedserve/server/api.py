@@ -277,8 +277,8 @@ async def _tokenize(state: ServerState, body: TokenizeRequest, request: Request)
     """vLLM's ``/tokenize``: the ids the model would see. A prompt is tokenized as ``/v1/completions`` does;
     messages are rendered as ``/v1/chat/completions`` renders them, and each image or video placeholder is
     expanded to its visual tokens from the media's probe (vision scans a video's packets and decodes nothing
-    for it; the probe is cached, so a question sent next skips the scan). A count over ``--max-model-len``
-    is a 400 that gives the count (the same bound the generation endpoints apply)."""
+    for it; the probe is cached, so a question sent next skips the scan). A count that leaves no room for a
+    completion (``--max-model-len`` or more) is a 400 that gives the count (the generation endpoints' bound)."""
     if (wrong := _other_model(state, body.model)) is not None:
         return wrong
     processor = state.processor

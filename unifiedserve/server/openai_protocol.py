@@ -12,6 +12,7 @@ be valid Unicode (a lone surrogate such as ``"\\ud800"`` in JSON is refused).
 from __future__ import annotations
 
 import json
+import typing
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -43,14 +44,20 @@ class _Model(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_the_default(cls, data: Any) -> Any:
-        """A ``null`` sent for an optional field means its default, as in OpenAI's API, whose optional fields are
-        nullable (``"stream": null`` is no stream, ``"n": null`` one choice); a required field's null stays an
-        error."""
+        """A ``null`` sent for an optional field that takes no null means its default, as in OpenAI's API, whose
+        optional fields are nullable (``"stream": null`` is no stream, ``"n": null`` one choice). A field that
+        takes null keeps it (a completion's ``"max_tokens": null`` is the server's default length, as vLLM reads
+        it, not the field's 16); a required field's null stays an error."""
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
-        nulls = [k for k, v in data.items() if v is None and k in fields and not fields[k].is_required()]
+        nulls = [k for k, v in data.items() if v is None and k in fields and not fields[k].is_required()
+                 and not _takes_none(fields[k].annotation)]
         return {k: v for k, v in data.items() if k not in nulls} if nulls else data
+
+
+def _takes_none(annotation: Any) -> bool:
+    return annotation is type(None) or type(None) in typing.get_args(annotation)
 
 
 class TextPart(_Model):

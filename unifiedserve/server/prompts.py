@@ -42,7 +42,7 @@ def ids_outside_vocabulary(ids: list[int], state: ServerState) -> str | None:
     None. The tokenizer's vocabulary bounds them where it is the smaller: the model's embedding rows past it are
     padding (Qwen2.5-VL: 151,665 tokens, 152,064 rows) that no text has, and were never trained as input (vLLM
     refuses prompt ids past the tokenizer's too)."""
-    vocab = state.processor.tokenizer.get_vocab_size(with_added_tokens=True)
+    vocab = state.processor.vocab_size
     if state.vocab_size is not None:
         vocab = min(vocab, state.vocab_size)
     return outside_vocabulary(ids, vocab)

@@ -87,10 +87,12 @@ CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", "messages",
 TEXT = Shape("cmpl", "text_completion", "text_completion", "prompt", False)
 
 
-def _legacy_logprobs(entries: list[dict], offsets: list[int]) -> dict:
+def _legacy_logprobs(entries: list[dict], offsets: list[int], text_len: int) -> dict:
     """Chat ``logprobs.content`` entries as a completion's ``logprobs`` (OpenAI's legacy format, as vLLM fills
     it): the tokens, their log-probabilities, each token's top tokens with the sampled one among them, and each
-    token's ``offsets``: where its text begins in the choice's text (echoed prompt included)."""
+    token's ``offsets``: where its text begins in the choice's text (echoed prompt included), at most
+    ``text_len``, the text's length so far (a stop string spanning tokens cuts text the later ones began in)."""
+    offsets = [min(o, text_len) for o in offsets]
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [{**{t["token"]: t["logprob"] for t in e["top_logprobs"]}, e["token"]: e["logprob"]}
                              for e in entries], "text_offset": offsets}
@@ -218,7 +220,8 @@ class Generation:
         """The choice in a whole response."""
         if not self.shape.chat:
             return {"index": self.index, "text": self.echo + self.output.text,
-                    "logprobs": None if self.logprobs is None else _legacy_logprobs(self.logprobs, self._text_offsets),
+                    "logprobs": None if self.logprobs is None else _legacy_logprobs(
+                        self.logprobs, self._text_offsets, len(self.echo) + len(self.output.text)),
                     "finish_reason": self.finish_reason}
         return {"index": self.index, "message": {"role": "assistant", "content": self.output.text},
                 "logprobs": None if self.logprobs is None else {"content": self.logprobs},
@@ -238,7 +241,8 @@ class Generation:
             legacy = None
             if logprobs is not None:
                 sent, self._legacy_sent = self._legacy_sent, self._legacy_sent + len(logprobs)
-                legacy = _legacy_logprobs(logprobs, self._text_offsets[sent:self._legacy_sent])
+                legacy = _legacy_logprobs(logprobs, self._text_offsets[sent:self._legacy_sent],
+                                          len(self.echo) + len(self.output.text))
             choices = [{"index": self.index, "text": delta.get("content", ""), "logprobs": legacy,
                         "finish_reason": finish_reason}]
         body = {"id": self.response_id, "object": self.shape.chunk_object, "created": self.created,

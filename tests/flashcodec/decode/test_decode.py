@@ -404,21 +404,29 @@ def _size_switch_ts(path, small=(64, 48), large=(128, 96), n_small=8, n_large=4)
     return path
 
 
-def test_pictures_that_grow_past_the_cap_midway_are_not_decoded(tmp_path, monkeypatch):
+def test_pictures_that_grow_past_the_cap_midway_are_not_decoded(tmp_path):
     """The probe checks the header's size; a stream may change size later (a 12000x12000 picture after 64x48 ones
-    was decoded at 1.3 GB): the decoder refuses pictures over the cap, which count as corrupt frames."""
-    from flashcodec.decode import backends
+    was decoded at 1.3 GB): the PyAV decoders refuse pictures well past the engine's cap, which count as corrupt
+    frames; pictures within it decode, whatever their padding (FFmpeg counts 50x48 as 64x48)."""
+    from flashcodec.decode.backends import decoder_pixel_limit
 
-    path = _size_switch_ts(tmp_path / "switch.ts")
+    path = _size_switch_ts(tmp_path / "switch.ts", small=(200, 150), large=(600, 450))
     info = flashcodec.probe(str(path))
-    assert (info.width, info.height, info.num_frames) == (64, 48, 12)
-    whole = flashcodec.decode_video(str(path), backend="pyav", frame_indices=list(range(12)))
-    assert whole.failed_frame_indices == []  # under the cap, the larger pictures decode
-    monkeypatch.setattr(backends, "MAX_FRAME_PIXELS", 64 * 48)  # the cap between the two sizes
-    with pytest.raises(flashcodec.CorruptVideoError, match=r"4 of 12 sampled frames could not be decoded"):
-        flashcodec.decode_video(str(path), backend="pyav", frame_indices=list(range(12)))
-    capped = flashcodec.decode_video(str(path), backend="pyav", frame_indices=list(range(12)), on_corrupt="repeat")
+    assert (info.width, info.height, info.num_frames) == (200, 150, 12)
+    frames = list(range(12))
+    with flashcodec.DecodeEngine("pyav", cpu_threads=1) as engine:  # the default cap: 8K
+        assert engine.decode_video(str(path), frame_indices=frames).failed_frame_indices == []
+    assert decoder_pixel_limit(200 * 150) < 600 * 450
+    with flashcodec.DecodeEngine("pyav", cpu_threads=1, max_source_pixels=200 * 150) as engine:
+        with pytest.raises(flashcodec.CorruptVideoError, match=r"4 of 12 sampled frames could not be decoded"):
+            engine.decode_video(str(path), frame_indices=frames)
+        capped = engine.decode_video(str(path), frame_indices=frames, on_corrupt="repeat")
     assert capped.failed_frame_indices == [8, 9, 10, 11]
+    # a cap of exactly its stored size: a picture whose width FFmpeg pads (370 -> 384) still decodes
+    odd = _size_switch_ts(tmp_path / "odd.ts", small=(370, 250), large=(370, 250))
+    assert decoder_pixel_limit(370 * 250) > 1 << 16  # past the floor: the padding allowance is what lets it in
+    with flashcodec.DecodeEngine("pyav", cpu_threads=1, max_source_pixels=370 * 250) as engine:
+        assert engine.decode_video(str(odd), frame_indices=frames).failed_frame_indices == []
 
 
 def test_a_raw_stream_without_timestamps_is_refused_by_its_probe_with_the_way_out(tiny_h264, tmp_path, monkeypatch):

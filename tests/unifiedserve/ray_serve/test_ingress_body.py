@@ -130,7 +130,8 @@ def test_without_the_api_key_no_body_is_read_and_none_takes_room(authorization):
     receive, ray_calls = feeder([b"{}"])
     response = asyncio.run(ingress(Request(scope(headers), receive)))
     assert response.status_code == 401 and json.loads(response.body) == json.loads(sent[1]["body"])
-    assert response.headers["www-authenticate"] == "Bearer" and ray_calls == []
+    assert response.headers["www-authenticate"] == "Bearer" and response.headers["connection"] == "close"
+    assert ray_calls == [] and (b"connection", b"close") in sent[0]["headers"]
     assert json.loads(response.body)["error"]["type"] == "authentication_error"
 
 

@@ -273,3 +273,23 @@ def test_on_a_gpu_images_are_decoded_and_cut_there(tmp_path, demo_model, image_f
         assert torch.all(written[offset:] == SENTINEL)
     finally:
         worker.close()
+
+
+def test_a_whole_decode_without_memory_for_it_is_a_503_that_names_no_figures(tmp_path, demo_model, clips, monkeypatch):
+    """flashcodec refuses a whole output larger than the memory the process can still take: in the server that is
+    the server's state, not the client's media (503, retry), and the message shows no host memory figures."""
+    import flashcodec._sysmem
+
+    worker = make_worker(tmp_path, demo_model, streaming=False, delay_s=0.0)
+    try:
+        ref = protocol.MediaRef("video", path=clips[0].path, min_pixels=3136, max_pixels=128 * 96, key="k")
+        monkeypatch.setattr(flashcodec._sysmem, "available_memory", lambda: (1000, "available memory"))
+        worker.handle(protocol.ProbeMedia("r1", [ref]))  # its decode starts ahead of admission, after the probe
+        pump(worker, lambda: messages(worker, protocol.MediaFailed))
+        failed = messages(worker, protocol.MediaFailed)[0]
+        assert failed.status_code == 503 and "no memory for this video's decoded frames now" in failed.message
+        assert "GiB" not in failed.message
+        pump(worker, lambda: "r1" not in worker.jobs and worker.in_flight == 0)
+        assert not worker.engine._analyses  # the refused request's analysis is not kept
+    finally:
+        worker.close()

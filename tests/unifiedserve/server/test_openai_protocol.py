@@ -12,15 +12,16 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 def test_null_in_an_optional_field_is_its_default():
-    """OpenAI's optional fields are nullable: "stream": null is no stream, "n": null one choice, "max_tokens": null
-    on legacy completions its default of 16."""
+    """OpenAI's optional fields are nullable: "stream": null is no stream, "n": null one choice; a field that takes
+    null keeps it ("max_tokens": null on legacy completions is the server's default length, as vLLM reads it)."""
     chat = ChatCompletionRequest.model_validate({
         "messages": MESSAGES, "stream": None, "n": None, "logprobs": None, "max_tokens": None, "min_tokens": None,
         "ignore_eos": None, "skip_special_tokens": None, "stop": None, "tools": None, "store": None})
     assert (chat.stream, chat.n, chat.logprobs, chat.max_tokens, chat.min_tokens) == (False, 1, False, None, 0)
     assert chat.skip_special_tokens is True and chat.ignore_eos is False
     completion = CompletionRequest.model_validate({"prompt": "x", "echo": None, "max_tokens": None, "n": None})
-    assert (completion.echo, completion.max_tokens, completion.n) == (False, 16, 1)
+    assert (completion.echo, completion.max_tokens, completion.n) == (False, None, 1)
+    assert CompletionRequest.model_validate({"prompt": "x"}).max_tokens == 16  # left out: OpenAI's 16
     chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "file:///a.png", "detail": None}}]}]})
     assert chat.messages[0].content[0].image_url.detail is None

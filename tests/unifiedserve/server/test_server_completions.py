@@ -113,6 +113,12 @@ def test_echo_logprobs_stop_strings_and_choices(server, client, llm):
     assert [c.index for c in res.choices] == [0, 1]
     assert {c.text for c in res.choices} == {ref.text[:ref.text.index(stop)]}
     assert {c.finish_reason for c in res.choices} == {"stop"}
+    # the stop string spans tokens: no offset points past the text it cut
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 0, "ignore_eos": True, "stop": [stop]}
+    status, whole = http("POST", server.url + "/v1/completions", body)
+    choice = whole["choices"][0]
+    assert status == 200 and choice["text"] == ref.text[:ref.text.index(stop)]
+    assert max(choice["logprobs"]["text_offset"]) <= len(choice["text"]), choice
     server.wait_idle()
 
 
