@@ -55,10 +55,10 @@ for p in ${policy//,/ }; do case $p in unified|monolithic|split) ;;
   *) echo "gpu_check.sh: error: POLICY must be unified, monolithic or split, or several with commas, got '$policy'" >&2
      exit 2 ;; esac; done
 case $policy in ''|,*|*,|*,,*) echo "gpu_check.sh: error: POLICY has an empty name: '$policy'" >&2; exit 2 ;; esac
-case ${MAX_FRAMES:-64} in none) ;; ''|*[!0-9]*|0|1)
+case ${MAX_FRAMES-64} in none) ;; ''|*[!0-9]*|0|1)
   echo "gpu_check.sh: error: MAX_FRAMES must be a whole number of frames >= 2 or none, got '${MAX_FRAMES}'" >&2
   exit 2 ;; esac
-case ${GPU_CHECK_LIMIT_S:-600} in ''|*[!0-9]*)
+case ${GPU_CHECK_LIMIT_S-600} in ''|*[!0-9]*)  # set but empty: an error, not the default
   echo "gpu_check.sh: error: GPU_CHECK_LIMIT_S must be whole seconds, got '${GPU_CHECK_LIMIT_S}'" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
@@ -253,13 +253,22 @@ serve_under_mps() {
 stop_leftover_nodes() {  # a launch test killed by its limit runs no teardown: its node (own session) and MPS
   local d                 # daemon would outlive it and share the GPU with every later step
   for d in /tmp/pytest-of-*/pytest-*/test_*/node; do
-    if [ -f "$d/server.pid" ]; then UNIFIEDSERVE_NODE_DIR="$d" launch/serve-node.sh stop || true; fi
+    # bounded: a 10-s drain, and the whole stop within 40 s, so a run cut at its deadline still packs its results
+    if [ -f "$d/server.pid" ]; then
+      UNIFIEDSERVE_NODE_DIR="$d" UNIFIEDSERVE_STOP_TIMEOUT=10 timeout --kill-after=5 40 launch/serve-node.sh stop || true
+    fi
   done
 }
 stop_mps() {  # stop the group's daemon; later steps must not see its (now gone) folders
-  run 30 mps-stop launch/mps.sh stop
+  # not through run(), which skips a step when under 15 s are left: the daemon (its own session) would outlive the
+  # call on the warm machine; the EXIT trap tries again should this stop fail
+  if timeout --kill-after=5 30 launch/mps.sh stop 2>&1 | tee "$out/mps-stop.log"; then
+    echo "mps-stop: rc=0" | tee -a "$out/status.txt"
+    trap - EXIT
+  else
+    echo "mps-stop: failed (see mps-stop.log); the exit trap tries again" | tee -a "$out/status.txt"
+  fi
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-  trap - EXIT
 }
 
 case $group in
@@ -326,6 +335,7 @@ engine)
 serve)
   serve_under_mps
   step "serve --device cuda on the 7B preset: one 3-minute video, 4 requests decoding, streaming vs whole ingest"
+  rm -f bench/results/ttft_breakdown_server_*.log  # a warm machine's from an earlier call must not be packed as ours
   run 240 serve-7b python3 bench/serve/ttft_breakdown.py --ingest both --num-decoding 4 \
     --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16 ${SERVE_EXTRA_ARGS:-}" --result-json "$out/ttft_cuda_7b.json"
   cp bench/results/ttft_breakdown_server_*.log "$out/" 2>/dev/null
@@ -343,12 +353,18 @@ serve)
     --gop 250 --max-pixels 112896 --output patches --repeat 2 --out "$out"
   ;;
 policies)
-  serve_under_mps
-  step "the workload's videos (generated once, kept in the media cache for the other policies' runs)"
-  # its requests (the ones bench_policies replays, before arrival times are drawn) go into OUTDIR as the run's record
+  step "the workload's videos, in the background beside the 7B preset and MPS (generated once, kept in the media cache)"
+  # its requests (the ones bench_policies replays, before arrival times are drawn) go into OUTDIR as the run's record;
+  # encoding them is CPU work (60-145 s), the preset's writing GPU and disk work: one after the other, they left
+  # bench_policies 150-250 s of a 510-s run, about one rate
   run 200 media python3 datasets/workloads.py --workload long-video --video-seconds "${VIDEO_SECONDS:-60,300}" \
     --scale 1 --num-videos 4 --num-requests "${NUM_REQUESTS:-64}" --output-len 128 --max-frames "${MAX_FRAMES:-64}" \
-    --out "$out/policies-workload.jsonl"
+    --out "$out/policies-workload.jsonl" > /dev/null &
+  media_job=$!
+  serve_under_mps
+  step "waiting for the workload's videos"
+  wait "$media_job" || true
+  grep "^media:" "$out/status.txt" || echo "media: no status (see media.log)"
   step "bench/policies --policies $policy on the 7B preset: ${NUM_REQUESTS:-64} requests, 1-5 minute 720p videos"
   # the same workload, server flags and SLOs in every policy's run (media cached in /tmp between runs);
   # --no-prefix-caching / --media-cache-gb 0: each request pays its video, as in the paper's workload.

@@ -144,6 +144,14 @@ def main(argv=None) -> int:
         return 2
     plans = _Plans()
     runs: dict[str, list[dict]] = {"in_order": [], "lanes": [], "whole": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"bench_stream_{args.device.replace(':', '').replace(',', '+')}.json"
+
+    def save(summary: dict | None) -> None:  # after every run too: a run cut at a device's time limit keeps its runs
+        out.write_text(json.dumps({"command": "python bench/decode/bench_stream.py " + " ".join(argv or sys.argv[1:]),
+                                   "clip": str(args.clip) if args.clip else spec, "runs": runs,
+                                   **({"median": summary} if summary is not None else {"partial": True})}, indent=1))
+
     try:
         with engine:
             streamed(engine, path, args)  # warm: opens, kernels
@@ -151,6 +159,7 @@ def main(argv=None) -> int:
                 for name in runs:
                     plans.in_order = name == "in_order"
                     runs[name].append(whole(engine, path, args) if name == "whole" else streamed(engine, path, args))
+                    save(None)
     finally:
         plans.restore()
     print(f"{Path(path).name}: {info.codec} {info.width}x{info.height}, {len(info.gops)} GOPs; "
@@ -168,11 +177,7 @@ def main(argv=None) -> int:
         first = f"{middle['first_part_s']:12.3f}" if "first_part_s" in middle else f"{'-':>12}"
         print(f"{name:<10} {first} {shares}  " + ", ".join(f"{r['seconds']:.2f}" for r in rs))
         print("\n".join(rank_lines(middle["trace"])))
-    args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"bench_stream_{args.device.replace(':', '').replace(',', '+')}.json"
-    out.write_text(json.dumps({"command": "python bench/decode/bench_stream.py " + " ".join(argv or sys.argv[1:]),
-                               "clip": str(args.clip) if args.clip else spec, "runs": runs, "median": summary},
-                              indent=1))
+    save(summary)
     print(f"wrote {out}")
     return 0
 

@@ -302,6 +302,7 @@ def report(results: dict, rates: list[float], slo: dict, out: Path, gpu: bool, m
 
 
 def main(argv=None) -> int:
+    began = time.monotonic()  # --time-budget-s counts from here: the workload's generation is inside it
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--rates", default="0.05,0.1,0.2", help="request rates, req/s (comma-separated)")
@@ -327,8 +328,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "policies")
     p.add_argument("--time-budget-s", type=float, default=None, metavar="S",
                    help="skip a rate whose arrivals (num_requests / rate) and the drain after them (a sixth of "
-                        "the arrivals and 20 s) would end more than S s after the first server is started (a device "
-                        "run's time limit); with several policies each gets an even share of what is left when its "
+                        "the arrivals and 20 s) would end more than S s after this program started (a device run's "
+                        "time limit); with several policies each gets an even share of what is left when its "
                         "server starts; finished rates are kept")
     p.add_argument("--merge", nargs="+", type=Path, metavar="RUN",
                    help="no server: merge the results.json of these runs (one policy or some rates of one each, same "
@@ -355,7 +356,7 @@ def main(argv=None) -> int:
              *a.server_args.split()]
     results: dict[str, list] = {}
     meta = {"machine": machine_info(), "args": vars(a) | {"out": str(a.out), "merge": None}}
-    deadline = None if a.time_budget_s is None else time.monotonic() + a.time_budget_s
+    deadline = None if a.time_budget_s is None else began + a.time_budget_s
     policies = a.policies.split(",")
     for i, policy in enumerate(policies):
         # each policy of a budgeted run gets an even share of what is left when it starts (so also what an earlier

@@ -59,3 +59,17 @@ def test_bad_arguments_get_one_error_line(tmp_path, capsys):
         with pytest.raises(SystemExit):
             bench_stream.main([*args, *bad])
         assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_a_run_cut_short_keeps_the_runs_it_finished(tmp_path, monkeypatch):
+    """A device run's time limit can stop it mid-way: the JSON is written after every run, marked partial."""
+    def cut(*args):
+        raise KeyboardInterrupt  # the limit's signal, as it lands in the third plan of the first repeat
+
+    monkeypatch.setattr(bench_stream, "whole", cut)
+    with pytest.raises(KeyboardInterrupt):
+        bench_stream.main(["--size", "160x96", "--duration", "4", "--gop", "24", "--repeat", "2", "--threads", "2",
+                           "--out", str(tmp_path), "--cache", str(tmp_path / "videos")])
+    report = json.loads((tmp_path / "bench_stream_cpu.json").read_text())
+    assert report["partial"] is True and "median" not in report
+    assert [len(report["runs"][n]) for n in ("in_order", "lanes", "whole")] == [1, 1, 0]

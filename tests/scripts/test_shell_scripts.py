@@ -32,6 +32,8 @@ def test_script_parses(script):
     (["OUT", "policies"], {"POLICY": "unified,fast"}, "gpu_check.sh: error: POLICY must be unified, monolithic or"),
     (["OUT", "policies"], {"POLICY": "unified,,split"}, "gpu_check.sh: error: POLICY has an empty name"),
     (["OUT", "decode"], {"GPU_CHECK_LIMIT_S": "9.5"}, "gpu_check.sh: error: GPU_CHECK_LIMIT_S must be whole seconds"),
+    (["OUT", "decode"], {"GPU_CHECK_LIMIT_S": ""}, "gpu_check.sh: error: GPU_CHECK_LIMIT_S must be whole seconds"),
+    (["OUT", "policies"], {"MAX_FRAMES": ""}, "gpu_check.sh: error: MAX_FRAMES must be a whole number of frames"),
     (["OUT", "policies"], {"MAX_FRAMES": "64f"}, "gpu_check.sh: error: MAX_FRAMES must be a whole number of frames"),
     (["OUT", "policies"], {"MAX_FRAMES": "1"}, "gpu_check.sh: error: MAX_FRAMES must be a whole number of frames"),
 ])
