@@ -50,7 +50,9 @@ case ${1:-} in
     need_binary
     if is_running; then echo "MPS already running ($dir)"; exit 0; fi
     # not running: a control socket left by a killed daemon would pass for a live one (here and in every
-    # client's check), so the folders start empty
+    # client's check), so the folders start empty; and a daemon of this folder that is alive but not answering
+    # goes first, or a second would start beside it
+    kill_own
     rm -rf "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     nvidia-cuda-mps-control -d || die "nvidia-cuda-mps-control -d failed; see $CUDA_MPS_LOG_DIRECTORY/control.log"

@@ -17,6 +17,11 @@ die() { echo "$prog: error: $*" >&2; exit 1; }
 ray_bin=${RAY_BIN:-ray}
 need_ray() { command -v "$ray_bin" >/dev/null 2>&1 || die "'$ray_bin' not found: pip install 'unifiedserve[ray]' (or set RAY_BIN)"; }
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; }
+ray_failed() {  # ray start failed: the MPS daemon start_mps started must not outlive it
+  local rc=$?
+  "$here/mps.sh" stop >/dev/null 2>&1 || true
+  die "ray start failed (exit $rc, above)"
+}
 start_mps() {  # a daemon that will not start, or that no CUDA client can use, is not fatal: time-slicing
   if has_gpu; then
     if "$here/mps.sh" start && "$here/mps.sh" check; then
@@ -42,7 +47,7 @@ case ${1:-} in
     # Serve's controller loop every 0.5 s (Serve's default 0.1), as `serve --ray` sets on a local instance:
     # its idle CPU shares a node with the replicas' encode; the controller runs on the head
     export RAY_SERVE_CONTROL_LOOP_INTERVAL_S=${RAY_SERVE_CONTROL_LOOP_INTERVAL_S:-0.5}
-    "$ray_bin" start --head --port "$port" --disable-usage-stats "$@"
+    "$ray_bin" start --head --port "$port" --disable-usage-stats "$@" || ray_failed
     echo "head up: join workers with '$0 worker $(hostname -I 2>/dev/null | awk '{print $1}'):$port', then" \
          "unifiedserve serve --ray --ray-address 127.0.0.1:$port --replicas N"
     ;;
@@ -53,12 +58,15 @@ case ${1:-} in
     shift
     need_ray
     start_mps
-    "$ray_bin" start --address "$address" --disable-usage-stats "$@"
+    "$ray_bin" start --address "$address" --disable-usage-stats "$@" || ray_failed
     ;;
   stop)
-    need_ray
-    "$ray_bin" stop
-    if has_gpu; then "$here/mps.sh" stop; fi
+    # MPS is stopped whatever happens to Ray's stop (Ray missing, or its stop failing): no daemon is left behind
+    rc=0
+    if command -v "$ray_bin" >/dev/null 2>&1; then "$ray_bin" stop || rc=$?; fi
+    "$here/mps.sh" stop || rc=$?
+    need_ray  # (after MPS's stop)
+    [ "$rc" -eq 0 ] || die "stop did not finish cleanly (above)"
     ;;
   *)
     echo "usage: launch/ray-cluster.sh head [--port P] [ARGS...] | worker HOST:PORT [ARGS...] | stop" >&2; exit 2 ;;

@@ -93,7 +93,9 @@ start() {
   if has_gpu; then
     if [ "$use_mps" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
       # a daemon that will not start, or that a CUDA client cannot use, is not fatal: the GPU is time-sliced
-      if "$here/mps.sh" status >/dev/null 2>&1 || { "$here/mps.sh" start && touch "$dir/mps.started"; }; then
+      # a daemon already answering in this node's own folder is a leftover of this node's: owned (stopped by
+      # `stop`) as one started here
+      if { "$here/mps.sh" status >/dev/null 2>&1 || "$here/mps.sh" start; } && touch "$dir/mps.started"; then
         if "$here/mps.sh" check; then
           eval "$("$here/mps.sh" env)"
         else
@@ -148,6 +150,14 @@ stop() {
     for _ in $(seq 100); do [ -z "$(session_pids)" ] && break; sleep 0.1; done
     echo "server stopped (pid $pid)"
   else
+    # the session's leader is gone, but the server or its workers may still run (holding the port and the GPU)
+    local left; left=$(session_pids)
+    if [ -n "$left" ]; then
+      echo "$prog: the server's session leader is gone; killing what is left of its session: $(echo $left)"
+      # shellcheck disable=SC2086
+      kill -KILL $left 2>/dev/null || true
+      for _ in $(seq 100); do [ -z "$(session_pids)" ] && break; sleep 0.1; done
+    fi
     echo "server not running"
   fi
   cleanup
@@ -169,6 +179,7 @@ run_server() {
   mapfile -d '' args < "$dir/args"
   trap 'stopping=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null' TERM INT
   while :; do
+    [ "$stopping" = 1 ] && exit 0  # a stop that came during a restart's MPS cycle or pause: no new server
     began=$SECONDS
     "$bin" serve "${args[@]}" &
     child=$!

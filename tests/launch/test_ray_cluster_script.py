@@ -39,3 +39,40 @@ def test_ray_missing_says_how_to_install(tmp_path):
         run = cluster(*args, RAY_BIN=str(tmp_path / "no-ray"))
         assert run.returncode == 1 and "pip install 'unifiedserve[ray]'" in run.stderr
         assert len(run.stderr.strip().splitlines()) == 1
+
+
+def test_stop_stops_mps_even_when_ray_is_missing_or_its_stop_fails(tmp_path):
+    """A node's MPS daemon must not outlive `stop`: Ray missing, or `ray stop` failing, still reaches `mps.sh stop`
+    (here a stand-in recording its call)."""
+    here = tmp_path / "launch"
+    here.mkdir()
+    (here / "ray-cluster.sh").write_text(SCRIPT.read_text())
+    (here / "mps.sh").write_text(f"#!/usr/bin/env bash\necho stopped >> {tmp_path / 'mps.calls'}\n")
+    (here / "mps.sh").chmod(0o755)
+    failing = tmp_path / "ray"
+    failing.write_text("#!/usr/bin/env bash\necho 'ray: cannot stop' >&2\nexit 3\n")
+    failing.chmod(0o755)
+    script = str(here / "ray-cluster.sh")
+    for ray_bin, needle in ((str(tmp_path / "no-ray"), "pip install 'unifiedserve[ray]'"),
+                            (str(failing), "stop did not finish cleanly")):
+        run = subprocess.run(["bash", script, "stop"], env={**os.environ, "RAY_BIN": ray_bin}, capture_output=True,
+                             text=True, timeout=30)
+        assert run.returncode == 1 and needle in run.stderr, run.stderr
+    assert (tmp_path / "mps.calls").read_text().splitlines() == ["stopped", "stopped"]
+
+
+def test_a_failed_ray_start_stops_the_mps_daemon_it_started(tmp_path):
+    here = tmp_path / "launch"
+    here.mkdir()
+    (here / "ray-cluster.sh").write_text(SCRIPT.read_text())
+    (here / "mps.sh").write_text(f"#!/usr/bin/env bash\necho \"$1\" >> {tmp_path / 'mps.calls'}\n")
+    (here / "mps.sh").chmod(0o755)
+    bins = tmp_path / "bin"
+    bins.mkdir()
+    for name, body in (("nvidia-smi", "echo 'GPU 0: fake'"), ("ray", "echo 'ray: no' >&2; exit 4")):
+        (bins / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bins / name).chmod(0o755)
+    run = subprocess.run(["bash", str(here / "ray-cluster.sh"), "head"], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "PATH": f"{bins}:{os.environ['PATH']}", "RAY_BIN": str(bins / "ray")})
+    assert run.returncode == 1 and "ray start failed (exit 4" in run.stderr, run.stderr
+    assert (tmp_path / "mps.calls").read_text().split() == ["start", "check", "env", "stop"]

@@ -230,3 +230,18 @@ def test_cuda_fault_under_mps_fails_the_request_and_the_node_restarts(tmp_path):
         pytest.skip(f"no model at {model} (scripts/gpu_check.sh writes the 7B preset there)")
     _fault_and_restart(tmp_path, ["--device", "cuda", "--model", str(model), "--kv-cache-gb", "8"],
                        {}, startup_s=400, cuda=True)
+
+
+def test_stop_kills_what_is_left_of_a_session_whose_leader_died(tmp_path):
+    """The leader (the recorded pid) is gone but a process of its session still runs (a server holding the port and
+    the GPU): `stop` kills it rather than saying "not running" and forgetting it."""
+    leader = subprocess.run(["setsid", "bash", "-c", "echo $$; sleep 300 > /dev/null 2>&1 < /dev/null & exit 0"],
+                            capture_output=True, text=True, timeout=10)
+    sid = int(leader.stdout.split()[0])
+    time.sleep(0.2)
+    assert session_processes(sid), "the session's sleep should outlive its leader"
+    (tmp_path / "server.pid").write_text(f"{sid}\n")
+    stopped = node("stop", folder=tmp_path, timeout=30)
+    assert stopped.returncode == 0, stopped.stderr
+    assert "session leader is gone" in stopped.stdout and "server not running" in stopped.stdout
+    assert session_processes(sid) == [] and not (tmp_path / "server.pid").exists()
