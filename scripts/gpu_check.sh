@@ -154,7 +154,14 @@ mkdir -p "$site/bin"
 printf '#!/bin/sh\nexec python3 -m unifiedserve.cli "$@"\n' > "$site/bin/unifiedserve"
 chmod +x "$site/bin/unifiedserve"
 export UNIFIEDSERVE_BIN=$site/bin/unifiedserve
-if [ -f "$wheels/flashinfer-kernels.tar.xz" ] && [ "$group" != decode ]; then
+# a tests run of flashcodec's tests only (plan item 4's) needs neither flashinfer's kernels nor the csrc/ build:
+# nothing under tests/flashcodec imports them (20 s on a warm machine, over a minute on a fresh one)
+engine_free=0
+if [ "$group" = tests ] && [ -n "${CUDA_TESTS:-}" ]; then
+  engine_free=1
+  for t in $CUDA_TESTS; do case $t in tests/flashcodec|tests/flashcodec/*) ;; *) engine_free=0 ;; esac; done
+fi
+if [ -f "$wheels/flashinfer-kernels.tar.xz" ] && [ "$group" != decode ] && [ "$engine_free" = 0 ]; then
   step "flashinfer's kernels, compiled on the development machine (scripts/flashinfer_kernels.py): no JIT here"
   rm -f /tmp/flashinfer-fallback.env
   run 150 flashinfer-kernels python3 scripts/flashinfer_kernels.py install "$wheels/flashinfer-kernels.tar.xz" \
@@ -164,7 +171,8 @@ if [ -f "$wheels/flashinfer-kernels.tar.xz" ] && [ "$group" != decode ]; then
 fi
 
 ops_build=""
-case $group in attention|engine|serve|policies|tests)
+[ "$engine_free" = 1 ] && echo "tests of flashcodec only: no flashinfer kernels, no csrc/ build"
+case $group$engine_free in attention0|engine0|serve0|policies0|tests0)
   # csrc/ (paged copy, fused layer ops) compiles with the device's nvcc, about a minute on its cores, while the
   # machine is probed and the 7B preset written; warm_kernels waits for it
   step "csrc/ ops build started in the background"
@@ -386,8 +394,10 @@ policies)
   stop_mps
   ;;
 tests)
-  step "waiting for the csrc/ ops build"
-  wait "$ops_build"
+  if [ -n "$ops_build" ]; then
+    step "waiting for the csrc/ ops build"
+    wait "$ops_build"
+  fi
   step "cuda tests: ${CUDA_TESTS:-tests}"
   # shellcheck disable=SC2086  # CUDA_TESTS is a list of paths / node ids
   run 300 pytest-cuda python3 -m pytest -v --timeout=120 -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" \
