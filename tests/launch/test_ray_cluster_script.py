@@ -41,18 +41,26 @@ def test_ray_missing_says_how_to_install(tmp_path):
         assert len(run.stderr.strip().splitlines()) == 1
 
 
-def test_stop_stops_mps_even_when_ray_is_missing_or_its_stop_fails(tmp_path):
-    """A node's MPS daemon must not outlive `stop`: Ray missing, or `ray stop` failing, still reaches `mps.sh stop`
-    (here a stand-in recording its call)."""
+def executable(path: pathlib.Path, body: str) -> pathlib.Path:
+    path.write_text(f"#!/usr/bin/env bash\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
+def script_beside(tmp_path: pathlib.Path, mps_body: str) -> str:
+    """A copy of the script whose launch/mps.sh is a stand-in running ``mps_body``."""
     here = tmp_path / "launch"
     here.mkdir()
     (here / "ray-cluster.sh").write_text(SCRIPT.read_text())
-    (here / "mps.sh").write_text(f"#!/usr/bin/env bash\necho stopped >> {tmp_path / 'mps.calls'}\n")
-    (here / "mps.sh").chmod(0o755)
-    failing = tmp_path / "ray"
-    failing.write_text("#!/usr/bin/env bash\necho 'ray: cannot stop' >&2\nexit 3\n")
-    failing.chmod(0o755)
-    script = str(here / "ray-cluster.sh")
+    executable(here / "mps.sh", mps_body)
+    return str(here / "ray-cluster.sh")
+
+
+def test_stop_stops_mps_even_when_ray_is_missing_or_its_stop_fails(tmp_path):
+    """A node's MPS daemon must not outlive `stop`: Ray missing, or `ray stop` failing, still reaches `mps.sh stop`
+    (here a stand-in recording its call)."""
+    script = script_beside(tmp_path, f"echo stopped >> {tmp_path / 'mps.calls'}")
+    failing = executable(tmp_path / "ray", "echo 'ray: cannot stop' >&2\nexit 3")
     for ray_bin, needle in ((str(tmp_path / "no-ray"), "pip install 'unifiedserve[ray]'"),
                             (str(failing), "stop did not finish cleanly")):
         run = subprocess.run(["bash", script, "stop"], env={**os.environ, "RAY_BIN": ray_bin}, capture_output=True,
@@ -62,17 +70,12 @@ def test_stop_stops_mps_even_when_ray_is_missing_or_its_stop_fails(tmp_path):
 
 
 def test_a_failed_ray_start_stops_the_mps_daemon_it_started(tmp_path):
-    here = tmp_path / "launch"
-    here.mkdir()
-    (here / "ray-cluster.sh").write_text(SCRIPT.read_text())
-    (here / "mps.sh").write_text(f"#!/usr/bin/env bash\necho \"$1\" >> {tmp_path / 'mps.calls'}\n")
-    (here / "mps.sh").chmod(0o755)
+    script = script_beside(tmp_path, f"echo \"$1\" >> {tmp_path / 'mps.calls'}")
     bins = tmp_path / "bin"
     bins.mkdir()
-    for name, body in (("nvidia-smi", "echo 'GPU 0: fake'"), ("ray", "echo 'ray: no' >&2; exit 4")):
-        (bins / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
-        (bins / name).chmod(0o755)
-    run = subprocess.run(["bash", str(here / "ray-cluster.sh"), "head"], capture_output=True, text=True, timeout=30,
-                         env={**os.environ, "PATH": f"{bins}:{os.environ['PATH']}", "RAY_BIN": str(bins / "ray")})
+    executable(bins / "nvidia-smi", "echo 'GPU 0: fake'")
+    ray = executable(bins / "ray", "echo 'ray: no' >&2; exit 4")
+    run = subprocess.run(["bash", script, "head"], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "PATH": f"{bins}:{os.environ['PATH']}", "RAY_BIN": str(ray)})
     assert run.returncode == 1 and "ray start failed (exit 4" in run.stderr, run.stderr
     assert (tmp_path / "mps.calls").read_text().split() == ["start", "check", "env", "stop"]
