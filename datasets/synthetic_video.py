@@ -158,15 +158,15 @@ def _inner_pixels(lo: float, hi: float, size: int) -> tuple[int, int]:
     return max(0, a), min(size, b)
 
 
-def try_read_frame_index(img: Any, *, rotation: int = 0) -> int | None:
+def try_read_frame_index(img: Any, *, rotation: int = 0, mirror: bool = False) -> int | None:
     """Like :func:`read_frame_index` but returns ``None`` instead of raising."""
     try:
-        return read_frame_index(img, rotation=rotation)
+        return read_frame_index(img, rotation=rotation, mirror=mirror)
     except FrameIndexError:
         return None
 
 
-def read_frame_index(img: Any, *, rotation: int = 0) -> int:
+def read_frame_index(img: Any, *, rotation: int = 0, mirror: bool = False) -> int:
     """Recover the display index encoded in a frame made by :func:`make_video`.
 
     ``img``: an RGB(A) image as HxWxC (or CxHxW) uint8/float array, a grey or
@@ -174,11 +174,14 @@ def read_frame_index(img: Any, *, rotation: int = 0) -> int:
     long as a code cell is at least ~3x2 pixels (a 128x96 clip at 1/4 scale is
     fine).  ``rotation``: if the image was rotated for display by ``rotation``
     degrees clockwise (the ``make_video(rotation=...)`` convention), pass the
-    same value and it is undone first.
+    same value and it is undone first; ``mirror``: it was also mirrored
+    left-right after the rotation (``make_video(mirror=True)``).
 
     Raises :class:`FrameIndexError` if the check bits do not match.
     """
     a = _to_hwc_uint8(img)
+    if mirror:
+        a = a[:, ::-1]  # undo the mirror, which came after the rotation
     if rotation % 360:
         if rotation % 90:
             raise ValueError(f"rotation must be a multiple of 90, got {rotation}")
@@ -425,7 +428,7 @@ def _codec_options(
     return opts
 
 
-def _check_args(codec, suffix, width, height, gop, bframes, vfr, rotation, open_gop):
+def _check_args(codec, suffix, width, height, gop, bframes, vfr, rotation, open_gop, mirror=False):
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {sorted(CODECS)}")
     if suffix not in CONTAINERS:
@@ -451,7 +454,7 @@ def _check_args(codec, suffix, width, height, gop, bframes, vfr, rotation, open_
         raise ValueError(f"open_gop is only supported for {sorted(_OPEN_GOP_CODECS)}")
     if rotation not in (0, 90, 180, 270):
         raise ValueError(f"rotation must be 0, 90, 180 or 270, got {rotation}")
-    if rotation and suffix not in _ROTATION_CONTAINERS:
+    if (rotation or mirror) and suffix not in _ROTATION_CONTAINERS:
         raise ValueError(f"{suffix} cannot store rotation metadata")
     if vfr and suffix == ".avi":
         raise ValueError("AVI cannot store variable frame rate; use .mp4/.mkv/.mov/.webm")
@@ -485,6 +488,7 @@ def make_video(
     bframes: int = 0,
     vfr: bool = False,
     rotation: int = 0,
+    mirror: bool = False,
     pix_fmt: str = "yuv420p",
     seed: int = 0,
     preset: str | int | None = None,
@@ -502,6 +506,9 @@ def make_video(
     a player must rotate the stored picture for display (the legacy ``rotate``
     tag convention), written as a display matrix; PyAV reports it back as
     ``frame.rotation == -rotation`` (counter-clockwise, in [-180, 180]).
+    mirror: the display matrix also mirrors the picture left-right after
+    the rotation (PyAV then reports ``frame.rotation`` as ``180 + rotation``,
+    mod 360).
     preset: encoder speed preset (x264/x265 names, SVT-AV1 0-13, VP9
     cpu-used or deadline); None = encoder default.  faststart: mp4/mov with
     the index at the front.  threads: 0 = auto.
@@ -510,7 +517,7 @@ def make_video(
 
     path = pathlib.Path(path)
     suffix = path.suffix.lower()
-    _check_args(codec, suffix, width, height, gop, bframes, vfr, rotation, open_gop)
+    _check_args(codec, suffix, width, height, gop, bframes, vfr, rotation, open_gop, mirror)
     times = frame_times(duration_s=duration_s, fps=fps, vfr=vfr, seed=seed)
     if len(times) > MAX_FRAMES:
         raise ValueError(f"{len(times)} frames exceed the frame-index code ({MAX_FRAMES})")
@@ -546,9 +553,9 @@ def make_video(
                 if codec == "mpeg4":
                     cc.qscale = True
                     cc.global_quality = 4 * 118  # FF_QP2LAMBDA * q
-                if rotation:
-                    # PyAV takes counter-clockwise degrees
-                    stream.set_display_rotation(-rotation)
+                if rotation or mirror:
+                    # PyAV takes counter-clockwise degrees, and mirrors after the turn
+                    stream.set_display_rotation(-rotation, hflip=mirror)
                 if vfr:
                     # no nominal rate, or the muxer advertises a constant one
                     # (e.g. Matroska's DefaultDuration is taken from it)

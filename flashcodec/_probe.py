@@ -20,6 +20,7 @@ import numpy as np
 
 from flashcodec._errors import (CorruptVideoError, NoFramesError, NotAVideoError, UnsupportedCodecError,
                                 VideoTooLargeError, first_line)
+from flashcodec.orientation import from_display_matrix
 from flashcodec.source import Source, SourceLike
 
 
@@ -44,7 +45,9 @@ class VideoInfo:
     codec: str
     width: int  # stored (coded) size; see display_width/height for the rotated size
     height: int
-    rotation: int  # degrees, one of 0/90/180/270, as FFmpeg's display matrix reports it
+    #: counter-clockwise degrees, 0/90/180/270, the display matrix turns the stored picture by (then ``mirror``);
+    #: not FFmpeg's reading of a mirrored matrix (:mod:`flashcodec.orientation`)
+    rotation: int
     pix_fmt: str | None
     time_base: Fraction
     average_fps: float
@@ -66,6 +69,8 @@ class VideoInfo:
     #: needed a full open or PyAV cannot say.
     #: Read by :mod:`flashcodec.decode.fast_open`.
     open_reorder_depth: int | None = None
+    #: the display matrix mirrors the picture left-right after the rotation (:mod:`flashcodec.orientation`)
+    mirror: bool = False
 
     @property
     def display_height(self) -> int:
@@ -112,6 +117,7 @@ class VideoInfo:
             "width": self.width,
             "height": self.height,
             "rotation": self.rotation,
+            "mirror": self.mirror,
             "pix_fmt": self.pix_fmt,
             "time_base": str(self.time_base),
             "average_fps": self.average_fps,
@@ -277,7 +283,7 @@ def probe(source: SourceLike | Source, max_source_pixels: int | None = None) -> 
             # The stream starts mid-GOP; decoding from packet 0 is the best anyone can do.
             keyframe_positions.insert(0, 0)
 
-        rotation, keyframe_format = _first_frame_rotation(src, stream, first_keyframe)
+        rotation, mirror, keyframe_format = _first_frame_orientation(src, stream, first_keyframe)
 
         decode_pts = np.asarray(pts_list, dtype=np.int64)
         decode_positions = np.argsort(decode_pts, kind="stable")  # display index -> decode position
@@ -307,6 +313,7 @@ def probe(source: SourceLike | Source, max_source_pixels: int | None = None) -> 
             keyframe_positions=np.asarray(keyframe_positions, dtype=np.int64),
             num_streams=len(container.streams),
             open_reorder_depth=open_depth,
+            mirror=mirror,
         )
 
 
@@ -326,10 +333,11 @@ def _average_fps(stream, num_frames: int, duration_s: float) -> float:
     return 1.0
 
 
-def _first_frame_rotation(src: Source, stream, keyframe_packet) -> tuple[int, str | None]:
-    """Decode one keyframe packet; return its display rotation folded to 0/90/180/270, and its pixel format."""
+def _first_frame_orientation(src: Source, stream, keyframe_packet) -> tuple[int, bool, str | None]:
+    """Decode one keyframe packet; return its display ``(rotation, mirror)`` (:mod:`flashcodec.orientation`) and
+    its pixel format."""
     if keyframe_packet is None:
-        return 0, None
+        return 0, False, None
     context = stream.codec_context
     context.thread_count = 1
     try:
@@ -337,6 +345,17 @@ def _first_frame_rotation(src: Source, stream, keyframe_packet) -> tuple[int, st
     except av.error.FFmpegError as e:
         raise CorruptVideoError(f"{src.name}: the first keyframe cannot be decoded ({_ffmpeg_reason(e)})") from None
     if not frames:
-        return 0, None
-    rotation = getattr(frames[0], "rotation", 0) or 0
-    return int(round(rotation / 90.0)) * 90 % 360, frames[0].format.name
+        return 0, False, None
+    rotation, mirror = frame_orientation(frames[0])
+    return rotation, mirror, frames[0].format.name
+
+
+def frame_orientation(frame: av.VideoFrame) -> tuple[int, bool]:
+    """A decoded frame's display ``(rotation, mirror)``, from its display-matrix side data (the stream's, which
+    FFmpeg attaches to every frame); without the matrix's bytes, the angle FFmpeg reads from it and no mirror."""
+    for data in getattr(frame, "side_data", ()):
+        kind = getattr(data.type, "name", str(data.type))
+        if kind.endswith("DISPLAYMATRIX") and len(raw := bytes(data)) >= 36:
+            return from_display_matrix(np.frombuffer(raw, dtype=np.int32, count=9).tolist())
+    rotation = getattr(frame, "rotation", 0) or 0
+    return int(round(rotation / 90.0)) * 90 % 360, False

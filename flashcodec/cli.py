@@ -116,6 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _orientation_note(info) -> str:
+    """How the display matrix shows the stored picture, for `flashcodec probe`; empty when as stored."""
+    if not info.rotation and not info.mirror:
+        return ""
+    turn = f"rotation {info.rotation}° counter-clockwise" if info.rotation else ""
+    how = " then ".join(filter(None, (turn, "mirrored left-right" if info.mirror else "")))
+    return f" ({how}, displayed {info.display_width}x{info.display_height})"
+
+
 def _print_probe(info, as_json: bool) -> None:
     if as_json:
         print(json.dumps(info.to_dict()))
@@ -125,8 +134,7 @@ def _print_probe(info, as_json: bool) -> None:
     rows = [
         ("codec", f"{info.codec} ({info.pix_fmt})"),
         ("container", info.container_format),
-        ("size", f"{info.width}x{info.height}" + (f" (rotation {info.rotation}°, displayed "
-                                                  f"{info.display_width}x{info.display_height})" if info.rotation else "")),
+        ("size", f"{info.width}x{info.height}" + _orientation_note(info)),
         ("frames", f"{info.num_frames}" + ("" if info.header_num_frames == info.num_frames else
                                            f" (header says {info.header_num_frames})")),
         ("frame rate", f"{info.average_fps:.3f} fps" + (" (variable)" if info.is_vfr else "")),

@@ -28,6 +28,7 @@ from av.video.codeccontext import VideoCodecContext
 import numpy as np
 import torch
 
+from flashcodec import orientation
 from flashcodec.decode import fast_open
 from flashcodec.decode.frame_mappings import frame_mappings
 from flashcodec.plan.sampling import MAX_FRAME_PIXELS
@@ -105,13 +106,10 @@ class Backend(ABC):
         thread's build of it."""
 
 
-def rotate_display(frame: np.ndarray, rotation: int) -> np.ndarray:
-    """Turn a stored-orientation ``[H, W, 3]`` frame into display orientation.
-
-    FFmpeg's display-matrix angle is counter-clockwise, so 90 means a quarter turn anticlockwise.
-    """
-    k = (rotation // 90) % 4
-    return frame if k == 0 else np.ascontiguousarray(np.rot90(frame, k=k))
+def rotate_display(frame: np.ndarray, rotation: int, mirror: bool = False) -> np.ndarray:
+    """Turn a stored-orientation ``[H, W, 3]`` frame into display orientation: ``rotation`` counter-clockwise
+    degrees, then a left-right mirror (:mod:`flashcodec.orientation`)."""
+    return orientation.to_display(frame, rotation, mirror)
 
 
 def stored_size(info: VideoInfo, height: int, width: int) -> tuple[int, int]:
@@ -319,7 +317,7 @@ class PyAVSegmentDecoder(SegmentDecoder):
                 targets.discard(display)
                 continue
             rgb = convert_frame(frame, self._out_h, self._out_w, self._resize, self._interpolation)  # [H, W, 3]
-            emit(display, rotate_display(rgb, self._info.rotation))
+            emit(display, rotate_display(rgb, self._info.rotation, self._info.mirror))
             targets.discard(display)
 
     def close(self) -> None:
@@ -354,6 +352,10 @@ class TorchCodecSegmentDecoder(SegmentDecoder):
 
         # exact: torchcodec converts at full resolution and we resize; fast: its own Resize transform
         self._resize_to = (height, width) if check_resize_mode(resize) == "exact" else None
+        # torchcodec turns frames by the angle FFmpeg reads from the display matrix, blind to a mirror: the rest
+        # of the display transform is done here (for a mirror only; a turn it made is the whole one)
+        self._info = info
+        self._turned = orientation.ffmpeg_rotation(info.rotation, info.mirror)
 
         try:
             with fast_open.opening(info, reorder_depth(info)):
@@ -369,9 +371,12 @@ class TorchCodecSegmentDecoder(SegmentDecoder):
             raise CorruptVideoError(f"{source.name}: torchcodec cannot open the video ({first_line(e)})") from e
 
     def _to_output(self, frames: torch.Tensor) -> np.ndarray:
-        """``[N, H0, W0, 3]`` decoded frames -> ``[N, H, W, 3]`` at the output size."""
+        """``[N, H0, W0, 3]`` decoded frames (turned by FFmpeg's angle) -> ``[N, H, W, 3]`` at the output size, in
+        display orientation."""
+        if self._info.mirror:  # the turn to undo and the mirror: before the resize, whose size is the display's
+            frames = orientation.to_display(frames, self._info.rotation, True, axes=(1, 2), turned=self._turned)
         if self._resize_to is None:
-            return frames.numpy()
+            return frames.contiguous().numpy()
         small = resize_frames_uint8(frames.permute(0, 3, 1, 2), *self._resize_to)  # [N, 3, H, W] channels-last
         return small.permute(0, 2, 3, 1).numpy()
 

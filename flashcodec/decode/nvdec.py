@@ -35,6 +35,7 @@ from typing import Sequence
 
 import torch
 
+from flashcodec import orientation
 from flashcodec.decode import fast_open
 from flashcodec.decode.backends import Backend, Emit, SegmentDecoder, ShouldStop, emit_many, never, reorder_depth
 from flashcodec.devices import DEFAULT_NVDEC_SESSIONS, log_once
@@ -53,16 +54,17 @@ FRAMES_PER_CALL = 8
 
 
 
-def to_display(frames: torch.Tensor, rotation: int, display_hw: tuple[int, int]) -> torch.Tensor:
+def to_display(frames: torch.Tensor, info: VideoInfo) -> torch.Tensor:
     """Full-resolution ``[N, 3, H, W]`` frames in display orientation (a view when no turn is needed).
 
-    torchcodec >= 0.16 applies the stream's rotation itself; a frame that still has the stored
-    shape of a 90/270-degree video is turned here (FFmpeg's angle is counter-clockwise).
+    torchcodec >= 0.16 turns frames by the angle FFmpeg reads from the display matrix, which misses a mirror
+    (:mod:`flashcodec.orientation`): the rest of the transform is done here. A frame that still has the stored
+    shape of a quarter-turned video was not turned at all.
     """
-    k = (rotation // 90) % 4
-    if k in (1, 3) and tuple(frames.shape[2:]) != tuple(display_hw):
-        return torch.rot90(frames, k=k, dims=(2, 3))  # [N, 3, W, H] -> display
-    return frames
+    turned = orientation.ffmpeg_rotation(info.rotation, info.mirror)
+    if turned in (90, 270) and tuple(frames.shape[2:]) != (info.display_height, info.display_width):
+        turned = 0
+    return orientation.to_display(frames, info.rotation, info.mirror, axes=(2, 3), turned=turned)
 
 
 class NvdecSegmentDecoder(SegmentDecoder):
@@ -128,8 +130,7 @@ class NvdecSegmentDecoder(SegmentDecoder):
         return failed
 
     def _emit(self, indices: Sequence[int], frames: torch.Tensor, emit: Emit) -> None:
-        frames = to_display(frames, self._info.rotation,
-                            (self._info.display_height, self._info.display_width))  # [n, 3, H0, W0]
+        frames = to_display(frames, self._info)  # [n, 3, H0, W0]
         small = resize_frames_on_device(frames, *self._size)  # [n, 3, h, w] on the same GPU
         emit_many(emit, list(indices), small.permute(0, 2, 3, 1))  # [n, h, w, 3] view
 

@@ -37,7 +37,7 @@ def test_probe_refuses_pictures_over_the_decode_cap_from_the_header(tiny_h264, c
     from flashcodec.plan import sampling
 
     monkeypatch.setattr(sampling, "MAX_FRAME_PIXELS", 128 * 96 - 1)
-    monkeypatch.setattr(_probe, "_first_frame_rotation", lambda *a: pytest.fail("the first keyframe was decoded"))
+    monkeypatch.setattr(_probe, "_first_frame_orientation", lambda *a: pytest.fail("the first keyframe was decoded"))
     assert main(["probe", str(tiny_h264)]) == 1
     assert "128x96 (12288 pixels); at most 12287 are decoded" in capsys.readouterr().err
 

@@ -33,8 +33,9 @@ CASES = [
 ]
 
 
-def sequential_reference(path, indices, height, width, resize="exact"):
-    """Decode every frame in order with PyAV and convert the wanted ones the same way as flashcodec.
+def sequential_reference(path, indices, height, width, resize="exact", turn=True):
+    """Decode every frame in order with PyAV and convert the wanted ones the same way as flashcodec (``turn``:
+    turned by FFmpeg's angle, else as stored, ``height`` x ``width`` the stored size).
 
     (How close each resize mode is to Qwen2.5-VL's own preprocessing is tests/flashcodec/test_resize.py.)
     """
@@ -44,6 +45,9 @@ def sequential_reference(path, indices, height, width, resize="exact"):
     out = []
     for i in indices:
         f = frames[i]
+        if not turn:
+            out.append(convert_frame(f, height, width, resize).transpose(2, 0, 1))
+            continue
         h, w = (width, height) if f.rotation % 180 else (height, width)
         rgb = convert_frame(f, h, w, resize)
         out.append(rotate_display(rgb, int(f.rotation) % 360).transpose(2, 0, 1))
@@ -97,6 +101,34 @@ def test_rotated_video_comes_out_in_display_orientation(video_factory, engine, r
     for row, display in enumerate(result.frame_indices):
         frame = result.frames[row].permute(1, 2, 0).numpy()
         assert synthetic_video.read_frame_index(frame, rotation=rotation) == display
+
+
+@pytest.mark.parametrize("resize", RESIZE_MODES)
+@pytest.mark.parametrize("rotation", [0, 90, 180, 270])
+def test_mirrored_video_comes_out_as_displayed(video_factory, engine, rotation, resize):
+    """A display matrix that mirrors as well as turns (a front camera's recording): FFmpeg's angle alone reads a
+    left-right mirror as a half turn, and an up-down one (rotation 180 here) as none. The frames come out as the
+    ``ffmpeg`` command line shows them: turned, then mirrored left-right."""
+    path = video_factory(codec="h264", suffix=".mp4", rotation=rotation, mirror=True, **TINY)
+    info = flashcodec.probe(path)
+    assert info.mirror and info.rotation == -rotation % 360
+    result = engine.decode_video(path, num_frames=8, resize=resize)
+    h, w = result.frames.shape[2:]
+    assert (h > w) == (rotation in (90, 270))
+    stored = sequential_reference(path, result.frame_indices, *((w, h) if rotation in (90, 270) else (h, w)),
+                                  resize, turn=False)  # [n, 3, H, W] as stored
+    expected = np.flip(np.rot90(stored, k=-rotation // 90, axes=(2, 3)), axis=3)  # clockwise turn, then the mirror
+    assert np.array_equal(result.frames.numpy(), expected)
+    for row, display in enumerate(result.frame_indices):
+        frame = result.frames[row].permute(1, 2, 0).numpy()
+        assert synthetic_video.read_frame_index(frame, rotation=rotation, mirror=True) == display
+    if "torchcodec" in flashcodec.available_backends():  # it turns by FFmpeg's angle; its backend mirrors the rest
+        with flashcodec.DecodeEngine("torchcodec", num_threads=1) as theirs:
+            again = theirs.decode_video(path, num_frames=8, resize=resize)
+        assert again.frame_indices == result.frame_indices
+        ours, theirs = result.frames.float(), again.frames.float()  # fast: torchcodec's Resize is not swscale's
+        same = (ours - theirs).abs().mean().item()
+        assert same < (1.0 if resize == "exact" else 8.0) and (ours.flip(3) - theirs).abs().mean().item() > 4 * same
 
 
 @pytest.mark.parametrize("rotation", [90, 180, 270])
@@ -201,7 +233,7 @@ def test_pictures_over_max_source_pixels_are_refused_before_decoding(tiny_h264, 
     small = DecodeEngine(cpu_threads=1, max_source_pixels=128 * 96 - 1)
     try:
         with monkeypatch.context() as m:
-            m.setattr(_probe, "_first_frame_rotation", lambda *a: pytest.fail("the probe decoded a keyframe"))
+            m.setattr(_probe, "_first_frame_orientation", lambda *a: pytest.fail("the probe decoded a keyframe"))
             with pytest.raises(VideoTooLargeError, match=r"128x96 \(12288 pixels\); at most 12287 are decoded"):
                 small.analyse_bitstream(tiny_h264, num_frames=4)
         with pytest.raises(VideoTooLargeError, match=r"128x96 \(12288 pixels\); at most 12287 are decoded"):

@@ -5,6 +5,7 @@ test_nvdec_cuda.py."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -114,13 +115,33 @@ def test_a_session_on_the_cpu_after_an_open_without_the_decode_is_opened_again_i
         assert "decodes on the CPU instead of NVDEC" not in caplog.text
 
 
+def _oriented(rotation, mirror=False, height=4, width=6):
+    """The orientation fields of a probe of a ``width`` x ``height`` (stored) video."""
+    turned = rotation in (90, 270)
+    return SimpleNamespace(rotation=rotation, mirror=mirror, display_height=width if turned else height,
+                           display_width=height if turned else width)
+
+
 def test_to_display_turns_only_frames_still_in_stored_orientation():
     stored = torch.arange(2 * 3 * 4 * 6, dtype=torch.uint8).view(2, 3, 4, 6)  # [N, 3, H=4, W=6]
-    turned = nvdec.to_display(stored, 90, (6, 4))
+    turned = nvdec.to_display(stored, _oriented(90))
     assert turned.shape == (2, 3, 6, 4) and torch.equal(turned, torch.rot90(stored, 1, dims=(2, 3)))
     already = torch.zeros(2, 3, 6, 4, dtype=torch.uint8)
-    assert nvdec.to_display(already, 270, (6, 4)) is already
-    assert nvdec.to_display(stored, 0, (4, 6)) is stored
+    assert nvdec.to_display(already, _oriented(270)) is already
+    assert nvdec.to_display(stored, _oriented(0)) is stored
+    assert nvdec.to_display(stored, _oriented(180)) is stored  # torchcodec made the half turn
+
+
+@pytest.mark.parametrize("rotation", [0, 90, 180, 270])
+def test_to_display_mirrors_what_torchcodec_only_turned(rotation):
+    """torchcodec turns a mirrored video by FFmpeg's reading of its matrix (a mirror after a turn by r reads as a
+    turn by 180 - r); what comes out of to_display is the turn by r and then the mirror, however torchcodec left it."""
+    stored = torch.arange(2 * 3 * 4 * 6, dtype=torch.uint8).view(2, 3, 4, 6)
+    display = torch.flip(torch.rot90(stored, rotation // 90, dims=(2, 3)), dims=(3,))
+    by_torchcodec = torch.rot90(stored, ((180 - rotation) % 360) // 90, dims=(2, 3))
+    assert torch.equal(nvdec.to_display(by_torchcodec, _oriented(rotation, mirror=True)), display)
+    if rotation in (90, 270):  # an older torchcodec that turned nothing
+        assert torch.equal(nvdec.to_display(stored, _oriented(rotation, mirror=True)), display)
 
 
 class FlakyDecoder:
@@ -143,7 +164,7 @@ class FlakyDecoder:
 def test_a_corrupt_frame_is_reported_and_its_neighbours_still_come_out(monkeypatch):
     monkeypatch.setattr(nvdec, "FRAMES_PER_CALL", 4)
     decoder = nvdec.NvdecSegmentDecoder.__new__(nvdec.NvdecSegmentDecoder)
-    decoder._info = type("Info", (), {"rotation": 0, "display_height": 8, "display_width": 8})()
+    decoder._info = type("Info", (), {"rotation": 0, "mirror": False, "display_height": 8, "display_width": 8})()
     decoder._size = (4, 4)
     decoder._decoder = FlakyDecoder(bad=5)
     segment = flashcodec.plan.segments.GopSegment(0, 9, tuple(range(10)))

@@ -60,9 +60,10 @@ def test_patches_are_made_on_the_gpu(video_factory, gpu_engine, cpu_engine):
     assert mean_abs_diff(ours.patches, theirs.patches) <= one_level
 
 
-@pytest.mark.parametrize("rotation", [90, 180])
-def test_rotated_video_on_nvdec(video_factory, gpu_engine, cpu_engine, rotation):
-    path = video_factory(codec="h264", suffix=".mp4", rotation=rotation, **CLIP)
+@pytest.mark.parametrize("rotation,mirror", [(90, False), (180, False), (0, True), (90, True)])
+def test_rotated_video_on_nvdec(video_factory, gpu_engine, cpu_engine, rotation, mirror):
+    """Mirrored too: torchcodec turns by FFmpeg's angle only, NvdecSegmentDecoder does the rest."""
+    path = video_factory(codec="h264", suffix=".mp4", rotation=rotation, mirror=mirror, **CLIP)
     ours = gpu_engine.decode_video(path, num_frames=6)
     theirs = cpu_engine.decode_video(path, num_frames=6)
     assert ours.frames.shape == theirs.frames.shape
