@@ -161,13 +161,17 @@ def reorder_depth(info: VideoInfo) -> int:
 
 
 @per_probe  # a 2-hour video's dict (216,000 frames) alone took 50 ms here
-def pts_index(info: VideoInfo) -> tuple[np.ndarray, dict[int, int]]:
-    """``(pts_by_position, display_by_pts)`` of a probe: decode position -> pts, and pts -> display index,
-    shared by every segment decoder of the video (read-only)."""
+def pts_index(info: VideoInfo) -> tuple[np.ndarray, dict[int, int], np.ndarray, bool]:
+    """``(pts_by_position, display_by_pts, display_by_position, shared_pts)`` of a probe: decode position -> pts,
+    pts -> display index, decode position -> display index, and whether two frames share a pts (a broken muxer's
+    file; their display order is their decode order). Shared by every segment decoder of the video (read-only)."""
     pts_by_position = np.empty(info.num_frames, dtype=np.int64)
     pts_by_position[info.decode_positions] = info.frame_pts
     pts_by_position.flags.writeable = False
-    return pts_by_position, {int(p): i for i, p in enumerate(info.frame_pts.tolist())}
+    display_by_position = np.argsort(info.decode_positions)
+    display_by_position.flags.writeable = False
+    shared = bool(np.any(np.diff(info.frame_pts) == 0))
+    return pts_by_position, {int(p): i for i, p in enumerate(info.frame_pts.tolist())}, display_by_position, shared
 
 
 class PyAVSegmentDecoder(SegmentDecoder):
@@ -184,7 +188,8 @@ class PyAVSegmentDecoder(SegmentDecoder):
         self._open()
         self._out_h, self._out_w = stored_size(info, height, width)
         self._interpolation = interpolation
-        self._pts_by_position, self._display_by_pts = pts_index(info)  # shared by the video's decoders
+        # shared by the video's decoders
+        self._pts_by_position, self._display_by_pts, self._display_by_position, self._shared_pts = pts_index(info)
         self._may_skip = info.codec in NONREF_SKIP_CODECS
 
     def _open(self) -> None:
@@ -210,17 +215,20 @@ class PyAVSegmentDecoder(SegmentDecoder):
 
         A seek that fails (a raw H.264 stream has no index to seek by; an MP4 stream that starts mid-GOP has no
         keyframe at or before its first packet) or lands past the packet (Matroska seeks to its next keyframe) falls
-        back to demuxing from the start of a fresh open.
+        back to demuxing from the start of a fresh open. In a stream where frames share a pts, a pts names no one
+        packet: it is not sought, and the packets are counted instead (from the start, or from the demuxer's place).
 
         Raises:
             CorruptVideoError: the packet is not in the stream, from the start either (timestamps the probe read
                 differently).
         """
         target_pts = int(self._pts_by_position[position])
+        count = self._shared_pts
         if self._packets is not None and 0 <= self._position <= position <= self._position + MAX_DEMUX_SKIP_PACKETS:
-            if self._scan_to(position, target_pts):  # close ahead: skip packets by demuxing only
+            # close ahead: skip packets by demuxing only
+            if self._scan_to(position, target_pts, count_from=self._position if count else None):
                 return
-        else:
+        elif not count:
             try:
                 self._container.seek(target_pts, backward=True, any_frame=False, stream=self._stream)
             except av.error.FFmpegError as e:
@@ -232,15 +240,16 @@ class PyAVSegmentDecoder(SegmentDecoder):
         self._container.close()
         self._open()
         self._packets = self._container.demux(self._stream)
-        if not self._scan_to(position, target_pts):
+        if not self._scan_to(position, target_pts, count_from=0 if count else None):
             self._packets, self._position = None, -1
             if self._untimed:  # the probe refuses such streams at their first packet; a file that changed since
                 raise CorruptVideoError(untimed_message(self._source.name))
             raise CorruptVideoError(f"{self._source.name}: the packet at decode position {position} (pts {target_pts}) "
                                     f"is not in the stream; its timestamps or index are broken")
 
-    def _scan_to(self, position: int, target_pts: int, after_seek: bool = False) -> bool:
-        """Demux up to the packet whose pts (else dts) is ``target_pts`` and hold it as the next one to decode.
+    def _scan_to(self, position: int, target_pts: int, after_seek: bool = False, count_from: int | None = None) -> bool:
+        """Demux up to the packet whose pts (else dts) is ``target_pts`` and hold it as the next one to decode;
+        ``count_from``: instead, the decode position of the demuxer's next packet, from which packets are counted.
 
         ``after_seek``: the demuxer was just seeked, and may have landed past the packet (Matroska seeks to the next
         keyframe when none is at or before it): a packet the probe placed after ``position`` ends the search at
@@ -250,6 +259,12 @@ class PyAVSegmentDecoder(SegmentDecoder):
         self._untimed = False
         for packet in self._packets:
             if packet.size == 0:
+                continue
+            if count_from is not None:
+                if count_from == position:
+                    self._position, self._pending = position, packet
+                    return True
+                count_from += 1
                 continue
             pts = packet.pts if packet.pts is not None else packet.dts
             self._untimed |= pts is None
@@ -290,6 +305,9 @@ class PyAVSegmentDecoder(SegmentDecoder):
                 skip = "DEFAULT" if target_positions is None or position in target_positions else "NONREF"
                 if skip != self._skip:
                     self._context.skip_frame = self._skip = skip
+                # the packet's pts becomes its decode position, which its frame carries out of the decoder: a frame
+                # is placed by it even where frames share a pts
+                packet.pts = position
                 self._decode_packet(packet, targets, emit)
                 packet = None
                 position += 1
@@ -305,11 +323,12 @@ class PyAVSegmentDecoder(SegmentDecoder):
         try:
             frames = self._context.decode(packet)
         except (av.error.InvalidDataError, av.error.EOFError, ValueError) as e:
-            log.debug("decode error at pts %s: %s", getattr(packet, "pts", None), e)
+            log.debug("decode error at decode position %s: %s", getattr(packet, "pts", None), e)
             return
         for frame in frames:
-            pts = frame.pts
-            display = self._display_by_pts.get(pts) if pts is not None else None
+            position = frame.pts  # the decode position decode_segment gave its packet
+            display = (int(self._display_by_position[position])
+                       if position is not None and 0 <= position < len(self._display_by_position) else None)
             if display is None or display not in targets or frame.is_corrupt:
                 continue  # a corrupt target stays in `targets` and is reported as failed
             if not self._convert:

@@ -323,11 +323,14 @@ def test_segment_decoders_of_one_probe_share_its_pts_index(tiny_h264):
     a = PyAVSegmentDecoder(Source.of(tiny_h264), info, 32, 32)
     b = PyAVSegmentDecoder(Source.of(tiny_h264), info, 32, 32)
     assert a._pts_by_position is b._pts_by_position and a._display_by_pts is b._display_by_pts  # built once
-    pts_by_position, display_by_pts = pts_index(info)
+    pts_by_position, display_by_pts, display_by_position, shared = pts_index(info)
     assert pts_by_position[info.decode_positions].tolist() == info.frame_pts.tolist()
     assert [display_by_pts[int(p)] for p in info.frame_pts] == list(range(info.num_frames))
+    assert display_by_position[info.decode_positions].tolist() == list(range(info.num_frames)) and not shared
     with pytest.raises(ValueError):  # shared by every thread's decoder: nobody may write it
         pts_by_position[0] = 1
+    with pytest.raises(ValueError):
+        display_by_position[0] = 1
     assert pts_index(flashcodec.probe(tiny_h264))[0] is not pts_by_position  # a new probe, its own index
 
 

@@ -1,0 +1,44 @@
+"""Frames that share a pts (a broken muxer's file): every frame still comes out, in decode order among equals.
+
+The PyAV backend placed a decoded frame by its pts, so of two frames with one pts only one could be placed and the
+other was reported as corrupt (half of a file with a coarse clock). It now places frames by decode position, and
+counts packets instead of seeking to a pts that names two of them.
+"""
+
+import av
+import numpy as np
+import pytest
+import synthetic_video
+
+import flashcodec
+from flashcodec.decode.backends import pts_index
+
+CLIP = dict(codec="h264", suffix=".mp4", width=128, height=96, duration_s=2.0, fps=24.0, gop=12)
+
+
+def _with_shared_pts(src_path, path, shift: int):
+    """``src_path``'s packets (no B-frames: pts == dts) into Matroska, frames ``2k - shift`` and ``2k + 1 - shift``
+    sharing one timestamp (``shift`` 1: every keyframe shares its pts with the frame before it)."""
+    with av.open(str(src_path)) as src, av.open(str(path), "w") as out:
+        stream = out.add_stream_from_template(src.streams.video[0])
+        for i, packet in enumerate(p for p in src.demux(src.streams.video[0]) if p.size):
+            packet.stream = stream
+            packet.pts = packet.dts = (i + shift) // 2 * 84  # ms: two frames at 24 fps
+            out.mux(packet)
+    return path
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+@pytest.mark.parametrize("num_frames", [48, 8])
+def test_frames_sharing_a_pts_all_come_out_in_decode_order(video_factory, tmp_path, shift, num_frames):
+    path = _with_shared_pts(video_factory(**CLIP), tmp_path / f"shared{shift}.mkv", shift)
+    info = flashcodec.probe(path)
+    assert info.num_frames == 48 and pts_index(info)[3]  # the probe keeps every packet, equals in decode order
+    assert info.decode_positions.tolist() == list(range(48))
+    with flashcodec.DecodeEngine("pyav", num_threads=2) as engine:
+        result = engine.decode_video(str(path), num_frames=num_frames)
+    assert result.failed_frame_indices == [] and len(result.frame_indices) == num_frames
+    for row, display in enumerate(result.frame_indices):
+        assert synthetic_video.read_frame_index(result.frames[row].permute(1, 2, 0).numpy()) == display
+    whole = flashcodec.decode_video(str(video_factory(**CLIP)), frame_indices=result.frame_indices)
+    assert np.array_equal(result.frames.numpy(), whole.frames.numpy())  # the very frames of the clean file
