@@ -32,7 +32,7 @@ from unifiedserve.ray_serve.route_key import route_key
 from unifiedserve.ray_serve.routing import RoutingConfig, RoutingHints
 from unifiedserve.server.limits import (AUTH_ERROR, AUTH_HEADERS, BODY_METHODS, TOKEN_ID_ROUTES, BodyBudget,
                                        BodyRefused, LimitError, authorized, check_json_shape, read_body)
-from unifiedserve.server.openai_protocol import error_body
+from unifiedserve.server.openai_protocol import error_body, error_headers
 
 log = logging.getLogger("unifiedserve")
 
@@ -69,7 +69,8 @@ class HttpCall:
 
 
 def _error(message: str, status_code: int, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status_code), status_code=status_code, headers=headers)
+    return JSONResponse(error_body(message, status_code), status_code=status_code,
+                        headers=error_headers(status_code, headers))
 
 
 def replica_rank_metadata() -> dict:

@@ -36,7 +36,7 @@ from unifiedserve.server.limits import (AUTH_ERROR, AUTH_HEADERS, TOKEN_ID_ROUTE
 from unifiedserve.server.media import MediaError, MediaPolicy
 from unifiedserve.server.metrics import Metrics
 from unifiedserve.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                 SamplingRequest, TokenizeRequest, error_body)
+                                                 SamplingRequest, TokenizeRequest, error_body, error_headers)
 from unifiedserve.server.prompts import (Prompt, chat_prompt, check_prompt_chars, check_visual_tokens,
                                          completion_prompts, expanded_ids, ids_outside_vocabulary)
 from unifiedserve.server.responses import (CHAT, TEXT, Disconnected, Generation, Shape, all_or_none, complete, sse,
@@ -76,7 +76,8 @@ def _given(value, default, neutral):
 
 def _error(message: str, status_code: int, param: str | None = None,
            headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status_code, param), status_code=status_code, headers=headers)
+    return JSONResponse(error_body(message, status_code, param), status_code=status_code,
+                        headers=error_headers(status_code, headers))
 
 
 class _ShapedJsonRoute(APIRoute):

@@ -389,6 +389,19 @@ class DetokenizeRequest(_Model):
     tokens: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
 
 
+#: seconds a client should wait before retrying a request refused with 503 (the server busy, short of memory for
+#: the media now, shutting down or restarting): the ``Retry-After`` every 503 carries, which the ``openai`` client
+#: honours between its retries.
+RETRY_AFTER_S = 1
+
+
+def error_headers(status_code: int, headers: dict[str, str] | None = None) -> dict[str, str] | None:
+    """``headers`` for an error response, with ``Retry-After`` added to a 503's (``headers`` may set its own)."""
+    if status_code != 503:
+        return headers
+    return {"retry-after": str(RETRY_AFTER_S), **(headers or {})}
+
+
 def error_body(message: str, status_code: int, param: str | None = None) -> dict[str, Any]:
     """OpenAI's error object."""
     kind = ("invalid_request_error" if status_code < 500 and status_code not in (401, 404)

@@ -130,9 +130,10 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing(processor, media_dir,
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 3201}]})
     assert r.status_code == 400 and "3201 characters" in r.json()["error"]["message"] and "--max-model-len" in r.text
     r = http.post("/v1/chat/completions", json=chat({"type": "text", "text": "y" * 3200}))  # parts count too
-    assert r.status_code == 400 and tokenized == []
+    assert r.status_code == 400 and tokenized == [] and "retry-after" not in r.headers
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 3000}]})
     assert tokenized and r.status_code == 503  # within the cap: on to the (fake) engine
+    assert r.headers["retry-after"] == "1"  # every 503 says when to come back (the openai client waits that long)
 
 
 def test_a_body_of_more_json_objects_or_values_than_a_request_holds_is_refused_before_parsing(processor, media_dir):
