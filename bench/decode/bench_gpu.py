@@ -226,8 +226,9 @@ def _telemetry(sampler: TelemetrySampler, seconds: float) -> dict:
     return {"seconds": seconds, **summary.as_dict()}
 
 
-def bench_codec(clip, args) -> dict:
-    """Every video measurement of one clip; returns its results, ratios and target checks."""
+def bench_codec(clip, args, checkpoint=None) -> dict:
+    """Every video measurement of one clip; returns its results, ratios and target checks. ``checkpoint(partial)``
+    is called after each measurement with what is measured so far (a run cut short by a time limit keeps it)."""
     path, gpu, S, C = str(clip.path), args.gpu, args.sessions, args.cpu_threads
     info = flashcodec.probe(path)
     plan = flashcodec.plan_video(info)
@@ -378,6 +379,8 @@ def bench_codec(clip, args) -> dict:
                      ("engines_busy", engines_busy), ("sparse_gpu", sparse_gpu),
                      ("sparse_one_session", sparse_one_session)):
         _measure(m, name, fn)
+        if checkpoint is not None:
+            checkpoint({"partial": f"cut short after {name}", "measurements": m})
     if "ceiling_telemetry" in state:
         m["ceiling_engines_busy"] = state["ceiling_telemetry"]
     if "gpu_engine" in state:
@@ -465,10 +468,15 @@ def main(argv=None) -> int:
         except Exception as e:  # e.g. no encoder for that codec here
             report["codecs"][codec] = {"error": f"clip not made: {e}"}
             continue
-        result = bench_codec(clip, args)
+
+        def checkpoint(partial, codec=codec):  # a run cut short by a time limit keeps each measurement done
+            report["codecs"][codec] = partial
+            save(report, args.out)
+
+        result = bench_codec(clip, args, checkpoint)
         result["targets"] = check_targets(result["ratios"])
         report["codecs"][codec] = result
-        save(report, args.out)  # a run cut short by a time limit keeps each codec done
+        save(report, args.out)
     print(f"{args.jpegs} JPEGs", flush=True)
     report["jpeg"] = bench_jpegs(args)
     report["seconds"] = time.time() - report["started"]

@@ -54,6 +54,27 @@ def test_runs_end_to_end_on_cpu(tmp_path, capsys):
     assert "| cpu_alone |" in md and "flashcodec GPU vs one NVDEC session" in md
 
 
+def test_a_run_cut_short_keeps_each_measurement_done(tmp_path, monkeypatch):
+    """A device run ends at its time limit, maybe mid-codec: what was measured is on disk already."""
+    out = tmp_path / "out"
+
+    class Cut(BaseException):
+        pass
+
+    real = bench_gpu._measure
+
+    def measure_then_cut(results, name, fn):
+        if name == "one_session":
+            raise Cut  # the limit struck here
+        return real(results, name, fn)
+
+    monkeypatch.setattr(bench_gpu, "_measure", measure_then_cut)
+    with pytest.raises(Cut):
+        bench_gpu.main(["--out", str(out), "--cache", str(tmp_path / "cache"), *TINY])
+    h264 = json.loads((out / "gpu-decode.json").read_text())["codecs"]["h264"]
+    assert h264["partial"] == "cut short after gpu_alone" and h264["measurements"]["cpu_alone"]["seconds"] > 0
+
+
 def test_gop_split_is_static_contiguous_and_gop_aligned():
     info = SimpleNamespace(gops=[SimpleNamespace(keyframe_index=k) for k in range(0, 100, 10)])  # 10 GOPs
     indices = list(range(0, 100, 5))
