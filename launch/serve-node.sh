@@ -82,9 +82,15 @@ start() {
   [[ $restarts =~ ^[0-9]+$ ]] || die "--restart must be a number of restarts (0 or more), got '$restarts'"
   [[ $port =~ ^[0-9]+$ ]] || die "--port must be a number, got '$port'"
   case $host in 0.0.0.0|::|'') host=127.0.0.1 ;; esac
-  alive && die "a server already runs from $dir (pid $(server_pid)); stop it first: $0 stop"
   command -v "$bin" >/dev/null 2>&1 || die "'$bin' not found: run 'make setup' (or pip install unifiedserve) or set UNIFIEDSERVE_BIN"
   mkdir -p "$dir"
+  # one start at a time per state folder (two at once would both find no server and start two), held until the
+  # server's pid is written; fd 9 is closed for everything started meanwhile, or a daemon would keep the lock
+  if command -v flock >/dev/null 2>&1; then
+    exec 9>"$dir/start.lock"
+    flock -n 9 || die "another '$prog start' is starting a server from $dir; wait for it, or: $0 stop"
+  fi
+  alive && die "a server already runs from $dir (pid $(server_pid)); stop it first: $0 stop"
   rm -f "$dir/server.pid" "$dir/mps.started" "$dir/restarts"
   if [ "$shm_given" = 0 ]; then
     mkdir -p "$shm_default"
@@ -95,9 +101,9 @@ start() {
       # a daemon that will not start, or that a CUDA client cannot use, is not fatal: the GPU is time-sliced
       # a daemon already answering in this node's own folder is a leftover of this node's: owned (stopped by
       # `stop`) as one started here
-      if { "$here/mps.sh" status >/dev/null 2>&1 || "$here/mps.sh" start; } && touch "$dir/mps.started"; then
-        if "$here/mps.sh" check; then
-          eval "$("$here/mps.sh" env)"
+      if { "$here/mps.sh" status >/dev/null 2>&1 9>&- || "$here/mps.sh" start 9>&-; } && touch "$dir/mps.started"; then
+        if "$here/mps.sh" check 9>&-; then
+          eval "$("$here/mps.sh" env 9>&-)"
         else
           stop_mps
           echo "$prog: no MPS (its daemon is not usable, above): the server's processes time-slice the GPU"
@@ -118,8 +124,9 @@ start() {
   echo "$url" > "$dir/health_url"
   printf '%s\0' "${args[@]}" > "$dir/args"
   export UNIFIEDSERVE_BIN=$bin
-  setsid bash "$here/serve-node.sh" _run "$restarts" >"$dir/server.log" 2>&1 < /dev/null &
+  setsid bash "$here/serve-node.sh" _run "$restarts" >"$dir/server.log" 2>&1 < /dev/null 9>&- &
   echo $! > "$dir/server.pid"
+  exec 9>&-  # the server is known now: another start finds it alive
   echo "starting: $bin serve ${args[*]} (session $!, log $dir/server.log)"
   local waited=0
   while ! healthy "$url"; do

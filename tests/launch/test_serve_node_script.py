@@ -79,6 +79,22 @@ def test_a_server_that_fails_to_start_is_reported_and_cleaned_up(tmp_path):
     assert not (tmp_path / "server.pid").exists() and not shm_folder(tmp_path).exists()
 
 
+@pytest.mark.skipif(shutil.which("flock") is None, reason="no flock(1) here: starts are not serialised")
+def test_a_start_while_another_is_starting_refuses_at_once(tmp_path):
+    """Two starts at once would both find no server and start two; the second one is refused before it starts
+    anything (here the first is stood in for by holding its lock)."""
+    import fcntl
+
+    folder = tmp_path / "node"
+    folder.mkdir()
+    with open(folder / "start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        second = node("start", "--port", str(free_port()), folder=folder, timeout=30)
+    assert second.returncode == 1 and second.stderr.count("\n") == 1
+    assert f"another 'serve-node.sh start' is starting a server from {folder}" in second.stderr
+    assert not (folder / "server.pid").exists() and not (folder / "server.log").exists()
+
+
 def test_start_status_stop_leaves_nothing_behind(tmp_path):
     from unifiedserve.model.demo import write_demo_model
 
