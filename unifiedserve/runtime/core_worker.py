@@ -158,9 +158,10 @@ class CoreWorker(Worker):
         now = time.time()
         out, sampled = self.core.step(before_execute=self._hand_out_pages)
         if out.is_empty:
-            self._stalled = True  # waiting on media or on KV blocks: nothing changes until a message
-            if sampled:  # an async decode step read back before a step that ran nothing
-                self._outputs(sampled)
+            if sampled:  # an async decode step read back before a step that ran nothing: what it finishes frees
+                self._outputs(sampled)  # seats and blocks a waiting request may take at the next step
+            else:
+                self._stalled = True  # waiting on media or on KV blocks: nothing changes until a message
             return
         end = time.time()
         encode_s = self.runner.last_encode_s

@@ -95,3 +95,33 @@ def test_a_monolithic_core_has_no_decode_process_to_tell(make_runtime):
         assert worker.weights_sent == [] and "WeightsLoaded" not in worker.events
     finally:
         worker.close()
+
+
+def test_an_async_read_back_that_frees_a_seat_does_not_stall_the_waiting_request(make_runtime):
+    """Monolithic, async scheduling, one seat: r2 arrives while the pending step holds r1's last token, so the next
+    step runs nothing (r1 still holds the seat) and only reads that token back. Core used to mark itself stalled
+    before the read-back finished r1, so r2 waited for some unrelated message; now it is served without one."""
+    engine = EngineConfig(device="cpu", async_scheduling=True,
+                          scheduler=SchedulerConfig(patches_ready_on_admit=False, max_num_seqs=1))
+    worker = RecordingCore(make_runtime("monolithic", engine).config)
+    finished = []
+    worker.send = lambda peer, message: finished.extend(
+        o.request_id for o in getattr(message, "outputs", []) if o.finish_reason)
+    try:
+        worker.setup()
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        worker.handle(protocol.AddRequest("r1", [11, 12, 13], [], params, []))
+        r1 = worker.scheduler.requests["r1"]
+        for _ in range(20):
+            worker.step()
+            if worker.core._pending is not None and len(r1.output_token_ids) == 3:
+                break
+        assert worker.core._pending is not None and len(r1.output_token_ids) == 3 and not finished
+        worker.handle(protocol.AddRequest("r2", [11, 12, 13], [], params, []))
+        for _ in range(50):  # the run loop: step while there is work, no message in between
+            if not worker.has_work():
+                break
+            worker.step()
+        assert finished == ["r1", "r2"] and not worker.scheduler.has_work
+    finally:
+        worker.close()
