@@ -161,11 +161,18 @@ class EngineCore:
         """Queue ``request`` (its media as ``VisionInput`` with pixels, or ``MediaGrid`` written elsewhere).
 
         Raises:
-            ValueError: its ``logit_bias`` names a token outside the vocabulary (nothing is queued).
+            ValueError: its ``logit_bias`` names a token outside the vocabulary, it can never run here
+                (:meth:`Scheduler.check`), or its media do not match its prompt (nothing is queued).
         """
         self._enqueue(seq, request.prompt_token_ids if seq.params.penalizes_prompt else (),
                       lambda: self.scheduler.add(request))
-        self.runner.add_request(request, vision)
+        try:
+            self.runner.add_request(request, vision)  # e.g. ValueError: media that do not match the prompt
+        except BaseException:  # nothing of it stays queued: every later step would meet a request without tensors
+            self.scheduler.finish(request.request_id, "abort")
+            self.runner.release(request.request_id)
+            self._drop_penalty(seq)
+            raise
         self.seqs[request.request_id] = seq
 
     def adopt(self, request_id: str, seq: SequenceState, num_prompt_tokens: int, mrope_delta: int,

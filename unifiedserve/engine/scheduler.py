@@ -193,10 +193,13 @@ class Scheduler:
         self.waiting.append(request)
 
     def check(self, request: Request) -> None:
-        """Raise ValueError if ``request`` can never run here: a duplicate id, or more KV or patch rows
-        than the whole pools hold."""
+        """Raise ValueError if ``request`` can never run here: a duplicate id, an empty prompt, more KV or patch
+        rows than the whole pools hold, or an encode item whose visual tokens the visual buffer cannot hold at
+        once (an item is written whole, maybe after the partly read last page of the one before it)."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.prompt_len == 0:
+            raise ValueError("the prompt is empty: it needs at least one token")
         capacity = self.blocks.num_blocks * self.blocks.block_size
         if capacity < request.max_total_tokens:
             raise ValueError(f"the request needs {request.max_total_tokens} tokens of KV cache (prompt + max_tokens), "
@@ -207,6 +210,12 @@ class Scheduler:
             raise ValueError(f"the request's media make {request.num_patch_tokens} patch rows, more than the patch "
                              f"buffer holds ({rows}); send smaller media (max_pixels, fps, max_frames) or give the "
                              f"server a larger --patch-buffer-gb")
+        page = self.visual_pages.page_size
+        largest = max((item.num_visual_tokens for item in request.encode_items), default=0)
+        if largest and -(-(largest + page - 1) // page) > self.visual_pages.num_pages:
+            raise ValueError(f"one of the request's media items makes {largest} visual tokens, more than the visual "
+                             f"buffer holds at once ({self.visual_pages.num_pages * page - page + 1}); send smaller "
+                             f"media (max_pixels) or give the server a larger --visual-buffer-gb")
 
     def adopt(self, request: Request) -> None:
         """Decode ``request`` here: its prompt was prefilled elsewhere (its first output token is there).

@@ -130,3 +130,24 @@ def test_penalized_requests_decode_the_llms_tokens_after_the_hand_off(llm):
     with pytest.raises(ValueError, match="first token"):
         decode.adopt("x", seq, 4, 0, [0], [1, 2])
     assert decode.penalties.num_in_use == 0 and seq.sampler.penalty is None
+
+
+def test_a_request_the_runner_refuses_leaves_nothing_queued(demo_path, prompts, monkeypatch):
+    """The runner builds a request's tensors after the scheduler queued it; when that fails (media that do not
+    match the prompt), the request and its penalty row are undone, and the engine serves the next one (every
+    later step used to fail on the request without tensors)."""
+    llm = LLM(demo_path, EngineConfig(num_kv_blocks=64))
+    ids, vision, _ = prompts[1]
+    real = llm.runner.add_request
+
+    def refuse(request, vision):
+        raise ValueError("the media do not match the prompt")
+
+    monkeypatch.setattr(llm.runner, "add_request", refuse)
+    with pytest.raises(ValueError, match="do not match"):
+        llm.add_request(ids, vision, SamplingParams(max_tokens=3, repetition_penalty=1.2), request_id="bad")
+    assert not llm.scheduler.has_work and "bad" not in llm.scheduler.requests and not llm.core.seqs
+    assert llm.core.penalties.num_in_use == 0
+    monkeypatch.setattr(llm.runner, "add_request", real)
+    (out,) = llm.generate([(ids, vision, SamplingParams(max_tokens=3, ignore_eos=True))])
+    assert out.finish_reason == "length" and len(out.token_ids) == 3

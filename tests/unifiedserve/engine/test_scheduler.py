@@ -132,6 +132,26 @@ def test_rejects_requests_that_can_never_fit():
         s.add(make_request("y", 0, 1, 0, max_tokens=1, patches_per_slice=8))
 
 
+def test_an_empty_prompt_or_an_item_the_visual_buffer_cannot_hold_is_refused_not_left_to_stall():
+    """An item is written whole into the visual buffer, after the partly read last page of the item before it
+    (prefill frees only pages it read to the end): 12 visual tokens at offset 1 of 4-row pages need 4 pages. With
+    3 it used to be admitted and then never encoded, nor refused."""
+    import pytest
+
+    s = Scheduler(SchedulerConfig(), BlockManager(100, 4), PageAllocator(100, 4), PageAllocator(3, 4))
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        s.add(Request("e", [], SamplingParams(max_tokens=1)))
+    two = Request("a", [1, 9] + [9] * 12 + [1], SamplingParams(max_tokens=2),
+                  [EncodeItem(0, 4, 1, (1, 2, 2)), EncodeItem(1, 48, 12, (1, 4, 12))], list(range(1, 14)))
+    with pytest.raises(ValueError, match=r"makes 12 visual tokens, more than the visual buffer holds at once \(9\); "
+                                         r".*--visual-buffer-gb"):
+        s.add(two)
+    assert not s.has_work
+    fits = Request("b", [1, 9] + [9] * 9 + [1], SamplingParams(max_tokens=2),
+                   [EncodeItem(0, 4, 1, (1, 2, 2)), EncodeItem(1, 36, 9, (1, 4, 9))], list(range(1, 11)))
+    drive(s, [fits])  # 9 tokens fit after any partial page: it runs to the end
+
+
 def test_server_token_budgets_take_the_papers_values_on_a_gpu():
     from unifiedserve.engine.scheduler import GPU_TOKEN_BUDGETS, server_token_budgets
 
