@@ -61,6 +61,7 @@ class Request:
     #: visual tokens of the first uncovered item that lie in the cached prefix (copied from the media cache without them)
     num_skipped_visual: int = 0
     has_kv: bool = False  # KV blocks for prompt + max_tokens are allocated (prefill may run)
+    kv_order: int = -1  # when it took them, among the scheduler's grants (who takes visual pages first)
 
     def __post_init__(self) -> None:
         visual = sum(item.num_visual_tokens for item in self.encode_items)

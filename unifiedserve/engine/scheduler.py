@@ -36,6 +36,8 @@ core lent them, schedules nothing but their decode rows, and never allocates or 
 
 from __future__ import annotations
 
+import itertools
+
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -173,6 +175,7 @@ class Scheduler:
         self.handed_off: dict[str, Request] = {}  # prefilled, decoding elsewhere; their KV blocks are still held
         self.kv_overtakes: dict[str, int] = {}  # request waiting for KV blocks -> later requests that took theirs
         self.adopted: set[str] = set()  # prefilled elsewhere, decoding here on blocks lent by their owner
+        self._kv_grants = itertools.count()  # Request.kv_order: holders take visual pages in this order
 
     @classmethod
     def decode_only(cls, config: SchedulerConfig) -> Scheduler:
@@ -332,7 +335,10 @@ class Scheduler:
             out.decode = self._decode_rows()
             return out
         # 1. admit new requests (FIFO) while their patch pages fit: their vision work can start
-        #    now; KV blocks are only needed when their prefill starts (step 3)
+        #    now; KV blocks are only needed when their prefill starts (step 3). A request that holds
+        #    cached prefix blocks from now on takes the rest of its KV now too, or waits holding
+        #    nothing: holding part of its KV while waiting for the rest, two such requests could each
+        #    wait for blocks the other holds, with nothing running to free any
         admitted_writes = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -341,12 +347,14 @@ class Scheduler:
             rows = req.num_patch_rows_needed  # sized by what the caches hold
             stream = PagedStream(req.request_id, self.patch_pages.page_size, rows)
             writes = admitted_writes + ([(stream, rows)] if rows else [])
-            if not can_plan_write(writes, self.patch_pages):
+            if not can_plan_write(writes, self.patch_pages) or (found[1] and not self._may_take_kv(req, found[1])):
                 self._unpin(req, found[3])
                 req.skipped_media, req.cached_media, req.num_covered_items = set(), set(), 0
                 break
             self.waiting.popleft()
             self._admit_caches(req, *found)
+            if found[1]:
+                self._take_kv(req, out)
             req.status = Status.RUNNING
             self.running.append(req)
             out.admitted.append(req.request_id)
@@ -360,11 +368,18 @@ class Scheduler:
             admitted_writes = writes
         if admitted_writes:
             out.patch_write = plan_write(admitted_writes, self.patch_pages)
-        # 2. vision encoding under its budget, in admission order; it proceeds even when prefill
-        #    cannot (waiting for KV blocks or on earlier slices)
+        # 2. vision encoding under its budget, in page-priority order: requests holding KV blocks by
+        #    when they took them, then the others in admission order; it proceeds even when prefill
+        #    cannot (waiting for KV blocks or on earlier slices). A write leaves every request before
+        #    it room for the rest of its items (counting the pages that request's own reads will
+        #    free): visual pages are freed only by prefill, so a request without KV that took the room
+        #    a KV holder needs would wait for that holder's KV, and neither would move
         encode_tokens, reads, writes = 0, [], []
-        for req in self.running:
+        new_pages = 0  # pages `writes` allocate
+        reserve = -1  # the most free pages any request before this one needs kept (:meth:`_pages_short`)
+        for req in self._page_priority():
             n_patch = n_visual = 0
+            stream = self.visual_streams[req.request_id]
             while req.num_scheduled_items < len(req.encode_items):
                 index = req.num_scheduled_items
                 item = req.encode_items[index]
@@ -373,9 +388,9 @@ class Scheduler:
                     break
                 if not req.item_ready(index):
                     break
-                trial = writes + [(self.visual_streams[req.request_id], n_visual + item.num_visual_tokens
-                                   - (req.num_skipped_visual if index == req.num_covered_items else 0))]
-                if not can_plan_write(trial, self.visual_pages):
+                rows = n_visual + item.num_visual_tokens - (req.num_skipped_visual if index == req.num_covered_items else 0)
+                free = self.visual_pages.num_free_pages - new_pages - stream.num_pages_to_write(rows)
+                if free < 0 or free < reserve:
                     break
                 drop = req.num_skipped_visual if index == req.num_covered_items else 0
                 out.encode.append(EncodeWork(req.request_id, index, from_cache=cached, skip_visual=drop))
@@ -390,7 +405,9 @@ class Scheduler:
             if n_patch:
                 reads.append((self.patch_streams[req.request_id], n_patch))
             if n_visual:
-                writes.append((self.visual_streams[req.request_id], n_visual))
+                writes.append((stream, n_visual))
+                new_pages += stream.num_pages_to_write(n_visual)
+            reserve = max(reserve, self._pages_short(req, n_visual))
         if reads:
             out.patch_read, out.freed_patch_pages = plan_read(reads, self.patch_pages.page_size)
         if writes:
@@ -407,7 +424,10 @@ class Scheduler:
             if not req.has_kv:
                 # KV blocks for prompt + max_tokens (after its cached prefix's), in admission order; a
                 # request that does not fit yet may be passed by one that does, unless an earlier one
-                # was passed too often
+                # was passed too often. One whose remaining items the free visual pages cannot take
+                # (after its own reads) waits without KV: it would hold KV waiting for pages others hold
+                if self._pages_short(req) > self.visual_pages.num_free_pages:
+                    continue
                 if not self.blocks.can_append(req.request_id, req.max_total_tokens):
                     blocked.append(req.request_id)
                     continue
@@ -416,9 +436,7 @@ class Scheduler:
                 for r in blocked:
                     self.kv_overtakes[r] = self.kv_overtakes.get(r, 0) + 1
                 self.kv_overtakes.pop(req.request_id, None)
-                self.blocks.append(req.request_id, req.max_total_tokens)
-                req.has_kv = True
-                out.block_tables[req.request_id] = self.blocks.block_table(req.request_id)
+                self._take_kv(req, out)
             start = req.num_computed_tokens
             out.prefill.append(PrefillChunk(req.request_id, start, size, is_last=start + size == req.prompt_len))
             budget -= size
@@ -430,6 +448,54 @@ class Scheduler:
         # 4. every request past its prompt decodes one token (up to max_decode_batch of them)
         out.decode = self._decode_rows()
         return out
+
+    def _take_kv(self, req: Request, out: SchedulerOutput) -> None:
+        """Give ``req`` its KV blocks for prompt + max_tokens (it holds its cached prefix's already)."""
+        self.blocks.append(req.request_id, req.max_total_tokens)
+        req.has_kv, req.kv_order = True, next(self._kv_grants)
+        out.block_tables[req.request_id] = self.blocks.block_table(req.request_id)
+
+    def _may_take_kv(self, req: Request, cached_blocks: list[int]) -> bool:
+        """Whether a request being admitted with ``cached_blocks`` may take all its KV now. Admitted requests
+        waiting for theirs (ready to prefill, short of blocks) count it as one more overtake, as in step 3; one
+        passed too often bars it."""
+        if not self.blocks.can_allocate(req.max_total_tokens, cached_blocks):
+            return False
+        if self._pages_short(req) > self.visual_pages.num_free_pages:  # as in step 3
+            return False
+        waiting = [r.request_id for r in self.running if not r.has_kv and self._prefill_size(r, 1) > 0
+                   and not self.blocks.can_append(r.request_id, r.max_total_tokens)]
+        if any(self.kv_overtakes.get(r, 0) >= self.config.max_kv_overtakes for r in waiting):
+            return False
+        for r in waiting:
+            self.kv_overtakes[r] = self.kv_overtakes.get(r, 0) + 1
+        return True
+
+    def _page_priority(self) -> list[Request]:
+        """Running requests in the order they may take visual pages: those holding KV blocks by when they took
+        them, then the others in admission order."""
+        holders = sorted((r for r in self.running if r.has_kv), key=lambda r: r.kv_order)
+        return holders + [r for r in self.running if not r.has_kv]
+
+    def _pages_short(self, req: Request, writing: int = 0) -> int:
+        """Free visual pages ``req`` needs to write the rest of its encode items, after it writes ``writing`` more
+        rows this step: the most pages it holds at once writing them (an item's pages, plus the partly written
+        page before it, which stays until it is read to its end), less the pages it holds now. (Its prefill reads,
+        and frees, each item's pages before the next item needs room.) At most the free pages: it can finish
+        encoding without anyone else's pages."""
+        if req.num_scheduled_items >= len(req.encode_items):
+            return -1
+        page = self.visual_pages.page_size
+        stream = self.visual_streams.get(req.request_id)
+        written = writing + (stream.num_written_tokens if stream is not None else 0)
+        held = (len(stream.pages) + stream.num_pages_to_write(writing)) if stream is not None else 0
+        offset, most = written % page, 0
+        for index in range(req.num_scheduled_items, len(req.encode_items)):
+            rows = req.encode_items[index].num_visual_tokens
+            rows -= req.num_skipped_visual if index == req.num_covered_items else 0  # its copy leaves them out
+            most = max(most, -(-(offset + rows) // page))
+            offset = (offset + rows) % page
+        return most - held
 
     def _prefill_size(self, req: Request, budget: int) -> int:
         start = req.num_computed_tokens
