@@ -130,6 +130,7 @@ class MediaDecoding:
                                           max_pixels=ref.max_pixels)
                 known = self.probes.get(ref.key)
                 analysis = self.engine.analyse_bitstream(Source.of(source), options, info=known)
+                analyses.append((index, analysis))  # the engine keeps it until decoded or cancelled
                 if known is None:
                     self.probes.put(ref.key, analysis.info)
                 duration = analysis.info.duration_s
@@ -140,16 +141,18 @@ class MediaDecoding:
                 t, h, w = plan.grid_thw(self.spec.patch_size, self.spec.temporal_patch_size)
                 plans.append(protocol.MediaPlan("video", (t, h, w), self.spec.temporal_patch_size / plan.sample_fps,
                                                 plan.num_frames, float(duration)))
-                analyses.append((index, analysis))
-        except (FlashCodecError, ValueError, OSError) as e:
+        except Exception as e:
+            # the request fails at this media: the engine forgets the videos analysed so far (each holds its
+            # source, an inline video's bytes whole), which nothing would decode or cancel later
+            for _, analysis in analyses:
+                self.engine.cancel(analysis.key_id)
             ref = job.media[len(plans)]
-            self.events.put(("failed", job.request_id, f"media {len(plans)}: {_one_line(e, ref)}", None))
-            return
-        except Exception as e:  # a decoder bug must not take the process down: fail this request only
-            log.exception("probing request %s failed", job.request_id)
-            ref = job.media[len(plans)]
-            self.events.put(("failed", job.request_id, f"media {len(plans)} could not be read: {_one_line(e, ref)}",
-                             None))
+            if isinstance(e, (FlashCodecError, ValueError, OSError)):
+                message = f"media {len(plans)}: {_one_line(e, ref)}"
+            else:  # a decoder bug must not take the process down: fail this request only
+                log.exception("probing request %s failed", job.request_id)
+                message = f"media {len(plans)} could not be read: {_one_line(e, ref)}"
+            self.events.put(("failed", job.request_id, message, None))
             return
         self.events.put(("probed", job.request_id, plans, time.perf_counter() - start, analyses))
 

@@ -3,6 +3,7 @@ slice or whole, and media core already has (``skip_media``) are neither decoded 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -261,5 +262,28 @@ def test_a_probe_only_request_is_answered_and_forgotten(tmp_path, demo_model, cl
         worker.sent.clear()
         plans = run_request(worker, clips, pages=list(range(NUM_PAGES)))  # a real request: the same grids
         assert plans == only.plans
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("failure", ["too long", "a later media unreadable"])
+def test_a_request_whose_probe_fails_leaves_no_analysis_behind(tmp_path, demo_model, clips, failure):
+    """The videos a failed probe analysed before it failed (the one over --max-video-seconds too) are forgotten by
+    the decode engine: each held its source (an inline video's bytes, whole), and nothing else would free it. Any
+    client could grow the vision process without bound (15 too-long 20-MB inline videos: +250 MB)."""
+    worker = make_worker(tmp_path, demo_model, streaming=True, delay_s=0.05)
+    try:
+        if failure == "too long":
+            worker.config = dataclasses.replace(worker.config, max_video_seconds=3.0)  # the first clip is 4 s
+            media = clips
+        else:
+            bad = tmp_path / "bad.mp4"
+            bad.write_bytes(b"not a video at all" * 100)
+            media = [clips[0], clips[2], protocol.MediaRef("video", path=str(bad))]
+        for i in range(3):
+            worker.handle(protocol.ProbeMedia(f"r{i}", media))
+            pump(worker, lambda: len(messages(worker, protocol.MediaFailed)) > i)
+        assert len(messages(worker, protocol.MediaFailed)) == 3 and not messages(worker, protocol.MediaProbed)
+        assert not worker.engine._analyses and not worker.jobs and worker.in_flight == 0
     finally:
         worker.close()
