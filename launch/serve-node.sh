@@ -93,6 +93,9 @@ start() {
   alive && die "a server already runs from $dir (pid $(server_pid)); stop it first: $0 stop"
   rm -f "$dir/server.pid" "$dir/mps.started" "$dir/restarts"
   if [ "$shm_given" = 0 ]; then
+    # no server of this folder runs (checked above, under the lock): pool files still here are a killed one's
+    # (a server killed before its workers were up has not unlinked them yet)
+    rm -rf "$shm_default"
     mkdir -p "$shm_default"
     args=(--shm-dir "$shm_default" "${args[@]}")
   fi

@@ -101,10 +101,14 @@ def test_start_status_stop_leaves_nothing_behind(tmp_path):
     demo_path = write_demo_model(tmp_path / "demo-model")
     port = free_port()
     folder = tmp_path / "node"
+    stale = shm_folder(folder) / "unifiedserve-0123456789ab-kv"  # a pool file of a server killed while starting
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_bytes(b"\0" * 4096)
     pid = None
     try:  # start inside: a start cut short (a timeout) must still be stopped, or its server would outlive the test
         start = node("start", "--model", str(demo_path), "--port", str(port), *SMALL_POOLS, folder=folder, timeout=300)
         assert start.returncode == 0, start.stderr + (folder / "server.log").read_text()
+        assert not stale.exists()
         assert "no NVIDIA GPU on this node: the server runs on the CPU" in start.stdout or "MPS" in start.stdout
         pid = int((folder / "server.pid").read_text())
         assert f"ready: http://127.0.0.1:{port}/health" in start.stdout

@@ -2,9 +2,10 @@
 
 A pool is described by a :class:`PoolSpec` (picklable, sent to each worker at start). On CPU the
 launcher creates one file per pool in a tmpfs folder (``/dev/shm``); every process maps it with
-``MAP_SHARED``. Once all workers have mapped their pools the launcher unlinks the files, so the
-memory lives exactly as long as the last process that maps it and nothing is left behind, even
-after ``kill -9``.
+``MAP_SHARED``. Once all workers are up (their pools mapped) the launcher unlinks the files, so from then
+on the memory lives exactly as long as the last process that maps it and nothing is left behind, even
+after ``kill -9``. A server killed with ``kill -9`` while its workers start leaves its files; ``launch/serve-node.sh
+start`` clears its own folder of them.
 
 On CUDA the launcher allocates each pool with the driver and sends its 64-byte IPC handle; every
 worker maps it once (``unifiedserve/runtime/cuda_pools.py``; ran on an H200 and an H100, docs/gpu.md).

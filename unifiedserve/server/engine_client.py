@@ -214,8 +214,9 @@ class EngineClient:
                 await task
             except (asyncio.CancelledError, Exception):
                 pass
-        self.inbox.close(linger=0)
-        for sock in self._peers.values():
+        if getattr(self, "inbox", None) is not None:  # (a start that failed made none)
+            self.inbox.close(linger=0)
+        for sock in getattr(self, "_peers", {}).values():
             sock.close(linger=0)
         self.ctx.term()
 

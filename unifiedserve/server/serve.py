@@ -83,7 +83,11 @@ def run(args: argparse.Namespace) -> int:
         return run_ray(args, limits)
     runtime = build_runtime(args)  # the flags' own contradictions first: nothing is spawned yet
     raise_open_file_limit()
-    sock = bind_socket(args.host, args.port)  # a port in use is one error line, before any worker starts
+    try:
+        sock = bind_socket(args.host, args.port)  # a port in use is one error line, before any worker starts
+    except BaseException:
+        runtime.stop()  # its sockets' folder, made with it
+        raise
     try:
         return asyncio.run(_serve(runtime, args, limits, sock))
     finally:
@@ -346,8 +350,8 @@ async def _serve(runtime, args, limits: RequestLimits, sock: socket.socket | Non
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     client = EngineClient(runtime)
-    await client.start()
     try:
+        await client.start()
         runtime.create_pools()
         runtime.start()
         log.info("starting workers (vision, core, decode); instance %s, sockets in %s", runtime.instance,
@@ -395,6 +399,8 @@ async def _serve(runtime, args, limits: RequestLimits, sock: socket.socket | Non
             loop.call_later(WORKER_DEATH_GRACE_S, setattr, server, "should_exit", True)
 
         client.on_fatal = on_fatal
+        if client.fatal:  # a worker died before the callback was in place: its own call found none
+            on_fatal()
         if stop.is_set():
             return 0
         log.info("serving %s on http://%s:%d (OpenAI API at /v1)", config.served_model_name, args.host, args.port)

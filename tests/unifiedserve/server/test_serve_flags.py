@@ -93,7 +93,9 @@ def test_a_config_refusal_names_its_flag():
     assert _name_flag("engine.num_kv_blocks must be given", args) == "engine.num_kv_blocks must be given"
 
 
-def test_a_taken_port_or_unknown_host_is_one_line_before_any_worker_starts():
+def test_a_taken_port_or_unknown_host_is_one_line_before_any_worker_starts(tmp_path):
+    """... and leaves nothing behind: the runtime's sockets folder was made before the bind and stayed."""
+    import os
     import socket
 
     taken = socket.socket()
@@ -106,9 +108,11 @@ def test_a_taken_port_or_unknown_host_is_one_line_before_any_worker_starts():
                              (["--host", "no-such-host.invalid"], "--host no-such-host.invalid: ")]:
             started = time.perf_counter()
             run = subprocess.run([sys.executable, "-m", "unifiedserve.cli", "serve", "--device", "cpu",
-                                  "--host", "127.0.0.1", *args], capture_output=True, text=True, timeout=60)
+                                  "--host", "127.0.0.1", *args], capture_output=True, text=True, timeout=60,
+                                 env={**os.environ, "TMPDIR": str(tmp_path)})
             assert run.returncode == 1 and needle in run.stderr and "Traceback" not in run.stderr, run.stderr
             assert "starting workers" not in run.stderr + run.stdout
+            assert list(tmp_path.iterdir()) == []
             assert time.perf_counter() - started < 5.0
     finally:
         taken.close()
