@@ -88,13 +88,13 @@ class NodeReplica:
         from unifiedserve.runtime.worker import setup_logging
         from unifiedserve.server.api import build_app
         from unifiedserve.server.engine_client import EngineClient
-        from unifiedserve.server.serve import build_runtime, build_state, request_limits
+        from unifiedserve.server.serve import build_runtime, build_state, request_limits, worker_timeout
 
         setup_logging("api")
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         limits = request_limits(args)
         self.runtime = build_runtime(args)
-        self.client = EngineClient(self.runtime)
+        self.client = EngineClient(self.runtime, worker_timeout(args))
         await self.client.start()
         try:
             self.runtime.create_pools()

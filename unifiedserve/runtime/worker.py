@@ -53,6 +53,10 @@ def setup_logging(name: str) -> None:
                         stream=sys.stderr, force=True)
 
 
+#: seconds between a worker's WorkerStats at most, changed or not: the api takes a worker silent for
+#: --worker-timeout as wedged (a stuck device call, a stopped process) and stops the server
+HEARTBEAT_S = 1.0
+
 class Worker:
     """Base class of the vision, core and decode processes."""
 
@@ -72,6 +76,7 @@ class Worker:
         self._last_stats: dict[str, float] = {}
         self._sent_bytes: dict[str, int] = {}  # peer -> bytes of the messages sent to it (stats excluded)
         self._last_stats_time = 0.0
+        self._last_sent_time = 0.0  # of the last WorkerStats: one goes out at least every HEARTBEAT_S
         self._fault = parse_fault(os.environ.get(FAULT_ENV), self.name)
         self._steps = 0
         self._early: list = []  # messages that came while setup waited for another (handled when the loop starts)
@@ -147,9 +152,9 @@ class Worker:
         # what crossed to each peer: only control messages and indices do; patches, visual tokens and KV
         # stay in the shared pools (unifiedserve_ipc_sent_bytes)
         stats = {**self.stats(), **{f"ipc_to_{peer}_bytes": float(n) for peer, n in self._sent_bytes.items()}}
-        if stats != self._last_stats or force:
-            self.send("api", protocol.WorkerStats(self.name, stats))
-            self._last_stats = stats
+        if stats != self._last_stats or force or now - self._last_sent_time >= HEARTBEAT_S:
+            self.send("api", protocol.WorkerStats(self.name, stats))  # unchanged: a heartbeat (--worker-timeout)
+            self._last_stats, self._last_sent_time = stats, now
         self._last_stats_time = now
 
     def run(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import zmq
@@ -54,8 +55,14 @@ class RequestStream:
 
 
 class EngineClient:
-    def __init__(self, runtime: Runtime):
+    """The api's side of the runtime. ``worker_timeout``: seconds a worker may go without a message once every
+    worker is up (each sends its stats at least every second, between its steps) before it counts as wedged and
+    the runtime as dead; None never."""
+
+    def __init__(self, runtime: Runtime, worker_timeout: float | None = None):
         self.runtime = runtime
+        self.worker_timeout = worker_timeout
+        self._last_heard: dict[str, float] = {}  # worker -> time.monotonic() of its last WorkerStats
         self.config = runtime.config
         self.ctx = zmq.asyncio.Context()
         self.streams: dict[str, RequestStream] = {}
@@ -164,6 +171,7 @@ class EngineClient:
                 code = getattr(msg, "status_code", 400)
                 stream.fail(RequestError(msg.message, code))
         elif isinstance(msg, protocol.WorkerStats):
+            self._last_heard[msg.name] = time.monotonic()
             self.gauges[msg.name] = msg.gauges
             if self.on_stats is not None:
                 self.on_stats()
@@ -183,6 +191,19 @@ class EngineClient:
                 self._die("; ".join(f"the {name} worker process exited unexpectedly (exit code {code})"
                                     for name, code in dead.items()))
                 return
+            silent = self._silent_workers()
+            if silent:  # alive but stuck: its requests would wait forever and /health would say ok
+                self._die("; ".join(f"the {name} worker process has sent nothing for {s:.0f} s (--worker-timeout "
+                                    f"{self.worker_timeout:g}): it is stuck" for name, s in silent.items()))
+                return
+
+    def _silent_workers(self) -> dict[str, float]:
+        """Workers silent for longer than ``worker_timeout`` once all are up -> seconds since each was heard."""
+        if self.worker_timeout is None or not self._ready.is_set() or self.fatal:
+            return {}
+        now = time.monotonic()
+        return {name: now - self._last_heard.get(name, now) for name in self.config.processes
+                if now - self._last_heard.setdefault(name, now) > self.worker_timeout}
 
     def fail_all(self, message: str, status_code: int) -> None:
         """End every in-flight request with an error (shutting down)."""

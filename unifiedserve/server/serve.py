@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     limits = request_limits(args)  # before anything is built or spawned
     media_policy(args)  # a bad --allowed-local-media-path is refused now, not after the workers start
     generation_defaults(args, args.model)  # and a bad generation config
+    worker_timeout(args)
     from unifiedserve.ray_serve.launch import ray_requested, run_ray  # imports no Ray
 
     if ray_requested(args):  # replicas on Ray Serve (unifiedserve[ray]); only run_ray imports Ray
@@ -92,6 +93,17 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(_serve(runtime, args, limits, sock))
     finally:
         sock.close()
+
+
+def worker_timeout(args: argparse.Namespace) -> float | None:
+    """``--worker-timeout`` for the engine client: None for 0 (never).
+
+    Raises:
+        ValueError: a negative number of seconds.
+    """
+    if args.worker_timeout < 0:
+        raise ValueError(f"--worker-timeout must be 0 (never) or a number of seconds, got {args.worker_timeout:g}")
+    return args.worker_timeout or None
 
 
 def raise_open_file_limit(target: int = OPEN_FILES_TARGET) -> int:
@@ -349,7 +361,7 @@ async def _serve(runtime, args, limits: RequestLimits, sock: socket.socket | Non
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    client = EngineClient(runtime)
+    client = EngineClient(runtime, worker_timeout(args))
     try:
         await client.start()
         runtime.create_pools()

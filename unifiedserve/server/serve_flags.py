@@ -75,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "split: core and decode on disjoint CPU sets (half each) with matching thread counts "
                         "(DistServe/EPD style)")
     g.add_argument("--startup-timeout", type=_positive_float, default=600.0, help="seconds to wait for the workers (default 600)")
+    g.add_argument("--worker-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="once serving, a worker process that sends nothing for this long (each reports every second "
+                        "between its steps) counts as stuck, as a dead one does: in-flight requests fail, /health "
+                        "turns 503 and the server exits 1; 0 never (default 300)")
 
     g = p.add_argument_group("media")
     g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",

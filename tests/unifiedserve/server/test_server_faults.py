@@ -98,3 +98,31 @@ def test_sigint_during_requests_shuts_down_cleanly(clip_dir):
     assert not t.is_alive()
     status, body = results[0]
     assert status == 503 and "shutting down" in body["error"]["message"]
+
+
+def test_a_stuck_worker_fails_requests_and_exits_nonzero(clip_dir):
+    """A worker alive but stuck (here stopped with SIGSTOP; on a GPU, a device call that never returns) sends no
+    heartbeat: after --worker-timeout the server treats it as dead. Its requests hung, and /health said ok."""
+    srv = Server("--worker-timeout", "3", media_dir=clip_dir)
+    pids = srv.pids()
+    try:
+        time.sleep(4)  # idle workers beat too: nothing fires while all of them are alive
+        assert http("GET", srv.url + "/health")[0] == 200
+        os.kill(srv.workers["vision"], signal.SIGSTOP)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": f"file://{clip_dir}/clip.mp4"}}, {"type": "text", "text": "?"}]}]
+        started = time.monotonic()
+        with pytest.raises(openai.InternalServerError, match="vision worker process has sent nothing"):
+            client.chat.completions.create(model="demo-model", messages=messages, max_tokens=5)
+        assert time.monotonic() - started < 10
+        status, body = http("GET", srv.url + "/health")
+        assert status == 503 and "stuck" in body["error"]
+        assert srv.proc.wait(30) == 1
+    finally:
+        if alive(srv.workers["vision"]):
+            os.kill(srv.workers["vision"], signal.SIGCONT)
+        if srv.proc.poll() is None:
+            srv.stop()
+    assert _gone(pids), "worker processes outlived the server"
+    assert leftovers(srv.instance) == []
