@@ -4,7 +4,8 @@ The steps follow the reference preprocessing of Qwen2.5-VL (``qwen-vl-utils``): 
 make RGB (transparent pixels composited on white), pick the target size with ``smart_resize``
 (multiples of 28 within the image pixel budget) and resize with PIL's bicubic filter (the
 default ``resize="exact"``). In addition the EXIF orientation is applied, so photos come out the
-way viewers show them.
+way viewers show them, as transformers' ``load_image`` (``image_utils.py``) applies it; qwen-vl-utils
+does not (a phone's portrait photo reaches the model on its side there).
 
 ``resize="fast"`` trades a little fidelity for speed on large downscales: JPEGs are decoded at a
 reduced DCT scale (PIL ``draft``, never below the target size) and PIL reduces by an integer
@@ -122,7 +123,10 @@ def _target_size(
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:
-    """RGB image; transparent pixels are composited on white (like qwen-vl-utils' ``to_rgb``)."""
+    """RGB image; transparent pixels are composited on white. For RGBA that is qwen-vl-utils' ``to_rgb`` (from
+    0.0.10; 0.0.8 converted without it); LA, PA and palette or colour-key transparency are composited too, as
+    transformers' ``convert_to_rgb`` (``image_transforms.py``) does, where qwen-vl-utils converts them keeping the
+    colour under the transparency (often black), so one picture looks the same in whatever mode it was saved."""
     if im.mode in _ALPHA_MODES or "transparency" in im.info:
         rgba = im if im.mode == "RGBA" else im.convert("RGBA")
         background = Image.new("RGB", rgba.size, (255, 255, 255))
