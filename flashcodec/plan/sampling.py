@@ -212,11 +212,11 @@ def video_target_size(
     max_pixels = max(min(VIDEO_MAX_PIXELS, total_pixels / num_frames * FRAME_FACTOR), int(min_pixels * 1.05))
     if options.max_pixels is not None:
         max_pixels = min(options.max_pixels, max_pixels)
-    # A max_pixels below the default min_pixels: qwen-vl-utils up to 0.0.11 (Qwen2.5-VL's release used 0.0.8)
+    # A max_pixels below the default min_pixels: qwen-vl-utils up to 0.0.11 (Qwen2.5-VL's README pins 0.0.8)
     # takes the caller's max_pixels as it is and its smart_resize has no order check, so a frame above
-    # max_pixels is scaled down to it, one below min_pixels up to that; served the same here. (From 0.0.12 its
-    # smart_resize asserts max_pixels >= min_pixels: 0.0.14, whose sampling rules are followed otherwise, would
-    # fail such a request with an AssertionError.)
+    # max_pixels is scaled down to it, one below min_pixels up to that; served the same here. From 0.0.13 (no
+    # 0.0.12 is on PyPI) smart_resize asserts max_pixels >= min_pixels: 0.0.14, whose sampling rules are followed
+    # otherwise, fails such a request with an AssertionError.
     size = smart_resize(height, width, min_pixels=min_pixels, max_pixels=max_pixels,
                         allow_inverted_budget=options.min_pixels is None)
     if size[0] * size[1] > MAX_FRAME_PIXELS:  # min_pixels at the cap, rounded up to multiples of 28 (and 5 % over)

@@ -88,7 +88,7 @@ def test_video_target_size_720p_default_budget():
 def test_video_max_pixels_below_the_default_min_pixels_follows_qwen_vl_utils():
     """qwen-vl-utils' fetch_video up to 0.0.11 (0.0.8 at Qwen2.5-VL's release) takes such a max_pixels as it is:
     a large frame is scaled down to it, a small one up to the default min_pixels (its smart_resize checks the larger
-    budget first and has no order check; 0.0.12 on asserts max_pixels >= min_pixels)."""
+    budget first and has no order check; 0.0.13 on asserts max_pixels >= min_pixels)."""
     assert video_target_size(720, 1280, 40, SamplingOptions(max_pixels=50_000)) == (140, 280)
     assert 140 * 280 <= 50_000
     h, w = video_target_size(56, 84, 40, SamplingOptions(max_pixels=50_000))
