@@ -7,10 +7,12 @@ video's questions go to the replica that holds its caches).
 
 What goes in:
 
-* the content: for a local file its resolved path, size, modification time (ns), inode and
-  device, so a file changed or replaced on disk gets a new key and is never served from a stale
-  entry (the file is not read: hashing a multi-GB video per request would cost more than the
-  cache saves); for in-memory bytes (``data:`` URLs, downloads) a BLAKE2b digest of the bytes;
+* the content: for a local file its resolved path, size, modification and status-change times (ns),
+  inode and device, so a file changed or replaced on disk gets a new key and is never served from a
+  stale entry (the file is not read: hashing a multi-GB video per request would cost more than the
+  cache saves). The status-change time catches a rewrite that kept the size and set the old
+  modification time back (``touch -r``, a tool that preserves times): no call sets it but the
+  kernel's own, at any change; for in-memory bytes (``data:`` URLs, downloads) a BLAKE2b digest of the bytes;
 * every option that changes the tokens: kind, ``fps``, ``max_frames``, ``min_pixels``,
   ``max_pixels`` and the server's pixel ceiling;
 * a server-wide ``context`` string the caller adds (the model and the resize mode).
@@ -41,7 +43,7 @@ def content_fingerprint(path: str | None = None, data: bytes | None = None) -> s
         return "bytes:" + hashlib.blake2b(data, digest_size=16).hexdigest()
     real = os.path.realpath(path)
     st = os.stat(real)
-    return f"file:{real}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_dev}"
+    return f"file:{real}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}:{st.st_dev}"
 
 
 def media_key(ref: MediaRef, context: str = "") -> str:
