@@ -339,13 +339,22 @@ class ModelRunner(RunnerStartup):
                 continue
             piece = next(new)
             out.append(piece)
-            if self.media_cache is not None and req.media_keys and req.media_keys[media]:
+            if self.media_cache is not None and req.media_keys and req.media_keys[media] \
+                    and self._fits_media_cache(req, media, piece):
                 t = self._tensors[w.request_id]
                 t.encoded = t.encoded if t.encoded is not None else {}
-                t.encoded.setdefault(media, []).append(piece)
+                # a copy: a view would keep the step's whole encoder output alive until the media's last item
+                t.encoded.setdefault(media, []).append(piece.clone())
                 if req.is_last_item_of_media(w.item_index):
                     self.media_cache.put(req.media_keys[media], torch.cat(t.encoded.pop(media)))
         return torch.cat(out) if len(out) > 1 else out[0]
+
+    def _fits_media_cache(self, req: Request, media: int, piece: torch.Tensor) -> bool:
+        """Whether media ``media`` of ``req``, encoded whole, is within the media cache's capacity: one that is
+        not would be refused at its last item, and its pieces, kept until then, would be memory past the bound
+        (a long video's visual tokens, per request encoding it)."""
+        rows = sum(item.num_visual_tokens for item in req.encode_items if item.media_index == media)
+        return rows * piece.shape[-1] * piece.element_size() <= self.media_cache.capacity_bytes
 
     def _forward(self, out: SchedulerOutput, requests: dict[str, Request], pending=None) -> StepLogits:
         ids, positions, seqs, sample_rows, sample_ids = [], [], [], [], []

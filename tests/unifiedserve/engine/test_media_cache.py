@@ -140,3 +140,29 @@ def test_streaming_rows_release_items_in_order():
     assert encoded() == []
     s.mark_media_ready("r", 0)  # the whole media
     assert encoded() == [1, 2]
+
+
+@pytest.mark.parametrize("capacity_gb,stored", [(2e-6, False), (1.0, True)])
+def test_a_media_larger_than_the_cache_is_not_kept_while_it_is_encoded(demo_path, capacity_gb, stored):
+    """A media's pieces are kept until its last item is encoded, then offered to the cache: one larger than the
+    whole cache would be refused then, so its pieces are not kept at all (a long video's visual tokens, held per
+    request outside the bound); one that fits is kept as copies of its pieces, not views of each step's output."""
+    from unifiedserve.engine.inputs import VisionInput
+    from unifiedserve.engine.llm import LLM, EngineConfig
+
+    llm = LLM(demo_path, EngineConfig(num_kv_blocks=512, block_size=4, media_cache_gb=capacity_gb,
+                                      scheduler=SchedulerConfig(prefill_token_budget=8, encode_token_budget=16)))
+    t, h, w = 12, 4, 4
+    video = VisionInput("video", torch.randn(t * h * w, llm.model_config.vision.patch_dim), (t, h, w))
+    ids, vision = llm.build_prompt([{"role": "user", "content": [{"type": "video", "vision": video},
+                                                                 {"type": "text", "text": "hi"}]}])
+    rid = llm.add_request(ids, vision, SamplingParams(max_tokens=2, ignore_eos=True))
+    kept = []
+    while llm.has_unfinished:
+        tensors = llm.runner._tensors.get(rid)
+        for pieces in (tensors.encoded or {}).values() if tensors is not None else ():
+            kept += [p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in pieces]  # own storage
+        llm.step()
+    assert (len(llm.runner.media_cache) == 1) == stored
+    assert kept if stored else not kept
+    assert all(kept)
