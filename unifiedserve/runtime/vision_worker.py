@@ -53,7 +53,7 @@ from unifiedserve.runtime.vision_devices import (decode_devices, describe_decode
 from unifiedserve.runtime.worker import Worker, device_memory_gauges, pool_barrier
 
 BUSY_POLL_MS = 5  # inbox poll while probes or decodes are in flight (their results arrive on a queue)
-PROBE_THREADS = 2  # probes at a time (a video's demux scan; a request's images are decoded there too)
+PROBE_THREADS = 2  # probes at a time of requests with images (decoded there), and as many of the rest (demux scans)
 
 
 class VisionWorker(MediaDecoding, Worker):
@@ -83,7 +83,10 @@ class VisionWorker(MediaDecoding, Worker):
         #: None: each image is decoded on the CPU by the probe thread
         self.image_decoder = None if image_gpu is None else \
             ImageBatchDecoder(str(image_gpu), cpu_threads=cfg.vision_threads or None, output_device=device)
+        # probes of requests with images (their images are decoded there) and of the rest (a demux scan per video)
+        # on pools of their own: image-heavy requests never queue a video's probe behind their decodes
         self.probe_pool = ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="probe")
+        self.scan_pool = ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="scan")
         self.probes = ProbeCache()
         self.events: queue.Queue = queue.Queue()
         self.jobs: dict[str, _Job] = {}
@@ -289,7 +292,8 @@ class VisionWorker(MediaDecoding, Worker):
 
     def _submit_probe(self, job: _Job) -> None:
         self._started()
-        self.probe_pool.submit(self._probe, job)
+        images = any(ref.kind == "image" for ref in job.media)
+        (self.probe_pool if images else self.scan_pool).submit(self._probe, job)
 
     def _release(self, job: _Job) -> None:
         """``job`` no longer holds anything ahead of admission (admitted, cancelled or failed): its videos'
@@ -346,6 +350,7 @@ class VisionWorker(MediaDecoding, Worker):
         if hasattr(self, "engine"):
             self.engine.close()
             self.probe_pool.shutdown(wait=False, cancel_futures=True)
+            self.scan_pool.shutdown(wait=False, cancel_futures=True)
             if getattr(self, "image_decoder", None) is not None:
                 self.image_decoder.close()
         super().close()

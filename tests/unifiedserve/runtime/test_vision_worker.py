@@ -287,3 +287,29 @@ def test_a_request_whose_probe_fails_leaves_no_analysis_behind(tmp_path, demo_mo
         assert not worker.engine._analyses and not worker.jobs and worker.in_flight == 0
     finally:
         worker.close()
+
+
+def test_a_videos_probe_never_queues_behind_image_decodes(tmp_path, demo_model, clips, monkeypatch):
+    """Requests with images decode them in their probes; those run on a pool of their own, so two image-heavy
+    requests (here 1 s an image) do not hold a video-only request's demux scan (4.85 s behind two requests of
+    three 24-MP PNGs before)."""
+    from unifiedserve.runtime import vision_decoding
+
+    real = vision_decoding.decode_image
+
+    def slow(*args, **kwargs):
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(vision_decoding, "decode_image", slow)
+    worker = make_worker(tmp_path, demo_model, streaming=True, delay_s=0.05)
+    try:
+        worker.handle(protocol.ProbeMedia("images-a", [clips[1]] * 3))
+        worker.handle(protocol.ProbeMedia("images-b", [clips[1]] * 3))
+        started = time.perf_counter()
+        worker.handle(protocol.ProbeMedia("video", [clips[0]]))
+        pump(worker, lambda: any(m.request_id == "video" for m in messages(worker, protocol.MediaProbed)))
+        assert time.perf_counter() - started < 1.0
+        assert {m.request_id for m in messages(worker, protocol.MediaProbed)} == {"video"}  # images still decoding
+    finally:
+        worker.close()
