@@ -105,6 +105,12 @@ class VideoInfo:
         return (self.frame_pts - self.frame_pts[0]).astype(np.float64) * float(self.time_base)
 
     @property
+    def shared_pts(self) -> bool:
+        """Whether two frames share a pts (a broken muxer's file): their display order is their decode order. Only
+        the PyAV backend places such frames right (by decode position); torchcodec's seeks miss them."""
+        return bool(np.any(np.diff(self.frame_pts) == 0))
+
+    @property
     def is_vfr(self) -> bool:
         if self.num_frames < 3:
             return False

@@ -297,6 +297,8 @@ def video_nvdec_reason(info, device_index: int) -> str | None:
     """:func:`nvdec_reject_reason` for a probed video on GPU ``device_index`` (asks the driver)."""
     from flashcodec.nvcuvid import NvcuvidError, decoder_caps
 
+    if info.shared_pts:  # torchcodec (NVDEC's front end) seeks by pts: it returns the frame next to the one asked for
+        return "its frames share timestamps, which NVDEC's torchcodec sessions misplace"
     try:
         return nvdec_reject_reason(canonical_codec(info.codec), info.pix_fmt, info.width, info.height,
                                    lambda codec, chroma, depth: decoder_caps(codec, chroma, depth, device_index))

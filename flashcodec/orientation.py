@@ -14,10 +14,12 @@ after the turn: display = ``mirror(rot90(stored, rotation // 90))``.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported only for tensors: the probe (av + numpy) needs none of it
+    import torch
 
 
 def from_display_matrix(matrix: Sequence[int]) -> tuple[int, bool]:
@@ -53,7 +55,9 @@ def to_display(frames: np.ndarray | torch.Tensor, rotation: int, mirror: bool, a
     degrees a decoder already turned them by (torchcodec: :func:`ffmpeg_rotation`). A numpy result is contiguous;
     a torch one may be a view. Frames already in display orientation come back as they are."""
     k = ((rotation - turned) // 90) % 4
-    if isinstance(frames, torch.Tensor):
+    if not isinstance(frames, np.ndarray):
+        import torch
+
         out = torch.rot90(frames, k=k, dims=axes) if k else frames
         return torch.flip(out, dims=(axes[1],)) if mirror else out
     out = np.rot90(frames, k=k, axes=axes) if k else frames

@@ -31,6 +31,7 @@ import torch
 from flashcodec import orientation
 from flashcodec.decode import fast_open
 from flashcodec.decode.frame_mappings import frame_mappings
+from flashcodec.devices import log_once
 from flashcodec.plan.sampling import MAX_FRAME_PIXELS
 from flashcodec.plan.segments import GopSegment
 from flashcodec._errors import CorruptVideoError, first_line
@@ -170,8 +171,8 @@ def pts_index(info: VideoInfo) -> tuple[np.ndarray, dict[int, int], np.ndarray, 
     pts_by_position.flags.writeable = False
     display_by_position = np.argsort(info.decode_positions)
     display_by_position.flags.writeable = False
-    shared = bool(np.any(np.diff(info.frame_pts) == 0))
-    return pts_by_position, {int(p): i for i, p in enumerate(info.frame_pts.tolist())}, display_by_position, shared
+    return pts_by_position, {int(p): i for i, p in enumerate(info.frame_pts.tolist())}, display_by_position, \
+        info.shared_pts
 
 
 class PyAVSegmentDecoder(SegmentDecoder):
@@ -424,12 +425,19 @@ class TorchCodecSegmentDecoder(SegmentDecoder):
 
 
 class TorchCodecBackend(Backend):
+    """Frames that share a pts (:attr:`VideoInfo.shared_pts`) are decoded by PyAV instead: torchcodec's seeks
+    return the frame next to the one asked for there, silently."""
+
     name = "torchcodec"
 
     def prepare(self, info):
-        frame_mappings(info)
+        if not info.shared_pts:
+            frame_mappings(info)
 
     def open(self, source, info, height, width, resize=DEFAULT_RESIZE_MODE):
+        if info.shared_pts:
+            log_once(f"{source.name}: frames share timestamps, which torchcodec misplaces; decoding it with PyAV")
+            return PyAVSegmentDecoder(source, info, height, width, resize)
         return TorchCodecSegmentDecoder(source, info, height, width, resize)
 
 

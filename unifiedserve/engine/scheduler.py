@@ -9,7 +9,8 @@ pages fit; vision encoding of admitted requests proceeds under the encode budget
 images or single video slices, at least one per step, only of media whose patches are written)
 even when prefill cannot run; prefill chunks fill the token budget tau, older requests first,
 each stopping before the first visual token not yet encoded, and a request takes its KV blocks
-(prompt + max_tokens) when its prefill starts; every request past its prompt decodes one token.
+(prompt + max_tokens) when its prefill starts (one holding cached prefix blocks, at admission: see
+below); every request past its prompt decodes one token.
 
 Caches (both optional). At admission a request takes the longest run of its prompt's leading KV
 blocks that the prefix cache holds (content hashes, ``memory/prefix_hash.py``), cut back so that no
@@ -23,6 +24,16 @@ KV admission is fair without preemption: a request whose blocks do not fit yet i
 requests whose blocks do (a 4-token question never waits behind streams that reserved the whole
 cache), but only ``max_kv_overtakes`` times; after that nobody passes it, so freed blocks
 accumulate for it and it cannot starve.
+
+No request holds one resource while it waits forever for another. A request that would hold cached
+prefix blocks takes the rest of its KV at admission or stays in the queue holding nothing (later
+requests pass it, counted as above): two requests each holding part of their KV could each wait for
+the other's blocks. Visual pages, which only prefill frees, go first to requests holding KV, by when
+they took it, then to the others in admission order: each write leaves every request before it room
+for the rest of its items (:meth:`Scheduler._pages_short`), and a request takes KV only when the free
+pages let it finish encoding (else it waits as one whose blocks do not fit). So a KV holder never
+waits for pages held by a request that waits for its KV (``tests/unifiedserve/engine/
+test_scheduler_deadlock.py`` drives random workloads with late media to the end).
 
 Two deployments drive it. In one process (:class:`unifiedserve.engine.LLM`) the runner writes an
 admitted request's patches in the same step and decode runs here too. In the multi-process
@@ -336,24 +347,34 @@ class Scheduler:
             return out
         # 1. admit new requests (FIFO) while their patch pages fit: their vision work can start
         #    now; KV blocks are only needed when their prefill starts (step 3). A request that holds
-        #    cached prefix blocks from now on takes the rest of its KV now too, or waits holding
-        #    nothing: holding part of its KV while waiting for the rest, two such requests could each
-        #    wait for blocks the other holds, with nothing running to free any
-        admitted_writes = []
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        #    cached prefix blocks from now on takes the rest of its KV now too, or waits in the queue
+        #    holding nothing (holding part of its KV while waiting for the rest, two such requests
+        #    could each wait for blocks the other holds, with nothing running to free any); later
+        #    requests pass it, at most max_kv_overtakes of them
+        admitted_writes, passed, index = [], [], 0
+        while index < len(self.waiting) and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[index]
             found = self._use_caches(req)
             req.skipped_media, req.cached_media, req.num_covered_items = found[2], found[3], found[4]
             rows = req.num_patch_rows_needed  # sized by what the caches hold
             stream = PagedStream(req.request_id, self.patch_pages.page_size, rows)
             writes = admitted_writes + ([(stream, rows)] if rows else [])
-            if not can_plan_write(writes, self.patch_pages) or (found[1] and not self._may_take_kv(req, found[1])):
+            fits = can_plan_write(writes, self.patch_pages) and not any(
+                self.kv_overtakes.get(r, 0) >= self.config.max_kv_overtakes for r in passed)  # passed too often
+            if not fits or (found[1] and not self._may_take_kv(req, found)):
                 self._unpin(req, found[3])
                 req.skipped_media, req.cached_media, req.num_covered_items = set(), set(), 0
-                break
-            self.waiting.popleft()
+                if not fits or self.kv_overtakes.get(req.request_id, 0) >= self.config.max_kv_overtakes:
+                    break
+                passed.append(req.request_id)
+                index += 1
+                continue
+            del self.waiting[index]
+            for r in passed:
+                self.kv_overtakes[r] = self.kv_overtakes.get(r, 0) + 1
             self._admit_caches(req, *found)
             if found[1]:
+                self.kv_overtakes.pop(req.request_id, None)
                 self._take_kv(req, out)
             req.status = Status.RUNNING
             self.running.append(req)
@@ -426,9 +447,8 @@ class Scheduler:
                 # request that does not fit yet may be passed by one that does, unless an earlier one
                 # was passed too often. One whose remaining items the free visual pages cannot take
                 # (after its own reads) waits without KV: it would hold KV waiting for pages others hold
-                if self._pages_short(req) > self.visual_pages.num_free_pages:
-                    continue
-                if not self.blocks.can_append(req.request_id, req.max_total_tokens):
+                if self._pages_short(req) > self.visual_pages.num_free_pages \
+                        or not self.blocks.can_append(req.request_id, req.max_total_tokens):
                     blocked.append(req.request_id)
                     continue
                 if any(self.kv_overtakes.get(r, 0) >= self.config.max_kv_overtakes for r in blocked):
@@ -455,16 +475,19 @@ class Scheduler:
         req.has_kv, req.kv_order = True, next(self._kv_grants)
         out.block_tables[req.request_id] = self.blocks.block_table(req.request_id)
 
-    def _may_take_kv(self, req: Request, cached_blocks: list[int]) -> bool:
-        """Whether a request being admitted with ``cached_blocks`` may take all its KV now. Admitted requests
-        waiting for theirs (ready to prefill, short of blocks) count it as one more overtake, as in step 3; one
-        passed too often bars it."""
+    def _may_take_kv(self, req: Request, found: tuple) -> bool:
+        """Whether a request being admitted with what the caches hold (:meth:`_use_caches`) may take all its KV now:
+        the blocks and the visual pages its uncovered items need are free, and no admitted request waiting for its
+        own KV has been passed too often. Those it passes count one more overtake, as in step 3."""
+        n, cached_blocks, _, _, covered = found
         if not self.blocks.can_allocate(req.max_total_tokens, cached_blocks):
             return False
-        if self._pages_short(req) > self.visual_pages.num_free_pages:  # as in step 3
+        skip = req.visual_tokens_before(n) - sum(item.num_visual_tokens for item in req.encode_items[:covered])
+        if self._pages_short(req, first=covered, skip=skip) > self.visual_pages.num_free_pages:  # as in step 3
             return False
+        free = self.visual_pages.num_free_pages
         waiting = [r.request_id for r in self.running if not r.has_kv and self._prefill_size(r, 1) > 0
-                   and not self.blocks.can_append(r.request_id, r.max_total_tokens)]
+                   and (self._pages_short(r) > free or not self.blocks.can_append(r.request_id, r.max_total_tokens))]
         if any(self.kv_overtakes.get(r, 0) >= self.config.max_kv_overtakes for r in waiting):
             return False
         for r in waiting:
@@ -477,22 +500,24 @@ class Scheduler:
         holders = sorted((r for r in self.running if r.has_kv), key=lambda r: r.kv_order)
         return holders + [r for r in self.running if not r.has_kv]
 
-    def _pages_short(self, req: Request, writing: int = 0) -> int:
+    def _pages_short(self, req: Request, writing: int = 0, first: int | None = None, skip: int | None = None) -> int:
         """Free visual pages ``req`` needs to write the rest of its encode items, after it writes ``writing`` more
         rows this step: the most pages it holds at once writing them (an item's pages, plus the partly written
         page before it, which stays until it is read to its end), less the pages it holds now. (Its prefill reads,
         and frees, each item's pages before the next item needs room.) At most the free pages: it can finish
-        encoding without anyone else's pages."""
-        if req.num_scheduled_items >= len(req.encode_items):
+        encoding without anyone else's pages. ``first`` and ``skip``: the first item to write and the visual
+        tokens of it the cached prefix covers, for a request not admitted yet (else its own)."""
+        first = req.num_scheduled_items if first is None else first
+        covered, skip = (req.num_covered_items, req.num_skipped_visual) if skip is None else (first, skip)
+        if first >= len(req.encode_items):
             return -1
         page = self.visual_pages.page_size
         stream = self.visual_streams.get(req.request_id)
         written = writing + (stream.num_written_tokens if stream is not None else 0)
         held = (len(stream.pages) + stream.num_pages_to_write(writing)) if stream is not None else 0
         offset, most = written % page, 0
-        for index in range(req.num_scheduled_items, len(req.encode_items)):
-            rows = req.encode_items[index].num_visual_tokens
-            rows -= req.num_skipped_visual if index == req.num_covered_items else 0  # its copy leaves them out
+        for index in range(first, len(req.encode_items)):
+            rows = req.encode_items[index].num_visual_tokens - (skip if index == covered else 0)  # a copy skips them
             most = max(most, -(-(offset + rows) // page))
             offset = (offset + rows) % page
         return most - held

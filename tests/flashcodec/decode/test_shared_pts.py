@@ -42,3 +42,20 @@ def test_frames_sharing_a_pts_all_come_out_in_decode_order(video_factory, tmp_pa
         assert synthetic_video.read_frame_index(result.frames[row].permute(1, 2, 0).numpy()) == display
     whole = flashcodec.decode_video(str(video_factory(**CLIP)), frame_indices=result.frame_indices)
     assert np.array_equal(result.frames.numpy(), whole.frames.numpy())  # the very frames of the clean file
+
+
+def test_torchcodec_and_nvdec_leave_such_videos_to_pyav(video_factory, tmp_path):
+    """torchcodec seeks by pts: asked for 8 frames of such a file it returned neighbours of 5 of them (0, 6, 12, 20,
+    26, ... for 0, 7, 13, 20, 27, ...), silently. Its CPU backend hands such a video to PyAV; NVDEC refuses it, so
+    the CPU rank decodes it."""
+    from flashcodec.devices import video_nvdec_reason
+
+    path = _with_shared_pts(video_factory(**CLIP), tmp_path / "shared.mkv", 0)
+    info = flashcodec.probe(path)
+    assert "share timestamps" in video_nvdec_reason(info, 0)
+    assert video_nvdec_reason(flashcodec.probe(video_factory(**CLIP)), 0) != video_nvdec_reason(info, 0)
+    if "torchcodec" not in flashcodec.available_backends():
+        pytest.skip("torchcodec is not installed here")
+    result = flashcodec.decode_video(str(path), num_frames=8, backend="torchcodec")
+    for row, display in enumerate(result.frame_indices):
+        assert synthetic_video.read_frame_index(result.frames[row].permute(1, 2, 0).numpy()) == display

@@ -69,3 +69,86 @@ def test_finishing_a_waiting_request_forgets_its_count():
     assert s.kv_overtakes == {"long": 1}
     s.finish("long", "abort")
     assert s.kv_overtakes == {}
+
+
+def test_a_short_request_passes_a_prefix_hit_that_waits_for_its_kv_in_the_queue():
+    """A prefix hit takes its whole KV at admission or stays queued holding nothing; the queue behind it moves on
+    (it used to stop the queue: with a shared system prompt cached, every request is a prefix hit), a bounded
+    number of times."""
+    system = [7] * 8  # two full blocks of 4, cached by the first request
+
+    def request(rid, n, max_tokens):
+        return Request(rid, system + [1] * n, SamplingParams(max_tokens=max_tokens), [], [])
+
+    for cap in (64, 1):
+        s = make_scheduler(num_blocks=20, max_kv_overtakes=cap)
+        s.add(request("warm", 2, 1))
+        step(s)
+        s.finish("warm", "length")
+        s.add(request("long-1", 2, 50))
+        step(s)
+        s.add(request("long-2", 2, 50))  # needs 15 blocks, 5 are free: waits, holding nothing
+        s.add(request("short-1", 2, 2))
+        s.add(request("short-2", 2, 2))
+        out = step(s)
+        assert out.admitted == ["short-1", "short-2"][:cap] and [r.request_id for r in s.waiting][0] == "long-2"
+        assert s.kv_overtakes["long-2"] == min(cap, 2) and s.blocks.block_table("long-1")
+        assert "long-2" not in s.blocks  # nothing held while it waits
+
+
+def test_a_request_short_of_visual_pages_is_passed_a_bounded_number_of_times():
+    """One whose image needs most of the visual buffer waits without KV while others hold pages; it counts as
+    passed, like one short of KV blocks, so a stream of small-image requests cannot pass it forever."""
+    from unifiedserve.engine.request import EncodeItem
+
+    def image_request(rid, visual):
+        ids = [1, 1] + [9] * visual + [2, 3]
+        return Request(rid, ids, SamplingParams(max_tokens=3), [EncodeItem(0, 4 * visual, visual, (1, 2, 2 * visual))],
+                       list(range(2, 2 + visual)))
+
+    s = Scheduler(SchedulerConfig(prefill_token_budget=16, encode_token_budget=1000, max_num_seqs=64,
+                                  max_kv_overtakes=4),
+                  BlockManager(4000, 4, enable_prefix_caching=False), PageAllocator(2000, 4), PageAllocator(4, 4))
+    done = {}
+    for n in range(400):
+        if n == 1:
+            s.add(image_request("R", 13))  # needs all 4 pages at once
+        if n < 300:
+            for j in range(3):
+                s.add(image_request(f"L{n}_{j}", 5))
+        out = s.schedule()
+        s.commit(out)
+        for rid in [c.request_id for c in out.prefill if c.is_last] + out.decode:
+            r = s.requests[rid]
+            r.output_token_ids.append(0)
+            if len(r.output_token_ids) >= 3:
+                s.finish(rid, "length")
+                done[rid] = n
+        if "R" in done:
+            break
+    assert done.get("R", 10**9) < 60  # it waited 723 steps, behind all 900 later requests
+
+
+def test_a_follow_up_whose_media_the_prefix_holds_needs_no_visual_pages_to_take_its_kv():
+    """Its image lies wholly in the cached prefix: nothing of it is encoded, so busy visual pages do not hold it
+    (the check counted the covered image's pages, and the request waited at the head of the queue)."""
+    from unifiedserve.engine.request import EncodeItem
+
+    def follow_up(rid, tail):
+        ids = [7] * 8 + [9] * 12 + [2] * 4 + tail
+        r = Request(rid, ids, SamplingParams(max_tokens=2), [EncodeItem(0, 48, 12, (1, 4, 12))], list(range(8, 20)))
+        r.media_keys = ["k"]
+        return r
+
+    s = Scheduler(SchedulerConfig(prefill_token_budget=100), BlockManager(100, 4), PageAllocator(64, 4),
+                  PageAllocator(4, 4))
+    s.add(follow_up("first", [3] * 4))
+    while s.has_work:
+        out = step(s)
+        for rid in out.decode:
+            s.finish(rid, "length")
+    held = s.visual_pages.allocate_pages(2)  # other requests' encodes hold half the buffer
+    s.add(follow_up("again", [3] * 4 + [5] * 4))
+    out = step(s)
+    assert out.admitted == ["again"] and s.requests["again"].skipped_media == {0} and s.requests["again"].has_kv
+    s.visual_pages.free(held)
