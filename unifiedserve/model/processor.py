@@ -102,14 +102,21 @@ class Processor:
                 ``raise_exception``) or fails on them.
         """
         if self.chat_template is None:
-            raise ValueError("tokenizer_config.json has no chat_template; pass a prompt string instead")
+            raise ValueError("the checkpoint has no chat template (chat_template.jinja, chat_template.json or "
+                             "tokenizer_config.json); pass a prompt string instead")
         from jinja2 import TemplateError
 
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_exception  # as transformers gives templates (many call it)
+            # what transformers gives templates (chat_template_utils): {% break %} / {% continue %}, a tojson that
+            # writes non-ASCII and <, >, & as they are (jinja's own escapes them for HTML), raise_exception (many
+            # templates call it) and strftime_now (dated system prompts)
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = _strftime_now
             try:
                 self._template = env.from_string(self.chat_template)
             except TemplateError as e:
@@ -244,6 +251,19 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    """The template's ``tojson``: plain JSON, as transformers' (no HTML escaping)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    """The template's ``strftime_now(format)``: the local time now, formatted."""
+    from datetime import datetime
+
+    return datetime.now().strftime(format)
+
+
 def load_processor(path: str | Path) -> Processor:
     """Read the tokenizer, chat template and preprocessor config of a local checkpoint directory.
 
@@ -260,7 +280,7 @@ def load_processor(path: str | Path) -> Processor:
     size = pre_cfg.get("size") or {}
     return Processor(
         tokenizer,
-        chat_template=tok_cfg.get("chat_template") or _read_template(path),
+        chat_template=_read_template(path) or tok_cfg.get("chat_template"),
         patch_spec=PatchSpec.from_preprocessor_config(pre_cfg),
         image_min_pixels=pre_cfg.get("min_pixels", size.get("shortest_edge", IMAGE_MIN_PIXELS)),
         image_max_pixels=pre_cfg.get("max_pixels", size.get("longest_edge", IMAGE_MAX_PIXELS)),
@@ -279,7 +299,9 @@ def _read_json(file: Path) -> dict[str, Any]:
 
 
 def _read_template(path: Path) -> str | None:
-    """transformers 5 may store the template next to the tokenizer config instead of inside it."""
+    """The processor's chat template (``chat_template.jinja``, else ``chat_template.json``), which comes before the
+    tokenizer config's: transformers' processor (``ProcessorMixin.apply_chat_template``) and vLLM for a multimodal
+    model use it, and a fine-tuned checkpoint may have changed only that one."""
     jinja = path / "chat_template.jinja"
     if jinja.exists():
         return jinja.read_text()

@@ -194,6 +194,30 @@ def test_a_template_that_refuses_the_messages_is_a_value_error(checkpoint, tmp_p
         load_processor(folder).render_chat([{"role": "user", "content": "hi"}])
 
 
+@pytest.mark.parametrize("where", ["chat_template.jinja", "chat_template.json"])
+def test_the_processors_template_comes_before_the_tokenizer_configs(checkpoint, tmp_path, where):
+    """As transformers' processor and vLLM read a multimodal checkpoint: a fine-tune may change only that one."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, folder)
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
+    (folder / where).write_text(template if where.endswith(".jinja") else json.dumps({"chat_template": template}))
+    assert load_processor(folder).render_chat([{"role": "user", "content": "hi"}]) == "[user] hi"
+    assert load_processor(checkpoint).render_chat([{"role": "user", "content": "hi"}]) != "[user] hi"
+
+
+def test_templates_get_what_transformers_gives_them(checkpoint, tmp_path):
+    """Loop controls, a tojson that writes non-ASCII and <, >, & as they are, and strftime_now: fine-tuned
+    templates use them (jinja's own tojson escapes for HTML; without the extension {% break %} does not compile)."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, folder)
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m | tojson }}{% endfor %}"
+        "|{{ strftime_now('%Y') | length }}")
+    rendered = load_processor(folder).render_chat([{"role": "user", "content": "é <b> & x"},
+                                                   {"role": "user", "content": "never"}])
+    assert rendered == '{"role": "user", "content": "é <b> & x"}|4'
+
+
 def test_tokens_that_add_no_text_cost_the_decoder_nothing(processor):
     """Special tokens the output skips and ids past the tokenizer's vocabulary (padding rows) are dropped at once:
     the text is decode(all_ids)'s, and the decoder holds nothing for them (it decoded everything pending again at
