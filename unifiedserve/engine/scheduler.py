@@ -9,8 +9,8 @@ pages fit; vision encoding of admitted requests proceeds under the encode budget
 images or single video slices, at least one per step, only of media whose patches are written)
 even when prefill cannot run; prefill chunks fill the token budget tau, older requests first,
 each stopping before the first visual token not yet encoded, and a request takes its KV blocks
-(prompt + max_tokens) when its prefill starts (one holding cached prefix blocks, at admission: see
-below); every request past its prompt decodes one token.
+(prompt + max_tokens) when its prefill starts (one whose cached prefix covers media, at admission:
+see below); every request past its prompt decodes one token.
 
 Caches (both optional). At admission a request takes the longest run of its prompt's leading KV
 blocks that the prefix cache holds (content hashes, ``memory/prefix_hash.py``), cut back so that no
@@ -25,10 +25,11 @@ requests whose blocks do (a 4-token question never waits behind streams that res
 cache), but only ``max_kv_overtakes`` times; after that nobody passes it, so freed blocks
 accumulate for it and it cannot starve.
 
-No request holds one resource while it waits forever for another. A request that would hold cached
-prefix blocks takes the rest of its KV at admission or stays in the queue holding nothing (later
+No request holds one resource while it waits forever for another. A request whose cached prefix
+covers media takes the rest of its KV at admission or stays in the queue holding nothing (later
 requests pass it, counted as above): two requests each holding part of their KV could each wait for
-the other's blocks. Visual pages, which only prefill frees, go first to requests holding KV, by when
+the other's blocks. A cached prefix of text only (a system prompt: with it cached, every request is
+a hit) is matched again when the request takes its KV, and held from then with the rest. Visual pages, which only prefill frees, go first to requests holding KV, by when
 they took it, then to the others in admission order: each write leaves every request before it room
 for the rest of its items (:meth:`Scheduler._pages_short`), and a request takes KV only when the free
 pages let it finish encoding (else it waits as one whose blocks do not fit). So a KV holder never
@@ -355,6 +356,10 @@ class Scheduler:
         while index < len(self.waiting) and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[index]
             found = self._use_caches(req)
+            if found[1] and not (found[2] or found[4]):
+                # its cached prefix holds text only (a system prompt): matched again when its KV is taken, held
+                # with the rest of it then (:meth:`_take_kv`), so it holds no KV while its media are decoded
+                found = (0, [], set(), found[3], 0)
             req.skipped_media, req.cached_media, req.num_covered_items = found[2], found[3], found[4]
             rows = req.num_patch_rows_needed  # sized by what the caches hold
             stream = PagedStream(req.request_id, self.patch_pages.page_size, rows)
@@ -447,8 +452,9 @@ class Scheduler:
                 # request that does not fit yet may be passed by one that does, unless an earlier one
                 # was passed too often. One whose remaining items the free visual pages cannot take
                 # (after its own reads) waits without KV: it would hold KV waiting for pages others hold
+                text_prefix = self._text_prefix(req)
                 if self._pages_short(req) > self.visual_pages.num_free_pages \
-                        or not self.blocks.can_append(req.request_id, req.max_total_tokens):
+                        or not self.blocks.can_allocate(req.max_total_tokens, text_prefix):
                     blocked.append(req.request_id)
                     continue
                 if any(self.kv_overtakes.get(r, 0) >= self.config.max_kv_overtakes for r in blocked):
@@ -456,7 +462,10 @@ class Scheduler:
                 for r in blocked:
                     self.kv_overtakes[r] = self.kv_overtakes.get(r, 0) + 1
                 self.kv_overtakes.pop(req.request_id, None)
-                self._take_kv(req, out)
+                self._take_kv(req, out, text_prefix)
+                size = self._prefill_size(req, budget)  # past the cached text, if any
+                if size <= 0:
+                    continue
             start = req.num_computed_tokens
             out.prefill.append(PrefillChunk(req.request_id, start, size, is_last=start + size == req.prompt_len))
             budget -= size
@@ -469,11 +478,27 @@ class Scheduler:
         out.decode = self._decode_rows()
         return out
 
-    def _take_kv(self, req: Request, out: SchedulerOutput) -> None:
-        """Give ``req`` its KV blocks for prompt + max_tokens (it holds its cached prefix's already)."""
+    def _take_kv(self, req: Request, out: SchedulerOutput, text_prefix: list[int] = ()) -> None:
+        """Give ``req`` its KV blocks for prompt + max_tokens (it holds its cached prefix's already), starting with
+        ``text_prefix``: cached blocks of its leading text (:meth:`_text_prefix`), which it then needs not compute."""
+        if text_prefix:
+            n = len(text_prefix) * self.blocks.block_size
+            self.blocks.free(req.request_id)  # its empty table of admission
+            self.blocks.allocate(req.request_id, n, cached_blocks=text_prefix)
+            req.num_computed_tokens = req.num_cached_tokens = n
+            self.prefix_hit_tokens += n
         self.blocks.append(req.request_id, req.max_total_tokens)
         req.has_kv, req.kv_order = True, next(self._kv_grants)
         out.block_tables[req.request_id] = self.blocks.block_table(req.request_id)
+
+    def _text_prefix(self, req: Request) -> list[int]:
+        """The prefix cache's blocks of the text before ``req``'s first visual token, for a request that has
+        computed nothing yet (its media are untouched by them); the last prompt token is always left to compute."""
+        if not self.blocks.enable_prefix_caching or req.num_computed_tokens or req.num_covered_items:
+            return []
+        bs = self.blocks.block_size
+        end = min(req.visual_positions[0] if req.num_visual_tokens else req.prompt_len, req.prompt_len - 1)
+        return self.blocks.match(req.block_hashes(bs)[:end // bs])
 
     def _may_take_kv(self, req: Request, found: tuple) -> bool:
         """Whether a request being admitted with what the caches hold (:meth:`_use_caches`) may take all its KV now:

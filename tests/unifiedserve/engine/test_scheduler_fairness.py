@@ -71,10 +71,10 @@ def test_finishing_a_waiting_request_forgets_its_count():
     assert s.kv_overtakes == {}
 
 
-def test_a_short_request_passes_a_prefix_hit_that_waits_for_its_kv_in_the_queue():
-    """A prefix hit takes its whole KV at admission or stays queued holding nothing; the queue behind it moves on
-    (it used to stop the queue: with a shared system prompt cached, every request is a prefix hit), a bounded
-    number of times."""
+def test_a_prefix_of_text_only_is_taken_with_the_kv_so_a_request_holds_nothing_before():
+    """With a system prompt cached every request is a prefix hit: a hit of text only is admitted holding no KV
+    (its media decode first), and matched again when it takes its KV; short requests pass it as they pass any
+    request short of blocks (taken at admission, its whole KV stopped the queue or held KV through the decode)."""
     system = [7] * 8  # two full blocks of 4, cached by the first request
 
     def request(rid, n, max_tokens):
@@ -86,14 +86,47 @@ def test_a_short_request_passes_a_prefix_hit_that_waits_for_its_kv_in_the_queue(
         step(s)
         s.finish("warm", "length")
         s.add(request("long-1", 2, 50))
-        step(s)
-        s.add(request("long-2", 2, 50))  # needs 15 blocks, 5 are free: waits, holding nothing
+        out = step(s)
+        assert s.requests["long-1"].num_cached_tokens == 8 and s.blocks.block_table("long-1")[:2] == \
+            s.blocks.match(s.requests["long-1"].block_hashes(4))[:2]  # the system prompt's blocks, matched at KV
+        s.add(request("long-2", 2, 50))  # needs 13 more blocks, 5 are free: waits, holding nothing
         s.add(request("short-1", 2, 2))
         s.add(request("short-2", 2, 2))
         out = step(s)
-        assert out.admitted == ["short-1", "short-2"][:cap] and [r.request_id for r in s.waiting][0] == "long-2"
-        assert s.kv_overtakes["long-2"] == min(cap, 2) and s.blocks.block_table("long-1")
-        assert "long-2" not in s.blocks  # nothing held while it waits
+        assert out.admitted == ["long-2", "short-1", "short-2"] and s.blocks.block_table("long-2") == []
+        assert [c.request_id for c in out.prefill] == ["short-1", "short-2"][:cap]
+        assert s.kv_overtakes["long-2"] == min(cap, 2)
+
+
+def test_a_follow_up_whose_media_the_prefix_holds_waits_in_the_queue_holding_nothing():
+    """A prefix hit that covers media takes its whole KV at admission (its media are neither decoded nor encoded,
+    so holding it costs no wait), or stays queued holding nothing: two requests each holding part of their KV
+    could each wait for the other's blocks. Later requests pass it, at most max_kv_overtakes of them."""
+    from unifiedserve.engine.request import EncodeItem
+
+    def follow_up(rid, tail, max_tokens):
+        ids = [7] * 8 + [9] * 12 + [2] * 4 + tail
+        r = Request(rid, ids, SamplingParams(max_tokens=max_tokens), [EncodeItem(0, 48, 12, (1, 4, 12))],
+                    list(range(8, 20)))
+        r.media_keys = ["k"]
+        return r
+
+    for cap in (64, 1):
+        s = Scheduler(SchedulerConfig(prefill_token_budget=100, max_kv_overtakes=cap), BlockManager(20, 4),
+                      PageAllocator(64, 4), PageAllocator(8, 4))
+        s.add(follow_up("first", [3] * 4, 1))
+        while s.has_work:
+            out = step(s)
+            for rid in [c.request_id for c in out.prefill if c.is_last]:
+                s.finish(rid, "length")
+        s.add(text_request("long", 4, 40))  # holds 11 of the 20 blocks
+        step(s)
+        s.add(follow_up("again", [3] * 4, 40))  # 6 of its 17 blocks cached (evictable): 11 more, 3 others free
+        s.add(text_request("short-1", 2, 2))
+        s.add(text_request("short-2", 2, 2))
+        out = step(s)
+        assert out.admitted == ["short-1", "short-2"][:cap] and s.waiting[0].request_id == "again"
+        assert "again" not in s.blocks and s.kv_overtakes["again"] == min(cap, 2)
 
 
 def test_a_request_short_of_visual_pages_is_passed_a_bounded_number_of_times():
