@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,33 @@ __all__ = ["ModelConfig", "TextConfig", "VisionConfig", "SUPPORTED_ACTIVATIONS"]
 
 #: Activation names (as in ``hidden_act``) the model implements.
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "quick_gelu")
+
+
+def _int(value: Any, name: str) -> int:
+    """A config integer: an int, or a float with no fraction (some exporters write 3584.0); never a bool."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float)
+                                                                         and not value.is_integer()):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _float(value: Any, name: str) -> float:
+    """A config number: finite, never a bool or a string."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _ints(value: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list of integers, got {value!r}")
+    return tuple(_int(v, f"{name}[{i}]") for i, v in enumerate(value))
+
+
+def _mapping(value: Any, name: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    return value
 
 
 def _positive(owner: str, **values: Any) -> None:
@@ -81,8 +109,9 @@ class VisionConfig:
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"vision.hidden_act {self.hidden_act!r} is not supported; "
                              f"use one of {SUPPORTED_ACTIVATIONS}")
-        if not self.tokens_per_second > 0:
-            raise ValueError(f"vision.tokens_per_second must be positive, got {self.tokens_per_second!r}")
+        for name, value in (("tokens_per_second", self.tokens_per_second), ("rope_theta", self.rope_theta)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"vision.{name} must be a positive finite number, got {value!r}")
 
     @property
     def head_dim(self) -> int:
@@ -124,8 +153,11 @@ class TextConfig:
     def __post_init__(self) -> None:
         _positive("text", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
                   intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
-                  num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads)
+                  num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                  max_position_embeddings=self.max_position_embeddings)
         object.__setattr__(self, "mrope_section", tuple(int(s) for s in self.mrope_section))
+        if not 0 < self.rope_theta < math.inf:  # NaN too: every position's rotation NaN, every token garbage
+            raise ValueError(f"text.rope_theta must be a positive finite number, got {self.rope_theta!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"text.hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                              f"({self.num_attention_heads})")
@@ -138,8 +170,8 @@ class TextConfig:
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"text.hidden_act {self.hidden_act!r} is not supported; "
                              f"use one of {SUPPORTED_ACTIVATIONS}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"text.rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
+        if not 0 < self.rms_norm_eps < math.inf:
+            raise ValueError(f"text.rms_norm_eps must be a positive finite number, got {self.rms_norm_eps!r}")
 
     @property
     def head_dim(self) -> int:
@@ -184,25 +216,32 @@ class ModelConfig:
         Raises:
             ValueError: the model type is not Qwen2.5-VL, a size is missing, or a value is invalid.
         """
+        cfg = _mapping(cfg, "config")
         model_type = cfg.get("model_type")
         if model_type not in (None, "qwen2_5_vl"):
             raise ValueError(f"config model_type is {model_type!r}; only 'qwen2_5_vl' (Qwen2.5-VL) is supported")
-        text_cfg = cfg.get("text_config") or cfg  # nested (transformers 5) or flat (legacy)
+        text_cfg = _mapping(cfg.get("text_config") or cfg, "text_config")  # nested (transformers 5) or flat (legacy)
         vision_cfg = cfg.get("vision_config")
         if vision_cfg is None:
             raise ValueError("config has no 'vision_config'; is this a Qwen2.5-VL checkpoint?")
         eos = _first(text_cfg, cfg, "eos_token_id", default=151645)
-        tie = bool(cfg.get("tie_word_embeddings", False)) or bool(text_cfg.get("tie_word_embeddings", False))
+        eos_ids = _ints(eos, "eos_token_id") if isinstance(eos, (list, tuple)) else (_int(eos, "eos_token_id"),)
+        if not eos_ids:
+            raise ValueError("eos_token_id must name at least one token, got []")
+        tie = [v for v in (cfg.get("tie_word_embeddings"), text_cfg.get("tie_word_embeddings")) if v is not None]
+        if any(not isinstance(v, bool) for v in tie):
+            raise ValueError(f"tie_word_embeddings must be true or false, got {tie!r}")
+        bos = _first(text_cfg, cfg, "bos_token_id", default=None)
+        ids = {name: _int(cfg.get(name, default), name) for name, default in (
+            ("image_token_id", 151655), ("video_token_id", 151656), ("vision_start_token_id", 151652),
+            ("vision_end_token_id", 151653))}
         return cls(
             text=_text_config(text_cfg),
-            vision=_vision_config(vision_cfg),
-            image_token_id=int(cfg.get("image_token_id", 151655)),
-            video_token_id=int(cfg.get("video_token_id", 151656)),
-            vision_start_token_id=int(cfg.get("vision_start_token_id", 151652)),
-            vision_end_token_id=int(cfg.get("vision_end_token_id", 151653)),
-            bos_token_id=_first(text_cfg, cfg, "bos_token_id", default=None),
-            eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else (eos,),
-            tie_word_embeddings=tie,
+            vision=_vision_config(_mapping(vision_cfg, "vision_config")),
+            **ids,
+            bos_token_id=None if bos is None else _int(bos, "bos_token_id"),
+            eos_token_ids=eos_ids,
+            tie_word_embeddings=any(tie),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -259,9 +298,14 @@ class ModelConfig:
             cfg = json.loads(path.read_text())
         except FileNotFoundError:
             raise ValueError(f"{path} not found; a checkpoint directory needs a config.json") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
-        config = cls.from_dict(cfg)
+        except IsADirectoryError:
+            raise ValueError(f"{path} is a directory, not a config file") from None
+        try:
+            config = cls.from_dict(cfg)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
         extra = [i for i in generation_eos_ids(read_generation_config(path.parent)) if i not in config.eos_token_ids]
         return dataclasses.replace(config, eos_token_ids=config.eos_token_ids + tuple(extra)) if extra else config
 
@@ -278,45 +322,55 @@ def _required(cfg: Mapping[str, Any], key: str, where: str) -> Any:
 
 
 def _text_config(cfg: Mapping[str, Any]) -> TextConfig:
-    rope = dict(cfg.get("rope_parameters") or {})
-    rope.update({k: v for k, v in (cfg.get("rope_scaling") or {}).items() if k not in rope})
+    rope = dict(_mapping(cfg.get("rope_parameters") or {}, "rope_parameters"))
+    rope.update({k: v for k, v in _mapping(cfg.get("rope_scaling") or {}, "rope_scaling").items() if k not in rope})
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
         raise ValueError(f"rope type {rope.get('rope_type', rope.get('type'))!r} is not supported; "
                          "Qwen2.5-VL uses plain M-RoPE (rope_type 'default' with mrope_section)")
     if cfg.get("use_sliding_window"):
         raise ValueError("use_sliding_window=true is not supported (Qwen2.5-VL checkpoints set it to false)")
-    heads = int(_required(cfg, "num_attention_heads", "text "))
+    def number(key, default=None, kind=_int):
+        value = _required(cfg, key, "text ") if default is None else cfg.get(key, default)
+        return kind(value, f"text {key}")
+
+    heads = number("num_attention_heads")
+    kv_heads = cfg.get("num_key_value_heads")
     return TextConfig(
-        vocab_size=int(_required(cfg, "vocab_size", "text ")),
-        hidden_size=int(_required(cfg, "hidden_size", "text ")),
-        intermediate_size=int(_required(cfg, "intermediate_size", "text ")),
-        num_hidden_layers=int(_required(cfg, "num_hidden_layers", "text ")),
+        vocab_size=number("vocab_size"),
+        hidden_size=number("hidden_size"),
+        intermediate_size=number("intermediate_size"),
+        num_hidden_layers=number("num_hidden_layers"),
         num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1000000.0))),
-        mrope_section=tuple(rope.get("mrope_section", (16, 24, 24))),
+        num_key_value_heads=heads if kv_heads is None else _int(kv_heads, "text num_key_value_heads"),
+        rms_norm_eps=number("rms_norm_eps", 1e-6, _float),
+        rope_theta=_float(rope.get("rope_theta", cfg.get("rope_theta", 1000000.0)), "text rope_theta"),
+        mrope_section=_ints(rope.get("mrope_section", (16, 24, 24)), "text mrope_section"),
         hidden_act=str(cfg.get("hidden_act", "silu")),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 128000)),
+        max_position_embeddings=number("max_position_embeddings", 128000),
     )
 
 
 def _vision_config(cfg: Mapping[str, Any]) -> VisionConfig:
-    rope = cfg.get("rope_parameters") or {}
-    patch = cfg.get("patch_size", cfg.get("spatial_patch_size", 14))
+    rope = _mapping(cfg.get("rope_parameters") or {}, "vision_config rope_parameters")
+
+    def number(key, default=None, kind=_int):
+        value = _required(cfg, key, "vision_config ") if default is None else cfg.get(key, default)
+        return kind(value, f"vision_config {key}")
+
     return VisionConfig(
-        depth=int(_required(cfg, "depth", "vision_config ")),
-        hidden_size=int(_required(cfg, "hidden_size", "vision_config ")),
-        num_heads=int(_required(cfg, "num_heads", "vision_config ")),
-        intermediate_size=int(_required(cfg, "intermediate_size", "vision_config ")),
-        out_hidden_size=int(_required(cfg, "out_hidden_size", "vision_config ")),
-        patch_size=int(patch),
-        temporal_patch_size=int(cfg.get("temporal_patch_size", 2)),
-        spatial_merge_size=int(cfg.get("spatial_merge_size", 2)),
-        in_channels=int(cfg.get("in_channels", cfg.get("in_chans", 3))),
-        window_size=int(cfg.get("window_size", 112)),
-        fullatt_block_indexes=tuple(cfg.get("fullatt_block_indexes", (7, 15, 23, 31))),
-        tokens_per_second=cfg.get("tokens_per_second", 4),
+        depth=number("depth"),
+        hidden_size=number("hidden_size"),
+        num_heads=number("num_heads"),
+        intermediate_size=number("intermediate_size"),
+        out_hidden_size=number("out_hidden_size"),
+        patch_size=_int(cfg.get("patch_size", cfg.get("spatial_patch_size", 14)), "vision_config patch_size"),
+        temporal_patch_size=number("temporal_patch_size", 2),
+        spatial_merge_size=number("spatial_merge_size", 2),
+        in_channels=_int(cfg.get("in_channels", cfg.get("in_chans", 3)), "vision_config in_channels"),
+        window_size=number("window_size", 112),
+        fullatt_block_indexes=_ints(cfg.get("fullatt_block_indexes", (7, 15, 23, 31)),
+                                    "vision_config fullatt_block_indexes"),
+        tokens_per_second=number("tokens_per_second", 4, _float),
         hidden_act=str(cfg.get("hidden_act", "silu")),
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_theta=_float(rope.get("rope_theta", 10000.0), "vision_config rope_theta"),
     )

@@ -70,6 +70,9 @@ def build_config(model: str, engine: EngineConfig, budgets: PoolBudgets = PoolBu
     kv_tokens = num_kv_blocks * block_size
     if max_model_len is None:
         max_model_len = min(text.max_position_embeddings, kv_tokens)
+    elif max_model_len > text.max_position_embeddings:  # positions past it were never trained (vLLM refuses too)
+        raise ValueError(f"--max-model-len {max_model_len} is longer than the model's context "
+                         f"(max_position_embeddings {text.max_position_embeddings} in its config.json)")
     elif max_model_len > kv_tokens:
         raise ValueError(f"--max-model-len {max_model_len} needs more KV cache than there is ({kv_tokens} tokens); "
                          f"raise --kv-cache-gb or lower --max-model-len")
@@ -119,6 +122,11 @@ def cpu_placement(policy: str, cpus: list[int], decode_threads: int = 0, vision_
     """
     if decode_threads < 0 or vision_threads < 0:
         raise ValueError("--decode-threads and --vision-threads must be >= 0 (0: automatic)")
+    from flashcodec.devices import MAX_CPU_THREADS
+
+    if vision_threads > MAX_CPU_THREADS:  # FlashCodec's own bound: refused here, not by the vision process
+        raise ValueError(f"--vision-threads must be at most {MAX_CPU_THREADS} (one decoder thread each), "
+                         f"got {vision_threads}")
     n = len(cpus)
     if policy == "split":
         half = max(1, n // 2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import socket
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     media_policy(args)  # a bad --allowed-local-media-path is refused now, not after the workers start
     generation_defaults(args, args.model)  # and a bad generation config
     worker_timeout(args)
+    check_api_key(args)
     from unifiedserve.ray_serve.launch import ray_requested, run_ray  # imports no Ray
 
     if ray_requested(args):  # replicas on Ray Serve (unifiedserve[ray]); only run_ray imports Ray
@@ -99,11 +101,19 @@ def worker_timeout(args: argparse.Namespace) -> float | None:
     """``--worker-timeout`` for the engine client: None for 0 (never).
 
     Raises:
-        ValueError: a negative number of seconds.
+        ValueError: a negative or non-finite number of seconds (NaN would switch the watch off unsaid).
     """
-    if args.worker_timeout < 0:
+    if not 0 <= args.worker_timeout < math.inf:
         raise ValueError(f"--worker-timeout must be 0 (never) or a number of seconds, got {args.worker_timeout:g}")
     return args.worker_timeout or None
+
+
+def check_api_key(args: argparse.Namespace) -> None:
+    """Raise ValueError for an empty ``--api-key`` (or ``UNIFIEDSERVE_API_KEY``): it would serve without
+    authentication, unsaid (``--api-key "$UNSET"`` in a script)."""
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key (or UNIFIEDSERVE_API_KEY) is empty; give a key, or leave both unset to serve "
+                         "without one")
 
 
 def raise_open_file_limit(target: int = OPEN_FILES_TARGET) -> int:
@@ -156,8 +166,10 @@ def resolve_model(model: str | None) -> str:
         if not (Path(model) / "config.json").exists():
             log.info("writing the demo model to %s", model)
             write_demo_model(model)
-    elif not (Path(model) / "config.json").is_file():
-        raise ValueError(f"--model {model}: no config.json there; give a Hugging Face checkpoint folder")
+    else:
+        model = str(Path(model).expanduser())  # a quoted ~ (the shell left it), as --help shows the default
+        if not (Path(model) / "config.json").is_file():
+            raise ValueError(f"--model {model}: no config.json there; give a Hugging Face checkpoint folder")
     return model
 
 

@@ -59,6 +59,10 @@ def test_bad_values_are_one_line_before_anything_starts(args, needle, capsys):
     (["--vision-device", "cuda"], "--vision-device: vision_device cuda (NVDEC) needs the server on CUDA"),
     (["--decode-threads", "-2"], "--decode-threads and --vision-threads must be >= 0"),
     (["--num-kv-blocks", "4", "--max-model-len", "4096"], "--max-model-len 4096 needs more KV cache"),
+    (["--max-model-len", "200000"], "--max-model-len 200000 is longer than the model's context"),
+    (["--vision-threads", "5000"], "--vision-threads must be at most 1024"),
+    (["--worker-timeout", "nan"], "--worker-timeout must be 0 (never) or a number of seconds, got nan"),
+    (["--api-key", " "], "--api-key (or UNIFIEDSERVE_API_KEY) is empty"),
     (["--visual-buffer-gb", "1e-9"], "the visual-token buffer budget holds no page at all; raise --visual-buffer-gb"),
     (["--generation-config", "/nonexistent/dir"], "--generation-config /nonexistent/dir: no generation_config.json there"),
     (["--max-request-mb", "8", "--max-inflight-request-mb", "4"],
@@ -207,3 +211,13 @@ def test_the_image_source_cap_reaches_the_vision_process(tmp_path):
             assert runtime.config.max_image_source_pixels == pixels
         finally:
             runtime.stop()  # nothing started: removes its socket folder
+
+
+def test_a_model_path_with_a_quoted_tilde_is_expanded(tmp_path, monkeypatch):
+    """--model '~/...' (or --model=~/..., which bash leaves as it is), as --help prints the default."""
+    from unifiedserve.server.serve import resolve_model
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_model("~/ckpt") == str(tmp_path / "ckpt")
