@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from flashcodec._errors import first_line
 from unifiedserve.model.config import ModelConfig
 from unifiedserve.model.qwen2_5_vl import Qwen2_5_VL
 from unifiedserve.model.weight_pool import bind_parameters
@@ -45,6 +46,12 @@ class _Entry:
     file: Path
     key: str  # the name as stored in the file
     shape: tuple[int, ...]
+    dtype: str = "F32"  # as safetensors names it
+
+
+#: Stored dtypes the loader converts to the model's: floating point only (an integer or fp8 tensor is not weights
+#: it can read as they are).
+_STORED_FLOATS = frozenset({"F64", "F32", "F16", "BF16"})
 
 
 def checkpoint_names(param_name: str) -> list[str]:
@@ -100,7 +107,13 @@ def _index_checkpoint(path: Path) -> dict[str, _Entry]:
     """Canonical tensor name -> where it is stored, for every tensor of every shard."""
     index_file = path / "model.safetensors.index.json"
     if index_file.exists():
-        weight_map = json.loads(index_file.read_text()).get("weight_map", {})
+        try:
+            index = json.loads(index_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+            raise CheckpointError(f"{index_file} is not valid JSON: {e}") from None
+        weight_map = index.get("weight_map", {}) if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index_file}: its weight_map must map tensor names to shard file names")
         files = sorted({path / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.exists()]
         if missing:
@@ -111,13 +124,19 @@ def _index_checkpoint(path: Path) -> dict[str, _Entry]:
         raise CheckpointError(f"no *.safetensors files in {path}; the loader reads safetensors checkpoints only")
     entries: dict[str, _Entry] = {}
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                name = _canonical(key)
-                if name in entries:
-                    raise CheckpointError(f"tensor {name!r} is stored twice ({entries[name].key!r} in "
-                                          f"{entries[name].file.name}, {key!r} in {file.name})")
-                entries[name] = _Entry(file, key, tuple(f.get_slice(key).get_shape()))
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    name = _canonical(key)
+                    if name in entries:
+                        raise CheckpointError(f"tensor {name!r} is stored twice ({entries[name].key!r} in "
+                                              f"{entries[name].file.name}, {key!r} in {file.name})")
+                    piece = f.get_slice(key)
+                    entries[name] = _Entry(file, key, tuple(piece.get_shape()), str(piece.get_dtype()))
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors' SafetensorError, OSError (a directory, a truncated file), ...
+            raise CheckpointError(f"{file}: not a readable safetensors file ({first_line(e)})") from None
     return entries
 
 
@@ -155,38 +174,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     if llm_storage is not None and llm_storage.device != torch.empty(0, device=device).device:
         raise ValueError(f"llm_storage is on {llm_storage.device}, the model on {device}")
     path = Path(path).expanduser()
-    if not path.is_dir():
-        raise ValueError(f"checkpoint directory {path} does not exist")
-    config = ModelConfig.from_json(path)
-    entries = _index_checkpoint(path)
-
-    with torch.device("meta"):
-        model = Qwen2_5_VL(config)
+    config, model, plan = _plan(path)
     model.to(dtype)
-
-    plan: list[tuple[str, list[_Entry]]] = []
-    missing, misshaped, used = [], [], set()
-    for name, param in model.named_parameters():
-        sources = checkpoint_names(name)
-        shapes = checkpoint_shapes(name, tuple(param.shape), config)
-        found = []
-        for src, shape in zip(sources, shapes):
-            used.add(src)
-            entry = entries.get(src)
-            if entry is None:
-                missing.append(src)
-            elif entry.shape != shape:
-                misshaped.append(f"{src} has shape {list(entry.shape)}, expected {list(shape)}")
-            else:
-                found.append(entry)
-        plan.append((name, found))
-    ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()  # a tied head may still be saved
-    unexpected = sorted(set(entries) - used - ignored)
-    errors = [_problems(kind, items) for kind, items in (
-        ("missing tensors", missing), ("unexpected tensors", unexpected), ("mis-shaped tensors", misshaped)) if items]
-    if errors:
-        raise CheckpointError(f"checkpoint {path} does not match the Qwen2.5-VL model of its config.json: "
-                              + "; ".join(errors))
 
     if llm_storage is None:
         model.language_model.to_empty(device=device)
@@ -211,6 +200,58 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     _align_vision(model, device, load_vision)
     model.eval().requires_grad_(False)
     return model, config
+
+
+def check_checkpoint(path: str | Path) -> ModelConfig:
+    """What :func:`load_model` checks before it reads a weight, without reading one: ``config.json``, every shard's
+    header, and each tensor's name, shape and type against the model (on the ``meta`` device). The server runs it
+    before it starts a worker, so a bad checkpoint is one error line, not a traceback from each worker.
+
+    Raises:
+        ValueError: a missing folder or a bad ``config.json``.
+        CheckpointError: an unreadable shard or index, or missing, unexpected, mis-shaped or non-float tensors.
+    """
+    return _plan(Path(path).expanduser())[0]
+
+
+def _plan(path: Path) -> tuple[ModelConfig, Qwen2_5_VL, list[tuple[str, list[_Entry]]]]:
+    """``(config, model on the meta device, [(parameter, its checkpoint entries)])`` of a checkpoint folder.
+
+    Raises: as :func:`check_checkpoint`.
+    """
+    if not path.is_dir():
+        raise ValueError(f"checkpoint directory {path} does not exist")
+    config = ModelConfig.from_json(path)
+    entries = _index_checkpoint(path)
+    with torch.device("meta"):
+        model = Qwen2_5_VL(config)
+    plan: list[tuple[str, list[_Entry]]] = []
+    missing, misshaped, mistyped, used = [], [], [], set()
+    for name, param in model.named_parameters():
+        sources = checkpoint_names(name)
+        shapes = checkpoint_shapes(name, tuple(param.shape), config)
+        found = []
+        for src, shape in zip(sources, shapes):
+            used.add(src)
+            entry = entries.get(src)
+            if entry is None:
+                missing.append(src)
+            elif entry.shape != shape:
+                misshaped.append(f"{src} has shape {list(entry.shape)}, expected {list(shape)}")
+            elif entry.dtype not in _STORED_FLOATS:
+                mistyped.append(f"{src} is {entry.dtype}")
+            else:
+                found.append(entry)
+        plan.append((name, found))
+    ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()  # a tied head may still be saved
+    unexpected = sorted(set(entries) - used - ignored)
+    errors = [_problems(kind, items) for kind, items in (
+        ("missing tensors", missing), ("unexpected tensors", unexpected), ("mis-shaped tensors", misshaped),
+        ("tensors that are not floating point", mistyped)) if items]
+    if errors:
+        raise CheckpointError(f"checkpoint {path} does not match the Qwen2.5-VL model of its config.json: "
+                              + "; ".join(errors))
+    return config, model, plan
 
 
 def _align_vision(model: Qwen2_5_VL, device: str | torch.device, loaded: bool) -> None:

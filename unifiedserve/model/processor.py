@@ -23,6 +23,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from flashcodec._errors import first_line
 from flashcodec.patches import PatchSpec
 from flashcodec.plan.sampling import IMAGE_MAX_PIXELS, IMAGE_MIN_PIXELS, smart_resize
 
@@ -274,10 +275,23 @@ def load_processor(path: str | Path) -> Processor:
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.exists():
         raise ValueError(f"{tokenizer_file} not found; the processor needs a tokenizers-format tokenizer.json")
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    except Exception as e:  # tokenizers raises a plain Exception for a file it cannot parse
+        raise ValueError(f"{tokenizer_file} is not a tokenizers-format tokenizer ({first_line(e)})") from None
     tok_cfg = _read_json(path / "tokenizer_config.json")
     pre_cfg = _read_json(path / "preprocessor_config.json")
     size = pre_cfg.get("size") or {}
+    if not isinstance(size, dict):
+        raise ValueError(f"{path / 'preprocessor_config.json'}: its size must be a JSON object, got {size!r}")
+    try:
+        return _processor(tokenizer, tok_cfg, pre_cfg, size, path)
+    except (TypeError, AttributeError) as e:  # a value of the wrong type in one of the configs
+        raise ValueError(f"{path}: tokenizer_config.json or preprocessor_config.json holds a value of the wrong "
+                         f"type ({first_line(e)})") from None
+
+
+def _processor(tokenizer: Tokenizer, tok_cfg: dict, pre_cfg: dict, size: dict, path: Path) -> Processor:
     return Processor(
         tokenizer,
         chat_template=_read_template(path) or tok_cfg.get("chat_template"),
@@ -293,9 +307,12 @@ def _read_json(file: Path) -> dict[str, Any]:
     if not file.exists():
         return {}
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
+        value = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError) as e:
         raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file} must hold a JSON object")
+    return value
 
 
 def _read_template(path: Path) -> str | None:

@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from unifiedserve.ray_serve.launch import ray_requested, run_ray  # imports no Ray
 
     if ray_requested(args):  # replicas on Ray Serve (unifiedserve[ray]); only run_ray imports Ray
+        check_model(resolve_model(args.model))  # one error line here, not one from each replica's workers
         return run_ray(args, limits)
     runtime = build_runtime(args)  # the flags' own contradictions first: nothing is spawned yet
     raise_open_file_limit()
@@ -173,6 +174,21 @@ def resolve_model(model: str | None) -> str:
     return model
 
 
+def check_model(model: str) -> None:
+    """Read what every worker reads of the checkpoint before it loads a weight (``config.json``, each shard's
+    header, the tokenizer and preprocessor configs), so a bad checkpoint is one error line here instead of a
+    traceback from each worker.
+
+    Raises:
+        ValueError: what is wrong, naming the file.
+    """
+    from unifiedserve.model.loader import check_checkpoint
+    from unifiedserve.model.processor import load_processor
+
+    check_checkpoint(model)
+    load_processor(model)
+
+
 def build_runtime(args: argparse.Namespace):
     """The node runtime the flags describe (config and worker specs; nothing started yet). Also what
     each Ray Serve replica builds.
@@ -223,6 +239,7 @@ def build_runtime(args: argparse.Namespace):
     from unifiedserve.runtime.launcher import Runtime, build_config
 
     model = resolve_model(args.model)
+    check_model(model)
     budgets = server_token_budgets(device, {k: v for k, v in (("prefill_token_budget", args.prefill_token_budget),
                                                               ("encode_token_budget", args.encode_token_budget))
                                             if v is not None}, args.tbt_slo_ms)

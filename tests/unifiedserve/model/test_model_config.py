@@ -93,6 +93,22 @@ def _legacy(**changes):
     ({"hidden_act": "relu"}, "not supported"),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
     ({"vocab_size": 0}, "positive integer"),
+    # wrong types and values no checkpoint means: each named, never a traceback nor garbage served
+    ({"hidden_size": None}, r"text hidden_size must be an integer, got None"),
+    ({"hidden_size": 3584.5}, "text hidden_size must be an integer"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer"),
+    ({"rope_theta": float("nan")}, "text rope_theta must be a finite number"),
+    ({"rope_theta": 0}, "text.rope_theta must be a positive finite number"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer"),
+    ({"rope_scaling": "mrope"}, "rope_scaling must be a JSON object"),
+    ({"vision.tokens_per_second": "fast"}, "tokens_per_second must be a finite number"),
+    ({"vision.tokens_per_second": True}, "tokens_per_second must be a finite number"),
+    ({"vision.fullatt_block_indexes": "37"}, "fullatt_block_indexes must be a list of integers"),
+    ({"vision_config": [1, 2]}, "vision_config must be a JSON object"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
+    ({"eos_token_id": []}, "eos_token_id must name at least one token"),
+    ({"eos_token_id": 1.5}, "eos_token_id must be an integer"),
+    ({"bos_token_id": "a"}, "bos_token_id must be an integer"),
 ])
 def test_invalid_configs_raise_with_a_fix(changes, match):
     with pytest.raises(ValueError, match=match):
@@ -111,6 +127,12 @@ def test_config_file_errors(tmp_path):
         ModelConfig.from_json(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
+        ModelConfig.from_json(tmp_path)
+    (tmp_path / "config.json").write_bytes(b'{"model_type": "\xff"}')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ModelConfig.from_json(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=f"{tmp_path}/config.json: config must be a JSON object"):
         ModelConfig.from_json(tmp_path)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -221,3 +222,44 @@ def test_a_model_path_with_a_quoted_tilde_is_expanded(tmp_path, monkeypatch):
     (tmp_path / "ckpt" / "config.json").write_text("{}")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert resolve_model("~/ckpt") == str(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("damage", ["a tensor missing", "a shard truncated", "an integer tensor", "a bad tokenizer"])
+def test_a_damaged_checkpoint_is_one_error_line_before_any_worker_starts(tmp_path, damage):
+    """Each worker used to find it while loading: a traceback from each, then 'the core worker process exited
+    unexpectedly', which never said what was wrong."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from unifiedserve.model.demo import DEFAULT_DEMO_PATH, write_demo_model
+
+    demo = Path(DEFAULT_DEMO_PATH).expanduser()
+    if not (demo / "config.json").exists():
+        write_demo_model(demo)
+    model = tmp_path / "model"
+    shutil.copytree(demo, model)
+    weights = model / "model.safetensors"
+    if damage == "a tensor missing":
+        tensors = load_file(weights)
+        del tensors[sorted(tensors)[-1]]
+        save_file(tensors, weights)
+        needle = "1 missing tensors"
+    elif damage == "a shard truncated":
+        weights.write_bytes(weights.read_bytes()[:1000])
+        needle = "model.safetensors: not a readable safetensors file"
+    elif damage == "an integer tensor":
+        tensors = load_file(weights)
+        name = sorted(tensors)[0]
+        tensors[name] = tensors[name].to(torch.int64)
+        save_file(tensors, weights)
+        needle = "tensors that are not floating point"
+    else:
+        (model / "tokenizer.json").write_text("{}")
+        needle = "tokenizer.json is not a tokenizers-format tokenizer"
+    run = subprocess.run([sys.executable, "-m", "unifiedserve.cli", "serve", "--device", "cpu", "--model", str(model)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and needle in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert "starting workers" not in run.stderr + run.stdout
+    assert run.stderr.count("\n") == 1, run.stderr
