@@ -25,9 +25,10 @@ def _add_demo_model(sub) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="dtype of the stored weights (default float32; bfloat16 halves a 7B's 33 GB)")
     p.add_argument("--num-text-layers", type=int, default=None, metavar="N",
-                   help="fewer language-model layers than the preset (public presets only)")
+                   help="fewer language-model layers than the preset (public presets only; default: all of them)")
     p.add_argument("--num-vision-layers", type=int, default=None, metavar="N",
-                   help="fewer vision blocks, full-attention ones kept at their relative places (public presets only)")
+                   help="fewer vision blocks, full-attention ones kept at their relative places (public presets only; "
+                        "default: all of them)")
     p.add_argument("--shards", type=int, default=None, metavar="N",
                    help="split the weights into N safetensors shards with an index (default: 1 for tiny, one per "
                         "4 GiB otherwise)")

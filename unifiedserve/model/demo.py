@@ -25,10 +25,12 @@ GPU the time ratio is far lower than that, since the decode step is bound by mem
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import re
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from flashcodec._errors import first_line
 from unifiedserve.model.config import ModelConfig, TextConfig, VisionConfig
 from unifiedserve.model.loader import checkpoint_names, checkpoint_shapes
 from unifiedserve.model.presets import DEFAULT_DEMO_PATH, PRESETS, preset_architecture
@@ -234,7 +237,10 @@ def _write_weights(config: ModelConfig, path: Path, seed: int, num_shards: int |
             done += sizes[name] // 2
             if progress is not None:
                 progress(done, total)
-        save_file(tensors, path / file, metadata={"format": "pt"})
+        try:
+            save_file(tensors, path / file, metadata={"format": "pt"})
+        except Exception as e:  # safetensors' own error type for a full disk, a quota, a read-only folder
+            raise OSError(f"{path / file}: cannot be written ({first_line(e)})") from None
         done += sum(sizes[name] - sizes[name] // 2 for name in names)
         if progress is not None:
             progress(done, total)
@@ -243,6 +249,22 @@ def _write_weights(config: ModelConfig, path: Path, seed: int, num_shards: int |
     if num_shards > 1:
         (path / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2))
+
+
+def _check_room(path: Path, config, dtype: torch.dtype) -> None:
+    """Raise OSError when ``path`` cannot be written or its disk lacks room for the weights (a 7B preset is
+    30 GB in float32), before a previous checkpoint there is deleted."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OSError(f"{path}: cannot write there (no permission on {existing})")
+    with torch.device("meta"):
+        need = sum(p.numel() for p in Qwen2_5_VL(config).parameters()) * torch.empty(0, dtype=dtype).element_size()
+    freed = sum(f.stat().st_size for f in path.glob("*.safetensors")) if path.is_dir() else 0
+    free = shutil.disk_usage(existing).free + freed
+    if need > free:
+        raise OSError(f"{path}: the weights need {need / 2**30:.1f} GiB, the disk has {free / 2**30:.1f} GiB free")
 
 
 def write_demo_model(path: str | Path = DEFAULT_DEMO_PATH, *, seed: int = 0, num_shards: int | None = None,
@@ -280,6 +302,10 @@ def write_demo_model(path: str | Path = DEFAULT_DEMO_PATH, *, seed: int = 0, num
         device = "cuda" if preset != "tiny" and torch.cuda.is_available() else "cpu"
     path = Path(path).expanduser()
     _check_folder(path)
+    tokenizer = _train_tokenizer()
+    ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    config = demo_config(tokenizer.get_vocab_size(), ids, tie_word_embeddings, preset, **overrides)
+    _check_room(path, config, dtype)  # before anything of a previous checkpoint is deleted
     path.mkdir(parents=True, exist_ok=True)
     # config.json goes first and comes back last: callers take its presence to mean a whole checkpoint (LLM() and
     # `serve` with no --model write the demo model only when it is missing), so a process that starts while this
@@ -287,11 +313,10 @@ def write_demo_model(path: str | Path = DEFAULT_DEMO_PATH, *, seed: int = 0, num
     (path / "config.json").unlink(missing_ok=True)
     for old in list(path.glob("*.safetensors")) + list(path.glob("model.safetensors.index.json")):
         old.unlink()
-
-    tokenizer = _train_tokenizer()
-    tokenizer.save(str(path / "tokenizer.json"))
-    ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
-    config = demo_config(tokenizer.get_vocab_size(), ids, tie_word_embeddings, preset, **overrides)
+    try:
+        tokenizer.save(str(path / "tokenizer.json"))
+    except Exception as e:  # tokenizers raises a plain Exception (e.g. "Permission denied (os error 13)")
+        raise OSError(f"{path / 'tokenizer.json'}: cannot be written ({first_line(e)})") from None
     hf = config.to_hf_dict()
     hf["dtype"] = str(dtype).removeprefix("torch.")
     _write_weights(config, path, seed, num_shards, dtype, device, progress)  # no lm_head when tied

@@ -72,6 +72,10 @@ def preset_architecture(name: str, *, num_text_layers: int | None = None, num_vi
                         ("vocab_size", vocab_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+    for flag, value, most in (("num_text_layers", num_text_layers, text.num_hidden_layers),
+                              ("num_vision_layers", num_vision_layers, vision.depth)):
+        if value is not None and value > most:  # fewer layers only (10^8 of them built for minutes, unsaid)
+            raise ValueError(f"{flag} must be at most the preset's {most}, got {value}")
     if num_text_layers is not None:
         text = replace(text, num_hidden_layers=num_text_layers)
     if vocab_size is not None:

@@ -33,7 +33,8 @@ def add_ray_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replicas", type=_positive_int, default=None, metavar="N",
                    help="--ray: replicas at start (default 1)")
     g.add_argument("--min-replicas", type=_positive_int, default=None, metavar="N",
-                   help="--ray: autoscale between --min-replicas and --max-replicas on ongoing requests")
+                   help="--ray: autoscale between --min-replicas and --max-replicas on ongoing requests (default: no "
+                        "autoscaling, --replicas fixed)")
     g.add_argument("--max-replicas", type=_positive_int, default=None, metavar="N", help="--ray: see --min-replicas")
     g.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS") or None, metavar="HOST:PORT",
                    help="--ray: join this Ray cluster (HOST:PORT of its head, ray://HOST:PORT, or auto) instead of "

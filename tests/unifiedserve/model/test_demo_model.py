@@ -163,3 +163,25 @@ def test_progress_follows_the_weights_to_their_last_byte(tmp_path, capsys, monke
     assert "weights" in capsys.readouterr().err
     assert main(["demo-model", str(tmp_path / "d"), "--no-progress"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_disk_without_room_is_refused_before_the_previous_checkpoint_is_deleted(tmp_path, capsys, monkeypatch):
+    """A 7B preset is 30 GB: on a small disk the write used to fail midway with safetensors' traceback, the old
+    checkpoint already deleted. Now one line, and the old checkpoint is still there."""
+    import shutil
+    from collections import namedtuple
+
+    import unifiedserve.model.demo as demo
+
+    write_demo_model(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(demo.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    assert main(["demo-model", str(tmp_path), "--preset", "qwen2.5-vl-3b", "--num-text-layers", "1",
+                 "--num-vision-layers", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "the weights need" in err and "GiB free" in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    monkeypatch.setattr(demo.shutil, "disk_usage", shutil.disk_usage)
+    assert main(["demo-model", str(tmp_path / "x"), "--preset", "qwen2.5-vl-3b", "--num-text-layers", "99"]) == 1
+    assert "num_text_layers must be at most the preset's 36, got 99" in capsys.readouterr().err
