@@ -8,6 +8,17 @@ import sys
 import time
 
 
+def _seed(text: str) -> int:
+    """A seed torch's generator takes (a larger one failed with 'Overflow when unpacking long long')."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 0 <= value < 1 << 63:
+        raise argparse.ArgumentTypeError(f"must be in 0..2^63-1, got {value}")
+    return value
+
+
 def _add_demo_model(sub) -> None:
     from unifiedserve.model.presets import DEFAULT_DEMO_PATH, PRESETS
 
@@ -32,7 +43,7 @@ def _add_demo_model(sub) -> None:
     p.add_argument("--shards", type=int, default=None, metavar="N",
                    help="split the weights into N safetensors shards with an index (default: 1 for tiny, one per "
                         "4 GiB otherwise)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the random weights, 0..2^63-1 (default 0)")
     p.add_argument("--tie-word-embeddings", action="store_true", default=None,
                    help="share the token embedding with the output projection (no lm_head.weight; default: the "
                         "preset's own choice)")

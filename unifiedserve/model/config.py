@@ -307,7 +307,10 @@ class ModelConfig:
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
         extra = [i for i in generation_eos_ids(read_generation_config(path.parent)) if i not in config.eos_token_ids]
-        return dataclasses.replace(config, eos_token_ids=config.eos_token_ids + tuple(extra)) if extra else config
+        try:
+            return dataclasses.replace(config, eos_token_ids=config.eos_token_ids + tuple(extra)) if extra else config
+        except ValueError as e:  # an end-of-sequence id of generation_config.json outside the vocabulary
+            raise ValueError(f"{path.parent / 'generation_config.json'}: {e}") from None
 
 
 def _first(primary: Mapping[str, Any], fallback: Mapping[str, Any], key: str, default: Any) -> Any:
