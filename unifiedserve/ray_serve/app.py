@@ -252,7 +252,9 @@ class Ingress:
             return Response(await self.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
         if request.url.path == "/health" and request.method == "GET":
             return await self.health()
-        if request.method in BODY_METHODS and not authorized(request.headers.get("authorization"), self.api_key):
+        keyed = request.method in BODY_METHODS or request.url.path.startswith("/v1/") \
+            or request.url.path in ("/tokenize", "/detokenize")  # what the plain server's routes require it on
+        if keyed and not authorized(request.headers.get("authorization"), self.api_key):
             # the connection closes, as the plain server's middleware closes it: the unread body is not drained
             return _error(AUTH_ERROR, 401, {**AUTH_HEADERS, "connection": "close"})
         body = await self._read_body(request)
@@ -355,10 +357,26 @@ class Ingress:
         return merge_replica_metrics(texts, [*ROUTE_COUNTS.families(), held])
 
     async def health(self) -> JSONResponse:
-        """200 while at least one replica has all its workers; each replica's pid and workers."""
+        """200 while at least one replica has all its workers; each replica's pid and workers. When none answers in
+        time (each runs --max-num-seqs requests, and Serve sends it no more: a health call waits like any other),
+        Serve's own health checks say: 200 while it counts a replica running."""
         replicas = {h["replica_id"]: h for h in await self._each_replica("health")}
         ok = any(h["healthy"] for h in replicas.values())
-        return JSONResponse({"status": "ok" if ok else "unhealthy", "replicas": replicas}, status_code=200 if ok else 503)
+        body = {"status": "ok" if ok else "unhealthy", "replicas": replicas}
+        if not replicas:
+            running = await asyncio.to_thread(running_replicas)
+            ok, body["status"], body["running_replicas"] = running > 0, "ok" if running else "unhealthy", running
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+
+def running_replicas(deployment: str = "NodeReplica") -> int:
+    """Replicas of ``deployment`` in this application that Serve's health checks count as running."""
+    app = serve.get_replica_context().app_name
+    status = serve.status().applications.get(app)
+    overview = status.deployments.get(deployment) if status is not None else None
+    if overview is None:
+        return 0
+    return sum(n for state, n in overview.replica_states.items() if getattr(state, "value", state) == "RUNNING")
 
 
 def build_application(args: argparse.Namespace, *, router: str = "media-affinity"):
@@ -376,7 +394,7 @@ def build_application(args: argparse.Namespace, *, router: str = "media-affinity
                                "min_load_bound": routing.min_load_bound})
     options = dict(ray_actor_options={"num_cpus": args.replica_cpus, "runtime_env": AT_NORMAL_PRIORITY},
                    max_ongoing_requests=args.max_num_seqs,
-                   request_router_config=router_config, health_check_period_s=2.0, health_check_timeout_s=30.0,
+                   request_router_config=router_config, health_check_period_s=2.0, health_check_timeout_s=10.0,
                    graceful_shutdown_timeout_s=10.0, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
     if args.min_replicas is not None or args.max_replicas is not None:
         options["autoscaling_config"] = {

@@ -61,7 +61,7 @@ def route_key(body: bytes, policy: MediaPolicy, limits: RequestLimits, context: 
     try:
         _, media = convert_messages(one, policy, limits)
         return with_media_keys(media, context)[0].key
-    except (MediaError, ValueError):  # LimitError is a ValueError
+    except (MediaError, ValueError, RecursionError):  # LimitError is a ValueError
         return None
 
 
@@ -78,7 +78,7 @@ def _first_media_part(body: bytes) -> dict | None:
     """The first ``image_url``/``video_url`` part of the messages, in the API's order; None if none (or no JSON)."""
     try:
         request = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # 5000 nested [ pass the shape check: no key
         return None
     messages = request.get("messages") if isinstance(request, dict) else None
     if not isinstance(messages, list):

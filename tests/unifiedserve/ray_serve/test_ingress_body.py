@@ -235,3 +235,41 @@ def test_a_body_of_too_many_json_objects_is_refused_before_the_ingress_parses_it
     response = asyncio.run(ingress._route(request, body))
     assert response.status_code == 400 and b"66405 JSON objects and arrays" in response.body
     assert _position_limit(str(tmp_path)) == 128000  # no config.json here: Qwen2.5-VL's
+
+
+def test_a_get_with_a_body_and_no_key_is_refused_before_the_body_is_read():
+    """The plain server's routes require the key on every /v1 route, GET /v1/models too: the ingress refuses such a
+    request without reading its body (it read 50 MB of a GET's body and forwarded it to a replica, which said 401);
+    /health and /metrics stay open, as on the plain server."""
+    ingress = Ingress.__new__(Ingress)
+    ingress.api_key, ingress.body_budget = "sekret", BodyBudget(LIMIT)
+    ingress._read_body = lambda request: pytest.fail("the ingress read an unauthorized body")
+    get = {**scope([(b"content-length", b"50000000")]), "method": "GET", "path": "/v1/models"}
+    receive, calls = feeder([b"x"])
+    response = asyncio.run(ingress(Request(get, receive)))
+    assert response.status_code == 401 and calls == []
+
+    async def healthy():
+        return "health"
+
+    ingress.health = healthy
+    assert asyncio.run(ingress(Request({**get, "path": "/health"}, feeder([])[0]))) == "health"
+
+
+@pytest.mark.parametrize("running", [2, 0])
+def test_health_asks_serve_when_no_replica_answers_in_time(monkeypatch, running):
+    """Every replica busy with --max-num-seqs requests gets no health call from Serve (it waits like any request):
+    /health said 503 with no replicas after 12 s under full load. Serve's own health checks then say."""
+    from unifiedserve.ray_serve import app as app_module
+
+    ingress = Ingress.__new__(Ingress)
+
+    async def none_answer(method):
+        return []
+
+    ingress._each_replica = none_answer
+    monkeypatch.setattr(app_module, "running_replicas", lambda: running)
+    response = asyncio.run(ingress.health())
+    body = json.loads(response.body)
+    assert response.status_code == (200 if running else 503) and body["running_replicas"] == running
+    assert body["status"] == ("ok" if running else "unhealthy")

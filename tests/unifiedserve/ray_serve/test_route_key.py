@@ -113,3 +113,10 @@ def test_requests_without_a_usable_first_media_get_no_key(folder, policy):
                 body(video(f"file://{folder}/a.mp4", fps=-1)),         # not a valid part
                 body(image(f"data:image/png;base64,{payload}!"))):     # not base64
         assert route_key(raw, policy, LIMITS, MODEL) is None, raw[:80]
+
+
+def test_a_deeply_nested_body_has_no_key_and_no_error(tmp_path):
+    """5000 nested lists pass the JSON shape check and broke json.loads with RecursionError: the ingress answered a
+    plain-text 500. Without a key it is routed as text, and the replica gives the request its own error."""
+    body = b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    assert route_key(body, MediaPolicy(tmp_path), RequestLimits(), "demo") is None
