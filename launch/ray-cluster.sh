@@ -50,6 +50,10 @@ case ${1:-} in
     "$ray_bin" start --head --port "$port" --disable-usage-stats "$@" || ray_failed
     echo "head up: join workers with '$0 worker $(hostname -I 2>/dev/null | awk '{print $1}'):$port', then" \
          "unifiedserve serve --ray --ray-address 127.0.0.1:$port --replicas N"
+    if [ -f "$HOME/.ray/auth_token" ]; then  # Ray >= 2.59 turns token authentication on for the cluster
+      echo "the cluster takes its token: copy $HOME/.ray/auth_token to the same place on every worker node and" \
+           "client machine ('ray get-auth-token' prints it); this script and unifiedserve send it from there"
+    fi
     ;;
   worker)
     shift
@@ -58,6 +62,8 @@ case ${1:-} in
     shift
     need_ray
     start_mps
+    # a head with token authentication (Ray >= 2.59) takes only nodes that send its token: sent in token mode
+    [ -z "${RAY_AUTH_MODE:-}" ] && [ -f "$HOME/.ray/auth_token" ] && export RAY_AUTH_MODE=token
     "$ray_bin" start --address "$address" --disable-usage-stats "$@" || ray_failed
     ;;
   stop)

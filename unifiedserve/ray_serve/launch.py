@@ -120,6 +120,12 @@ def run_ray(args: argparse.Namespace, limits) -> int:
         ValueError: a bad flag, Ray missing, or a cluster that cannot be joined (nothing started yet).
     """
     check_ray_args(args)
+    if args.ray_address and "RAY_AUTH_MODE" not in os.environ and (
+            os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+            or (Path.home() / ".ray" / "auth_token").is_file()):
+        # `ray start --head` (Ray >= 2.59) requires the cluster's token, which a client sends only in token mode
+        # (read when Ray is imported): without it the join failed after 20 lines of InvalidAuthToken warnings
+        os.environ["RAY_AUTH_MODE"] = "token"
     try:
         import ray
         from ray import serve
@@ -146,6 +152,12 @@ def run_ray(args: argparse.Namespace, limits) -> int:
         if args.ray_address:
             raise ValueError(f"--ray-address {args.ray_address}: cannot join the Ray cluster there ({why})") from None
         raise ValueError(f"--ray: could not start a local Ray instance ({why})") from None
+    if args.ray_address and APP_NAME in serve.status().applications:
+        # a second `serve --ray` on a shared cluster would replace the first one's replicas under its clients, and
+        # its stop would take down the first one's endpoint
+        ray.shutdown()
+        raise ValueError(f"--ray-address {args.ray_address}: the cluster already serves a unifiedserve application "
+                         f"(another `unifiedserve serve --ray`); stop that one first")
     # after ray.init, whose own SIGTERM handler would abort the process instead of a clean stop
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -167,6 +179,9 @@ def run_ray(args: argparse.Namespace, limits) -> int:
     finally:
         log.info("stopping the replicas")
         try:
-            serve.shutdown()
+            if args.ray_address:  # a cluster's Serve may serve other applications: only ours goes
+                serve.delete(APP_NAME)
+            else:
+                serve.shutdown()
         finally:
             ray.shutdown()
