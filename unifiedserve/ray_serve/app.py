@@ -233,6 +233,7 @@ class Ingress:
         from unifiedserve.server.serve import media_policy, request_limits
 
         self.replicas = replicas.options(stream=True)  # DeploymentHandle of NodeReplica; every method streams
+        self.draining = asyncio.Event()  # set by drain(): streams in flight end with an in-band error
         self.policy = media_policy(args)
         self.limits = request_limits(args)
         # the bodies this ingress holds at once: read, keyed and handed to a replica (--max-inflight-request-mb)
@@ -299,12 +300,31 @@ class Ingress:
                                      headers=headers)
         return _error("no replica can serve now (their workers died; Serve is replacing them)", 503)
 
+    async def drain(self) -> int:
+        """The server stops (``serve --ray``'s SIGINT/SIGTERM): every stream in flight ends now with an in-band
+        503 and ``[DONE]``, as the plain server ends its own, instead of being cut mid-chunk when Serve stops.
+        Returns at once."""
+        self.draining.set()
+        return 0
+
     async def _relay(self, gen, replica_id: str, streamed: bool):
         done = False
+        stopping = asyncio.ensure_future(self.draining.wait())
         try:
-            async for chunk in gen:
-                yield chunk
-            done = True
+            while True:
+                chunk = asyncio.ensure_future(gen.__anext__())
+                await asyncio.wait({chunk, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if not chunk.done():  # draining: the stream ends here (the replica's work is cancelled below)
+                    chunk.cancel()
+                    if streamed:
+                        yield f"data: {json.dumps(error_body('the server is shutting down', 503))}\n\n"
+                        yield "data: [DONE]\n\n"
+                    return
+                try:
+                    yield chunk.result()
+                except StopAsyncIteration:
+                    done = True
+                    return
         except RayError as e:
             log.warning("replica %s failed mid-request: %s", replica_id, first_line(e))
             done = True
@@ -313,7 +333,8 @@ class Ingress:
                 yield f"data: {json.dumps(error_body(message, 503))}\n\n"
                 yield "data: [DONE]\n\n"
         finally:
-            if not done:  # the client went away: stop the replica's work too
+            stopping.cancel()
+            if not done:  # the client went away (or the server stops): stop the replica's work too
                 gen.cancel()
 
     async def _read_body(self, request: Request) -> bytes | Response:

@@ -10,6 +10,7 @@ import re
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 
 from unifiedserve.ray_serve.routing import RoutingConfig
@@ -113,6 +114,30 @@ def check_port_free(host: str, port: int) -> None:
             raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e})") from None
 
 
+#: seconds the ingress's streams get to send their last event after drain() (as the plain server's drain)
+DRAIN_S = 1.0
+
+
+def drain_ingress(handle) -> None:
+    """End the streams in flight with an in-band 503 and [DONE] (``Ingress.drain``) before Serve stops, as the plain
+    server ends its own. ``handle``: the application's (None: it never started). Bounded: a call that cannot reach
+    the ingress (Ray's own processes already gone) is given up after a few seconds, and the stop goes on."""
+    if handle is None:
+        return
+    done = threading.Event()
+
+    def call():
+        try:
+            handle.drain.remote().result(timeout_s=5)
+            done.set()
+        except Exception as e:  # the ingress is gone
+            log.debug("no ingress to drain: %s", e)
+
+    threading.Thread(target=call, daemon=True, name="drain").start()
+    if done.wait(6):
+        time.sleep(DRAIN_S)
+
+
 def run_ray(args: argparse.Namespace, limits) -> int:
     """Start (or join) Ray, deploy the replicas and the ingress, serve until SIGINT/SIGTERM.
 
@@ -162,11 +187,12 @@ def run_ray(args: argparse.Namespace, limits) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop.set())
+    app = None  # the application's handle, once it runs (to drain it at the stop)
     try:
         try:
             serve.start(http_options={"host": args.host, "port": args.port})
-            serve.run(build_application(args, router=args.ray_router), name=APP_NAME, route_prefix="/",
-                      blocking=False)
+            app = serve.run(build_application(args, router=args.ray_router), name=APP_NAME, route_prefix="/",
+                            blocking=False)
         except RuntimeError as e:  # a replica that cannot start (Serve retried it), a port in use
             log.error("start-up failed: %s", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
             return 1
@@ -179,6 +205,7 @@ def run_ray(args: argparse.Namespace, limits) -> int:
     finally:
         log.info("stopping the replicas")
         try:
+            drain_ingress(app)
             if args.ray_address:  # a cluster's Serve may serve other applications: only ours goes
                 serve.delete(APP_NAME)
             else:

@@ -273,3 +273,43 @@ def test_health_asks_serve_when_no_replica_answers_in_time(monkeypatch, running)
     body = json.loads(response.body)
     assert response.status_code == (200 if running else 503) and body["running_replicas"] == running
     assert body["status"] == ("ok" if running else "unhealthy")
+
+
+def test_a_drain_ends_the_streams_in_flight_with_an_error_event_and_done():
+    """serve --ray's stop: streams in flight end with an in-band 503 and [DONE], as the plain server ends its own
+    (they were cut mid-chunk when Serve stopped), and the replica's work is cancelled."""
+
+    class SlowStream:
+        cancelled = False
+
+        def __init__(self):
+            self.sent = 0
+
+        async def __anext__(self):
+            if self.sent == 2:
+                await asyncio.sleep(60)  # a long generation: the drain comes first
+            self.sent += 1
+            return f"data: {self.sent}\n\n"
+
+        def cancel(self):
+            self.cancelled = True
+
+    async def run():
+        ingress = Ingress.__new__(Ingress)
+        ingress.draining = asyncio.Event()
+        stream = SlowStream()
+        out = []
+
+        async def consume():
+            async for chunk in ingress._relay(stream, "r1", streamed=True):
+                out.append(chunk)
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.05)
+        assert await ingress.drain() == 0
+        await asyncio.wait_for(task, 5)
+        return out, stream
+
+    out, stream = asyncio.run(run())
+    assert out[:2] == ["data: 1\n\n", "data: 2\n\n"] and out[-1] == "data: [DONE]\n\n"
+    assert json.loads(out[2].removeprefix("data: "))["error"]["code"] == 503 and stream.cancelled
