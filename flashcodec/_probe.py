@@ -104,7 +104,7 @@ class VideoInfo:
         """float64 [num_frames]: presentation time of each frame in seconds from the first."""
         return (self.frame_pts - self.frame_pts[0]).astype(np.float64) * float(self.time_base)
 
-    @property
+    @functools.cached_property  # asked at each decoder's open (14 NVDEC sessions, every CPU thread)
     def shared_pts(self) -> bool:
         """Whether two frames share a pts (a broken muxer's file): their display order is their decode order. Only
         the PyAV backend places such frames right (by decode position); torchcodec's seeks miss them."""

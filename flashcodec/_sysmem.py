@@ -18,10 +18,10 @@ _V1_UNLIMITED = 1 << 62
 
 
 def _read_int(path: str) -> int | None:
-    try:
-        with open(path, errors="surrogateescape") as f:
+    try:  # a number the kernel wrote (ASCII)
+        with open(path) as f:
             text = f.read().strip()
-    except (OSError, ValueError):
+    except OSError:
         return None
     if text == "max":  # v2: no limit
         return None
@@ -58,7 +58,7 @@ def _memory_cgroups(proc_cgroup: str, root: str) -> list[tuple[str, int]]:
     try:  # a cgroup's name need not be UTF-8
         with open(proc_cgroup, errors="surrogateescape") as f:
             lines = f.read().splitlines()
-    except (OSError, ValueError):
+    except OSError:
         return []
     found = []
     for line in lines:

@@ -231,8 +231,7 @@ class DecodeEngine:
             try:  # while the analysis is still registered: a cancel meanwhile finds it and forgets it
                 check_output_memory(analysis.plan, output, patch_dtype)
             except OutputTooLargeError:
-                with self._lock:
-                    self._analyses.pop(key_id, None)  # refused: nothing of the request is kept
+                self.cancel(key_id)  # refused: nothing of the request is kept
                 raise
         with self._lock:
             if self._analyses.pop(key_id, None) is None:  # cancelled (or queued by another thread) meanwhile

@@ -71,6 +71,7 @@ class Request:
         if self.media_keys and len(self.media_keys) != self.num_media:
             raise ValueError(f"request {self.request_id}: {len(self.media_keys)} media keys for {self.num_media} media")
         self._block_hashes: list[bytes] | None = None
+        self._pages_memo: tuple[tuple, int] | None = None  # most_visual_pages' last (arguments, answer)
         # per item: patch rows of its media up to and including it (streaming readiness)
         # and per item: the offset of its first visual token within its media's
         self._item_row_end, self._item_visual_offset, rows, visual, last = [], [], 0, 0, -1
@@ -137,6 +138,22 @@ class Request:
     def _media_hash_spans(self) -> list[tuple[int, int, str]]:
         keys = self.media_keys or [""] * self.num_media
         return [(f, n, k) for (f, n), k in zip(self.media_visual_spans(), keys)]
+
+    def most_visual_pages(self, first: int, offset: int, covered: int, skip: int, page: int) -> int:
+        """The most pages of ``page`` rows this request holds at once writing its encode items from ``first`` on,
+        starting ``offset`` rows into a page: an item's pages, the partly written page before it included (the
+        item at ``covered`` writes ``skip`` rows fewer). The scheduler asks it every step for each request still
+        encoding, with the same arguments until the request writes: the last answer is kept (a 768-frame video's
+        384 items took 47 us a walk)."""
+        key = (first, offset, covered, skip, page)
+        if self._pages_memo is None or self._pages_memo[0] != key:
+            most = 0
+            for index in range(first, len(self.encode_items)):
+                rows = self.encode_items[index].num_visual_tokens - (skip if index == covered else 0)
+                most = max(most, -(-(offset + rows) // page))
+                offset = (offset + rows) % page
+            self._pages_memo = (key, most)
+        return self._pages_memo[1]
 
     def block_hashes(self, block_size: int) -> list[bytes]:
         """Prefix hashes of the prompt's full KV blocks (computed once; see ``memory/prefix_hash.py``)."""

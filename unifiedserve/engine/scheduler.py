@@ -331,7 +331,7 @@ class Scheduler:
         req.num_computed_tokens = req.num_cached_tokens = n
         req.skipped_media, req.cached_media, req.num_covered_items = skipped, from_cache, covered
         # of the first uncovered item, the visual tokens already in the prefix (only a copy can drop them)
-        req.num_skipped_visual = req.visual_tokens_before(n) - sum(i.num_visual_tokens for i in req.encode_items[:covered])
+        req.num_skipped_visual = self._skipped_visual(req, n, covered)
         req.ready_media.update(skipped | from_cache)
         req.num_scheduled_items = covered  # the covered items come first
         self.prefix_queried_tokens += req.prompt_len
@@ -364,19 +364,17 @@ class Scheduler:
             rows = req.num_patch_rows_needed  # sized by what the caches hold
             stream = PagedStream(req.request_id, self.patch_pages.page_size, rows)
             writes = admitted_writes + ([(stream, rows)] if rows else [])
-            fits = can_plan_write(writes, self.patch_pages) and not any(
-                self.kv_overtakes.get(r, 0) >= self.config.max_kv_overtakes for r in passed)  # passed too often
+            fits = can_plan_write(writes, self.patch_pages) and not self._passed_too_often(passed)
             if not fits or (found[1] and not self._may_take_kv(req, found)):
                 self._unpin(req, found[3])
                 req.skipped_media, req.cached_media, req.num_covered_items = set(), set(), 0
-                if not fits or self.kv_overtakes.get(req.request_id, 0) >= self.config.max_kv_overtakes:
+                if not fits or self._passed_too_often([req.request_id]):
                     break
                 passed.append(req.request_id)
                 index += 1
                 continue
             del self.waiting[index]
-            for r in passed:
-                self.kv_overtakes[r] = self.kv_overtakes.get(r, 0) + 1
+            self._pass(passed)
             self._admit_caches(req, *found)
             if found[1]:
                 self.kv_overtakes.pop(req.request_id, None)
@@ -457,10 +455,9 @@ class Scheduler:
                         or not self.blocks.can_allocate(req.max_total_tokens, text_prefix):
                     blocked.append(req.request_id)
                     continue
-                if any(self.kv_overtakes.get(r, 0) >= self.config.max_kv_overtakes for r in blocked):
+                if self._passed_too_often(blocked):
                     continue
-                for r in blocked:
-                    self.kv_overtakes[r] = self.kv_overtakes.get(r, 0) + 1
+                self._pass(blocked)
                 self.kv_overtakes.pop(req.request_id, None)
                 self._take_kv(req, out, text_prefix)
                 size = self._prefill_size(req, budget)  # past the cached text, if any
@@ -507,17 +504,31 @@ class Scheduler:
         n, cached_blocks, _, _, covered = found
         if not self.blocks.can_allocate(req.max_total_tokens, cached_blocks):
             return False
-        skip = req.visual_tokens_before(n) - sum(item.num_visual_tokens for item in req.encode_items[:covered])
+        skip = self._skipped_visual(req, n, covered)
         if self._pages_short(req, first=covered, skip=skip) > self.visual_pages.num_free_pages:  # as in step 3
             return False
         free = self.visual_pages.num_free_pages
         waiting = [r.request_id for r in self.running if not r.has_kv and self._prefill_size(r, 1) > 0
                    and (self._pages_short(r) > free or not self.blocks.can_append(r.request_id, r.max_total_tokens))]
-        if any(self.kv_overtakes.get(r, 0) >= self.config.max_kv_overtakes for r in waiting):
+        if self._passed_too_often(waiting):
             return False
-        for r in waiting:
-            self.kv_overtakes[r] = self.kv_overtakes.get(r, 0) + 1
+        self._pass(waiting)
         return True
+
+    def _passed_too_often(self, request_ids) -> bool:
+        """Whether one of ``request_ids`` has been passed ``max_kv_overtakes`` times: nobody may pass it now."""
+        return any(self.kv_overtakes.get(r, 0) >= self.config.max_kv_overtakes for r in request_ids)
+
+    def _pass(self, request_ids) -> None:
+        """A later request took KV (or a seat) before each of ``request_ids``: one more overtake each."""
+        for r in request_ids:
+            self.kv_overtakes[r] = self.kv_overtakes.get(r, 0) + 1
+
+    @staticmethod
+    def _skipped_visual(req: Request, n: int, covered: int) -> int:
+        """Visual tokens of ``req``'s first uncovered item that lie in a cached prefix of ``n`` tokens covering its
+        first ``covered`` items (only a copy from the media cache can leave them out)."""
+        return req.visual_tokens_before(n) - sum(item.num_visual_tokens for item in req.encode_items[:covered])
 
     def _page_priority(self) -> list[Request]:
         """Running requests in the order they may take visual pages: those holding KV blocks by when they took
@@ -540,12 +551,7 @@ class Scheduler:
         stream = self.visual_streams.get(req.request_id)
         written = writing + (stream.num_written_tokens if stream is not None else 0)
         held = (len(stream.pages) + stream.num_pages_to_write(writing)) if stream is not None else 0
-        offset, most = written % page, 0
-        for index in range(first, len(req.encode_items)):
-            rows = req.encode_items[index].num_visual_tokens - (skip if index == covered else 0)  # a copy skips them
-            most = max(most, -(-(offset + rows) // page))
-            offset = (offset + rows) % page
-        return most - held
+        return req.most_visual_pages(first, written % page, covered, skip, page) - held
 
     def _prefill_size(self, req: Request, budget: int) -> int:
         start = req.num_computed_tokens

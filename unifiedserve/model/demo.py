@@ -259,8 +259,7 @@ def _check_room(path: Path, config, dtype: torch.dtype) -> None:
         raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
     if not os.access(existing, os.W_OK | os.X_OK):
         raise OSError(f"{path}: cannot write there (no permission on {existing})")
-    with torch.device("meta"):
-        need = sum(p.numel() for p in Qwen2_5_VL(config).parameters()) * torch.empty(0, dtype=dtype).element_size()
+    need = sum(math.prod(shape) for shape in _weight_shapes(config).values()) * dtype.itemsize
     freed = sum(f.stat().st_size for f in path.glob("*.safetensors")) if path.is_dir() else 0
     free = shutil.disk_usage(existing).free + freed
     if need > free:

@@ -73,6 +73,13 @@ def _error(message: str, status_code: int, headers: dict[str, str] | None = None
                         headers=error_headers(status_code, headers))
 
 
+def _refused(e: BodyRefused) -> Response:
+    """A request refused before (or while) its body is read, as the plain server's middleware answers it: the
+    connection closes, since the rest of the body is not drained."""
+    return Response(e.json_bytes(), status_code=e.status_code, media_type="application/json",
+                    headers={"connection": "close", **e.headers})
+
+
 def replica_rank_metadata() -> dict:
     """``{"rank": n}`` from the replica context (Serve >= 2.50 ranks replicas 0..N-1 and gives a released
     rank to the next replica it starts), or ``{}`` where this Serve has no ranks."""
@@ -257,7 +264,7 @@ class Ingress:
             or request.url.path in ("/tokenize", "/detokenize")  # what the plain server's routes require it on
         if keyed and not authorized(request.headers.get("authorization"), self.api_key):
             # the connection closes, as the plain server's middleware closes it: the unread body is not drained
-            return _error(AUTH_ERROR, 401, {**AUTH_HEADERS, "connection": "close"})
+            return _refused(BodyRefused(AUTH_ERROR, 401, AUTH_HEADERS))
         body = await self._read_body(request)
         if isinstance(body, Response):
             return body
@@ -342,8 +349,7 @@ class Ingress:
         try:
             body = await read_body(request.scope, request.receive, self.limits.max_request_bytes, self.body_budget)
         except BodyRefused as e:
-            return Response(e.json_bytes(), status_code=e.status_code, media_type="application/json",
-                            headers={"connection": "close", **e.headers})
+            return _refused(e)
         return Response(status_code=499) if body is None else body  # None: the client went away
 
     def route_key(self, body: bytes) -> str | None:

@@ -201,9 +201,9 @@ class EngineClient:
         """Workers silent for longer than ``worker_timeout`` once all are up -> seconds since each was heard."""
         if self.worker_timeout is None or not self._ready.is_set() or self.fatal:
             return {}
-        now = time.monotonic()
-        return {name: now - self._last_heard.get(name, now) for name in self.config.processes
-                if now - self._last_heard.setdefault(name, now) > self.worker_timeout}
+        now = time.monotonic()  # (a worker not heard from since the watch began counts from now)
+        silent = {name: now - self._last_heard.setdefault(name, now) for name in self.config.processes}
+        return {name: seconds for name, seconds in silent.items() if seconds > self.worker_timeout}
 
     def fail_all(self, message: str, status_code: int) -> None:
         """End every in-flight request with an error (shutting down)."""
