@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 
 class FlashCodecError(Exception):
     """Base class of every error flashcodec raises for bad input."""
@@ -56,3 +58,11 @@ def error_line(e: BaseException) -> str:
     if isinstance(e, OSError) and not isinstance(e, FlashCodecError) and e.strerror:
         return f"{e.filename}: {e.strerror}" if e.filename is not None else e.strerror
     return first_line(e)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse``'s parser with a bad flag reported as one ``error:`` line (and exit status 2), not after the
+    whole usage text; ``--help`` is unchanged. Subcommand parsers made with ``add_subparsers`` are of this class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

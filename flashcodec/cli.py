@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from flashcodec._errors import ArgumentParser
 from flashcodec.devices import NVDEC_HOST_CORES
 
 #: Show a progress bar when a decode has at least this many frames to decode.
@@ -66,7 +67,7 @@ def _sampling_kwargs(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="flashcodec",
         description="Decode the frames a vision-language model needs from a video, GOP-parallel on all cores.",
     )

@@ -7,6 +7,8 @@ import json
 import sys
 import time
 
+from flashcodec._errors import ArgumentParser
+
 
 def _seed(text: str) -> int:
     """A seed torch's generator takes (a larger one failed with 'Overflow when unpacking long long')."""
@@ -100,7 +102,7 @@ def _add_serve(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="unifiedserve",
+    parser = ArgumentParser(prog="unifiedserve",
                                      description="Serve vision-language models on long videos.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)

@@ -127,6 +127,9 @@ def cpu_placement(policy: str, cpus: list[int], decode_threads: int = 0, vision_
     if vision_threads > MAX_CPU_THREADS:  # FlashCodec's own bound: refused here, not by the vision process
         raise ValueError(f"--vision-threads must be at most {MAX_CPU_THREADS} (one decoder thread each), "
                          f"got {vision_threads}")
+    if decode_threads and policy != "unified":  # split sizes decode to its half; monolithic has no decode process
+        raise ValueError(f"--decode-threads applies to --policy unified only (--policy {policy} sizes its own "
+                         f"threads); leave it out")
     n = len(cpus)
     if policy == "split":
         half = max(1, n // 2)

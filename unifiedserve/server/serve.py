@@ -50,6 +50,9 @@ def gpu_placement_fields(args: argparse.Namespace, device: str, num_visible_gpus
         if given:
             raise ValueError(f"{given[0]} applies to CUDA only and the server runs on the CPU")
         return {}
+    if args.decode_threads:  # torch threads of a CPU decode process; a GPU's decode share is --decode-sm-percent
+        raise ValueError("--decode-threads applies to the CPU only and the server runs on CUDA; the decode process's "
+                         "share of the GPU is --decode-sm-percent")
     gpus = args.gpus
     if device.startswith("cuda:"):
         if gpus is not None and gpus[:1] != [int(device[5:])]:

@@ -32,3 +32,6 @@ def test_unified_decode_threads_flag_and_monolithic_default():
     assert cpu_placement("monolithic", list(range(8))) == {}
     with pytest.raises(ValueError, match="decode-threads"):
         cpu_placement("unified", [0, 1], decode_threads=-1)
+    for policy in ("split", "monolithic"):  # a flag the policy would ignore is refused
+        with pytest.raises(ValueError, match="--decode-threads applies to --policy unified only"):
+            cpu_placement(policy, list(range(8)), decode_threads=2)

@@ -47,7 +47,8 @@ def test_bad_values_are_one_line_before_anything_starts(args, needle, capsys):
         main(["serve", *args])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and needle in err and "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith("unifiedserve serve: error:")
+    assert err.strip().splitlines() == [f"unifiedserve serve: error: {err.split('error: ', 1)[1].strip()}"]
+    assert err.strip().endswith("(see unifiedserve serve --help)")
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -59,6 +60,8 @@ def test_bad_values_are_one_line_before_anything_starts(args, needle, capsys):
     (["--max-pixels", "35651585"], "--max-pixels must be at most 35651584 (8192x4352)"),  # flashcodec's largest
     (["--vision-device", "cuda"], "--vision-device: vision_device cuda (NVDEC) needs the server on CUDA"),
     (["--decode-threads", "-2"], "--decode-threads and --vision-threads must be >= 0"),
+    (["--policy", "split", "--decode-threads", "2"], "--decode-threads applies to --policy unified only"),
+    (["--policy", "monolithic", "--decode-threads", "1"], "--decode-threads applies to --policy unified only"),
     (["--num-kv-blocks", "4", "--max-model-len", "4096"], "--max-model-len 4096 needs more KV cache"),
     (["--max-model-len", "200000"], "--max-model-len 200000 is longer than the model's context"),
     (["--vision-threads", "5000"], "--vision-threads must be at most 1024"),

@@ -70,6 +70,7 @@ def test_without_mps_nothing_is_capped_and_monolithic_has_no_decode_process(capl
     (["--policy", "split"], "cuda", 1, False, "--policy split on one GPU needs MPS"),
     (["--gpus", "3"], "cuda", 2, True, "GPU 3 is not visible"),
     (["--gpus", "0,1"], "cuda", 2, True, "--policy unified uses one GPU per server"),
+    (["--decode-threads", "4"], "cuda", 1, True, "--decode-threads applies to the CPU only"),
 ])
 def test_contradictions_name_the_flag(argv, device, visible, running, needle):
     with pytest.raises(ValueError, match=needle):
