@@ -23,6 +23,7 @@ from prometheus_client.core import GaugeMetricFamily
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import RayServeException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -42,6 +43,9 @@ REPLICA_HEADER = "x-unifiedserve-replica"
 MEDIA_ROUTED_PATHS = ("/v1/chat/completions", "/tokenize")
 ROUTERS_BY_NAME = {"media-affinity": "unifiedserve.ray_serve.router.MediaAffinityRouter",
                    "serve-default": None}  # None: Serve's own power-of-two-choices router
+#: what a call through a Serve handle raises when it cannot reach a replica: Ray's errors (the replica's actor died)
+#: and Serve's own, which are not Ray's (no replica running, every replica's queue full): 503s, not a 500
+REPLICA_ERRORS = (RayError, RayServeException)
 MAX_ATTEMPTS = 3  # replicas tried for one request whose runtime refuses it (dead workers)
 SCRAPE_TIMEOUT_S = 5.0
 # a stopping replica checks for ongoing requests this often (Serve's default, 2 s, is also the least a
@@ -291,7 +295,7 @@ class Ingress:
             gen = self.replicas.forward.remote(call, routing=RoutingHints(key, None, exclude))
             try:
                 start = await gen.__anext__()
-            except RayError as e:
+            except REPLICA_ERRORS as e:
                 log.warning("a replica failed before answering: %s", first_line(e))
                 return _error("the replica serving this request failed; retry the request", 503)
             except StopAsyncIteration:
@@ -332,7 +336,7 @@ class Ingress:
                 except StopAsyncIteration:
                     done = True
                     return
-        except RayError as e:
+        except REPLICA_ERRORS as e:
             log.warning("replica %s failed mid-request: %s", replica_id, first_line(e))
             done = True
             if streamed:  # the status is sent already: say it in-band, as the API does for a dead worker
@@ -369,7 +373,7 @@ class Ingress:
             try:
                 call = getattr(self.replicas, method).remote(routing=hints)
                 results.append(await asyncio.wait_for(call.__anext__(), SCRAPE_TIMEOUT_S))
-            except (RayError, asyncio.TimeoutError, StopAsyncIteration) as e:
+            except (*REPLICA_ERRORS, asyncio.TimeoutError, StopAsyncIteration) as e:
                 log.warning("replica %s did not answer %s: %s", hints.replica_id or "(any)", method,
                             first_line(e))
         return results

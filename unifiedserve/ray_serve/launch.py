@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 import signal
@@ -77,10 +78,15 @@ def check_ray_args(args: argparse.Namespace) -> None:
                          f"({lo or 1}..{hi or args.replicas})")
     if args.ray_router is None:
         args.ray_router = "media-affinity"
-    if args.replica_cpus is None:
-        args.replica_cpus = max(1, (os.cpu_count() or 1) // args.replicas)
+    cpus = os.cpu_count() or 1
+    if args.replica_cpus is None:  # more replicas than cores share them (Ray takes fractions down to 1e-4)
+        args.replica_cpus = cpus // args.replicas or math.floor(cpus / args.replicas * 1e4) / 1e4
     if args.ray_address is not None:
         check_address(args.ray_address)
+    elif args.replicas * args.replica_cpus > cpus:  # the local instance has this machine's cores, no more
+        raise ValueError(f"--replicas {args.replicas} x --replica-cpus {args.replica_cpus} needs "
+                         f"{args.replicas * args.replica_cpus} CPUs and this machine has {cpus}: Ray would never "
+                         f"place the rest; lower --replica-cpus or --replicas")
 
 
 def check_address(address: str) -> None:
@@ -97,10 +103,33 @@ def check_address(address: str) -> None:
                          f"ray://HOST:PORT, or auto")
     host = m["host"].strip("[]")
     try:
-        socket.create_connection((host, int(m["port"])), timeout=CONNECT_TIMEOUT_S).close()
+        with socket.create_connection((host, int(m["port"])), timeout=CONNECT_TIMEOUT_S) as conn:
+            grpc = speaks_grpc(conn)
     except OSError as e:
         raise ValueError(f"--ray-address {address}: no Ray head answers there ({e.strerror or e}); start one with "
                          f"launch/ray-cluster.sh head, or leave --ray-address out for a local instance") from None
+    if not grpc:  # ray.init would retry its GCS client there for more than 10 minutes
+        raise ValueError(f"--ray-address {address}: something answers there but not a Ray head (no gRPC); give the "
+                         f"head's GCS port (`ray start --head --port`, 6379 by default) or ray://HOST:10001")
+
+
+#: an HTTP/2 client's connection preface and an empty SETTINGS frame (RFC 9113 §3.4, §6.5)
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def speaks_grpc(conn: socket.socket) -> bool:
+    """Whether the server on ``conn`` speaks HTTP/2, as Ray's GCS and Ray Client servers (gRPC) do: it answers the
+    client preface with a SETTINGS frame (type 4). True without asking when the cluster uses TLS (RAY_USE_TLS)."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return True
+    conn.sendall(_H2_PREFACE)
+    head = b""
+    while len(head) < 9:  # a frame header
+        data = conn.recv(9 - len(head))
+        if not data:
+            break
+        head += data
+    return len(head) == 9 and head[3] == 4
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -136,6 +165,43 @@ def drain_ingress(handle) -> None:
     threading.Thread(target=call, daemon=True, name="drain").start()
     if done.wait(6):
         time.sleep(DRAIN_S)
+
+
+def describe_deployment(name: str, d) -> str:
+    """``Replica updating (1 running, 1 pending_allocation): <Serve's message>`` from a deployment's status."""
+    replicas = ", ".join(f"{n} {getattr(state, 'value', state).lower()}" for state, n in d.replica_states.items())
+    return f"{name} {d.status.value.lower()}" + (f" ({replicas})" if replicas else "") + (
+        f": {d.message}" if d.message else "")
+
+
+START_POLL_S = 0.5
+START_PROGRESS_S = 15.0  # a start-up still waiting says why this often
+
+
+def wait_running(serve, stop: threading.Event, progress_s: float = START_PROGRESS_S) -> bool:
+    """Wait until the application runs (True) or ``stop`` is set first (False), saying every ``progress_s`` which
+    deployments wait and Serve's reason (a replica no node has room for waits until one has).
+
+    Raises:
+        RuntimeError: Serve gave the deployment up (a replica that failed to start too often).
+    """
+    from ray.serve.schema import ApplicationStatus
+
+    said = time.monotonic()
+    while not stop.wait(START_POLL_S):
+        app = serve.status().applications.get(APP_NAME)
+        if app is None or app.status == ApplicationStatus.NOT_STARTED:
+            continue
+        if app.status == ApplicationStatus.RUNNING:
+            return True
+        if app.status == ApplicationStatus.DEPLOY_FAILED:
+            raise RuntimeError(f"{app.message or 'a deployment failed'}")
+        if time.monotonic() - said >= progress_s:
+            said = time.monotonic()
+            waiting = [describe_deployment(name, d) for name, d in app.deployments.items()
+                       if d.status.value != "HEALTHY"]
+            log.info("waiting for the replicas to start (Ctrl-C stops): %s", "; ".join(waiting) or app.status.value)
+    return False
 
 
 def run_ray(args: argparse.Namespace, limits) -> int:
@@ -189,16 +255,23 @@ def run_ray(args: argparse.Namespace, limits) -> int:
         signal.signal(sig, lambda signum, frame: stop.set())
     app = None  # the application's handle, once it runs (to drain it at the stop)
     try:
+        if args.ray_address and args.replicas * args.replica_cpus > ray.cluster_resources().get("CPU", 0):
+            log.warning("--replicas %d x --replica-cpus %g is more CPUs than the cluster has now (%g): the replicas "
+                        "that do not fit wait for it to grow", args.replicas, args.replica_cpus,
+                        ray.cluster_resources().get("CPU", 0))
         try:
             serve.start(http_options={"host": args.host, "port": args.port})
-            app = serve.run(build_application(args, router=args.ray_router), name=APP_NAME, route_prefix="/",
-                            blocking=False)
+            # not serve.run, which waits for the replicas without end and without hearing SIGINT/SIGTERM
+            app = serve._run(build_application(args, router=args.ray_router), name=APP_NAME, route_prefix="/",
+                             _blocking=False)
+            if not wait_running(serve, stop):
+                return 0  # stopped while the replicas were starting
         except RuntimeError as e:  # a replica that cannot start (Serve retried it), a port in use
             log.error("start-up failed: %s", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
             return 1
         scaling = (f"autoscaling {args.min_replicas or 1}..{args.max_replicas or args.replicas}"
                    if args.min_replicas or args.max_replicas else "fixed")
-        log.info("serving on http://%s:%d with %d replica(s) on Ray Serve (%s, %d CPU each, %s router; OpenAI API "
+        log.info("serving on http://%s:%d with %d replica(s) on Ray Serve (%s, %g CPU each, %s router; OpenAI API "
                  "at /v1)", args.host, args.port, args.replicas, scaling, args.replica_cpus, args.ray_router)
         stop.wait()
         return 0

@@ -313,3 +313,28 @@ def test_a_drain_ends_the_streams_in_flight_with_an_error_event_and_done():
     out, stream = asyncio.run(run())
     assert out[:2] == ["data: 1\n\n", "data: 2\n\n"] and out[-1] == "data: [DONE]\n\n"
     assert json.loads(out[2].removeprefix("data: "))["error"]["code"] == 503 and stream.cancelled
+
+
+@pytest.mark.parametrize("error", ["unavailable", "actor died"])
+def test_a_replica_serve_cannot_reach_is_a_503_not_a_500(error):
+    """Serve's own errors (no replica running: DeploymentUnavailableError) are not Ray's; both are a 503."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    class Unreachable:
+        async def __anext__(self):
+            raise DeploymentUnavailableError("unifiedserve/NodeReplica") if error == "unavailable" else \
+                RayActorError()
+
+    class Replicas:
+        class forward:
+            @staticmethod
+            def remote(call, routing):
+                return Unreachable()
+
+    ingress = Ingress.__new__(Ingress)
+    ingress.replicas = Replicas()
+    get = {"type": "http", "method": "GET", "path": "/v1/models", "headers": [], "query_string": b""}
+    response = asyncio.run(ingress._route(Request(get, feeder([])[0]), b""))
+    assert response.status_code == 503 and response.headers["retry-after"]
+    assert json.loads(response.body)["error"]["code"] == 503

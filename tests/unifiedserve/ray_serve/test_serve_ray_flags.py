@@ -3,7 +3,10 @@ the plain server never imports Ray."""
 
 from __future__ import annotations
 
+import os
 import socket
+import threading
+from types import SimpleNamespace
 import subprocess
 import sys
 import time
@@ -50,6 +53,7 @@ def closed_port() -> int:
     (["--ray", "--ray-address", f"127.0.0.1:{closed_port()}"], "no Ray head answers there"),
     (["--ray", "--replicas", "3", "--max-replicas", "2"], "outside --min-replicas/--max-replicas"),
     (["--ray", "--min-replicas", "3", "--max-replicas", "2"], "--min-replicas 3 is above --max-replicas 2"),
+    (["--ray", "--replicas", "2", "--replica-cpus", str(os.cpu_count())], "Ray would never place the rest"),
 ])
 def test_bad_ray_flags_fail_fast_with_one_line(args, needle):
     started = time.perf_counter()
@@ -73,7 +77,6 @@ def test_ray_missing_says_how_to_install_it(tmp_path):
     fake = tmp_path / "ray"
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ImportError('No module named ray')\n")  # shadows the installed Ray
-    import os
     run = serve("--ray", "--replicas", "2", env={**os.environ, "PYTHONPATH": str(tmp_path)})
     one_error_line(run, "pip install 'unifiedserve[ray]'")
     assert run.stderr.strip().splitlines()[-1].startswith("unifiedserve: error:")
@@ -98,3 +101,85 @@ def test_help_lists_the_ray_flags(capsys):
     out = capsys.readouterr().out
     for flag in ("--ray", "--replicas", "--ray-address", "--min-replicas", "--max-replicas", "--affinity-load-bound"):
         assert flag in out
+
+
+def test_more_replicas_than_cores_share_them():
+    from unifiedserve.ray_serve.launch import check_ray_args
+
+    cpus = os.cpu_count()
+    args = SimpleNamespace(replicas=cpus + 1, min_replicas=None, max_replicas=None, ray_router=None, replica_cpus=None,
+                           ray_address=None)
+    check_ray_args(args)  # Ray places every replica of the default share
+    assert 0 < args.replica_cpus < 1 and args.replicas * args.replica_cpus <= cpus
+    args.replicas, args.replica_cpus = 1, None
+    check_ray_args(args)
+    assert args.replica_cpus == cpus
+
+
+def fake_serve(*statuses):
+    """A ``serve`` module whose application goes through ``statuses`` (the last one stays)."""
+    from ray.serve.schema import ApplicationStatus, DeploymentStatus, ReplicaState
+
+    pending = SimpleNamespace(status=DeploymentStatus.UPDATING, message="taken more than 30s to be scheduled",
+                              replica_states={ReplicaState.STARTING: 1, ReplicaState.RUNNING: 1})
+    queue = list(statuses)
+
+    def status():
+        name = queue.pop(0) if len(queue) > 1 else queue[0]
+        app = SimpleNamespace(status=ApplicationStatus[name], message="replica failed to start 3 times",
+                              deployments={"Replica": pending})
+        return SimpleNamespace(applications={"unifiedserve": app})
+
+    return SimpleNamespace(status=status)
+
+
+def test_start_up_waits_for_running_and_says_why_it_waits(monkeypatch, caplog):
+    pytest.importorskip("ray.serve")
+    from unifiedserve.ray_serve import launch
+
+    monkeypatch.setattr(launch, "START_POLL_S", 0.01)
+    caplog.set_level("INFO", logger="unifiedserve")
+    assert launch.wait_running(fake_serve("NOT_STARTED", "DEPLOYING", "DEPLOYING", "RUNNING"), threading.Event(),
+                               progress_s=0)
+    assert "Replica updating (1 starting, 1 running): taken more than 30s to be scheduled" in caplog.text
+    with pytest.raises(RuntimeError, match="replica failed to start 3 times"):
+        launch.wait_running(fake_serve("DEPLOYING", "DEPLOY_FAILED"), threading.Event())
+
+
+def test_a_stop_while_replicas_cannot_be_placed_is_heard():
+    """SIGINT/SIGTERM set the stop event: a start-up that would wait forever (no node has room) ends at once."""
+    pytest.importorskip("ray.serve")
+    from unifiedserve.ray_serve import launch
+
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    started = time.perf_counter()
+    assert not launch.wait_running(fake_serve("DEPLOYING"), stop)
+    assert time.perf_counter() - started < 0.2 + 2 * launch.START_POLL_S
+
+
+@pytest.mark.parametrize("reply, ok", [(b"HTTP/1.1 400 Bad Request\r\n\r\n", False), (b"SSH-2.0-OpenSSH_9.2\r\n", False),
+                                       (b"", False), (bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]), True)])
+def test_an_address_that_answers_but_is_not_a_ray_head_is_refused(reply, ok):
+    """ray.init retried its GCS client for more than 10 minutes against a port that answered HTTP/1."""
+    from unifiedserve.ray_serve.launch import check_address
+
+    server = socket.create_server(("127.0.0.1", 0))
+    heard = []
+
+    def answer():
+        conn, _ = server.accept()
+        with conn:
+            heard.append(conn.recv(24))
+            conn.sendall(reply)
+
+    threading.Thread(target=answer, daemon=True).start()
+    address = f"127.0.0.1:{server.getsockname()[1]}"
+    with server:
+        if ok:  # a SETTINGS frame: HTTP/2, as Ray's GCS answers
+            check_address(address)
+        else:
+            # (a server that closes at once may reset the connection first: then no head "answers")
+            with pytest.raises(ValueError, match="something answers there but not a Ray head|no Ray head answers"):
+                check_address(address)
+    assert heard == [b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"]
