@@ -95,6 +95,9 @@ class DecodeEngine:
             is analysed, before any frame is decoded (a decoded frame and its conversions cost memory in
             proportion; the caller's ``max_pixels`` bounds only the output). None (default):
             :data:`MAX_SOURCE_PIXELS`.
+        request_order: how requests in flight share the decoder slots: ``"fair"`` (default; each slot's next segment
+            goes to the request the fewest slots decode, so a short video asked while a long one decodes is not held
+            until the long one is done) or ``"fifo"`` (the oldest request's segments first: it finishes soonest).
 
     Raises:
         ValueError: bad counts, a bad output device, or a device this machine lacks
@@ -105,7 +108,7 @@ class DecodeEngine:
                  devices: str | list[str] = "cpu", cpu_threads: int | None = None,
                  nvdec_sessions: int = DEFAULT_NVDEC_SESSIONS,
                  output_device: str | torch.device | None = None, rank_speeds: dict[str, float] | None = None,
-                 max_source_pixels: int | None = None):
+                 max_source_pixels: int | None = None, request_order: str = "fair"):
         if max_source_pixels is not None and max_source_pixels < 1:
             raise ValueError(f"max_source_pixels must be at least 1, got {max_source_pixels}")
         self.max_source_pixels = MAX_SOURCE_PIXELS if max_source_pixels is None else max_source_pixels
@@ -118,7 +121,7 @@ class DecodeEngine:
         self.output_device = resolve_output_device(output_device, self.layout.output_gpu)
         self.backend = backend if isinstance(backend, Backend) else get_backend(backend, self.max_source_pixels)
         self.num_threads = self.layout.cpu_threads
-        group = RankGroup()
+        group = RankGroup(request_order)
         try:
             if self.layout.gpus:
                 from flashcodec.decode.nvdec import NvdecBackend

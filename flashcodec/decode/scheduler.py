@@ -2,11 +2,15 @@
 
 A rank (the CPU, or one GPU's NVDEC sessions) has a fixed number of decoder threads (its slots),
 shared by every request in flight, so many concurrent videos never oversubscribe the hardware.
+Requests share the slots evenly (``request_order="fair"``, the default): a thread that finishes a
+segment works next for the request the fewest threads work for, staying with its own on a tie, so a
+short video asked while a long one decodes gets its share of the slots at once instead of after the
+long one's last segment (``"fifo"``).
 Each request arrives as one job per rank, each job as *lanes*: one ordered run of GOP segments
-per slot, balanced by decode cost. A thread that finishes a segment takes the next segment of its
+per slot, balanced by decode cost. Within a request, a thread takes the next segment of its
 own lane first (its decoder is already positioned there, so no seek is needed); when its lane is
-empty it takes an unclaimed lane, then steals from the tail of the lane with the most work left,
-and only then moves to the next request. No slot idles while a segment of any request remains.
+empty it takes an unclaimed lane, then steals from the tail of the lane with the most work left.
+No slot idles while a segment of any request remains.
 A streamed request (``in_order``) is one queue in display order instead: every slot takes the
 earliest segment left, so the prefix of finished frames, which is what a stream hands out, grows at
 the rank's pace rather than at one slot's (with lanes, the prefix is the first lane's progress, and
@@ -255,10 +259,19 @@ class RankJob:
         return None if lane is None else lane.pop()
 
 
-class RankGroup:
-    """The ranks of one engine, sharing one lock so that a dry rank can take another's work."""
+#: how a rank's slots share the requests in flight: ``fair`` (each next segment for the request the fewest slots
+#: work for) or ``fifo`` (the oldest request's segments until none is left, then the next request's)
+REQUEST_ORDERS = ("fair", "fifo")
 
-    def __init__(self) -> None:
+
+class RankGroup:
+    """The ranks of one engine, sharing one lock so that a dry rank can take another's work, and the order in which
+    their slots serve requests (``request_order``, one of :data:`REQUEST_ORDERS`)."""
+
+    def __init__(self, request_order: str = "fair") -> None:
+        if request_order not in REQUEST_ORDERS:
+            raise ValueError(f"request_order must be one of {', '.join(REQUEST_ORDERS)}, got {request_order!r}")
+        self.fifo = request_order == "fifo"
         self.cond = threading.Condition()
         self.ranks: list[RankScheduler] = []
 
@@ -289,7 +302,7 @@ class RankGroup:
 
 
 class RankScheduler:
-    """The decoder threads of one rank and the FIFO of requests with work on it.
+    """The decoder threads of one rank and the requests with work on it (oldest first), which share them.
 
     Args:
         backend: opens this rank's segment decoders.
@@ -357,12 +370,12 @@ class RankScheduler:
 
     def _next(self, slot: int, current: RankJob | None) -> tuple[RankJob, GopSegment, bool] | None:
         """The slot's next segment and whether it backs up another slot's run (call with the lock held)."""
-        own = current is not None and current.owner is self and current in self._jobs
-        if own and current.can_run_on(self.index):
-            segment = current.take(slot)
-            if segment is not None:
-                return current, segment, False
-        for job in self._jobs:  # oldest request first
+        if self.group.fifo:  # the slot's own request (its decoder is positioned there), then the oldest
+            jobs = [*([current] if current in self._jobs else []), *self._jobs]
+        else:  # the fewest slots at work first, a tie as fifo: a small video asked while a long one decodes is
+            # decoded beside it, not after its last segment (bench/decode/bench_fairness.py)
+            jobs = sorted(self._jobs, key=lambda j: (j.in_flight, j is not current))  # stable: the oldest first
+        for job in jobs:
             segment = job.take(slot) if job.can_run_on(self.index) else None
             if segment is not None:
                 return job, segment, False

@@ -444,3 +444,43 @@ def test_a_backups_batch_emits_only_the_frames_not_emitted_yet():
     job.emitter.many([5, 6, 7], ["f5", "f6", "f7"])  # the other run of the segment: only frame 7 is new
     job.emitter.many([4, 5], ["f4", "f5"])
     assert batches == [([4, 5], ["f4", "f5"])] and singles == [(6, "f6"), (7, "f7")]
+
+
+def _short_behind_long(request_order: str) -> tuple[float, float]:
+    """Seconds from its submission to its end of a 2-segment request asked while a 40-segment one decodes on 4 slots,
+    and of the long one."""
+    group = RankGroup(request_order)
+    rank = RankScheduler(SleepBackend("cpu", 0.005), 4, "cpu", speed=800, group=group)
+    (long_plan,) = plan_distribution(TARGETS, TABLE, num_ranks=1, decoders_per_rank=4)
+    (short_plan,) = plan_distribution(TARGETS[:4], TABLE, num_ranks=1, decoders_per_rank=4)
+    ends = {}
+
+    def job(key, plan, collector):
+        return RankJob(key, plan, open_decoder=lambda backend: backend.open(None, None, 0, 0), emit=collector.emit,
+                       on_segment_done=lambda s, f: None, on_finished=collector.finished)
+
+    try:
+        long_done, short_done = Collector(1), Collector(1)
+        started = time.perf_counter()
+        rank.submit(job(1, long_plan, long_done))
+        time.sleep(0.03)  # the long request holds every slot
+        asked = time.perf_counter()
+        rank.submit(job(2, short_plan, short_done))
+        wait(short_done)
+        ends["short"] = time.perf_counter() - asked
+        wait(long_done)
+        ends["long"] = time.perf_counter() - started
+    finally:
+        group.shutdown()
+    assert sorted(d for d, _ in short_done.decoded) == TARGETS[:4] and len(long_done.decoded) == len(TARGETS)
+    return ends["short"], ends["long"]
+
+
+def test_a_short_request_is_decoded_beside_a_long_one_not_after_it():
+    """fair (default): the short request gets slots as segments of the long one end; fifo: after its last segment."""
+    fair_short, fair_long = _short_behind_long("fair")
+    fifo_short, fifo_long = _short_behind_long("fifo")
+    assert fair_short < 0.4 * fifo_short, (fair_short, fifo_short)  # 2 segments of 30 ms vs the long one's ~300 ms
+    assert fair_short < 0.5 * fair_long and fifo_short > 0.5 * fifo_long
+    with pytest.raises(ValueError, match="request_order must be one of fair, fifo"):
+        RankGroup("lifo")
