@@ -12,6 +12,14 @@ each stopping before the first visual token not yet encoded, and a request takes
 (prompt + max_tokens) when its prefill starts (one whose cached prefix covers media, at admission:
 see below); every request past its prompt decodes one token.
 
+Who gets the budgets first (``SchedulerConfig.scheduling_policy``): ``fcfs``, the oldest request, as
+above; ``srpt`` (default), the request with the fewest prompt tokens left to prefill (shortest remaining
+processing time), so a text question or an image is not held behind a long video's encode and prefill.
+srpt only shares out the amounts: each request takes at most its share in a first pass of the fcfs
+loops and their rules, and a second pass gives what is left as fcfs would; KV blocks and visual pages
+go by the rules below whatever the policy. A request that could run and got nothing
+``max_passed_steps`` steps in a row goes first.
+
 Caches (both optional). At admission a request takes the longest run of its prompt's leading KV
 blocks that the prefix cache holds (content hashes, ``memory/prefix_hash.py``), cut back so that no
 media is partly inside it; media wholly inside are neither decoded, encoded nor read
@@ -49,115 +57,18 @@ core lent them, schedules nothing but their decode rows, and never allocates or 
 from __future__ import annotations
 
 import itertools
-
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from unifiedserve.engine.request import Request, Status
+from unifiedserve.engine.scheduler_types import (GPU_TOKEN_BUDGETS, SCHEDULING_POLICIES, EncodeWork,
+                                                MediaCacheIndex, PrefillChunk, SchedulerConfig, SchedulerOutput,
+                                                server_token_budgets)
 from unifiedserve.memory.block_manager import BlockManager
-from unifiedserve.memory.pages import PageAllocator, PagedStream, RaggedIndex, can_plan_write, plan_read, plan_write
+from unifiedserve.memory.pages import PageAllocator, PagedStream, can_plan_write, plan_read, plan_write
 
-
-#: A GPU server's budgets when neither is given nor derived from a TBT SLO: the paper's testbed values for
-#: Qwen2.5-VL (FlashCodec + UnifiedServe, section 7, "Testbed": prefill 2048, encode 10240), instead of the
-#: CPU demo model's defaults below, whose 512-token chunks would each re-read a 7B model's weights for little work.
-GPU_TOKEN_BUDGETS = {"prefill_token_budget": 2048, "encode_token_budget": 10240}
-
-
-def server_token_budgets(device: str, explicit: dict[str, int], tbt_slo_ms: float | None) -> dict[str, int]:
-    """The budgets a server passes on: the ``explicit`` flags, filled on a GPU with :data:`GPU_TOKEN_BUDGETS`
-    unless a TBT SLO derives the others (then only the explicit ones, which win over the derived)."""
-    if device == "cpu" or tbt_slo_ms is not None:
-        return dict(explicit)
-    return {**GPU_TOKEN_BUDGETS, **explicit}
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Per-step budgets. Defaults suit the CPU demo model (a GPU server: :data:`GPU_TOKEN_BUDGETS`)."""
-
-    prefill_token_budget: int = 512  # tau: prompt tokens prefilled per step, at most
-    encode_token_budget: int = 4096  # alpha: patch tokens encoded per step (a unit may exceed it)
-    max_num_seqs: int = 64  # requests admitted at once
-    enable_chunked_prefill: bool = True  # False: a prompt is prefilled in one step, whatever its size
-    #: True: the runner writes an admitted request's patches in the admission step (one process).
-    #: False: another process writes them and reports each media with ``mark_media_ready``.
-    patches_ready_on_admit: bool = True
-    #: How many later requests may take KV blocks before a request that is waiting for them.
-    max_kv_overtakes: int = 64
-    #: requests decoded together at most; later ones wait, in order, until one of these finishes
-    max_decode_batch: int = 256
-
-    def __post_init__(self) -> None:
-        if self.max_kv_overtakes < 0:
-            raise ValueError(f"max_kv_overtakes must be >= 0, got {self.max_kv_overtakes}")
-        for name in ("prefill_token_budget", "encode_token_budget", "max_num_seqs", "max_decode_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True)
-class PrefillChunk:
-    request_id: str
-    start: int  # first prompt position in this chunk
-    num_tokens: int
-    is_last: bool  # the chunk completes the prompt: sample the first output token
-
-
-@dataclass(frozen=True)
-class EncodeWork:
-    request_id: str
-    item_index: int
-    from_cache: bool = False  # copy the item's visual tokens from the media cache instead of encoding
-    skip_visual: int = 0  # a copy's first tokens that the cached prefix already holds: not written
-
-
-class MediaCacheIndex:
-    """What the scheduler needs of a media cache: membership and pins (an entry in use is never evicted)."""
-
-    def pin(self, key: str) -> bool:  # pragma: no cover - interface
-        """Hold ``key``'s entry if present; returns whether it is."""
-        raise NotImplementedError
-
-    def unpin(self, key: str) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
-
-
-@dataclass
-class SchedulerOutput:
-    """What to run in one step. Built in full by the scheduler; the runner only executes it.
-
-    The runner executes in this order: patch writes, vision encode (patch reads, visual-token
-    writes), then one LLM forward over the prefill chunks and decode tokens (visual-token reads).
-    Pages this step's reads consume completely are listed in ``freed_*_pages``; they go back to
-    their allocators in :meth:`Scheduler.commit`, after the step has run.
-    """
-
-    admitted: list[str] = field(default_factory=list)  # write all their vision patches this step
-    #: admitted requests' media that have no patches (cached prefix or media cache): not written
-    skip_media: dict[str, list[int]] = field(default_factory=dict)
-    #: KV block tables of requests whose prefill starts this step (prompt + max_tokens: never change)
-    block_tables: dict[str, list[int]] = field(default_factory=dict)
-    patch_write: RaggedIndex | None = None  # rows: admitted requests' patches, in admitted order
-    encode: list[EncodeWork] = field(default_factory=list)
-    patch_read: RaggedIndex | None = None  # rows: the encode items' patches, in encode order
-    visual_write: RaggedIndex | None = None  # rows: the encode items' visual tokens, in encode order
-    prefill: list[PrefillChunk] = field(default_factory=list)
-    visual_read: RaggedIndex | None = None  # rows: visual tokens of the prefill chunks, in chunk order
-    decode: list[str] = field(default_factory=list)  # one new token each
-    freed_patch_pages: list[int] = field(default_factory=list)  # consumed by patch_read; freed at commit
-    freed_visual_pages: list[int] = field(default_factory=list)  # consumed by visual_read; freed at commit
-    #: media-cache entries whose last item is copied this step: unpinned at commit
-    unpin_media_keys: list[str] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.admitted or self.encode or self.prefill or self.decode)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.prefill)
+__all__ = ["GPU_TOKEN_BUDGETS", "SCHEDULING_POLICIES", "EncodeWork", "MediaCacheIndex", "PrefillChunk", "Scheduler",
+           "SchedulerConfig", "SchedulerOutput", "server_token_budgets"]
 
 
 class Scheduler:
@@ -186,6 +97,7 @@ class Scheduler:
         self.visual_streams: dict[str, PagedStream] = {}
         self.handed_off: dict[str, Request] = {}  # prefilled, decoding elsewhere; their KV blocks are still held
         self.kv_overtakes: dict[str, int] = {}  # request waiting for KV blocks -> later requests that took theirs
+        self.passed_steps: dict[str, int] = {}  # srpt: request -> steps in a row it could have run and did not
         self.adopted: set[str] = set()  # prefilled elsewhere, decoding here on blocks lent by their owner
         self._kv_grants = itertools.count()  # Request.kv_order: holders take visual pages in this order
 
@@ -398,82 +310,170 @@ class Scheduler:
         #    it room for the rest of its items (counting the pages that request's own reads will
         #    free): visual pages are freed only by prefill, so a request without KV that took the room
         #    a KV holder needs would wait for that holder's KV, and neither would move
-        encode_tokens, reads, writes = 0, [], []
-        new_pages = 0  # pages `writes` allocate
-        reserve = -1  # the most free pages any request before this one needs kept (:meth:`_pages_short`)
-        for req in self._page_priority():
-            n_patch = n_visual = 0
-            stream = self.visual_streams[req.request_id]
-            while req.num_scheduled_items < len(req.encode_items):
-                index = req.num_scheduled_items
-                item = req.encode_items[index]
-                cached = item.media_index in req.cached_media
-                if not cached and encode_tokens >= self.config.encode_token_budget:
-                    break
+        # 3. prefill chunks under the token budget, in admission order; a chunk stops before the first
+        #    visual token that is not encoded yet (this step's encodes run first)
+        # srpt: both budgets are first shared out in srpt order (:meth:`_by_remaining`), each request taking
+        # at most its share in a first pass of the same order and rules; a second pass gives what is left as
+        # fcfs would. Only the amounts change: pages and KV blocks go by the rules above (an srpt order there
+        # could let a short request wait for pages a long one holds while the long one may not pass it to KV)
+        srpt = self.config.scheduling_policy == "srpt"
+        wanting: set[str] = set()  # srpt: requests that had something to encode or prefill
+        self._schedule_encode(out, self._encode_shares(wanting) if srpt else None)
+        self._schedule_prefill(out, self._prefill_shares(wanting) if srpt else None)
+        if srpt:  # who could have run and did not: after max_passed_steps such steps in a row it goes first
+            ran = {w.request_id for w in out.encode} | {c.request_id for c in out.prefill}
+            for rid in wanting - ran:
+                self.passed_steps[rid] = self.passed_steps.get(rid, 0) + 1
+            for rid in ran:
+                self.passed_steps.pop(rid, None)
+        # 4. every request past its prompt decodes one token (up to max_decode_batch of them)
+        out.decode = self._decode_rows()
+        return out
+
+    def _by_remaining(self, requests) -> list[Request]:
+        """``requests`` in srpt order: those passed ``max_passed_steps`` steps in a row first (oldest first), then
+        the fewest prompt tokens left to prefill first (encoded or not; a tie: the oldest first)."""
+        def key(req: Request) -> tuple[bool, int]:
+            overdue = self.passed_steps.get(req.request_id, 0) >= self.config.max_passed_steps
+            return not overdue, 0 if overdue else req.prompt_len - req.num_computed_tokens
+
+        return sorted(requests, key=key)  # stable: admission order within a key
+
+    def _encode_shares(self, wanting: set[str]) -> dict[str, int]:
+        """srpt: the patch tokens each request may encode this step: the budget given in :meth:`_by_remaining`
+        order, each request taking its ready items as the fcfs loop would (the last one may pass the budget).
+        Adds the requests with a ready item to encode to ``wanting``."""
+        left, shares = self.config.encode_token_budget, {}
+        for req in self._by_remaining(self.running):
+            taken = 0
+            for index in range(req.num_scheduled_items, len(req.encode_items)):
                 if not req.item_ready(index):
                     break
-                rows = n_visual + item.num_visual_tokens - (req.num_skipped_visual if index == req.num_covered_items else 0)
-                free = self.visual_pages.num_free_pages - new_pages - stream.num_pages_to_write(rows)
-                if free < 0 or free < reserve:
-                    break
-                drop = req.num_skipped_visual if index == req.num_covered_items else 0
-                out.encode.append(EncodeWork(req.request_id, index, from_cache=cached, skip_visual=drop))
-                req.num_scheduled_items += 1
-                n_visual += item.num_visual_tokens - drop
-                if cached:  # a copy: free of the encode budget, reads no patches
-                    if req.is_last_item_of_media(index):
-                        out.unpin_media_keys.append(req.media_keys[item.media_index])
+                item = req.encode_items[index]
+                if item.media_index in req.cached_media:  # a copy: free of the budget
                     continue
-                encode_tokens += item.num_patch_tokens
-                n_patch += item.num_patch_tokens
-            if n_patch:
-                reads.append((self.patch_streams[req.request_id], n_patch))
-            if n_visual:
-                writes.append((stream, n_visual))
-                new_pages += stream.num_pages_to_write(n_visual)
-            reserve = max(reserve, self._pages_short(req, n_visual))
+                wanting.add(req.request_id)
+                if taken >= left:
+                    break
+                taken += item.num_patch_tokens
+            if taken:
+                shares[req.request_id] = taken
+                left -= taken
+        return shares
+
+    def _prefill_shares(self, wanting: set[str]) -> dict[str, int]:
+        """srpt: the prompt tokens each request may prefill this step, the budget given in :meth:`_by_remaining`
+        order (after this step's encodes). Adds the requests with tokens to prefill to ``wanting``."""
+        left, shares = self.config.prefill_token_budget, {}
+        for req in self._by_remaining(self.running):
+            if req.is_prefill_done or self._prefill_size(req, max(left, 1)) <= 0:
+                continue
+            wanting.add(req.request_id)
+            size = self._prefill_size(req, left) if left > 0 else 0
+            if size > 0:
+                shares[req.request_id] = size
+                left -= size
+        return shares
+
+    def _schedule_encode(self, out: SchedulerOutput, shares: dict[str, int] | None) -> None:
+        """Step 2: the encode items, their patch reads and visual-page writes (``shares``: srpt's first pass)."""
+        order = self._page_priority()
+        works: dict[str, list[EncodeWork]] = {r.request_id: [] for r in order}
+        n_patch, n_visual = dict.fromkeys(works, 0), dict.fromkeys(works, 0)
+        encode_tokens = 0
+        for limits in ([shares, None] if shares is not None else [None]):
+            # pages the writes so far allocate
+            new_pages = sum(self.visual_streams[rid].num_pages_to_write(n) for rid, n in n_visual.items() if n)
+            reserve = -1  # the most free pages any request before this one needs kept (:meth:`_pages_short`)
+            for req in order:
+                rid = req.request_id
+                stream = self.visual_streams[rid]
+                share = None if limits is None else limits.get(rid, 0)
+                mine = stream.num_pages_to_write(n_visual[rid]) if n_visual[rid] else 0  # counted in new_pages
+                while req.num_scheduled_items < len(req.encode_items):
+                    index = req.num_scheduled_items
+                    item = req.encode_items[index]
+                    cached = item.media_index in req.cached_media
+                    if not cached and (encode_tokens >= self.config.encode_token_budget if share is None
+                                       else n_patch[rid] >= share):
+                        break
+                    if not req.item_ready(index):
+                        break
+                    drop = req.num_skipped_visual if index == req.num_covered_items else 0
+                    rows = n_visual[rid] + item.num_visual_tokens - drop
+                    free = self.visual_pages.num_free_pages - (new_pages - mine) - stream.num_pages_to_write(rows)
+                    if free < 0 or free < reserve:
+                        break
+                    works[rid].append(EncodeWork(rid, index, from_cache=cached, skip_visual=drop))
+                    req.num_scheduled_items += 1
+                    n_visual[rid] = rows
+                    if cached:  # a copy: free of the encode budget, reads no patches
+                        if req.is_last_item_of_media(index):
+                            out.unpin_media_keys.append(req.media_keys[item.media_index])
+                        continue
+                    encode_tokens += item.num_patch_tokens
+                    n_patch[rid] += item.num_patch_tokens
+                if n_visual[rid]:
+                    new_pages += stream.num_pages_to_write(n_visual[rid]) - mine
+                reserve = max(reserve, self._pages_short(req, n_visual[rid]))
+        reads, writes = [], []
+        for req in order:  # each request's items together, in the order of its reads and writes
+            rid = req.request_id
+            out.encode.extend(works[rid])
+            if n_patch[rid]:
+                reads.append((self.patch_streams[rid], n_patch[rid]))
+            if n_visual[rid]:
+                writes.append((self.visual_streams[rid], n_visual[rid]))
         if reads:
             out.patch_read, out.freed_patch_pages = plan_read(reads, self.patch_pages.page_size)
         if writes:
             out.visual_write = plan_write(writes, self.visual_pages)
-        # 3. prefill chunks under the token budget, oldest first; a chunk stops before the first
-        #    visual token that is not encoded yet (this step's encodes run first)
-        budget, visual_reads, blocked = self.config.prefill_token_budget, [], []
-        for req in self.running:
-            if req.is_prefill_done or budget <= 0:
-                continue
-            size = self._prefill_size(req, budget)
-            if size <= 0:
-                continue
-            if not req.has_kv:
-                # KV blocks for prompt + max_tokens (after its cached prefix's), in admission order; a
-                # request that does not fit yet may be passed by one that does, unless an earlier one
-                # was passed too often. One whose remaining items the free visual pages cannot take
-                # (after its own reads) waits without KV: it would hold KV waiting for pages others hold
-                text_prefix = self._text_prefix(req)
-                if self._pages_short(req) > self.visual_pages.num_free_pages \
-                        or not self.blocks.can_allocate(req.max_total_tokens, text_prefix):
-                    blocked.append(req.request_id)
+
+    def _schedule_prefill(self, out: SchedulerOutput, shares: dict[str, int] | None) -> None:
+        """Step 3: the prefill chunks and their visual-token reads (``shares``: srpt's first pass)."""
+        budget, sizes = self.config.prefill_token_budget, {}
+        for limits in ([shares, None] if shares is not None else [None]):
+            blocked = []
+            for req in self.running:
+                rid = req.request_id
+                if req.is_prefill_done or budget <= 0:
                     continue
-                if self._passed_too_often(blocked):
+                done = sizes.get(rid, 0)
+                if self._prefill_size(req, done + budget) - done <= 0:
                     continue
-                self._pass(blocked)
-                self.kv_overtakes.pop(req.request_id, None)
-                self._take_kv(req, out, text_prefix)
-                size = self._prefill_size(req, budget)  # past the cached text, if any
+                limit = budget if limits is None else min(budget, limits.get(rid, 0))
+                if not req.has_kv:
+                    # KV blocks for prompt + max_tokens (after its cached prefix's), in admission order; a
+                    # request that does not fit yet may be passed by one that does, unless an earlier one
+                    # was passed too often. One whose remaining items the free visual pages cannot take
+                    # (after its own reads) waits without KV: it would hold KV waiting for pages others hold
+                    text_prefix = self._text_prefix(req)
+                    if self._pages_short(req) > self.visual_pages.num_free_pages \
+                            or not self.blocks.can_allocate(req.max_total_tokens, text_prefix):
+                        blocked.append(rid)
+                        continue
+                    if self._passed_too_often(blocked) or limit <= 0:
+                        continue
+                    self._pass(blocked)
+                    self.kv_overtakes.pop(rid, None)
+                    self._take_kv(req, out, text_prefix)  # (past its cached text, if any: computed tokens move)
+                size = self._prefill_size(req, done + limit) - done if limit > 0 else 0
                 if size <= 0:
                     continue
+                sizes[rid] = done + size
+                budget -= size
+        visual_reads = []
+        for req in self.running:  # admission order
+            size = sizes.get(req.request_id)
+            if not size:
+                continue
             start = req.num_computed_tokens
             out.prefill.append(PrefillChunk(req.request_id, start, size, is_last=start + size == req.prompt_len))
-            budget -= size
             n_visual = req.visual_tokens_before(start + size) - req.visual_tokens_before(start)
             if n_visual:
                 visual_reads.append((self.visual_streams[req.request_id], n_visual))
         if visual_reads:
             out.visual_read, out.freed_visual_pages = plan_read(visual_reads, self.visual_pages.page_size)
-        # 4. every request past its prompt decodes one token (up to max_decode_batch of them)
-        out.decode = self._decode_rows()
-        return out
 
     def _take_kv(self, req: Request, out: SchedulerOutput, text_prefix: list[int] = ()) -> None:
         """Give ``req`` its KV blocks for prompt + max_tokens (it holds its cached prefix's already), starting with
@@ -623,6 +623,7 @@ class Scheduler:
         """Mark finished (or aborted) and free everything it holds: KV blocks and unread pages."""
         req = self.requests.pop(request_id)
         self.kv_overtakes.pop(request_id, None)
+        self.passed_steps.pop(request_id, None)
         req.status, req.finish_reason = Status.FINISHED, reason
         if request_id in self.adopted:  # its blocks are borrowed: the lender frees them
             self.adopted.remove(request_id)

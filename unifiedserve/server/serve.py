@@ -248,7 +248,7 @@ def build_runtime(args: argparse.Namespace):
                                             if v is not None}, args.tbt_slo_ms)
     try:  # the config tree checks every value once; a refusal names the flag it came from
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_decode_batch=args.max_decode_batch,
-                                patches_ready_on_admit=False, **budgets)
+                                scheduling_policy=args.scheduling_policy, patches_ready_on_admit=False, **budgets)
         engine = EngineConfig(device=device, dtype=dtype, block_size=args.block_size, page_size=args.page_size,
                               enforce_eager=args.enforce_eager, async_scheduling=async_scheduling,
                               scheduler=sched,

@@ -9,7 +9,7 @@ import os
 import re
 
 from unifiedserve.engine.config import EngineConfig
-from unifiedserve.engine.scheduler import GPU_TOKEN_BUDGETS, SchedulerConfig
+from unifiedserve.engine.scheduler import GPU_TOKEN_BUDGETS, SCHEDULING_POLICIES, SchedulerConfig
 from unifiedserve.runtime.config import POLICIES, VISION_DEVICES, PoolBudgets, RuntimeConfig
 from unifiedserve.runtime.shm import DEFAULT_SHM_DIR
 from unifiedserve.server.limits import BODY_ROOM_WAIT_S, QWEN_MAX_FRAMES, QWEN_MAX_PIXELS, RequestLimits
@@ -159,6 +159,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests admitted to encode/prefill at once (default %(default)s)")
     g.add_argument("--max-decode-batch", type=_positive_int, default=SchedulerConfig.max_decode_batch,
                    help="requests decoded together at most (default %(default)s)")
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=SchedulerConfig.scheduling_policy,
+                   help="who gets the encode and prefill budgets first: srpt, the request with the fewest prompt "
+                        "tokens left to prefill (a short question is not held behind a long video; one passed over "
+                        f"{SchedulerConfig.max_passed_steps} iterations in a row goes first), or fcfs, the oldest; KV "
+                        "blocks and buffer pages go in arrival order either way (default %(default)s)")
 
     g = p.add_argument_group("memory pools")
     g.add_argument("--kv-cache-gb", type=_positive_float, default=None,

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from unifiedserve.engine.params import SamplingParams
 from unifiedserve.engine.request import EncodeItem, Request
-from unifiedserve.engine.scheduler import Scheduler, SchedulerConfig
+from unifiedserve.engine.scheduler import SCHEDULING_POLICIES, Scheduler, SchedulerConfig
 from unifiedserve.memory.block_manager import BlockManager
 from unifiedserve.memory.pages import PageAllocator
 
@@ -33,11 +33,14 @@ def make(rid, prefix, before, media, after, max_tokens):
 @settings(max_examples=300, deadline=None)
 @given(workload=st.lists(requests, min_size=1, max_size=8), kv_blocks=st.integers(6, 24),
        visual_pages=st.integers(3, 8), encode_budget=st.integers(4, 64), prefill_budget=st.integers(2, 32),
-       overtakes=st.integers(0, 3), seats=st.integers(1, 8))
-def test_every_request_finishes(workload, kv_blocks, visual_pages, encode_budget, prefill_budget, overtakes, seats):
+       overtakes=st.integers(0, 3), seats=st.integers(1, 8), policy=st.sampled_from(SCHEDULING_POLICIES),
+       passed_steps=st.integers(0, 4))
+def test_every_request_finishes(workload, kv_blocks, visual_pages, encode_budget, prefill_budget, overtakes, seats,
+                                policy, passed_steps):
     blocks = BlockManager(kv_blocks, block_size=4, enable_prefix_caching=True)
     config = SchedulerConfig(prefill_token_budget=prefill_budget, encode_token_budget=encode_budget,
-                             max_kv_overtakes=overtakes, max_num_seqs=seats, patches_ready_on_admit=False)
+                             max_kv_overtakes=overtakes, max_num_seqs=seats, patches_ready_on_admit=False,
+                             scheduling_policy=policy, max_passed_steps=passed_steps)
     scheduler = Scheduler(config, blocks, PageAllocator(64, 4), PageAllocator(visual_pages, 4))
     arrivals: dict[str, list[int]] = {}
     accepted = []

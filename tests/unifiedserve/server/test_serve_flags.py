@@ -31,6 +31,7 @@ from unifiedserve.cli import main
     (["--media-cache-gb", "-1"], "argument --media-cache-gb: must be a finite number >= 0"),
     (["--media-cache-gb", "inf"], "argument --media-cache-gb: must be a finite number >= 0"),
     (["--ingest", "foo"], "argument --ingest: invalid choice"),
+    (["--scheduling-policy", "lifo"], "argument --scheduling-policy: invalid choice"),
     (["--max-decode-batch", "0"], "argument --max-decode-batch: must be at least 1"),
     (["--page-size", "-1"], "argument --page-size: must be at least 1"),
     (["--num-kv-blocks", "0"], "argument --num-kv-blocks: must be at least 1"),

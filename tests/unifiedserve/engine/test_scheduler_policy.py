@@ -1,0 +1,62 @@
+"""--scheduling-policy: srpt gives the budgets to the request with the least prompt left (a short question is not
+held behind a long video), fcfs to the oldest; a request srpt passes over is served after max_passed_steps."""
+
+import pytest
+
+from unifiedserve.engine.params import SamplingParams
+from unifiedserve.engine.request import EncodeItem, Request
+from unifiedserve.engine.scheduler import Scheduler, SchedulerConfig
+from unifiedserve.memory.block_manager import BlockManager
+from unifiedserve.memory.pages import PageAllocator
+
+
+def video_request(rid, slices, text_before=4, text_after=4):
+    """A video of ``slices`` items of 16 patch tokens (4 visual tokens) each."""
+    ids = [1] * text_before + [9] * (4 * slices) + [2] * text_after
+    items = [EncodeItem(0, 16, 4, (1, 2, 8)) for _ in range(slices)]
+    return Request(rid, ids, SamplingParams(max_tokens=2), items, list(range(text_before, text_before + 4 * slices)))
+
+
+def run(policy, max_passed_steps=64, late=("short", 2)):
+    """A 40-slice video, then after two steps a ``late`` one; the step at which each request samples its first token."""
+    s = Scheduler(SchedulerConfig(prefill_token_budget=16, encode_token_budget=32, scheduling_policy=policy,
+                                  max_passed_steps=max_passed_steps),
+                  BlockManager(256, block_size=4), PageAllocator(256, 4), PageAllocator(256, 4))
+    s.add(video_request("long", 40))
+    first_token, step = {}, 0
+    while s.has_work:
+        if step == 2:
+            s.add(video_request(*late))
+        out = s.schedule()
+        s.commit(out)
+        for rid in [c.request_id for c in out.prefill if c.is_last] + out.decode:
+            req = s.requests[rid]
+            first_token.setdefault(rid, step)
+            req.output_token_ids.append(0)
+            if len(req.output_token_ids) >= req.params.max_tokens:
+                s.finish(rid, "length")
+        step += 1
+        assert step < 1000
+    return first_token
+
+
+def test_srpt_serves_a_short_request_first_and_the_long_one_little_later():
+    fcfs, srpt = run("fcfs"), run("srpt")
+    assert fcfs["short"] > fcfs["long"]  # fcfs: behind the long video's last token
+    assert srpt["short"] < fcfs["long"] // 4  # srpt: within a few steps of its arrival
+    assert srpt["long"] <= fcfs["long"] + 3  # the long one pays the short one's few steps
+
+
+def test_a_request_passed_over_max_passed_steps_in_a_row_goes_first():
+    """A late request with a little less left than the first one is served first (the first one waits 15 steps);
+    with max_passed_steps 0 the first one is never passed over, as under fcfs."""
+    lengths = []
+    for bound in (0, 64):
+        firsts = run("srpt", max_passed_steps=bound, late=("other", 30))
+        lengths.append(firsts["long"])
+    assert lengths[0] == run("fcfs", late=("other", 30))["long"] < lengths[1]
+
+
+def test_the_policy_is_checked():
+    with pytest.raises(ValueError, match="scheduling_policy must be one of srpt, fcfs"):
+        SchedulerConfig(scheduling_policy="lifo")
