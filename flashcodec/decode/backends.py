@@ -426,7 +426,8 @@ class TorchCodecSegmentDecoder(SegmentDecoder):
 
 class TorchCodecBackend(Backend):
     """Frames that share a pts (:attr:`VideoInfo.shared_pts`) are decoded by PyAV instead: torchcodec's seeks
-    return the frame next to the one asked for there, silently."""
+    return the frame next to the one asked for there, silently. So is a video torchcodec cannot open that PyAV's
+    probe read (torchcodec 0.13 opened no MPEG-TS file: "FrameDims.height must be > 0")."""
 
     name = "torchcodec"
 
@@ -438,7 +439,11 @@ class TorchCodecBackend(Backend):
         if info.shared_pts:
             log_once(f"{source.name}: frames share timestamps, which torchcodec misplaces; decoding it with PyAV")
             return PyAVSegmentDecoder(source, info, height, width, resize)
-        return TorchCodecSegmentDecoder(source, info, height, width, resize)
+        try:
+            return TorchCodecSegmentDecoder(source, info, height, width, resize)
+        except CorruptVideoError as e:  # a file that no longer opens at all fails in PyAV's open too, saying why
+            log_once(f"{first_line(e)}; decoding it with PyAV")
+            return PyAVSegmentDecoder(source, info, height, width, resize)
 
 
 BACKENDS: dict[str, type[Backend]] = {"pyav": PyAVBackend, "torchcodec": TorchCodecBackend}

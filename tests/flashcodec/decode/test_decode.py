@@ -479,6 +479,29 @@ def test_a_raw_stream_without_timestamps_is_refused_by_its_probe_with_the_way_ou
 
 
 @pytest.mark.skipif("torchcodec" not in flashcodec.available_backends(), reason="torchcodec not installed")
+def test_a_video_torchcodec_cannot_open_is_decoded_by_pyav(tiny_h264, tmp_path, caplog):
+    """torchcodec 0.13 opens no MPEG-TS file ("FrameDims.height must be > 0"); its backend hands the video to PyAV,
+    and says so once."""
+    path = _remux(tiny_h264, tmp_path / "stream.ts")
+    caplog.set_level("INFO", logger="flashcodec")
+    ours = flashcodec.decode_video(str(path), num_frames=6, backend="torchcodec")
+    pyav = flashcodec.decode_video(str(path), num_frames=6, backend="pyav")
+    assert ours.frame_indices == pyav.frame_indices and torch.equal(ours.frames, pyav.frames)
+    opened = flashcodec.decode_video(str(tiny_h264), num_frames=6, backend="torchcodec")  # no notice for a good one
+    assert opened.failed_frame_indices == []
+    notices = {r.getMessage() for r in caplog.records if "decoding it with PyAV" in r.getMessage()}
+    from flashcodec.decode.backends import TorchCodecSegmentDecoder
+    from flashcodec.source import Source
+
+    try:  # (a torchcodec that opens it decodes it itself, and says nothing)
+        TorchCodecSegmentDecoder(Source(str(path)), flashcodec.probe(str(path)), 64, 64).close()
+        opens = True
+    except flashcodec.CorruptVideoError:
+        opens = False
+    assert len(notices) == (0 if opens else 1), notices
+
+
+@pytest.mark.skipif("torchcodec" not in flashcodec.available_backends(), reason="torchcodec not installed")
 def test_a_file_torchcodec_cannot_open_is_one_clear_error(tiny_h264, tmp_path):
     """torchcodec's open raises a plain, three-line ValueError or RuntimeError (a file that changed after its
     probe, here one that is no video any more)."""
