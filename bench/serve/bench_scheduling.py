@@ -85,6 +85,10 @@ def ttft_by_kind(recs, kind_of: dict[str, str]) -> dict[str, dict]:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if "--scheduling-policy" in a.server_args:
+        print("bench_scheduling.py: error: --server-args must not set --scheduling-policy (one server runs per "
+              "policy)", file=sys.stderr)
+        return 2
     a.out.mkdir(parents=True, exist_ok=True)
     media_dir = a.media_dir or workload_media.default_media_dir()
     cfg = workload_config.WorkloadConfig(workload=a.workload, num_requests=a.num_requests, request_rate=a.request_rate,

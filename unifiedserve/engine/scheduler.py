@@ -16,9 +16,11 @@ Who gets the budgets first (``SchedulerConfig.scheduling_policy``): ``fcfs``, th
 above; ``srpt`` (default), the request with the fewest prompt tokens left to prefill (shortest remaining
 processing time), so a text question or an image is not held behind a long video's encode and prefill.
 srpt only shares out the amounts: each request takes at most its share in a first pass of the fcfs
-loops and their rules, and a second pass gives what is left as fcfs would; KV blocks and visual pages
-go by the rules below whatever the policy. A request that could run and got nothing
-``max_passed_steps`` steps in a row goes first.
+loops and their rules, and a second pass gives what is left as fcfs would. Visual pages go by the rules
+below whatever the policy; KV blocks too, except that a request srpt serves first may take its blocks
+before an older one that could take them but got no share: that counts as one of the older one's
+``max_kv_overtakes``. A request the srpt order left without a budget it could have used
+``max_passed_steps`` times since it last ran goes first.
 
 Caches (both optional). At admission a request takes the longest run of its prompt's leading KV
 blocks that the prefix cache holds (content hashes, ``memory/prefix_hash.py``), cut back so that no
@@ -97,7 +99,7 @@ class Scheduler:
         self.visual_streams: dict[str, PagedStream] = {}
         self.handed_off: dict[str, Request] = {}  # prefilled, decoding elsewhere; their KV blocks are still held
         self.kv_overtakes: dict[str, int] = {}  # request waiting for KV blocks -> later requests that took theirs
-        self.passed_steps: dict[str, int] = {}  # srpt: request -> steps in a row it could have run and did not
+        self.passed_steps: dict[str, int] = {}  # srpt: request -> steps it was left without budget since it ran
         self.adopted: set[str] = set()  # prefilled elsewhere, decoding here on blocks lent by their owner
         self._kv_grants = itertools.count()  # Request.kv_order: holders take visual pages in this order
 
@@ -317,12 +319,12 @@ class Scheduler:
         # fcfs would. Only the amounts change: pages and KV blocks go by the rules above (an srpt order there
         # could let a short request wait for pages a long one holds while the long one may not pass it to KV)
         srpt = self.config.scheduling_policy == "srpt"
-        wanting: set[str] = set()  # srpt: requests that had something to encode or prefill
-        self._schedule_encode(out, self._encode_shares(wanting) if srpt else None)
-        self._schedule_prefill(out, self._prefill_shares(wanting) if srpt else None)
-        if srpt:  # who could have run and did not: after max_passed_steps such steps in a row it goes first
+        passed: set[str] = set()  # srpt: requests that could have used a budget the srpt order left nothing of
+        self._schedule_encode(out, self._encode_shares(passed) if srpt else None)
+        self._schedule_prefill(out, self._prefill_shares(passed) if srpt else None)
+        if srpt:  # passed over max_passed_steps times since it last ran: it goes first
             ran = {w.request_id for w in out.encode} | {c.request_id for c in out.prefill}
-            for rid in wanting - ran:
+            for rid in passed - ran:
                 self.passed_steps[rid] = self.passed_steps.get(rid, 0) + 1
             for rid in ran:
                 self.passed_steps.pop(rid, None)
@@ -331,7 +333,7 @@ class Scheduler:
         return out
 
     def _by_remaining(self, requests) -> list[Request]:
-        """``requests`` in srpt order: those passed ``max_passed_steps`` steps in a row first (oldest first), then
+        """``requests`` in srpt order: those passed over ``max_passed_steps`` times first (oldest first), then
         the fewest prompt tokens left to prefill first (encoded or not; a tie: the oldest first)."""
         def key(req: Request) -> tuple[bool, int]:
             overdue = self.passed_steps.get(req.request_id, 0) >= self.config.max_passed_steps
@@ -339,10 +341,10 @@ class Scheduler:
 
         return sorted(requests, key=key)  # stable: admission order within a key
 
-    def _encode_shares(self, wanting: set[str]) -> dict[str, int]:
+    def _encode_shares(self, passed: set[str]) -> dict[str, int]:
         """srpt: the patch tokens each request may encode this step: the budget given in :meth:`_by_remaining`
         order, each request taking its ready items as the fcfs loop would (the last one may pass the budget).
-        Adds the requests with a ready item to encode to ``wanting``."""
+        Adds to ``passed`` the requests with a ready item that the budget left nothing for."""
         left, shares = self.config.encode_token_budget, {}
         for req in self._by_remaining(self.running):
             taken = 0
@@ -352,8 +354,9 @@ class Scheduler:
                 item = req.encode_items[index]
                 if item.media_index in req.cached_media:  # a copy: free of the budget
                     continue
-                wanting.add(req.request_id)
                 if taken >= left:
+                    if not taken:
+                        passed.add(req.request_id)
                     break
                 taken += item.num_patch_tokens
             if taken:
@@ -361,18 +364,26 @@ class Scheduler:
                 left -= taken
         return shares
 
-    def _prefill_shares(self, wanting: set[str]) -> dict[str, int]:
+    def _prefill_shares(self, passed: set[str]) -> dict[str, int]:
         """srpt: the prompt tokens each request may prefill this step, the budget given in :meth:`_by_remaining`
-        order (after this step's encodes). Adds the requests with tokens to prefill to ``wanting``."""
-        left, shares = self.config.prefill_token_budget, {}
+        order (after this step's encodes) to those that could prefill now: holding KV, or able to take it (one
+        that could not would leave its share unused). Adds to ``passed`` those the budget left nothing for."""
+        budget = self.config.prefill_token_budget
+        left, shares = budget, {}
         for req in self._by_remaining(self.running):
             if req.is_prefill_done or self._prefill_size(req, max(left, 1)) <= 0:
                 continue
-            wanting.add(req.request_id)
+            if not req.has_kv and (self._pages_short(req) > self.visual_pages.num_free_pages
+                                   or not self.blocks.can_allocate(req.max_total_tokens, self._text_prefix(req))):
+                continue
             size = self._prefill_size(req, left) if left > 0 else 0
+            if size > left and shares:  # chunking off: a whole prompt past what is left waits for its own step
+                size = 0
             if size > 0:
                 shares[req.request_id] = size
                 left -= size
+            else:
+                passed.add(req.request_id)
         return shares
 
     def _schedule_encode(self, out: SchedulerOutput, shares: dict[str, int] | None) -> None:
@@ -452,12 +463,17 @@ class Scheduler:
                             or not self.blocks.can_allocate(req.max_total_tokens, text_prefix):
                         blocked.append(rid)
                         continue
-                    if self._passed_too_often(blocked) or limit <= 0:
+                    if self._passed_too_often(blocked):
+                        continue
+                    if limit <= 0:  # srpt gave it no share: a later request that takes KV now passes it (counted)
+                        blocked.append(rid)
                         continue
                     self._pass(blocked)
                     self.kv_overtakes.pop(rid, None)
                     self._take_kv(req, out, text_prefix)  # (past its cached text, if any: computed tokens move)
                 size = self._prefill_size(req, done + limit) - done if limit > 0 else 0
+                if size > budget and sizes and limits is None and shares is not None:
+                    continue  # srpt, chunking off: a whole prompt past what is left waits for its own step
                 if size <= 0:
                     continue
                 sizes[rid] = done + size

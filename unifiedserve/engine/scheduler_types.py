@@ -44,7 +44,8 @@ class SchedulerConfig:
     max_decode_batch: int = 256
     #: who gets the encode and prefill budgets first (:data:`SCHEDULING_POLICIES`)
     scheduling_policy: str = "srpt"
-    #: srpt: a request that could encode or prefill but got nothing this many steps in a row goes first
+    #: srpt: a request that could have used a budget and was given none of it (the srpt order gave it to others)
+    #: this many times since it last ran goes first
     max_passed_steps: int = 64
 
     def __post_init__(self) -> None:

@@ -42,8 +42,8 @@ def add_ray_arguments(p: argparse.ArgumentParser) -> None:
                    help="--ray: join this Ray cluster (HOST:PORT of its head, ray://HOST:PORT, or auto) instead of "
                         "starting a local instance (default: $RAY_ADDRESS)")
     g.add_argument("--replica-cpus", type=_positive_int, default=None, metavar="N",
-                   help="--ray: CPUs Ray reserves for each replica (default: this machine's cores / --replicas, "
-                        "at least 1)")
+                   help="--ray: CPUs Ray reserves for each replica (default: this machine's cores / the most "
+                        "replicas, --max-replicas or --replicas; a fraction of one when they outnumber the cores)")
     g.add_argument("--ray-router", choices=("media-affinity", "serve-default"), default=None,
                    help="--ray: media-affinity (default; see --affinity-load-bound) or serve-default, Serve's own "
                         "power-of-two-choices router, to compare against")
@@ -78,15 +78,21 @@ def check_ray_args(args: argparse.Namespace) -> None:
                          f"({lo or 1}..{hi or args.replicas})")
     if args.ray_router is None:
         args.ray_router = "media-affinity"
-    cpus = os.cpu_count() or 1
+    cpus, most = os.cpu_count() or 1, most_replicas(args)
     if args.replica_cpus is None:  # more replicas than cores share them (Ray takes fractions down to 1e-4)
-        args.replica_cpus = cpus // args.replicas or math.floor(cpus / args.replicas * 1e4) / 1e4
+        args.replica_cpus = cpus // most or math.floor(cpus / most * 1e4) / 1e4
     if args.ray_address is not None:
         check_address(args.ray_address)
-    elif args.replicas * args.replica_cpus > cpus:  # the local instance has this machine's cores, no more
-        raise ValueError(f"--replicas {args.replicas} x --replica-cpus {args.replica_cpus} needs "
-                         f"{args.replicas * args.replica_cpus} CPUs and this machine has {cpus}: Ray would never "
-                         f"place the rest; lower --replica-cpus or --replicas")
+    elif most * args.replica_cpus > cpus:  # the local instance has this machine's cores, no more
+        flag = "--max-replicas" if most > args.replicas else "--replicas"
+        raise ValueError(f"{flag} {most} x --replica-cpus {args.replica_cpus:g} needs {most * args.replica_cpus:g} "
+                         f"CPUs and this machine has {cpus}: Ray would never place the rest; lower --replica-cpus "
+                         f"or {flag}")
+
+
+def most_replicas(args: argparse.Namespace) -> int:
+    """The most replicas the flags let run at once (autoscaling's upper bound, else the fixed count)."""
+    return max(args.replicas, args.max_replicas or 0)
 
 
 def check_address(address: str) -> None:
@@ -255,17 +261,19 @@ def run_ray(args: argparse.Namespace, limits) -> int:
         signal.signal(sig, lambda signum, frame: stop.set())
     app = None  # the application's handle, once it runs (to drain it at the stop)
     try:
-        if args.ray_address and args.replicas * args.replica_cpus > ray.cluster_resources().get("CPU", 0):
-            log.warning("--replicas %d x --replica-cpus %g is more CPUs than the cluster has now (%g): the replicas "
-                        "that do not fit wait for it to grow", args.replicas, args.replica_cpus,
-                        ray.cluster_resources().get("CPU", 0))
+        have = ray.cluster_resources().get("CPU", 0) if args.ray_address else 0
+        if args.ray_address and most_replicas(args) * args.replica_cpus > have:
+            log.warning("%d replica(s) x --replica-cpus %g is more CPUs than the cluster has now (%g): the replicas "
+                        "that do not fit wait for it to grow", most_replicas(args), args.replica_cpus, have)
         try:
             serve.start(http_options={"host": args.host, "port": args.port})
-            # not serve.run, which waits for the replicas without end and without hearing SIGINT/SIGTERM
-            app = serve._run(build_application(args, router=args.ray_router), name=APP_NAME, route_prefix="/",
-                             _blocking=False)
-            if not wait_running(serve, stop):
-                return 0  # stopped while the replicas were starting
+            application = build_application(args, router=args.ray_router)
+            if hasattr(serve, "_run"):  # not serve.run, which waits for the replicas without end, deaf to signals
+                app = serve._run(application, name=APP_NAME, route_prefix="/", _blocking=False)
+                if not wait_running(serve, stop):
+                    return 0  # stopped while the replicas were starting
+            else:  # a Ray without it (2.60 has it): serve.run's own wait
+                app = serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
         except RuntimeError as e:  # a replica that cannot start (Serve retried it), a port in use
             log.error("start-up failed: %s", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
             return 1

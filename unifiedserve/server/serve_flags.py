@@ -162,8 +162,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=SchedulerConfig.scheduling_policy,
                    help="who gets the encode and prefill budgets first: srpt, the request with the fewest prompt "
                         "tokens left to prefill (a short question is not held behind a long video; one passed over "
-                        f"{SchedulerConfig.max_passed_steps} iterations in a row goes first), or fcfs, the oldest; KV "
-                        "blocks and buffer pages go in arrival order either way (default %(default)s)")
+                        f"{SchedulerConfig.max_passed_steps} times goes first), or fcfs, the oldest; buffer pages go "
+                        "in arrival order either way, KV blocks too but for a bounded number of overtakes "
+                        "(default %(default)s)")
 
     g = p.add_argument_group("memory pools")
     g.add_argument("--kv-cache-gb", type=_positive_float, default=None,

@@ -102,15 +102,29 @@ def test_encoding_proceeds_while_prefill_waits_for_kv_blocks():
 
 
 def test_prefill_never_overtakes_an_older_request_waiting_for_kv():
-    """KV blocks go in admission order under either policy (srpt shares out the budgets, not the blocks)."""
+    """With budget for both, KV blocks go in admission order under either policy."""
     for policy in ("fcfs", "srpt"):
         blocks = BlockManager(6, block_size=4)
         s = Scheduler(SchedulerConfig(prefill_token_budget=100, scheduling_policy=policy), blocks,
                       PageAllocator(8, 4), PageAllocator(8, 4))
-        big, small = make_request("big", 20, 0, 0, max_tokens=4), make_request("small", 2, 0, 0, max_tokens=1)
         order = []
-        drive(s, [big, small], lambda out: order.extend(c.request_id for c in out.prefill))
+        drive(s, [make_request("big", 20, 0, 0, max_tokens=4), make_request("small", 2, 0, 0, max_tokens=1)],
+              lambda out: order.extend(c.request_id for c in out.prefill))
         assert order == ["big", "small"], policy
+
+
+def test_srpt_passing_an_older_request_to_kv_counts_as_an_overtake():
+    """With budget for one, srpt serves the small request first: it takes KV before the big one, which counts as one
+    of the big one's overtakes; with none allowed, the big one goes first."""
+    for overtakes, expected in ((64, ["small", "big"]), (0, ["big", "small"])):
+        s = Scheduler(SchedulerConfig(prefill_token_budget=2, max_kv_overtakes=overtakes), BlockManager(6, 4),
+                      PageAllocator(8, 4), PageAllocator(8, 4))
+        s.add(make_request("big", 20, 0, 0, max_tokens=4))  # all 6 blocks
+        s.add(make_request("small", 2, 0, 0, max_tokens=1))
+        first = s.schedule()
+        assert list(first.block_tables) == expected[:1]
+        if overtakes:
+            assert s.kv_overtakes == {"big": 1}
 
 
 def test_chunking_off_prefills_whole_prompt_once_ready():

@@ -60,3 +60,39 @@ def test_a_request_passed_over_max_passed_steps_in_a_row_goes_first():
 def test_the_policy_is_checked():
     with pytest.raises(ValueError, match="scheduling_policy must be one of srpt, fcfs"):
         SchedulerConfig(scheduling_policy="lifo")
+
+
+def test_a_request_waiting_for_kv_is_not_passed_over_so_srpt_holds_for_the_others():
+    """A request that cannot take its KV blocks gets no share, and is not counted as passed over: it does not turn
+    overdue and take the shares of those that can run (srpt then fell back to fcfs after 64 steps)."""
+    s = Scheduler(SchedulerConfig(prefill_token_budget=8, scheduling_policy="srpt"), BlockManager(30, 4),
+                  PageAllocator(64, 4), PageAllocator(64, 4))
+    decoding = Request("d", [1] * 4, SamplingParams(max_tokens=96), [], [])  # holds 100 of 120 KV tokens
+    waiting = Request("w", [1] * 40, SamplingParams(max_tokens=60), [], [])  # needs 100: waits for d
+    s.add(decoding)
+    first = s.schedule()
+    s.commit(first)
+    decoding.output_token_ids.append(0)
+    s.add(waiting)
+    for _ in range(90):  # more than max_passed_steps
+        out = s.schedule()
+        s.commit(out)
+        for rid in [c.request_id for c in out.prefill if c.is_last] + out.decode:
+            s.requests[rid].output_token_ids.append(0)
+        assert not s.requests["w"].has_kv
+    assert "w" not in s.passed_steps  # never given a share it could use, never passed over
+    s.add(Request("m", [1] * 40, SamplingParams(max_tokens=1), [], []))
+    s.add(Request("q", [1] * 4, SamplingParams(max_tokens=1), [], []))
+    out = s.schedule()
+    assert [c.request_id for c in out.prefill][:1] == ["q"]  # the shortest goes first
+
+
+def test_with_chunking_off_a_short_prompt_is_not_held_behind_a_long_one():
+    s = Scheduler(SchedulerConfig(prefill_token_budget=16, enable_chunked_prefill=False, scheduling_policy="srpt"),
+                  BlockManager(64, 4), PageAllocator(16, 4), PageAllocator(16, 4))
+    s.add(Request("long", [1] * 100, SamplingParams(max_tokens=1), [], []))
+    s.add(Request("short", [1] * 10, SamplingParams(max_tokens=1), [], []))
+    first = s.schedule()
+    assert [(c.request_id, c.num_tokens) for c in first.prefill] == [("short", 10)]
+    s.commit(first)
+    assert [(c.request_id, c.num_tokens) for c in s.schedule().prefill] == [("long", 100)]

@@ -54,6 +54,8 @@ def closed_port() -> int:
     (["--ray", "--replicas", "3", "--max-replicas", "2"], "outside --min-replicas/--max-replicas"),
     (["--ray", "--min-replicas", "3", "--max-replicas", "2"], "--min-replicas 3 is above --max-replicas 2"),
     (["--ray", "--replicas", "2", "--replica-cpus", str(os.cpu_count())], "Ray would never place the rest"),
+    (["--ray", "--max-replicas", "4", "--replica-cpus", str(os.cpu_count())],
+     f"--max-replicas 4 x --replica-cpus {os.cpu_count()} needs"),
 ])
 def test_bad_ray_flags_fail_fast_with_one_line(args, needle):
     started = time.perf_counter()
@@ -114,6 +116,9 @@ def test_more_replicas_than_cores_share_them():
     args.replicas, args.replica_cpus = 1, None
     check_ray_args(args)
     assert args.replica_cpus == cpus
+    args.replica_cpus, args.max_replicas = None, 2 * cpus  # autoscaling: every replica it may start has its share
+    check_ray_args(args)
+    assert args.replica_cpus * args.max_replicas <= cpus
 
 
 def fake_serve(*statuses):
