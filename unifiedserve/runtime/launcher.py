@@ -3,15 +3,19 @@
 :func:`build_config` sizes the pools from memory budgets; :class:`Runtime` creates the pools and
 the private ZMQ folder, spawns the vision, core and decode workers, and tears everything down:
 workers get ``Shutdown`` and are then terminated, pool files are unlinked as soon as every worker
-has mapped them, and the ZMQ folder is removed.
+has mapped them, and the ZMQ folder is removed. A server killed with ``kill -9`` leaves its ZMQ folder; the next
+server to start removes it (:func:`remove_stale_ipc_dirs`).
 """
 
 from __future__ import annotations
 
+import glob
 import logging
 import multiprocessing as mp
 import os
 import shutil
+import socket
+import stat
 import tempfile
 import time
 import uuid
@@ -153,10 +157,55 @@ def _worker_classes():
     return {"vision": VisionWorker, "core": CoreWorker, "decode": DecodeWorker}
 
 
+#: a ZMQ folder whose sockets all refuse connections is another server's that was killed, once it is this old
+#: (its workers bind their sockets within seconds of its making); one with no socket at all, once it is an hour old
+STALE_IPC_AGE_S = 60.0
+EMPTY_IPC_AGE_S = 3600.0
+
+
+def remove_stale_ipc_dirs(parent: str | None = None) -> list[str]:
+    """Remove the ZMQ folders (``unifiedserve-<instance>-*`` in the temp folder) that servers killed with ``kill -9``
+    left: this user's, no socket in them accepting a connection (every process of that server is gone), and old
+    enough that they are not a server starting now. Returns the folders removed; never raises."""
+    removed = []
+    now = time.time()
+    for path in glob.glob(os.path.join(parent or tempfile.gettempdir(), "unifiedserve-" + "[0-9a-f]" * 12 + "-*")):
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            with os.scandir(path) as entries:
+                sockets = [e.path for e in entries if stat.S_ISSOCK(e.stat(follow_symlinks=False).st_mode)]
+            age = now - st.st_mtime
+            if age < (STALE_IPC_AGE_S if sockets else EMPTY_IPC_AGE_S) or any(map(_accepts, sockets)):
+                continue
+            shutil.rmtree(path)
+            removed.append(path)
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+    return removed
+
+
+def _accepts(path: str) -> bool:
+    """Whether a process listens on the Unix socket ``path`` (True when it cannot be told)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            return True
+        return True
+
+
 class Runtime:
     """The worker processes and pools of one server instance."""
 
     def __init__(self, config: RuntimeConfig, shm_dir: str = DEFAULT_SHM_DIR):
+        stale = remove_stale_ipc_dirs()
+        if stale:
+            log.info("removed %d ZMQ folder(s) of servers that were killed (%s)", len(stale), ", ".join(stale[:3]))
         self.instance = uuid.uuid4().hex[:12]
         self.ipc_dir = tempfile.mkdtemp(prefix=f"unifiedserve-{self.instance}-")
         self.shm_dir = shm_dir
