@@ -343,10 +343,13 @@ class Scheduler:
 
     def _encode_shares(self, passed: set[str]) -> dict[str, int]:
         """srpt: the patch tokens each request may encode this step: the budget given in :meth:`_by_remaining`
-        order, each request taking its ready items as the fcfs loop would (the last one may pass the budget).
-        Adds to ``passed`` the requests with a ready item that the budget left nothing for."""
-        left, shares = self.config.encode_token_budget, {}
+        order to the requests whose next item the page rules let them write now (:meth:`_may_write`; one they
+        stop would leave its share unused), each taking its ready items as the fcfs loop would (the last one may
+        pass the budget). Adds to ``passed`` the requests with a writable item that the budget left nothing for."""
+        left, shares, writable = self.config.encode_token_budget, {}, self._may_write()
         for req in self._by_remaining(self.running):
+            if req.request_id not in writable:
+                continue
             taken = 0
             for index in range(req.num_scheduled_items, len(req.encode_items)):
                 if not req.item_ready(index):
@@ -364,17 +367,39 @@ class Scheduler:
                 left -= taken
         return shares
 
+    def _may_write(self) -> set[str]:
+        """Requests whose next item is ready and whose visual tokens the page rules of :meth:`_schedule_encode` let
+        them write now (were nothing else written this step)."""
+        writable, reserve, free = set(), -1, self.visual_pages.num_free_pages
+        for req in self._page_priority():
+            index = req.num_scheduled_items
+            if index < len(req.encode_items) and req.item_ready(index):
+                drop = req.num_skipped_visual if index == req.num_covered_items else 0
+                stream = self.visual_streams[req.request_id]
+                after = free - stream.num_pages_to_write(req.encode_items[index].num_visual_tokens - drop)
+                if after >= 0 and after >= reserve:
+                    writable.add(req.request_id)
+            reserve = max(reserve, self._pages_short(req))
+        return writable
+
     def _prefill_shares(self, passed: set[str]) -> dict[str, int]:
         """srpt: the prompt tokens each request may prefill this step, the budget given in :meth:`_by_remaining`
-        order (after this step's encodes) to those that could prefill now: holding KV, or able to take it (one
-        that could not would leave its share unused). Adds to ``passed`` those the budget left nothing for."""
-        budget = self.config.prefill_token_budget
-        left, shares = budget, {}
-        for req in self._by_remaining(self.running):
-            if req.is_prefill_done or self._prefill_size(req, max(left, 1)) <= 0:
+        order (after this step's encodes) to those that could prefill now: holding KV, or allowed to take it by
+        the rules of :meth:`_schedule_prefill` (one that is not would leave its share unused). Adds to ``passed``
+        those the budget left nothing for."""
+        stuck, blocked = set(), []  # in admission order, as the prefill loop takes KV
+        for req in self.running:
+            if req.has_kv or req.is_prefill_done or self._prefill_size(req, 1) <= 0:
                 continue
-            if not req.has_kv and (self._pages_short(req) > self.visual_pages.num_free_pages
-                                   or not self.blocks.can_allocate(req.max_total_tokens, self._text_prefix(req))):
+            if self._pages_short(req) > self.visual_pages.num_free_pages \
+                    or not self.blocks.can_allocate(req.max_total_tokens, self._text_prefix(req)):
+                blocked.append(req.request_id)
+                stuck.add(req.request_id)
+            elif self._passed_too_often(blocked):
+                stuck.add(req.request_id)
+        left, shares = self.config.prefill_token_budget, {}
+        for req in self._by_remaining(self.running):
+            if req.is_prefill_done or req.request_id in stuck or self._prefill_size(req, max(left, 1)) <= 0:
                 continue
             size = self._prefill_size(req, left) if left > 0 else 0
             if size > left and shares:  # chunking off: a whole prompt past what is left waits for its own step
@@ -450,8 +475,11 @@ class Scheduler:
                 if req.is_prefill_done or budget <= 0:
                     continue
                 done = sizes.get(rid, 0)
-                if self._prefill_size(req, done + budget) - done <= 0:
+                possible = self._prefill_size(req, done + budget) - done
+                if possible <= 0:
                     continue
+                if possible > budget and sizes and limits is None and shares is not None:
+                    continue  # srpt, chunking off: a whole prompt past what is left waits for its own step (and KV)
                 limit = budget if limits is None else min(budget, limits.get(rid, 0))
                 if not req.has_kv:
                     # KV blocks for prompt + max_tokens (after its cached prefix's), in admission order; a
@@ -472,8 +500,6 @@ class Scheduler:
                     self.kv_overtakes.pop(rid, None)
                     self._take_kv(req, out, text_prefix)  # (past its cached text, if any: computed tokens move)
                 size = self._prefill_size(req, done + limit) - done if limit > 0 else 0
-                if size > budget and sizes and limits is None and shares is not None:
-                    continue  # srpt, chunking off: a whole prompt past what is left waits for its own step
                 if size <= 0:
                     continue
                 sizes[rid] = done + size

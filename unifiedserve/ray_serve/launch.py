@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import re
 import signal
@@ -21,6 +20,7 @@ log = logging.getLogger("unifiedserve")
 APP_NAME = "unifiedserve"
 _ADDRESS_RE = re.compile(r"^(?:ray://)?(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
 CONNECT_TIMEOUT_S = 5.0
+CPU_UNITS = 10_000  # Ray counts fractional resources in 1e-4 units
 CONTROL_LOOP_INTERVAL_S = 0.5  # Serve's controller loop on a local instance (Serve's default: 0.1)
 
 
@@ -79,11 +79,12 @@ def check_ray_args(args: argparse.Namespace) -> None:
     if args.ray_router is None:
         args.ray_router = "media-affinity"
     cpus, most = os.cpu_count() or 1, most_replicas(args)
-    if args.replica_cpus is None:  # more replicas than cores share them (Ray takes fractions down to 1e-4)
-        args.replica_cpus = cpus // most or math.floor(cpus / most * 1e4) / 1e4
+    if args.replica_cpus is None:  # more replicas than cores share them, in Ray's units of 1e-4 CPU (at least one)
+        args.replica_cpus = cpus // most or max(cpus * CPU_UNITS // most, 1) / CPU_UNITS
     if args.ray_address is not None:
         check_address(args.ray_address)
-    elif most * args.replica_cpus > cpus:  # the local instance has this machine's cores, no more
+    elif most * round(args.replica_cpus * CPU_UNITS) > cpus * CPU_UNITS:  # the local instance has this machine's
+        # cores, no more (counted in Ray's units: 25 x 0.28 is 7.000000000000001 in floating point)
         flag = "--max-replicas" if most > args.replicas else "--replicas"
         raise ValueError(f"{flag} {most} x --replica-cpus {args.replica_cpus:g} needs {most * args.replica_cpus:g} "
                          f"CPUs and this machine has {cpus}: Ray would never place the rest; lower --replica-cpus "

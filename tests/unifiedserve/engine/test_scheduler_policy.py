@@ -91,8 +91,66 @@ def test_with_chunking_off_a_short_prompt_is_not_held_behind_a_long_one():
     s = Scheduler(SchedulerConfig(prefill_token_budget=16, enable_chunked_prefill=False, scheduling_policy="srpt"),
                   BlockManager(64, 4), PageAllocator(16, 4), PageAllocator(16, 4))
     s.add(Request("long", [1] * 100, SamplingParams(max_tokens=1), [], []))
-    s.add(Request("short", [1] * 10, SamplingParams(max_tokens=1), [], []))
+    s.add(Request("short", [2] * 10, SamplingParams(max_tokens=1), [], []))  # (no prefix shared with the long one)
     first = s.schedule()
     assert [(c.request_id, c.num_tokens) for c in first.prefill] == [("short", 10)]
+    assert list(first.block_tables) == ["short"]  # the long one takes no KV before its step
     s.commit(first)
     assert [(c.request_id, c.num_tokens) for c in s.schedule().prefill] == [("long", 100)]
+
+
+def first_tokens(s, arrivals, steps=400):
+    """Drive ``s`` (``arrivals``: step -> requests added then); the step of each request's first token."""
+    first = {}
+    for step in range(steps):
+        for r in arrivals.get(step, ()):
+            s.add(r)
+        if not s.has_work:
+            break
+        out = s.schedule()
+        s.commit(out)
+        for rid in [c.request_id for c in out.prefill if c.is_last] + out.decode:
+            req = s.requests[rid]
+            req.output_token_ids.append(0)
+            first.setdefault(rid, step)
+            if len(req.output_token_ids) >= req.params.max_tokens:
+                s.finish(rid, "length")
+    return first
+
+
+def text(rid, n, max_tokens=1, token=1):
+    return Request(rid, [token] * n, SamplingParams(max_tokens=max_tokens), [], [])
+
+
+def test_a_request_that_may_not_take_kv_gets_no_share():
+    """R fits its KV blocks but may not take them (B, waiting for KV, was passed max_kv_overtakes times): a share
+    given to R would go unused and the step's budget to the oldest, as under fcfs."""
+    def run(with_r):
+        s = Scheduler(SchedulerConfig(prefill_token_budget=4, max_kv_overtakes=0), BlockManager(60, 4),
+                      PageAllocator(64, 4), PageAllocator(64, 4))
+        arrivals = {0: [text("D", 4, 90)], 1: [text("long", 80, token=2), text("mid", 40, token=3)],
+                    3: [text("B", 60, token=4)] + ([text("R", 4, token=5)] if with_r else [])}
+        return first_tokens(s, arrivals)["mid"]
+
+    assert run(True) == run(False)
+
+
+def image(rid, before, visual, after):
+    ids = [1] * before + [9] * visual + [1] * after
+    return Request(rid, ids, SamplingParams(max_tokens=1), [EncodeItem(0, 4 * visual, visual, (1, 2, 2 * visual))],
+                   list(range(before, before + visual)))
+
+
+def test_a_request_the_visual_pages_stop_gets_no_encode_share():
+    """L's image needs more visual pages than are free: it is not passed over (it would turn overdue and take the
+    first encode share every step, unused), so a short image asked while a long video encodes still goes first."""
+    def run(policy, with_l):
+        s = Scheduler(SchedulerConfig(prefill_token_budget=64, encode_token_budget=8, scheduling_policy=policy,
+                                      max_passed_steps=4),
+                      BlockManager(400, 4), PageAllocator(512, 4), PageAllocator(6, 4))
+        arrivals = {0: [video_request("long", 60)], 10: [image("short", 1, 4, 1)],
+                    **({3: [image("stuck", 500, 21, 1)]} if with_l else {})}  # more left than the video: passed
+        first = first_tokens(s, arrivals, steps=120)
+        return first["short"] - 10
+
+    assert run("srpt", True) <= run("srpt", False) + 1 < run("fcfs", False)

@@ -121,6 +121,18 @@ def test_more_replicas_than_cores_share_them():
     assert args.replica_cpus * args.max_replicas <= cpus
 
 
+@pytest.mark.parametrize("cpus, most", [(7, 25), (14, 50), (28, 100), (3, 7)])
+def test_the_default_share_passes_its_own_check(monkeypatch, cpus, most):
+    """25 x 0.28 is 7.000000000000001 in floating point: the check counts in Ray's 1e-4 units."""
+    from unifiedserve.ray_serve import launch
+
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: cpus)
+    args = SimpleNamespace(replicas=1, min_replicas=None, max_replicas=most, ray_router=None, replica_cpus=None,
+                           ray_address=None)
+    launch.check_ray_args(args)
+    assert 0 < args.replica_cpus < 1
+
+
 def fake_serve(*statuses):
     """A ``serve`` module whose application goes through ``statuses`` (the last one stays)."""
     from ray.serve.schema import ApplicationStatus, DeploymentStatus, ReplicaState
