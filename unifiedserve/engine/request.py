@@ -200,6 +200,11 @@ class Request:
         """Visual-token rows this request writes into the visual buffer (its items past the cached prefix)."""
         return sum(i.num_visual_tokens for i in self.encode_items[self.num_covered_items:]) - self.num_skipped_visual
 
+    def skipped_visual_of(self, index: int) -> int:
+        """Visual tokens of encode item ``index`` that the cached prefix holds (not written: only the first
+        uncovered item can have any)."""
+        return self.num_skipped_visual if index == self.num_covered_items else 0
+
     def item_position_spans(self) -> list[tuple[int, int]]:
         """Per encode item: the prompt positions of its first and last visual token."""
         spans, first = [], 0

@@ -320,8 +320,9 @@ class Scheduler:
         # could let a short request wait for pages a long one holds while the long one may not pass it to KV)
         srpt = self.config.scheduling_policy == "srpt"
         passed: set[str] = set()  # srpt: requests that could have used a budget the srpt order left nothing of
-        self._schedule_encode(out, self._encode_shares(passed) if srpt else None)
-        self._schedule_prefill(out, self._prefill_shares(passed) if srpt else None)
+        order = self._by_remaining(self.running) if srpt else []  # (encodes do not change it: one sort a step)
+        self._schedule_encode(out, self._encode_shares(order, passed) if srpt else None)
+        self._schedule_prefill(out, self._prefill_shares(order, passed) if srpt else None)
         if srpt:  # passed over max_passed_steps times since it last ran: it goes first
             ran = {w.request_id for w in out.encode} | {c.request_id for c in out.prefill}
             for rid in passed - ran:
@@ -341,13 +342,13 @@ class Scheduler:
 
         return sorted(requests, key=key)  # stable: admission order within a key
 
-    def _encode_shares(self, passed: set[str]) -> dict[str, int]:
-        """srpt: the patch tokens each request may encode this step: the budget given in :meth:`_by_remaining`
-        order to the requests whose next item the page rules let them write now (:meth:`_may_write`; one they
+    def _encode_shares(self, order: list[Request], passed: set[str]) -> dict[str, int]:
+        """srpt: the patch tokens each request may encode this step: the budget given in ``order``
+        (:meth:`_by_remaining`) to the requests whose next item the page rules let them write now (:meth:`_may_write`; one they
         stop would leave its share unused), each taking its ready items as the fcfs loop would (the last one may
         pass the budget). Adds to ``passed`` the requests with a writable item that the budget left nothing for."""
         left, shares, writable = self.config.encode_token_budget, {}, self._may_write()
-        for req in self._by_remaining(self.running):
+        for req in order:
             if req.request_id not in writable:
                 continue
             taken = 0
@@ -374,7 +375,7 @@ class Scheduler:
         for req in self._page_priority():
             index = req.num_scheduled_items
             if index < len(req.encode_items) and req.item_ready(index):
-                drop = req.num_skipped_visual if index == req.num_covered_items else 0
+                drop = req.skipped_visual_of(index)
                 stream = self.visual_streams[req.request_id]
                 after = free - stream.num_pages_to_write(req.encode_items[index].num_visual_tokens - drop)
                 if after >= 0 and after >= reserve:
@@ -382,23 +383,22 @@ class Scheduler:
             reserve = max(reserve, self._pages_short(req))
         return writable
 
-    def _prefill_shares(self, passed: set[str]) -> dict[str, int]:
-        """srpt: the prompt tokens each request may prefill this step, the budget given in :meth:`_by_remaining`
-        order (after this step's encodes) to those that could prefill now: holding KV, or allowed to take it by
+    def _prefill_shares(self, order: list[Request], passed: set[str]) -> dict[str, int]:
+        """srpt: the prompt tokens each request may prefill this step, the budget given in ``order``
+        (:meth:`_by_remaining`; after this step's encodes) to those that could prefill now: holding KV, or allowed to take it by
         the rules of :meth:`_schedule_prefill` (one that is not would leave its share unused). Adds to ``passed``
         those the budget left nothing for."""
         stuck, blocked = set(), []  # in admission order, as the prefill loop takes KV
         for req in self.running:
             if req.has_kv or req.is_prefill_done or self._prefill_size(req, 1) <= 0:
                 continue
-            if self._pages_short(req) > self.visual_pages.num_free_pages \
-                    or not self.blocks.can_allocate(req.max_total_tokens, self._text_prefix(req)):
+            if not self._kv_fits(req, self._text_prefix(req)):
                 blocked.append(req.request_id)
                 stuck.add(req.request_id)
             elif self._passed_too_often(blocked):
                 stuck.add(req.request_id)
         left, shares = self.config.prefill_token_budget, {}
-        for req in self._by_remaining(self.running):
+        for req in order:
             if req.is_prefill_done or req.request_id in stuck or self._prefill_size(req, max(left, 1)) <= 0:
                 continue
             size = self._prefill_size(req, left) if left > 0 else 0
@@ -435,7 +435,7 @@ class Scheduler:
                         break
                     if not req.item_ready(index):
                         break
-                    drop = req.num_skipped_visual if index == req.num_covered_items else 0
+                    drop = req.skipped_visual_of(index)
                     rows = n_visual[rid] + item.num_visual_tokens - drop
                     free = self.visual_pages.num_free_pages - (new_pages - mine) - stream.num_pages_to_write(rows)
                     if free < 0 or free < reserve:
@@ -487,8 +487,7 @@ class Scheduler:
                     # was passed too often. One whose remaining items the free visual pages cannot take
                     # (after its own reads) waits without KV: it would hold KV waiting for pages others hold
                     text_prefix = self._text_prefix(req)
-                    if self._pages_short(req) > self.visual_pages.num_free_pages \
-                            or not self.blocks.can_allocate(req.max_total_tokens, text_prefix):
+                    if not self._kv_fits(req, text_prefix):
                         blocked.append(rid)
                         continue
                     if self._passed_too_often(blocked):
@@ -516,6 +515,12 @@ class Scheduler:
                 visual_reads.append((self.visual_streams[req.request_id], n_visual))
         if visual_reads:
             out.visual_read, out.freed_visual_pages = plan_read(visual_reads, self.visual_pages.page_size)
+
+    def _kv_fits(self, req: Request, text_prefix: list[int]) -> bool:
+        """Whether ``req`` (holding no KV) may take its KV blocks now as far as room goes: the blocks are free (after
+        its cached ``text_prefix``), and so are the visual pages the rest of its items need (after its own reads)."""
+        return self._pages_short(req) <= self.visual_pages.num_free_pages \
+            and self.blocks.can_allocate(req.max_total_tokens, text_prefix)
 
     def _take_kv(self, req: Request, out: SchedulerOutput, text_prefix: list[int] = ()) -> None:
         """Give ``req`` its KV blocks for prompt + max_tokens (it holds its cached prefix's already), starting with

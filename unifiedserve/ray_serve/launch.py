@@ -175,7 +175,7 @@ def drain_ingress(handle) -> None:
 
 
 def describe_deployment(name: str, d) -> str:
-    """``Replica updating (1 running, 1 pending_allocation): <Serve's message>`` from a deployment's status."""
+    """``NodeReplica updating (1 starting, 1 running): <Serve's message>`` from a deployment's status."""
     replicas = ", ".join(f"{n} {getattr(state, 'value', state).lower()}" for state, n in d.replica_states.items())
     return f"{name} {d.status.value.lower()}" + (f" ({replicas})" if replicas else "") + (
         f": {d.message}" if d.message else "")
@@ -262,8 +262,8 @@ def run_ray(args: argparse.Namespace, limits) -> int:
         signal.signal(sig, lambda signum, frame: stop.set())
     app = None  # the application's handle, once it runs (to drain it at the stop)
     try:
-        have = ray.cluster_resources().get("CPU", 0) if args.ray_address else 0
-        if args.ray_address and most_replicas(args) * args.replica_cpus > have:
+        have = ray.cluster_resources().get("CPU", 0) if args.ray_address else None
+        if have is not None and most_replicas(args) * args.replica_cpus > have:
             log.warning("%d replica(s) x --replica-cpus %g is more CPUs than the cluster has now (%g): the replicas "
                         "that do not fit wait for it to grow", most_replicas(args), args.replica_cpus, have)
         try:

@@ -22,22 +22,7 @@ def run(policy, max_passed_steps=64, late=("short", 2)):
     s = Scheduler(SchedulerConfig(prefill_token_budget=16, encode_token_budget=32, scheduling_policy=policy,
                                   max_passed_steps=max_passed_steps),
                   BlockManager(256, block_size=4), PageAllocator(256, 4), PageAllocator(256, 4))
-    s.add(video_request("long", 40))
-    first_token, step = {}, 0
-    while s.has_work:
-        if step == 2:
-            s.add(video_request(*late))
-        out = s.schedule()
-        s.commit(out)
-        for rid in [c.request_id for c in out.prefill if c.is_last] + out.decode:
-            req = s.requests[rid]
-            first_token.setdefault(rid, step)
-            req.output_token_ids.append(0)
-            if len(req.output_token_ids) >= req.params.max_tokens:
-                s.finish(rid, "length")
-        step += 1
-        assert step < 1000
-    return first_token
+    return first_tokens(s, {0: [video_request("long", 40)], 2: [video_request(*late)]})
 
 
 def test_srpt_serves_a_short_request_first_and_the_long_one_little_later():
