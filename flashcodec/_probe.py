@@ -172,11 +172,21 @@ SKIP_STREAM_INFO_DECODE = {"skip_frame": "all"}
 FAST_PROBE_OPTIONS = SKIP_STREAM_INFO_DECODE
 
 
+# Tags are not UTF-8 in every file: a Latin-1 title made PyAV 18's open raise UnicodeDecodeError on a valid video.
+# Nothing here reads them, so PyAV 18 is told to turn an undecodable byte into U+FFFD, as ffprobe shows it. PyAV 19
+# dropped av.open's metadata_encoding/metadata_errors arguments (passing one raises TypeError: every open failed on
+# the GPU machine's PyAV 19.0.2, 2026-11-28); there the test of that file says how 19 reads the title.
+_TAG_ARGS = {"metadata_errors": "replace"} if int(av.__version__.split(".")[0]) < 19 else {}
+
+
+def open_input(file, options: dict | None = None):
+    """``av.open(file)`` for reading, with tags that are not UTF-8 read rather than refused (PyAV 18 and 19)."""
+    return av.open(file, mode="r", options=options, **_TAG_ARGS)
+
+
 def _open_container(source: Source, options: dict | None = None):
-    # tags are not UTF-8 in every file (a Latin-1 title made PyAV's open raise UnicodeDecodeError on a valid
-    # video): nothing here reads them, so an undecodable byte becomes U+FFFD, as ffprobe shows it
     try:
-        return av.open(source.open(), mode="r", options=options, metadata_errors="replace")
+        return open_input(source.open(), options)
     except av.error.FFmpegError as e:
         raise NotAVideoError(f"{source.name}: not a readable video container ({_ffmpeg_reason(e)})") from None
 

@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 import flashcodec
+from flashcodec._probe import open_input
 from flashcodec._provenance import source_commit
 from flashcodec.decode import fast_open
 from flashcodec.decode.backends import DEFAULT_INTERPOLATION, PyAVSegmentDecoder, convert_frame
@@ -33,11 +34,9 @@ PeerFn = Callable[[str, list[int], int, int, int], np.ndarray]  # -> uint8 [N, 3
 
 
 def peer_pyav(path, indices, height, width, threads):
-    import av
-
     wanted, frames = set(indices), {}
     last = max(indices)
-    with av.open(path, metadata_errors="replace") as container:
+    with open_input(path) as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
         for i, frame in enumerate(container.decode(stream)):
@@ -50,11 +49,9 @@ def peer_pyav(path, indices, height, width, threads):
 
 def sequential_reference(path: str, indices: list[int], height: int, width: int) -> dict[str, np.ndarray]:
     """One sequential PyAV decode, the targets converted in every resize mode: mode -> uint8 [N, 3, H, W]."""
-    import av
-
     wanted, frames = set(indices), {mode: {} for mode in RESIZE_MODES}
     last = max(indices)
-    with av.open(path, metadata_errors="replace") as container:
+    with open_input(path) as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
         for i, frame in enumerate(container.decode(stream)):

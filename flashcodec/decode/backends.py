@@ -35,7 +35,7 @@ from flashcodec.devices import log_once
 from flashcodec.plan.sampling import MAX_FRAME_PIXELS
 from flashcodec.plan.segments import GopSegment
 from flashcodec._errors import CorruptVideoError, first_line
-from flashcodec._probe import SKIP_STREAM_INFO_DECODE, VideoInfo, per_probe, untimed_message
+from flashcodec._probe import SKIP_STREAM_INFO_DECODE, VideoInfo, open_input, per_probe, untimed_message
 from flashcodec.resize import DEFAULT_RESIZE_MODE, check_resize_mode, resize_frames_uint8
 from flashcodec.source import Source
 
@@ -197,7 +197,7 @@ class PyAVSegmentDecoder(SegmentDecoder):
         """Open the container and the stream's decoder, nothing demuxed yet (again: see :meth:`_seek_to`)."""
         depth = reorder_depth(self._info)
         fast = FAST_OPEN_OPTIONS.get(self._info.codec) if _HAS_REORDER_DEPTH and depth <= MAX_REORDER_DEPTH else None
-        self._container = av.open(self._source.open(), mode="r", options=fast, metadata_errors="replace")
+        self._container = open_input(self._source.open(), fast)
         self._stream = self._container.streams[self._info.stream_index]
         self._context = self._stream.codec_context
         self._context.thread_count = 1  # parallelism comes from GOP segments, not FFmpeg threads
