@@ -369,7 +369,10 @@ def _first_frame_orientation(src: Source, stream, keyframe_packet) -> tuple[int,
 def frame_orientation(frame: av.VideoFrame) -> tuple[int, bool]:
     """A decoded frame's display ``(rotation, mirror)``, from its display-matrix side data (the stream's, which
     FFmpeg attaches to every frame); without the matrix's bytes, the angle FFmpeg reads from it and no mirror."""
-    for data in getattr(frame, "side_data", ()):
+    side_data = getattr(frame, "side_data", ())
+    for item in side_data:
+        # PyAV 18 iterates the SideData objects; PyAV 19's container is a mapping whose keys are their types
+        data = item if hasattr(item, "type") else side_data[item]
         kind = getattr(data.type, "name", str(data.type))
         if kind.endswith("DISPLAYMATRIX") and len(raw := bytes(data)) >= 36:
             return from_display_matrix(np.frombuffer(raw, dtype=np.int32, count=9).tolist())
