@@ -175,7 +175,8 @@ FAST_PROBE_OPTIONS = SKIP_STREAM_INFO_DECODE
 # Tags are not UTF-8 in every file: a Latin-1 title made PyAV 18's open raise UnicodeDecodeError on a valid video.
 # Nothing here reads them, so PyAV 18 is told to turn an undecodable byte into U+FFFD, as ffprobe shows it. PyAV 19
 # dropped av.open's metadata_encoding/metadata_errors arguments (passing one raises TypeError: every open failed on
-# the GPU machine's PyAV 19.0.2, 2026-11-28); there the test of that file says how 19 reads the title.
+# the GPU machine's PyAV 19.0.2, 2026-11-28). 19 reads every tag as UTF-8 with surrogateescape (its changelog), and
+# the Latin-1 title's test passed there.
 _TAG_ARGS = {"metadata_errors": "replace"} if int(av.__version__.split(".")[0]) < 19 else {}
 
 

@@ -192,7 +192,8 @@ def summarize(results: dict, rate: float, slo: dict, gpu: bool = False) -> str:
         lines.append(f"| {x:g} | " + " | ".join(f"{q[k]:.2f}" if k in q else "-" for k, *_ in targets(gpu)) + " |")
     caps = {p: capacity(runs) for p, runs in results.items()}
     lines += ["", f"Capacity (highest measured rate with >= {ATTAINMENT_FOR_CAPACITY:.0%} of requests in SLO): "
-              + ", ".join(f"{p} {c:g} req/s" for p, c in caps.items()), ""]
+              + ", ".join(f"{p} {c:g} req/s" if c else f"{p} below {min(r['rate'] for r in results[p]):g} req/s "
+                          "(no measured rate)" for p, c in caps.items()), ""]
     return "\n".join(rows + lines)
 
 

@@ -74,6 +74,15 @@ def test_capacity_and_slo_scaling(results):
     assert bp.attainment(split_hi, SLO, scale=2.0) == 1.0  # TTFT 2 s meets a 2 s SLO
 
 
+def test_a_policy_with_no_rate_in_slo_is_below_its_lowest_rate_not_at_zero(results):
+    """The H200's first unified run met the SLO for 75 % and 14 % of requests: "unified 0 req/s" read as a
+    measured capacity of zero."""
+    for r in results["unified"]:
+        r["metrics"]["goodput"]["attainment"] = 0.5
+    text = bp.summarize(results, 1.0, SLO)
+    assert "unified below 0.5 req/s (no measured rate)" in text and "monolithic 0.5 req/s" in text
+
+
 def test_summary_names_targets_and_every_rate(results):
     text = bp.summarize(results, 1.0, SLO)
     assert "Comparison rate: **1 req/s**" in text
