@@ -177,12 +177,10 @@ FAST_PROBE_OPTIONS = SKIP_STREAM_INFO_DECODE
 # dropped av.open's metadata_encoding/metadata_errors arguments (passing one raises TypeError: every open failed on
 # the GPU machine's PyAV 19.0.2, 2026-11-28). 19 reads every tag as UTF-8 with surrogateescape (its changelog), and
 # the Latin-1 title's test passed there.
-_TAG_ARGS = {"metadata_errors": "replace"} if int(av.__version__.split(".")[0]) < 19 else {}
-
-
 def open_input(file, options: dict | None = None):
     """``av.open(file)`` for reading, with tags that are not UTF-8 read rather than refused (PyAV 18 and 19)."""
-    return av.open(file, mode="r", options=options, **_TAG_ARGS)
+    tags = {"metadata_errors": "replace"} if int(av.__version__.split(".")[0]) < 19 else {}
+    return av.open(file, mode="r", options=options, **tags)
 
 
 def _open_container(source: Source, options: dict | None = None):

@@ -1,5 +1,8 @@
 """The probe reads metadata, display-order pts and the GOP table without decoding the video."""
 
+import enum
+import types
+
 import av
 import numpy as np
 import pytest
@@ -221,3 +224,39 @@ def test_a_packet_without_timestamps_after_timed_ones_is_named(tiny_h264, monkey
     monkeypatch.setattr(probe_module, "_open_container", lambda *a, **k: OneUntimed(opened(*a, **k)))
     with pytest.raises(flashcodec.CorruptVideoError, match=r"packet 5 of the video stream carries no timestamp"):
         probe(str(tiny_h264))
+
+
+class _SideData(bytes):
+    """Display-matrix side data as PyAV hands it: its bytes, and its ``type`` (an enum member)."""
+
+    def __new__(cls, matrix, kind):
+        made = super().__new__(cls, np.asarray(matrix, dtype=np.int32).tobytes())
+        made.type = kind
+        return made
+
+
+class _SideDataMap(dict):
+    """PyAV 19's ``Frame.side_data``: a mapping whose iteration yields the side-data types (keys)."""
+
+
+@pytest.mark.parametrize("pyav", [18, 19])
+def test_the_display_matrix_is_read_from_either_pyav_side_data_shape(pyav):
+    """PyAV 18 iterates a frame's SideData objects; PyAV 19 iterates their types (its container is a Mapping):
+    reading ``.type`` off a 19 key raised AttributeError, and every video open failed on the GPU machine."""
+    kind = enum.Enum("Type", "SEI_UNREGISTERED DISPLAYMATRIX")
+    other = _SideData([0] * 9, kind.SEI_UNREGISTERED)
+    mirrored_quarter = _SideData((0, -1 << 16, 0, -1 << 16, 0, 0, 0, 0, 1 << 30), kind.DISPLAYMATRIX)  # 90 + hflip
+    side = [other, mirrored_quarter] if pyav == 18 else _SideDataMap({d.type: d for d in (other, mirrored_quarter)})
+    frame = types.SimpleNamespace(side_data=side, rotation=0)
+    assert probe_module.frame_orientation(frame) == (90, True)
+    assert probe_module.frame_orientation(types.SimpleNamespace(side_data=_SideDataMap(), rotation=-90)) == (270, False)
+
+
+@pytest.mark.parametrize("version,passed", [("18.1.0", {"metadata_errors": "replace"}), ("19.0.2", {})])
+def test_containers_are_opened_with_the_arguments_the_installed_pyav_takes(monkeypatch, version, passed):
+    """PyAV 19 removed av.open's metadata_errors (TypeError: every open failed on the GPU machine's 19.0.2)."""
+    calls = []
+    monkeypatch.setattr(av, "__version__", version)
+    monkeypatch.setattr(av, "open", lambda file, mode, options, **kw: calls.append((file, mode, options, kw)))
+    probe_module.open_input("clip.mp4", {"probesize": "32"})
+    assert calls == [("clip.mp4", "r", {"probesize": "32"}, passed)]
