@@ -162,17 +162,19 @@ def reorder_depth(info: VideoInfo) -> int:
 
 
 @per_probe  # a 2-hour video's dict (216,000 frames) alone took 50 ms here
-def pts_index(info: VideoInfo) -> tuple[np.ndarray, dict[int, int], np.ndarray, bool]:
+def pts_index(info: VideoInfo) -> tuple[np.ndarray, dict[int, int], np.ndarray, frozenset[int]]:
     """``(pts_by_position, display_by_pts, display_by_position, shared_pts)`` of a probe: decode position -> pts,
-    pts -> display index, decode position -> display index, and whether two frames share a pts (a broken muxer's
-    file; their display order is their decode order). Shared by every segment decoder of the video (read-only)."""
+    pts -> display index, decode position -> display index, and the pts that two or more frames share (a broken
+    muxer's file; their display order is their decode order; empty in a sound file). Shared by every segment
+    decoder of the video (read-only)."""
     pts_by_position = np.empty(info.num_frames, dtype=np.int64)
     pts_by_position[info.decode_positions] = info.frame_pts
     pts_by_position.flags.writeable = False
     display_by_position = np.argsort(info.decode_positions)
     display_by_position.flags.writeable = False
-    return pts_by_position, {int(p): i for i, p in enumerate(info.frame_pts.tolist())}, display_by_position, \
-        info.shared_pts
+    pts = info.frame_pts  # display order: equal pts are neighbours
+    shared = frozenset(pts[1:][np.diff(pts) == 0].tolist()) if info.shared_pts else frozenset()
+    return pts_by_position, {int(p): i for i, p in enumerate(pts.tolist())}, display_by_position, shared
 
 
 class PyAVSegmentDecoder(SegmentDecoder):
@@ -216,15 +218,17 @@ class PyAVSegmentDecoder(SegmentDecoder):
 
         A seek that fails (a raw H.264 stream has no index to seek by; an MP4 stream that starts mid-GOP has no
         keyframe at or before its first packet) or lands past the packet (Matroska seeks to its next keyframe) falls
-        back to demuxing from the start of a fresh open. In a stream where frames share a pts, a pts names no one
+        back to demuxing from the start of a fresh open. Where frames share the packet's pts, that pts names no one
         packet: it is not sought, and the packets are counted instead (from the start, or from the demuxer's place).
+        A packet whose pts is its own is sought in such a file too (counting from the start for every segment made
+        decoding a long file quadratic).
 
         Raises:
             CorruptVideoError: the packet is not in the stream, from the start either (timestamps the probe read
                 differently).
         """
         target_pts = int(self._pts_by_position[position])
-        count = self._shared_pts
+        count = target_pts in self._shared_pts
         if self._packets is not None and 0 <= self._position <= position <= self._position + MAX_DEMUX_SKIP_PACKETS:
             # close ahead: skip packets by demuxing only
             if self._scan_to(position, target_pts, count_from=self._position if count else None):

@@ -59,3 +59,33 @@ def test_torchcodec_and_nvdec_leave_such_videos_to_pyav(video_factory, tmp_path)
     result = flashcodec.decode_video(str(path), num_frames=8, backend="torchcodec")
     for row, display in enumerate(result.frame_indices):
         assert synthetic_video.read_frame_index(result.frames[row].permute(1, 2, 0).numpy()) == display
+
+
+def test_a_segment_whose_keyframe_has_its_own_pts_is_sought_not_counted_from_the_start(video_factory, tmp_path,
+                                                                                      monkeypatch):
+    """Counting packets from the start for every segment of such a file made decoding a long one quadratic: only a
+    packet whose pts another frame shares is counted to; the rest are sought as in any file."""
+    from flashcodec.decode import backends
+
+    src = video_factory(**CLIP)
+    path = tmp_path / "one-pair.mkv"
+    with av.open(str(src)) as clean, av.open(str(path), "w") as out:
+        stream = out.add_stream_from_template(clean.streams.video[0])
+        for i, packet in enumerate(p for p in clean.demux(clean.streams.video[0]) if p.size):
+            packet.stream = stream
+            packet.pts = packet.dts = (i - (i == 6)) * 42  # frames 5 and 6 share a pts; keyframes 0, 12, 24, 36
+            out.mux(packet)
+    info = flashcodec.probe(path)
+    assert pts_index(info)[3] == {int(info.frame_pts[5])} and info.frame_pts[5] == info.frame_pts[6]
+    opens = []
+    real_open = backends.PyAVSegmentDecoder._open
+    monkeypatch.setattr(backends.PyAVSegmentDecoder, "_open", lambda self: opens.append(1) or real_open(self))
+    wanted = [37, 40, 47, 5, 6]  # a late GOP first (sought), then the shared pair's GOP (counted from the start)
+    with flashcodec.DecodeEngine("pyav", num_threads=1) as engine:
+        late = engine.decode_video(str(path), frame_indices=wanted[:3])
+        assert len(opens) == 1  # counted from the start, it was opened a second time
+        pair = engine.decode_video(str(path), frame_indices=wanted[3:])
+    for result, asked in ((late, wanted[:3]), (pair, wanted[3:])):
+        assert result.failed_frame_indices == [] and result.frame_indices == sorted(asked)
+        for row, display in enumerate(result.frame_indices):
+            assert synthetic_video.read_frame_index(result.frames[row].permute(1, 2, 0).numpy()) == display
