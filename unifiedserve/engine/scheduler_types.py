@@ -21,9 +21,10 @@ def server_token_budgets(device: str, explicit: dict[str, int], tbt_slo_ms: floa
     return {**GPU_TOKEN_BUDGETS, **explicit}
 
 
-#: ``srpt``: the encode and prefill budgets go first to the request with the fewest prompt tokens left to prefill
-#: (shortest remaining processing time: a short question is not held behind a long video's encode and prefill, and
-#: among requests alike the oldest, furthest along, goes first); ``fcfs``: to the oldest request first
+#: ``srpt``: the encode and prefill budgets go first to the request with the fewest prompt tokens left to prefill,
+#: counted in whole prefill budgets (shortest remaining processing time: a short question is not held behind a long
+#: video's encode and prefill, and among requests within one budget the oldest goes first); ``fcfs``: to the oldest
+#: request first
 SCHEDULING_POLICIES = ("srpt", "fcfs")
 
 

@@ -161,7 +161,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests decoded together at most (default %(default)s)")
     g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=SchedulerConfig.scheduling_policy,
                    help="who gets the encode and prefill budgets first: srpt, the request with the fewest prompt "
-                        "tokens left to prefill (a short question is not held behind a long video; one passed over "
+                        "tokens left to prefill, in whole prefill budgets, the oldest first within one (a short "
+                        "question is not held behind a long video; one passed over "
                         f"{SchedulerConfig.max_passed_steps} times goes first), or fcfs, the oldest; buffer pages go "
                         "in arrival order either way, KV blocks too but for a bounded number of overtakes "
                         "(default %(default)s)")
