@@ -134,6 +134,14 @@ def capacity(runs: list[dict], share: float = ATTAINMENT_FOR_CAPACITY) -> float:
     return max(ok, default=0.0)
 
 
+def _capacity_text(policy: str, cap: float, runs: list[dict]) -> str:
+    if cap:
+        return f"{policy} {cap:g} req/s"
+    if not runs:  # a run whose every rate was skipped for time
+        return f"{policy} not measured"
+    return f"{policy} below {min(r['rate'] for r in runs):g} req/s (no measured rate met it)"
+
+
 def targets(gpu: bool = False) -> tuple:
     """``(key, text, target text, check)`` per ratio: the GPU table's p99 TBT target is the paper's regime
     (<= 0.2x monolithic, issue 14), the CPU table's <= 0.5x."""
@@ -192,8 +200,7 @@ def summarize(results: dict, rate: float, slo: dict, gpu: bool = False) -> str:
         lines.append(f"| {x:g} | " + " | ".join(f"{q[k]:.2f}" if k in q else "-" for k, *_ in targets(gpu)) + " |")
     caps = {p: capacity(runs) for p, runs in results.items()}
     lines += ["", f"Capacity (highest measured rate with >= {ATTAINMENT_FOR_CAPACITY:.0%} of requests in SLO): "
-              + ", ".join(f"{p} {c:g} req/s" if c else f"{p} below {min(r['rate'] for r in results[p]):g} req/s "
-                          "(no measured rate)" for p, c in caps.items()), ""]
+              + ", ".join(_capacity_text(p, c, results[p]) for p, c in caps.items()), ""]
     return "\n".join(rows + lines)
 
 

@@ -277,7 +277,7 @@ class PyAVSegmentDecoder(SegmentDecoder):
                 self._position = position
                 self._pending = packet
                 return True
-            if after_seek and pts is not None:
+            if after_seek and pts is not None and pts not in self._shared_pts:  # a shared pts names no one frame
                 display = self._display_by_pts.get(pts)
                 if display is not None and int(self._info.decode_positions[display]) > position:
                     return False

@@ -336,10 +336,11 @@ class Scheduler:
 
     def _by_remaining(self, requests) -> list[Request]:
         """``requests`` in srpt order: those passed over ``max_passed_steps`` times first (oldest first), then
-        the fewest prefill steps left first: prompt tokens left to prefill (encoded or not) in whole prefill
-        budgets; a tie, the oldest first. Counted in tokens, a request one token longer than a later one waited
-        for it: on the H200 (2026-11-28) 64 videos of 23,088-23,098 tokens were served by their last digits, and
-        one waited 21.8 s while later ones took 2.7 s, until max_passed_steps let it go first."""
+        the fewest prompt tokens left to prefill (encoded or not), counted in whole prefill budgets; a tie, the
+        oldest first. Counted in tokens, a request one token longer than a later one waited for it: on the H200
+        (2026-11-28) 64 videos of 23,088-23,098 tokens were served by their last digits, and one waited 21.8 s
+        while later ones took 2.7 s, until max_passed_steps let it go first. Two sizes either side of a multiple
+        of the budget are still ordered, by one budget's worth at most; max_passed_steps bounds that wait too."""
         budget = self.config.prefill_token_budget
 
         def key(req: Request) -> tuple[bool, int]:

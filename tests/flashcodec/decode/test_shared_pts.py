@@ -80,11 +80,12 @@ def test_a_segment_whose_keyframe_has_its_own_pts_is_sought_not_counted_from_the
     opens = []
     real_open = backends.PyAVSegmentDecoder._open
     monkeypatch.setattr(backends.PyAVSegmentDecoder, "_open", lambda self: opens.append(1) or real_open(self))
-    wanted = [37, 40, 47, 5, 6]  # a late GOP first (sought), then the shared pair's GOP (counted from the start)
+    wanted = [37, 40, 47, 5, 6]  # a late GOP first, then the shared pair's GOP: both keyframes' pts are their own
     with flashcodec.DecodeEngine("pyav", num_threads=1) as engine:
         late = engine.decode_video(str(path), frame_indices=wanted[:3])
         assert len(opens) == 1  # counted from the start, it was opened a second time
         pair = engine.decode_video(str(path), frame_indices=wanted[3:])
+        assert len(opens) == 2  # its own decoder, sought to frame 0 (counting reopened it: 4)
     for result, asked in ((late, wanted[:3]), (pair, wanted[3:])):
         assert result.failed_frame_indices == [] and result.frame_indices == sorted(asked)
         for row, display in enumerate(result.frame_indices):
