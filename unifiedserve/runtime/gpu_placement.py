@@ -6,7 +6,9 @@ context is created (so it is set in the process's environment before CUDA starts
 reservations, so a guaranteed share for decode is made by capping everyone else:
 
 - ``unified``: vision and core are capped at ``100 - decode_sm_percent``; decode is not capped. Decode
-  always finds its share free, and takes the whole GPU while encode/prefill idle (paper §6).
+  always finds its share free, and takes the whole GPU while encode/prefill idle (paper §6). With a share of 0
+  nobody is capped: all three share every SM, and decode's pace rests on core's token budgets alone, the
+  paper's own lever (§2, "Takeaway-4", and §4.5: the budgets of Algorithm 3 regulate decode's TBT).
 - ``split``: disjoint shares on one GPU (core and vision ``100 - d``, decode ``d``), DistServe/EPD
   style; with two or more GPUs, encode/prefill on the first and decode on the second, uncapped.
 - ``monolithic``: one compute process (core, decode inside it) and vision, uncapped.
@@ -65,19 +67,23 @@ def plan_gpu_placement(policy: str, num_visible_gpus: int, gpus: list[int] | Non
         num_visible_gpus: CUDA devices this machine shows.
         gpus: the physical ordinals to use (default: ``[0]``, or ``[0, 1]`` for ``split`` when there
             are two). Their order matters: the first holds vision and core.
-        decode_sm_percent: decode's guaranteed SM share (``unified``) or its whole share (``split`` on
-            one GPU), 1..99.
+        decode_sm_percent: decode's guaranteed SM share (``unified``; 0: no caps at all) or its whole share
+            (``split`` on one GPU), 1..99.
         use_mps: whether an MPS daemon serves these processes (see ``launch/mps.sh``).
     Raises:
         ValueError: an unknown policy, no GPU, an ordinal that is not visible or repeated, a share
-            outside 1..99, or ``split`` on one GPU without MPS. The message names the flag to change.
+            outside 1..99 (0 under ``unified``), or ``split`` on one GPU without MPS. The message names the flag
+            to change.
     """
     if policy not in POLICIES:
         raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     if num_visible_gpus < 1:
         raise ValueError("no CUDA device is visible; use --device cpu")
-    if not isinstance(decode_sm_percent, int) or not 1 <= decode_sm_percent <= 99:
-        raise ValueError(f"--decode-sm-percent must be an integer in 1..99, got {decode_sm_percent!r}")
+    if not isinstance(decode_sm_percent, int) or not 0 <= decode_sm_percent <= 99:
+        raise ValueError(f"--decode-sm-percent must be an integer in 0..99, got {decode_sm_percent!r}")
+    if decode_sm_percent == 0 and policy != "unified":
+        raise ValueError(f"--decode-sm-percent 0 (no SM caps) applies to --policy unified; --policy {policy} "
+                         f"takes a share in 1..99")
     if gpus is None:
         gpus = [0, 1] if policy == "split" and num_visible_gpus >= 2 else [0]
     if not gpus:
@@ -106,8 +112,12 @@ def plan_gpu_placement(policy: str, num_visible_gpus: int, gpus: list[int] | Non
         procs = {"vision": ProcessPlacement(first, rest), "core": ProcessPlacement(first, rest),
                  "decode": ProcessPlacement(first, decode_sm_percent)}
     else:  # unified
-        procs = {"vision": ProcessPlacement(first, rest), "core": ProcessPlacement(first, rest),
+        cap = rest if decode_sm_percent else None
+        procs = {"vision": ProcessPlacement(first, cap), "core": ProcessPlacement(first, cap),
                  "decode": ProcessPlacement(first, None)}
+        if use_mps and not decode_sm_percent:
+            notes.append("--decode-sm-percent 0: vision, core and decode share every SM through MPS; decode's "
+                         "pace rests on core's token budgets (--prefill-token-budget, --encode-token-budget)")
         if not use_mps:
             notes.append("no MPS daemon: vision, core and decode time-slice the GPU, so decode's SM share "
                          "is not guaranteed (start one with launch/mps.sh start)")

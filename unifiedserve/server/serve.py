@@ -61,8 +61,11 @@ def gpu_placement_fields(args: argparse.Namespace, device: str, num_visible_gpus
     if args.mps == "on" and not mps_running:
         raise ValueError("--mps on: no MPS daemon answers at CUDA_MPS_PIPE_DIRECTORY; start one with "
                          "launch/mps.sh start (or launch/serve-node.sh), or use --mps off")
-    placement = plan_gpu_placement(args.policy, num_visible_gpus, gpus,
-                                   args.decode_sm_percent or DEFAULT_DECODE_SM_PERCENT,
+    if args.policy == "monolithic" and args.decode_sm_percent is not None:
+        raise ValueError("--decode-sm-percent: --policy monolithic has no decode process (decode runs inside "
+                         "core's steps); use --policy unified or split")
+    share = DEFAULT_DECODE_SM_PERCENT if args.decode_sm_percent is None else args.decode_sm_percent
+    placement = plan_gpu_placement(args.policy, num_visible_gpus, gpus, share,
                                    use_mps=mps_running and args.mps != "off")
     physical = sorted({p.gpu for p in placement.processes.values()})
     if len(physical) > 1:

@@ -187,8 +187,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="physical GPU ordinals the server uses: one (vision, core and decode share it), or two for "
                         "--policy split (default: GPU 0, or the N of --device cuda:N)")
     g.add_argument("--decode-sm-percent", type=_sm_percent, default=None, metavar="PCT",
-                   help="decode's share of the SMs in percent, 1..99: guaranteed under --policy unified (vision and "
-                        "core are capped at the rest), its whole share under split on one GPU (default 30)")
+                   help="decode's share of the SMs in percent: guaranteed under --policy unified (vision and core "
+                        "are capped at the rest; 0: nobody is capped, and core's token budgets alone keep decode's "
+                        "pace), its whole share under split on one GPU, 1..99 (default 30; monolithic has no "
+                        "decode process)")
     g.add_argument("--mps", choices=("auto", "on", "off"), default="auto",
                    help="share the GPU through an MPS daemon (launch/mps.sh start): auto uses one when its control "
                         "pipe is there, on refuses to start without one, off time-slices (default auto)")
@@ -269,8 +271,8 @@ def _sm_percent(value: str) -> int:
         n = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if not 1 <= n <= 99:
-        raise argparse.ArgumentTypeError(f"must be a percentage in 1..99, got {n}")
+    if not 0 <= n <= 99:
+        raise argparse.ArgumentTypeError(f"must be a percentage in 0..99 (0: no caps, unified only), got {n}")
     return n
 
 

@@ -30,6 +30,13 @@ def test_unified_caps_everyone_but_decode():
     assert p.notes == ()
 
 
+def test_unified_with_a_share_of_0_caps_nobody_and_says_what_keeps_decodes_pace():
+    """The paper's configuration: every process on every SM, decode's TBT regulated by core's token budgets."""
+    p = plan_gpu_placement("unified", num_visible_gpus=1, decode_sm_percent=0)
+    assert all(p.env(n) == {"CUDA_VISIBLE_DEVICES": "0"} for n in ("vision", "core", "decode"))
+    assert len(p.notes) == 1 and "token budgets" in p.notes[0]
+
+
 def test_unified_without_mps_time_slices_and_says_so():
     p = plan_gpu_placement("unified", num_visible_gpus=1, use_mps=False)
     assert all("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in p.env(n) for n in ("vision", "core", "decode"))
@@ -53,7 +60,8 @@ def test_monolithic_has_no_decode_process():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(policy="bogus", num_visible_gpus=1), "--policy must be one of"),
     (dict(policy="unified", num_visible_gpus=0), "no CUDA device"),
-    (dict(policy="unified", num_visible_gpus=1, decode_sm_percent=0), "--decode-sm-percent"),
+    (dict(policy="unified", num_visible_gpus=1, decode_sm_percent=-1), "--decode-sm-percent"),
+    (dict(policy="split", num_visible_gpus=1, decode_sm_percent=0), "applies to --policy unified"),
     (dict(policy="unified", num_visible_gpus=1, decode_sm_percent=100), "--decode-sm-percent"),
     (dict(policy="unified", num_visible_gpus=1, decode_sm_percent=12.5), "--decode-sm-percent"),
     (dict(policy="unified", num_visible_gpus=2, gpus=[2]), "GPU 2 is not visible"),

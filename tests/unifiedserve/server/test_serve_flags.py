@@ -37,7 +37,7 @@ from unifiedserve.cli import main
     (["--num-kv-blocks", "0"], "argument --num-kv-blocks: must be at least 1"),
     (["--patch-buffer-gb", "0"], "argument --patch-buffer-gb: must be a positive finite number"),
     (["--gpus", "0,x"], "argument --gpus: must be GPU ordinals"),
-    (["--decode-sm-percent", "100"], "argument --decode-sm-percent: must be a percentage in 1..99"),
+    (["--decode-sm-percent", "100"], "argument --decode-sm-percent: must be a percentage in 0..99"),
     (["--mps", "maybe"], "argument --mps: invalid choice"),
     (["--vision-device", "nvdec"], "argument --vision-device: invalid choice"),
     (["--vision-ahead-gb", "0"], "argument --vision-ahead-gb: must be a positive finite number"),

@@ -45,6 +45,15 @@ def test_unified_on_one_gpu_under_mps_caps_vision_and_core_and_leaves_decode_fre
     }
 
 
+def test_a_share_of_0_uncaps_unified_and_monolithic_refuses_a_share_it_would_ignore():
+    env = gpu_placement_fields(flags("--decode-sm-percent", "0"), "cuda", 1, True)["process_env"]
+    assert all("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in e for e in env.values())  # 0 is not the default's 30
+    with pytest.raises(ValueError, match="monolithic has no decode process"):
+        gpu_placement_fields(flags("--policy", "monolithic", "--decode-sm-percent", "30"), "cuda", 1, True)
+    with pytest.raises(ValueError, match="applies to --policy unified"):
+        gpu_placement_fields(flags("--policy", "split", "--decode-sm-percent", "0"), "cuda", 1, True)
+
+
 def test_split_on_one_gpu_gets_disjoint_shares_and_device_picks_the_gpu():
     fields = gpu_placement_fields(flags("--policy", "split"), "cuda:1", 2, True)
     assert fields["gpu"] == 1
