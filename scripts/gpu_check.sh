@@ -188,6 +188,18 @@ esac
 
 step "probe"
 run 60 probe python3 scripts/gpu_probe.py --out "$out/probe.json"
+# The groups that serve or decode videos stop here when flashcodec cannot decode one on this machine's PyAV (the
+# probe's flashcodec_decode): on 2026-11-28 two PyAV 19 changes made every video request a 400, and two policies
+# calls found out only at their first request, after writing the 7B preset
+case $group in decode|serve|policies)
+  if ! python3 -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["flashcodec_decode"].get("ok") else 1)' \
+      "$out/probe.json" 2>/dev/null; then
+    echo "flashcodec-decode: failed, so the $group group stops here: $(python3 -c 'import json, sys
+print(json.load(open(sys.argv[1])).get("flashcodec_decode"))' "$out/probe.json" 2>&1 | tail -1)" | tee -a "$out/status.txt"
+    pack_out
+    exit 1
+  fi ;;
+esac
 
 # A GPU fault (an illegal address, a device-side assert) ends its process, and every call after it there. In the
 # engine group's never-run paths the start-up says which switch turns the path off; the later steps then run

@@ -14,7 +14,8 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 CAPS = [("h264", "420", 8), ("h264", "444", 8), ("hevc", "420", 8), ("hevc", "420", 10), ("hevc", "444", 8),
         ("vp9", "420", 8), ("av1", "420", 8), ("mpeg4", "420", 8)]
@@ -62,6 +63,35 @@ def nvml_info() -> dict:
         nv.nvmlShutdown()
 
 
+def flashcodec_decode() -> dict:
+    """flashcodec's CPU path on this machine's PyAV, which every video request takes first: a seeded clip with a
+    display matrix, made, probed and decoded. On 2026-11-28 two PyAV 19 changes broke it (every video request got a
+    400), which cost two calls of the `policies` group before the first request told."""
+    import tempfile
+    import time
+
+    import av
+
+    import flashcodec
+
+    sys.path.insert(0, str(ROOT / "datasets"))
+    import synthetic_video
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = synthetic_video.make_video(Path(folder) / "probe.mp4", rotation=90)
+        began = time.perf_counter()
+        info = flashcodec.probe(str(path))
+        result = flashcodec.decode_video(str(path), backend="pyav", num_frames=4)
+        seconds = time.perf_counter() - began
+    # flashcodec reads the display matrix's angle anticlockwise, as FFmpeg does: the generator's 90 is 270
+    shown = [synthetic_video.try_read_frame_index(frame.permute(1, 2, 0).numpy(), rotation=90)
+             for frame in result.frames[:len(result.frame_indices)]]
+    if info.rotation != 270 or result.failed_frame_indices or shown != list(result.frame_indices):
+        raise RuntimeError(f"read rotation {info.rotation} (made 270 anticlockwise), frames {result.frame_indices} "
+                           f"shown as {shown}, failed {result.failed_frame_indices}")
+    return {"ok": True, "pyav": av.__version__, "seconds": round(seconds, 3)}
+
+
 def package(name: str) -> dict:
     mod = importlib.import_module(name)
     return {"version": getattr(mod, "__version__", "?"), "file": getattr(mod, "__file__", None)}
@@ -79,6 +109,7 @@ def main() -> None:
         "packages": {name: _try(lambda name=name: package(name))
                      for name in ("av", "torchcodec", "torchvision", "flashinfer", "transformers", "triton")},
         "mps_control": shutil.which("nvidia-cuda-mps-control"),
+        "flashcodec_decode": _try(flashcodec_decode),
     }
     text = json.dumps(report, indent=2, default=str)
     print(text)
