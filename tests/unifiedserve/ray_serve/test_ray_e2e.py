@@ -146,10 +146,12 @@ def test_two_replicas_affinity_streaming_and_a_dead_replica(tmp_path):
         a, b = sorted(set(owner.values()))
         clip_a = next(c for c, r in owner.items() if r == a)
         clip_b = next(c for c, r in owner.items() if r == b)
-        started = threading.Barrier(4)
+        # b streams first; then a1 and a2, and A dies once each has 2 tokens (one barrier for all three let A finish
+        # a1's 4000 tokens while b's video was still being encoded on a busy machine: no 503 to see, CI 2026-11-28)
+        b_started, a_started = threading.Barrier(2), threading.Barrier(3)
         results: dict[str, object] = {}
 
-        def stream(name: str, clip: Path, max_tokens: int):
+        def stream(name: str, clip: Path, max_tokens: int, started: threading.Barrier):
             tokens, finish, waited = 0, None, False
             try:
                 with client.chat.completions.with_streaming_response.create(
@@ -169,12 +171,14 @@ def test_two_replicas_affinity_streaming_and_a_dead_replica(tmp_path):
                 if not waited:
                     started.wait(60)
 
-        threads = [threading.Thread(target=stream, args=("a1", clip_a, 4000)),
-                   threading.Thread(target=stream, args=("a2", clip_a, 4000)),
-                   threading.Thread(target=stream, args=("b", clip_b, 60))]
-        for t in threads:
+        threads = [threading.Thread(target=stream, args=("b", clip_b, 60, b_started)),
+                   threading.Thread(target=stream, args=("a1", clip_a, 4000, a_started)),
+                   threading.Thread(target=stream, args=("a2", clip_a, 4000, a_started))]
+        threads[0].start()
+        b_started.wait(60)
+        for t in threads[1:]:
             t.start()
-        started.wait(60)
+        a_started.wait(60)
         os.kill(health["replicas"][a]["pid"], signal.SIGKILL)
         for t in threads:
             t.join(120)
