@@ -192,10 +192,10 @@ run 60 probe python3 scripts/gpu_probe.py --out "$out/probe.json"
 # probe's flashcodec_decode): on 2026-11-28 two PyAV 19 changes made every video request a 400, and two policies
 # calls found out only at their first request, after writing the 7B preset
 case $group in decode|serve|policies)
-  if ! python3 -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["flashcodec_decode"].get("ok") else 1)' \
-      "$out/probe.json" 2>/dev/null; then
-    echo "flashcodec-decode: failed, so the $group group stops here: $(python3 -c 'import json, sys
-print(json.load(open(sys.argv[1])).get("flashcodec_decode"))' "$out/probe.json" 2>&1 | tail -1)" | tee -a "$out/status.txt"
+  if ! report=$(python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))["flashcodec_decode"]; print(r)
+sys.exit(0 if r.get("ok") else 1)' "$out/probe.json" 2>&1); then
+    echo "flashcodec-decode: failed, so the $group group stops here: $(echo "$report" | tail -1)" |
+      tee -a "$out/status.txt"
     pack_out
     exit 1
   fi ;;

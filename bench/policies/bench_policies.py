@@ -348,17 +348,22 @@ def main(argv=None) -> int:
             return merge(a.merge, a.out)
         except ValueError as e:
             p.error(str(e))
-    slo = parse_goodput(a.goodput)
     if a.max_frames is not None and a.max_frames < 2:
         p.error(f"--max-frames must be at least 2 (one temporal patch), got {a.max_frames}")
     if a.warmups < 1:
         p.error(f"--warmups must be at least 1, got {a.warmups}")
-    rates = [float(r) for r in a.rates.split(",")]
+    try:  # the SLO, the rates and the workload's options: one error line, not a traceback
+        slo = parse_goodput(a.goodput)
+        rates = [float(r) for r in a.rates.split(",")]
+        if not all(r > 0 for r in rates):
+            raise ValueError(f"--rates must be positive request rates, got {a.rates}")
+        cfg = workload_config.WorkloadConfig(
+            workload=a.workload, num_requests=a.num_requests, output_len=a.output_len, ignore_eos=True, seed=a.seed,
+            scale=a.scale, video_seconds=a.video_seconds, num_videos=a.num_videos, max_frames=a.max_frames)
+    except ValueError as e:
+        p.error(str(e))
     a.out.mkdir(parents=True, exist_ok=True)
-    base = workload_synthetic.generate_workload(workload_config.WorkloadConfig(
-        workload=a.workload, num_requests=a.num_requests, output_len=a.output_len, ignore_eos=True, seed=a.seed,
-        scale=a.scale, video_seconds=a.video_seconds, num_videos=a.num_videos, max_frames=a.max_frames),
-        progress=True)
+    base = workload_synthetic.generate_workload(cfg, progress=True)
     media_dir = Path(base[0]["media"][0]["path"]).parent if base and base[0]["media"] else ROOT
     flags = ["--allowed-local-media-path", str(media_dir.parent), "--kv-cache-gb", "0.5", "--patch-buffer-gb", "1",
              *a.server_args.split()]

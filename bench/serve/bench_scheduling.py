@@ -85,18 +85,20 @@ def ttft_by_kind(recs, kind_of: dict[str, str]) -> dict[str, dict]:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    if "--scheduling-policy" in a.server_args:
-        print("bench_scheduling.py: error: --server-args must not set --scheduling-policy (one server runs per "
-              "policy)", file=sys.stderr)
+    media_dir = a.media_dir or workload_media.default_media_dir()
+    try:  # the flags the workload and the SLO check: one error line, not a traceback
+        if "--scheduling-policy" in a.server_args:
+            raise ValueError("--server-args must not set --scheduling-policy (one server runs per policy)")
+        cfg = workload_config.WorkloadConfig(workload=a.workload, num_requests=a.num_requests,
+                                             request_rate=a.request_rate, output_len=a.output_len, scale=a.scale,
+                                             seed=a.seed, media_dir=str(media_dir))
+        slo = parse_goodput(a.goodput)
+    except ValueError as e:
+        print(f"bench_scheduling.py: error: {e}", file=sys.stderr)
         return 2
     a.out.mkdir(parents=True, exist_ok=True)
-    media_dir = a.media_dir or workload_media.default_media_dir()
-    cfg = workload_config.WorkloadConfig(workload=a.workload, num_requests=a.num_requests, request_rate=a.request_rate,
-                                         output_len=a.output_len, scale=a.scale, seed=a.seed,
-                                         media_dir=str(media_dir))
     records = workloads.build_workload(cfg)
     kind_of = kinds(records)
-    slo = parse_goodput(a.goodput)
     allowed = str(Path("/").resolve())  # workload media live in the cache folder; allow the file system root
     results = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(a).items()}, "policies": {}}
     for policy in SCHEDULING_POLICIES:

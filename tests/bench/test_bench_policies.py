@@ -273,3 +273,15 @@ def test_bad_sizes_are_refused(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
         bp.main(argv)
     assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--scale", "2"], "scale must be in (0, 1]"),
+    (["--rates", "0.5,x"], "could not convert string to float"),
+    (["--rates", "0,1"], "--rates must be positive request rates"),
+    (["--goodput", "foo"], "--goodput takes ttft:MS"),
+])
+def test_bad_flags_are_one_error_line_before_any_media_or_server(tmp_path, capsys, argv, needle):
+    with pytest.raises(SystemExit) as err:
+        bp.main([*argv, "--out", str(tmp_path / "out")])
+    assert err.value.code == 2 and needle in capsys.readouterr().err and not (tmp_path / "out").exists()

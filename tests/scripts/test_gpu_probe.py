@@ -35,7 +35,7 @@ def test_flashcodec_decode_passes_here_and_fails_with_the_reason(monkeypatch):
 def test_gpu_check_stops_a_video_group_on_a_failed_decode_check(tmp_path):
     """The check gpu_check.sh runs on probe.json after the probe (the same command, as the script holds it)."""
     script = (ROOT / "scripts" / "gpu_check.sh").read_text()
-    check = script.split("if ! python3 -c '", 1)[1].split("' \\", 1)[0]
+    check = script.split("if ! report=$(python3 -c '", 1)[1].split("' \"$out/probe.json\"", 1)[0]
     for report, rc in (({"ok": True}, 0), ({"error": "TypeError: ..."}, 1)):
         path = tmp_path / "probe.json"
         path.write_text(json.dumps({"flashcodec_decode": report}))

@@ -262,10 +262,10 @@ def run_ray(args: argparse.Namespace, limits) -> int:
         signal.signal(sig, lambda signum, frame: stop.set())
     app = None  # the application's handle, once it runs (to drain it at the stop)
     try:
-        have = ray.cluster_resources().get("CPU", 0) if args.ray_address else None
-        if have is not None and most_replicas(args) * args.replica_cpus > have:
+        have, most = (ray.cluster_resources().get("CPU", 0) if args.ray_address else None), most_replicas(args)
+        if have is not None and most * args.replica_cpus > have:
             log.warning("%d replica(s) x --replica-cpus %g is more CPUs than the cluster has now (%g): the replicas "
-                        "that do not fit wait for it to grow", most_replicas(args), args.replica_cpus, have)
+                        "that do not fit wait for it to grow", most, args.replica_cpus, have)
         try:
             serve.start(http_options={"host": args.host, "port": args.port})
             application = build_application(args, router=args.ray_router)
