@@ -356,9 +356,18 @@ serve)
   serve_under_mps
   step "serve --device cuda on the 7B preset: one 3-minute video, 4 requests decoding, streaming vs whole ingest"
   rm -f bench/results/ttft_breakdown_server_*.log  # a warm machine's from an earlier call must not be packed as ours
-  run 240 serve-7b python3 bench/serve/ttft_breakdown.py --ingest both --num-decoding 4 \
+  # --warm-video: a clip of the same format first, so the measured one finds its NVDEC decoders made (the first
+  # video's are reported apart); each video's decode trace (first segment, each rank) goes to the server's log
+  UNIFIEDSERVE_DECODE_TRACE=1 run 240 serve-7b python3 bench/serve/ttft_breakdown.py --ingest both --num-decoding 4 \
+    --warm-video \
     --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16 ${SERVE_EXTRA_ARGS:-}" --result-json "$out/ttft_cuda_7b.json"
   cp bench/results/ttft_breakdown_server_*.log "$out/" 2>/dev/null
+  # flashcodec alone as an MPS client, as the server's vision process is: set beside the same bench without MPS below,
+  # it says whether MPS is what slows the server's decode of this video (issue 18)
+  step "bench/decode/bench_stream.py on the server's video under the MPS daemon (flashcodec alone, an MPS client)"
+  mkdir -p "$out/mps"
+  run 60 bench-stream-mps python3 bench/decode/bench_stream.py --device cuda:0,cpu --size 854x480 --duration 180 \
+    --gop 250 --max-pixels 112896 --output patches --repeat 2 --out "$out/mps"
   stop_mps
   step "issue 14's fault: a device-side assert in decode under serve-node's own MPS daemon, then its restart"
   if [ $(( deadline - $(date +%s) )) -lt 200 ]; then  # two 7B server starts: cut short, it proves nothing

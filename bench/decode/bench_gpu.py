@@ -47,6 +47,7 @@ import flashcodec  # noqa: E402
 from flashcodec.benchmark import best_time, machine_info, sampling_indices  # noqa: E402
 from flashcodec.decode import fast_open  # noqa: E402
 from flashcodec.decode.frame_mappings import frame_mappings  # noqa: E402
+from flashcodec.decode.trace import trace_summary  # noqa: E402
 from flashcodec.devices import (DEFAULT_NVDEC_SESSIONS, NVDEC_HOST_CORES, default_cpu_threads,  # noqa: E402
                                nvdec_unavailable_reason)
 from flashcodec.image_batch import ImageBatchDecoder, nvjpeg_unavailable_reason  # noqa: E402
@@ -54,7 +55,7 @@ from flashcodec.plan.video import floor_cost  # noqa: E402
 from flashcodec.resize import resize_frames_on_device  # noqa: E402
 from flashcodec.telemetry import TelemetrySampler, TelemetryUnavailable, nvml_index, open_nvml  # noqa: E402
 from gpu_media import ClipSpec, make_clip, make_jpegs  # noqa: E402
-from gpu_report import check_targets, markdown, ratios, trace_summary  # noqa: E402
+from gpu_report import check_targets, markdown, ratios  # noqa: E402
 
 #: Chunk of frames one session asks torchcodec for at a time (as flashcodec's NVDEC sessions do).
 CHUNK = 8
@@ -181,7 +182,7 @@ def _fc_decode(engine, path: str, indices, gpu: int):
 
 
 def _fc_traced(engine, path: str, indices, gpu: int, slots: dict[str, int]) -> dict:
-    """One more run, traced: which slot opened and decoded what, and when (gpu_report.trace_summary)."""
+    """One more run, traced: which slot opened and decoded what, and when (flashcodec.decode.trace.trace_summary)."""
     analysis = engine.analyse_bitstream(path, frame_indices=indices)
     started = time.perf_counter()
     engine.add_decoding_request(analysis.key_id, trace=True)

@@ -29,11 +29,11 @@ sys.path.insert(0, str(ROOT / "bench" / "decode"))
 
 import synthetic_video  # noqa: E402
 from bench_open import positive_int, size_arg  # noqa: E402
-from gpu_report import trace_summary  # noqa: E402
 
 import flashcodec  # noqa: E402
 from flashcodec import FlashCodecError  # noqa: E402
 from flashcodec.decode import fast_open, scheduler  # noqa: E402
+from flashcodec.decode.trace import describe_rank, rank_slots, trace_summary  # noqa: E402
 
 QUARTERS = (0.25, 0.5, 0.75, 1.0)
 
@@ -96,7 +96,8 @@ def streamed(engine, path: str, args) -> dict:
                 marks[q] = time.perf_counter() - started
     total = time.perf_counter() - started
     return {"frames": n, "seconds": total, "first_part_s": first,
-            "share_of_time": {str(q): marks[q] / total for q in QUARTERS}, "trace": trace_summary(trace, total, slots(engine))}
+            "share_of_time": {str(q): marks[q] / total for q in QUARTERS},
+            "trace": trace_summary(trace, total, rank_slots(engine))}
 
 
 def whole(engine, path: str, args) -> dict:
@@ -106,21 +107,11 @@ def whole(engine, path: str, args) -> dict:
     out = engine.get_decoding_output(analysis.key_id)
     total = time.perf_counter() - started
     return {"frames": len(analysis.plan.frame_indices), "seconds": total,
-            "trace": trace_summary(out.trace, total, slots(engine))}
-
-
-def slots(engine) -> dict[str, int]:
-    """Decoder slots per rank, by the names the trace gives ranks."""
-    layout = engine.layout
-    return {**{f"cuda:{gpu}": layout.nvdec_sessions for gpu in layout.gpus},
-            **({"cpu": layout.cpu_threads} if layout.cpu_threads else {})}
+            "trace": trace_summary(out.trace, total, rank_slots(engine))}
 
 
 def rank_lines(trace: dict) -> list[str]:
-    return [f"    {rank}: {t['segments']} segments ({t['stolen']} stolen, {t['backups']} backups) on "
-            f"{t['slots_used']}/{t['slots']} slots, first decode {t['first_decode_s']:.3f} s, end {t['end_s']:.3f} s, "
-            f"busy {t['busy']:.2f}, opens {t['open_s_sum']:.3f} s (max {t['open_s_max']:.3f})"
-            for rank, t in trace["ranks"].items() if t["segments"]]
+    return ["    " + describe_rank(rank, t) for rank, t in trace["ranks"].items() if t["segments"]]
 
 
 def main(argv=None) -> int:

@@ -42,35 +42,6 @@ def ratios(m: dict, gpu_vs_cpu: float | None, sessions: int) -> dict:
     }
 
 
-def trace_summary(events, wall_s: float, slots: dict[str, int]) -> dict:
-    """Where one traced request's time went, per rank (``DecodedVideo.trace``; ``slots``: decoder slots per rank).
-
-    ``busy``: the rank's opens and decodes over its slots x the request's wall time (1.0: no slot idle);
-    ``open_s``: decoder opens (sum and the longest); ``last``: the event that ended last (the request's tail).
-    """
-    out: dict = {"wall_s": wall_s, "ranks": {}}
-    for rank, n in slots.items():
-        mine = [e for e in events if e.rank == rank]
-        opens = [e.end_s - e.start_s for e in mine if e.kind == "open"]
-        decodes = [e for e in mine if e.kind == "decode"]
-        work = sum(e.end_s - e.start_s for e in mine)
-        out["ranks"][rank] = {
-            "slots": n, "slots_used": len({e.slot for e in mine}), "segments": len(decodes),
-            "stolen": sum(e.stolen for e in decodes), "backups": sum(e.backup for e in decodes),
-            "frames": sum(e.cost for e in decodes),
-            "open_s_sum": sum(opens), "open_s_max": max(opens, default=0.0),
-            "decode_s_sum": sum(e.end_s - e.start_s for e in decodes),
-            "first_decode_s": min((e.start_s for e in decodes), default=None),
-            "end_s": max((e.end_s for e in mine), default=None),
-            "busy": work / (n * wall_s) if n and wall_s > 0 else None,
-        }
-    if events:
-        last = max(events, key=lambda e: e.end_s)
-        out["last"] = {"rank": last.rank, "slot": last.slot, "kind": last.kind, "start_s": last.start_s,
-                       "end_s": last.end_s, "cost": last.cost}
-    return out
-
-
 def check_targets(ratios_: dict) -> dict:
     ops = {">=": lambda a, b: a >= b, ">": lambda a, b: a > b, "<=": lambda a, b: a <= b}
     return {key: (None if ratios_.get(key) is None else bool(ops[op](ratios_[key], bound)))

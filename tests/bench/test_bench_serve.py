@@ -382,6 +382,35 @@ def test_ttft_breakdown_timeline_from_two_readings(capsys):
     assert rows["first_token"] == ["3.500", "+3.000", "4.000", "+4.000"]
 
 
+def test_ttft_breakdown_asks_about_a_video_and_times_its_first_token(tmp_path):
+    """ask_video (the measured request and --warm-video's): TTFT at the first chunk with a choice (not the role-less
+    ones before it), the usage from the last chunk, the video by file:// URL with the run's sampling."""
+    import time
+    from types import SimpleNamespace as NS
+
+    import ttft_breakdown as tb
+
+    sent = {}
+
+    def chunks():
+        yield NS(choices=[], usage=None)
+        time.sleep(0.05)
+        yield NS(choices=[NS(delta=NS(content="a"))], usage=None)
+        time.sleep(0.05)
+        yield NS(choices=[], usage=NS(prompt_tokens=7))
+
+    def create(**kw):
+        sent.update(kw)
+        return chunks()
+
+    client = NS(models=NS(list=lambda: NS(data=[NS(id="demo")])), chat=NS(completions=NS(create=create)))
+    clip = tmp_path / "v.mp4"
+    ttft, e2e, usage = tb.ask_video(client, clip, NS(fps=2.0, max_pixels=1234))
+    assert 0.04 < ttft < e2e and e2e >= 0.09 and usage.prompt_tokens == 7
+    video = sent["messages"][0]["content"][0]["video_url"]
+    assert video == {"url": f"file://{clip}", "fps": 2.0, "max_pixels": 1234} and sent["model"] == "demo"
+
+
 # ---------------------------------------------------------------------------
 # bench_choices.py: its argument errors (a full run takes minutes: see docs/benchmarks.md)
 # ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@ its loop thread. Also the per-request state (:class:`_Job`) and the probe cache 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -18,11 +19,19 @@ import torch
 
 from flashcodec import DecodeCancelledError, FlashCodecError, OutputTooLargeError, SamplingOptions
 from flashcodec._errors import first_line
+from flashcodec.decode.trace import describe_trace, rank_slots, trace_summary
 from flashcodec.image import decode_image
 from flashcodec.source import Source
 from unifiedserve.runtime import protocol
 
 log = logging.getLogger("unifiedserve")
+
+def decode_trace_enabled() -> bool:
+    """``UNIFIEDSERVE_DECODE_TRACE=1``: each video's decode is traced and logged in one line (which rank and slot
+    decoded its first segment and when, each rank's opens, segments and end). A diagnosis switch: a traced stream's
+    last part waits for every slot to end its work, backups included."""
+    return os.environ.get("UNIFIEDSERVE_DECODE_TRACE", "") in ("1", "on", "true")
+
 
 #: what the probes kept may hold: an hour of 30-fps video's probe is about 1.7 MB (two int64 per frame)
 PROBE_CACHE_BYTES = 64 << 20
@@ -208,8 +217,10 @@ class MediaDecoding:
         start = time.perf_counter()
         try:
             self.engine.add_decoding_request(analysis.key_id, output="patches", patch_spec=self.spec,
-                                             patch_dtype=self.patch_buffer.dtype)
+                                             patch_dtype=self.patch_buffer.dtype, trace=decode_trace_enabled())
             decoded = self.engine.get_decoding_output(analysis.key_id)
+            if decoded.trace is not None:
+                self._log_trace(job, index, decoded.trace, time.perf_counter() - start, None)
         except DecodeCancelledError:  # the request went away, or core already has this media
             self.events.put(("cancelled", job.request_id))
             return
@@ -226,19 +237,34 @@ class MediaDecoding:
         """Decode a video as a FlashCodec stream: each new prefix of whole temporal slices becomes a "part"
         event (its patch rows), the last one marked so."""
         ended = False  # the last part went out: that ended this decode for the loop (a late cancel is moot)
+        start, first_part = time.perf_counter(), None
         try:
             self.engine.add_decoding_request(analysis.key_id, output="patches", patch_spec=self.spec, stream=True,
-                                             patch_dtype=self.patch_buffer.dtype)
+                                             patch_dtype=self.patch_buffer.dtype, trace=decode_trace_enabled())
             for part in self.engine.stream_decoding_output(analysis.key_id):
+                first_part = time.perf_counter() - start if first_part is None else first_part
                 self.events.put(("part", job.request_id, index, part.start, part.patches, part.decode_s, time.time(),
                                  part.is_last))
                 ended = part.is_last
+                if part.trace is not None:
+                    self._log_trace(job, index, part.trace, time.perf_counter() - start, first_part)
         except DecodeCancelledError:
             if not ended:
                 self.events.put(("cancelled", job.request_id))
         except Exception as e:
             if not ended:
                 self.events.put(("failed", job.request_id, f"media {index}: {_one_line(e, job.media[index])}", index))
+
+
+    def _log_trace(self, job: _Job, index: int, events, wall_s: float, first_part_s: float | None) -> None:
+        """One line per traced video (``UNIFIEDSERVE_DECODE_TRACE=1``); never fails the decode."""
+        try:
+            line = describe_trace(trace_summary(events, wall_s, rank_slots(self.engine)))
+        except Exception as e:  # a diagnosis must not cost the request
+            line = f"(no summary: {first_line(e)})"
+        first = "" if first_part_s is None else f", first part out at {first_part_s:.3f} s"
+        log.info("decode trace: request %s media %d (%s%s): %s", job.request_id, index,
+                 "streamed" if first_part_s is not None else "whole", first, line)
 
 
 def _one_line(e: BaseException, ref: protocol.MediaRef | None = None) -> str:

@@ -293,3 +293,35 @@ def test_a_whole_decode_without_memory_for_it_is_a_503_that_names_no_figures(tmp
         assert not worker.engine._analyses  # the refused request's analysis is not kept
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_decode_trace_logs_one_line_per_video_only_when_asked(tmp_path, demo_model, clips, monkeypatch, caplog,
+                                                              streaming):
+    """``UNIFIEDSERVE_DECODE_TRACE=1`` logs where each video's decode time went (first segment, each rank), and
+    the rows written are the same as untraced; without it nothing is traced."""
+    import logging
+
+    pages = list(range(30))
+    rows = {}
+    for traced in (False, True):
+        if traced:
+            monkeypatch.setenv("UNIFIEDSERVE_DECODE_TRACE", "1")
+        (tmp_path / str(traced)).mkdir()
+        worker = make_worker(tmp_path / str(traced), demo_model, streaming=streaming)
+        try:
+            with caplog.at_level(logging.INFO, logger="unifiedserve"):
+                caplog.clear()
+                run_request(worker, clips[:1], pages=pages)
+                lines = [r.getMessage() for r in caplog.records if "decode trace" in r.getMessage()]
+            rows[traced] = stream_rows(worker, pages).clone()
+        finally:
+            worker.close()
+        if not traced:
+            assert lines == []
+            continue
+        assert len(lines) == 1, lines
+        mode = "streamed" if streaming else "whole"
+        assert f"media 0 ({mode}" in lines[0] and ("first part out at" in lines[0]) == streaming
+        assert "first segment on cpu slot" in lines[0] and "cpu: " in lines[0] and "segments (" in lines[0]
+    assert torch.equal(rows[False], rows[True])
