@@ -391,6 +391,13 @@ policies)
     --out "$out/policies-workload.jsonl" > /dev/null &
   media_job=$!
   serve_under_mps
+  if ! grep -q "mps-check: rc=0" "$out/status.txt"; then  # a row without MPS is not comparable, and split refuses
+    echo "policies: stopped, MPS is not usable here: every policy's row runs under MPS (split needs it)" |
+      tee -a "$out/status.txt"
+    kill "$media_job" 2>/dev/null || true
+    pack_out
+    exit 1
+  fi
   step "waiting for the workload's videos"
   wait "$media_job" || true
   grep "^media:" "$out/status.txt" || echo "media: no status (see media.log)"

@@ -40,3 +40,25 @@ def test_gpu_check_stops_a_video_group_on_a_failed_decode_check(tmp_path):
         path = tmp_path / "probe.json"
         path.write_text(json.dumps({"flashcodec_decode": report}))
         assert subprocess.run([sys.executable, "-c", check, str(path)], timeout=30).returncode == rc
+
+
+def test_gpu_check_stops_the_policies_group_without_mps(tmp_path):
+    """The policies group's gate after its MPS start (the script's own lines, run by bash with the steps around it
+    stubbed): a run where MPS is not usable stops with one status line and packs what it has, before any policy
+    runs; a usable MPS passes."""
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    group = script.split("\npolicies)\n", 1)[1]
+    gate = "if ! grep -q" + group.split("serve_under_mps\n  if ! grep -q", 1)[1].split("\n  fi\n", 1)[0] + "\n  fi\n"
+    for mps_rc, rc in ((0, 0), (1, 1)):
+        out = tmp_path / f"out{mps_rc}"
+        out.mkdir()
+        (out / "status.txt").write_text(f"mps-start: rc=0\nmps-check: rc={mps_rc}\n")
+        stubbed = (f'out={out}\npack_out() {{ echo packed >> "$out/status.txt"; }}\nsleep 30 & media_job=$!\n'
+                   f'{gate}kill "$media_job"\necho reached >> "$out/status.txt"\n')
+        assert subprocess.run(["bash", "-c", stubbed], timeout=30, capture_output=True).returncode == rc
+        status = (out / "status.txt").read_text()
+        if rc:
+            assert "policies: stopped, MPS is not usable here" in status and "packed" in status
+            assert "reached" not in status
+        else:
+            assert status.endswith("reached\n") and "stopped" not in status

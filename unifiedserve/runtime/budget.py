@@ -94,9 +94,15 @@ def encode_seconds(runner, num_patches: int) -> float:
 
 
 def _cache_key(cfg) -> str:
+    """What the timings depend on: the model's files, device and dtype, core's threads, and on a GPU its name and
+    core's SM share (MPS), which differ by policy (unified caps core at 100 - --decode-sm-percent, monolithic not)."""
     model = Path(cfg.model).resolve()
     stamp = [f"{p.name}:{p.stat().st_mtime_ns}" for p in sorted(model.glob("*.safetensors"))]
-    raw = json.dumps([str(model), stamp, cfg.engine.device, cfg.engine.dtype, torch.get_num_threads(), cfg.tbt_slo_ms])
+    gpu = torch.cuda.get_device_name() if str(cfg.engine.device).startswith("cuda") and torch.cuda.is_available() \
+        else None
+    share = cfg.process_env.get("core", {}).get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    raw = json.dumps([str(model), stamp, cfg.engine.device, cfg.engine.dtype, torch.get_num_threads(), cfg.tbt_slo_ms,
+                      cfg.policy, gpu, share])
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

@@ -65,8 +65,8 @@ def plan_gpu_placement(policy: str, num_visible_gpus: int, gpus: list[int] | Non
 
     Args:
         num_visible_gpus: CUDA devices this machine shows.
-        gpus: the physical ordinals to use (default: ``[0]``, or ``[0, 1]`` for ``split`` when there
-            are two). Their order matters: the first holds vision and core.
+        gpus: the physical ordinals to use (default ``[0]``: every policy on one GPU; ``split`` takes a
+            second GPU for decode only when given two). Their order matters: the first holds vision and core.
         decode_sm_percent: decode's guaranteed SM share (``unified``; 0: no caps at all) or its whole share
             (``split`` on one GPU), 1..99.
         use_mps: whether an MPS daemon serves these processes (see ``launch/mps.sh``).
@@ -84,8 +84,8 @@ def plan_gpu_placement(policy: str, num_visible_gpus: int, gpus: list[int] | Non
     if decode_sm_percent == 0 and policy != "unified":
         raise ValueError(f"--decode-sm-percent 0 (no SM caps) applies to --policy unified; --policy {policy} "
                          f"takes a share in 1..99")
-    if gpus is None:
-        gpus = [0, 1] if policy == "split" and num_visible_gpus >= 2 else [0]
+    if gpus is None:  # split on two GPUs needs the KV cache moved between them, which the server refuses for now
+        gpus = [0]
     if not gpus:
         raise ValueError("--gpus is empty; give at least one GPU ordinal")
     bad = [g for g in gpus if not 0 <= g < num_visible_gpus]
@@ -108,7 +108,7 @@ def plan_gpu_placement(policy: str, num_visible_gpus: int, gpus: list[int] | Non
     elif policy == "split":
         if not use_mps:
             raise ValueError("--policy split on one GPU needs MPS for its disjoint SM shares: start it with "
-                             "launch/mps.sh start, or give a second GPU with --gpus 0,1")
+                             "launch/mps.sh start (or launch/serve-node.sh)")
         procs = {"vision": ProcessPlacement(first, rest), "core": ProcessPlacement(first, rest),
                  "decode": ProcessPlacement(first, decode_sm_percent)}
     else:  # unified
@@ -122,6 +122,17 @@ def plan_gpu_placement(policy: str, num_visible_gpus: int, gpus: list[int] | Non
             notes.append("no MPS daemon: vision, core and decode time-slice the GPU, so decode's SM share "
                          "is not guaranteed (start one with launch/mps.sh start)")
     return GpuPlacement(policy, use_mps, procs, tuple(notes))
+
+
+def apply_process_env(env: dict[str, str]) -> None:
+    """Set a worker's placement environment (:meth:`ProcessPlacement.env`) in this process, before CUDA starts.
+
+    An SM cap the server itself was started with (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, inherited) is dropped
+    first whenever there is a placement: a process the placement leaves uncapped (monolithic's, unified's decode)
+    must not run capped, nor a capped one at another share than its policy's."""
+    if env:
+        os.environ.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
+    os.environ.update(env)
 
 
 DEFAULT_MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # where a daemon started without CUDA_MPS_PIPE_DIRECTORY listens

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 
 from unifiedserve.engine.device import KVPoolSizing, check_utilization
 from unifiedserve.engine.profile import MemoryProfile
+from unifiedserve.runtime.gpu_placement import apply_process_env
 
 log = logging.getLogger("unifiedserve")
 
@@ -183,7 +184,7 @@ def profile_in_child(model: str, engine, env: dict[str, str], *, decode_batch: i
 
 def _profile_main(sender, model: str, engine, env: dict[str, str], decode_batch: int,
                   graph_batch: int | None) -> None:
-    os.environ.update(env)  # before anything starts CUDA: the GPU and MPS share the core worker gets
+    apply_process_env(env)  # before anything starts CUDA: the GPU and MPS share the core worker gets
     logging.basicConfig(level=os.environ.get("UNIFIEDSERVE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s [profile] %(message)s")
     try:

@@ -21,6 +21,7 @@ import zmq
 
 from unifiedserve.runtime import protocol
 from unifiedserve.runtime.config import RuntimeConfig
+from unifiedserve.runtime.gpu_placement import apply_process_env
 
 log = logging.getLogger("unifiedserve")
 
@@ -318,7 +319,7 @@ def _on_sigterm(signum, frame) -> None:
 
 def worker_main(worker_cls: type[Worker], config: RuntimeConfig) -> None:
     """Entry point of a worker process (target of ``multiprocessing.Process``)."""
-    os.environ.update(config.process_env.get(worker_cls.name, {}))  # before anything starts CUDA
+    apply_process_env(config.process_env.get(worker_cls.name, {}))  # before anything starts CUDA
     setup_logging(worker_cls.name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)

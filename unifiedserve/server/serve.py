@@ -74,6 +74,10 @@ def gpu_placement_fields(args: argparse.Namespace, device: str, num_visible_gpus
                          f"through MPS)")
     for note in placement.notes:
         log.warning("%s", note)
+    inherited = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    if inherited is not None:  # runtime/gpu_placement.apply_process_env drops it in every worker
+        log.warning("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=%s in the server's environment is not passed on: each "
+                    "process's SM share comes from --policy and --decode-sm-percent", inherited)
     return {"gpu": physical[0], "process_env": {name: placement.env(name) for name in placement.processes}}
 
 

@@ -58,3 +58,22 @@ def test_timing_on_cuda_waits_for_the_kernels(monkeypatch):
     events.clear()
     budget._time(lambda: events.append("run"), torch.device("cpu"), repeats=2)
     assert events == ["run"] * 3
+
+
+def test_the_cached_profile_is_per_policy_and_core_sm_share(tmp_path):
+    """A profile measured in unified's core (capped at 70 % of the SMs) is not served to monolithic's (uncapped),
+    nor to another share; the same placement finds its own entry again."""
+    from types import SimpleNamespace as NS
+
+    from unifiedserve.runtime.budget import _cache_key
+
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+
+    def cfg(policy, share):
+        env = {} if share is None else {"core": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": share}}
+        return NS(model=str(tmp_path), engine=NS(device="cpu", dtype="float32"), tbt_slo_ms=100, policy=policy,
+                  process_env=env)
+
+    keys = {_cache_key(cfg("unified", "70")), _cache_key(cfg("unified", "80")), _cache_key(cfg("monolithic", None)),
+            _cache_key(cfg("split", "70"))}
+    assert len(keys) == 4 and _cache_key(cfg("unified", "70")) == _cache_key(cfg("unified", "70"))

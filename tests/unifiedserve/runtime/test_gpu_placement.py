@@ -49,7 +49,8 @@ def test_split_one_gpu_disjoint_shares_and_two_gpus_uncapped():
     assert {pl.gpu for pl in p.processes.values()} == {0}
     two = plan_gpu_placement("split", num_visible_gpus=4, gpus=[2, 3])
     assert two.env("core") == {"CUDA_VISIBLE_DEVICES": "2"} and two.env("decode") == {"CUDA_VISIBLE_DEVICES": "3"}
-    assert plan_gpu_placement("split", num_visible_gpus=2).processes["decode"].gpu == 1  # default: a second GPU
+    # by default one GPU, however many there are: the server cannot move the KV cache between GPUs yet
+    assert {pl.gpu for pl in plan_gpu_placement("split", num_visible_gpus=2).processes.values()} == {0}
 
 
 def test_monolithic_has_no_decode_process():

@@ -127,3 +127,28 @@ def test_a_cuda_server_sizes_its_kv_cache_by_utilization_unless_given_a_size(mon
     else:
         runtime.stop()  # nothing started: removes its socket folder
     assert asked == ([] if expected is None else [expected])
+
+
+def test_a_cap_in_the_servers_environment_reaches_no_worker(monkeypatch, caplog):
+    """CUDA_MPS_ACTIVE_THREAD_PERCENTAGE set where the server starts is said once and dropped in every placed
+    worker: monolithic's processes and unified's decode stay uncapped, the capped ones get their policy's share."""
+    import logging
+    import os
+
+    from unifiedserve.runtime.gpu_placement import apply_process_env
+
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "40")
+    with caplog.at_level(logging.WARNING, logger="unifiedserve"):
+        unified = gpu_placement_fields(flags(), "cuda", 1, True)["process_env"]
+        mono = gpu_placement_fields(flags("--policy", "monolithic"), "cuda", 1, True)["process_env"]
+    assert sum("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=40 in the server's environment is not passed on" in r.getMessage()
+               for r in caplog.records) == 2
+    for env, want in ((unified["decode"], None), (unified["core"], "70"), (mono["core"], None),
+                      (mono["vision"], None)):
+        monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "40")
+        apply_process_env(env)  # as worker_main does, in the worker before CUDA starts
+        assert os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") == want
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "40")
+    apply_process_env({})  # no placement (the CPU server): the environment is left as it is
+    assert os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
