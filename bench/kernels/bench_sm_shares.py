@@ -19,7 +19,11 @@ Modes, each in a fresh process (the parent never opens CUDA), both streams start
   own sharing;
 - ``green:D``: decode in a green context of D SMs, prefill in one of the remaining SMs (two threads);
 - ``mps:P``: two processes under a private MPS daemon (``launch/mps.sh``), decode with an active thread
-  percentage of P, prefill with 100 - P.
+  percentage of P, prefill with 100 - P (``serve --policy split``'s shares);
+- ``unified:P``: the same pair, decode uncapped and prefill at 100 - P (``serve --policy unified
+  --decode-sm-percent P``); ``unified:0``: neither capped;
+- ``priority:P``: as ``unified:P``, prefill also a below-normal-priority MPS client (``CUDA_MPS_CLIENT_PRIORITY=1``,
+  decode normal: ``serve --mps-priority``): while decode has work waiting, its thread blocks go first.
 
 It prints, per mode, the decode step's p50 / p99 (ms, and x alone) and the prefill rate (TFLOP/s, and x
 alone), and writes them as JSON.
@@ -47,19 +51,38 @@ MODELS = {"demo": (256, 1344), "qwen2.5-vl-3b": (2048, 11008), "qwen2.5-vl-7b": 
 SM_GRANULARITY = 8  # green contexts split SMs in groups (8 on Hopper); D and the rest are rounded down to it
 
 
+#: the modes that run a pair of processes under a private MPS daemon
+MPS_KINDS = ("mps", "unified", "priority")
+
+
 def parse_mode(text: str) -> tuple[str, int | None]:
-    """``"alone"``, ``"shared"``, ``"green:32"``, ``"mps:25"`` -> ``(kind, value)`` (ValueError when bad)."""
+    """``"alone"``, ``"shared"``, ``"green:32"``, ``"mps:25"``, ``"unified:30"``, ``"priority:0"`` -> ``(kind,
+    value)`` (ValueError when bad)."""
     kind, _, value = text.partition(":")
     if kind in ("alone", "shared") and not value:
         return kind, None
-    if kind in ("green", "mps") and value.isdigit():
+    if kind in ("green", *MPS_KINDS) and value.isdigit():
         number = int(value)
         if kind == "mps" and not 1 <= number <= 99:
             raise ValueError(f"mps:P needs a percentage in 1..99, got {text!r}")
+        if kind in ("unified", "priority") and not 0 <= number <= 99:
+            raise ValueError(f"{kind}:P needs a percentage in 0..99 (0: prefill uncapped), got {text!r}")
         if kind == "green" and number < SM_GRANULARITY:
             raise ValueError(f"green:D needs at least {SM_GRANULARITY} SMs, got {text!r}")
         return kind, number
-    raise ValueError(f"a mode is alone, shared, green:SMS or mps:PERCENT, got {text!r}")
+    raise ValueError(f"a mode is alone, shared, green:SMS, mps:PERCENT, unified:PERCENT or priority:PERCENT, "
+                     f"got {text!r}")
+
+
+def mps_pair_env(kind: str, percent: int) -> tuple[dict[str, str], dict[str, str]]:
+    """The decode and the prefill process's MPS settings for an MPS mode (the server's, policy by policy)."""
+    if kind == "mps":  # split: disjoint caps
+        return ({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percent)},
+                {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 - percent)})
+    prefill = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 - percent)} if percent else {}
+    if kind == "priority":
+        return {"CUDA_MPS_CLIENT_PRIORITY": "0"}, prefill | {"CUDA_MPS_CLIENT_PRIORITY": "1"}
+    return {}, prefill
 
 
 def green_split(total_sms: int, decode_sms: int) -> tuple[int, int]:
@@ -239,7 +262,8 @@ def worker(args) -> dict:
     if args.device.startswith("cuda"):
         props = torch.cuda.get_device_properties(args.device)
         info.update(name=props.name, sms=props.multi_processor_count,
-                    mps_percent=os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
+                    mps_percent=os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+                    mps_priority=os.environ.get("CUDA_MPS_CLIENT_PRIORITY"))
     go = FileBarrier(args.barrier, 2) if args.barrier else None  # the two processes of an MPS pair begin together
     if args.worker == "decode":
         return info | {"decode": run_decode(work, args.seconds, args.warmup, go)}
@@ -296,29 +320,33 @@ def measure(args, kind: str, value: int | None) -> dict:
         return collect(spawn(args, "together"), "shared", budget)
     if kind == "green":
         return collect(spawn(args, "together", ["--green", str(value)]), f"green:{value}", budget)
-    return measure_mps(args, value, budget)
+    return measure_mps(args, kind, value, budget)
 
 
-def measure_mps(args, percent: int, budget: float) -> dict:
-    """Decode at ``percent`` and prefill at ``100 - percent`` under a private MPS daemon, started and stopped here."""
+def measure_mps(args, kind: str, percent: int, budget: float) -> dict:
+    """An MPS mode's pair (:func:`mps_pair_env`) under a private MPS daemon, started and stopped here."""
+    mode = f"{kind}:{percent}"
+    decode_env, prefill_env = mps_pair_env(kind, percent)
     with tempfile.TemporaryDirectory(prefix="sm-shares-mps-") as folder:
         env = {"UNIFIEDSERVE_MPS_DIR": folder}
         started = subprocess.run(["bash", str(MPS_SCRIPT), "start"], env={**os.environ, **env}, capture_output=True,
                                  text=True, timeout=60)
         if started.returncode != 0:
-            raise RuntimeError(f"mps:{percent}: launch/mps.sh start failed: {started.stderr.strip()}")
+            raise RuntimeError(f"{mode}: launch/mps.sh start failed: {started.stderr.strip()}")
         procs = []
         try:
             client = {"CUDA_MPS_PIPE_DIRECTORY": f"{folder}/pipe", "CUDA_MPS_LOG_DIRECTORY": f"{folder}/log"}
             barrier = tempfile.mkdtemp(dir=folder)  # both loaded and warm, then both measure
-            decode = spawn(args, "decode", env=client | {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percent)},
-                           barrier=barrier)
-            prefill = spawn(args, "prefill", env=client | {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 - percent)},
-                            barrier=barrier)
+            decode = spawn(args, "decode", env=client | decode_env, barrier=barrier)
+            prefill = spawn(args, "prefill", env=client | prefill_env, barrier=barrier)
             procs = [decode, prefill]
-            result = collect(decode, f"mps:{percent} (decode)", budget)
-            result["prefill"] = collect(prefill, f"mps:{percent} (prefill)", budget)["prefill"]
-            return result | {"mps_percent": [percent, 100 - percent]}
+            result = collect(decode, f"{mode} (decode)", budget)
+            result["prefill"] = collect(prefill, f"{mode} (prefill)", budget)["prefill"]
+            shares = [decode_env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+                      prefill_env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")]
+            return result | {"mps_percent": [int(p) if p else None for p in shares],
+                             "mps_priority": [decode_env.get("CUDA_MPS_CLIENT_PRIORITY"),
+                                              prefill_env.get("CUDA_MPS_CLIENT_PRIORITY")]}
         finally:
             for proc in procs:  # one failed: the other must not outlive the daemon
                 if proc.poll() is None:
@@ -341,7 +369,14 @@ def table(results: dict) -> str:
             continue
         d, p = r.get("decode") or {}, r.get("prefill") or {}
         share = r.get("green_sms") or r.get("mps_percent")
-        share = f"{share[0]} / {share[1]}" + (" %" if "mps_percent" in r else " SMs") if share else "-"
+        if share and "mps_percent" in r:
+            share = " / ".join("all" if v is None else str(v) for v in share) + " %"
+            if "1" in (r.get("mps_priority") or ()):
+                share += ", prefill low priority"
+        elif share:
+            share = f"{share[0]} / {share[1]} SMs"
+        else:
+            share = "-"
         ratio_d = d["p50_ms"] / base_p50 if base_p50 else float("nan")
         ratio_p = p["tflops"] / base_tflops if base_tflops else float("nan")
         lines.append(f"| {mode} | {share} | {d['p50_ms']:.2f} / {d['p99_ms']:.2f} | {ratio_d:.2f} | "
@@ -358,9 +393,10 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=8, help="decode batch (default 8)")
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk in tokens (default 8192)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--modes", default=None, help="comma-separated: alone, shared, green:SMS, mps:PERCENT "
-                   "(default alone,shared,green:16,green:32,green:48,mps:12,mps:25,mps:36; --quick: "
-                   "alone,shared,green:32,mps:25); mps modes need nvidia-cuda-mps-control")
+    p.add_argument("--modes", default=None, help="comma-separated: alone, shared, green:SMS, mps:PERCENT, "
+                   "unified:PERCENT, priority:PERCENT (default alone,shared,green:16,green:32,green:48,mps:12,mps:25,"
+                   "mps:36; --quick: alone,shared,green:32,mps:25); mps, unified and priority modes need "
+                   "nvidia-cuda-mps-control")
     p.add_argument("--seconds", type=float, default=None, help="measured window per mode (default 3; --quick 2)")
     p.add_argument("--warmup", type=int, default=5, help="steps and passes before the window (default 5)")
     p.add_argument("--quick", action="store_true", help="fewer modes, shorter windows (the GPU check's setting)")
@@ -407,15 +443,15 @@ def main(argv=None) -> int:
     config["modes"] = [m for m, *_ in args.modes]
     results: dict = {}
     for mode, kind, value in args.modes:
-        if kind == "mps" and shutil.which("nvidia-cuda-mps-control") is None:
+        if kind in MPS_KINDS and shutil.which("nvidia-cuda-mps-control") is None:
             results[mode] = {"error": "skipped: nvidia-cuda-mps-control is not installed"}
-            continue
-        print(f"{mode} ...", flush=True)
-        try:
-            results[mode] = measure(args, kind, value)
-        except (RuntimeError, ValueError, subprocess.SubprocessError) as e:
-            results[mode] = {"error": str(e)}
-            print(f"{mode}: {e}", file=sys.stderr)
+        else:
+            print(f"{mode} ...", flush=True)
+            try:
+                results[mode] = measure(args, kind, value)
+            except (RuntimeError, ValueError, subprocess.SubprocessError) as e:
+                results[mode] = {"error": str(e)}
+                print(f"{mode}: {e}", file=sys.stderr)
         out.write_text(json.dumps({"config": config, "results": results}, indent=1, default=str))
     if "error" in results.get("alone", {}):
         print(f"bench_sm_shares.py: error: {results['alone']['error']}", file=sys.stderr)

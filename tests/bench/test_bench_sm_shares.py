@@ -22,8 +22,10 @@ TINY = ["--device", "cpu", "--model", "demo", "--layers", "1", "--batch", "2", "
 
 def test_modes_parse_or_say_why():
     assert sm.parse_mode("alone") == ("alone", None) and sm.parse_mode("green:32") == ("green", 32)
-    assert sm.parse_mode("mps:25") == ("mps", 25)
+    assert sm.parse_mode("mps:25") == ("mps", 25) and sm.parse_mode("unified:0") == ("unified", 0)
+    assert sm.parse_mode("priority:30") == ("priority", 30)
     for bad, needle in (("green:4", "at least 8 SMs"), ("mps:0", "1..99"), ("mps:100", "1..99"),
+                        ("unified:100", "0..99"), ("priority:x", "a mode is"), ("unified", "a mode is"),
                         ("alone:3", "a mode is"), ("green", "a mode is"), ("fast", "a mode is")):
         with pytest.raises(ValueError, match=needle):
             sm.parse_mode(bad)
@@ -76,6 +78,34 @@ def test_in_process_modes_and_the_table():
     assert "| mps:25 | - | skipped: nvidia-cuda-mps-control is not installed |" in text
 
 
+def test_each_mps_mode_gives_the_servers_settings_for_its_policy():
+    """mps:P is split's disjoint caps; unified:P caps prefill only (none at 0); priority:P adds MPS client priorities,
+    prefill below normal (--mps-priority)."""
+    cap, prio = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_CLIENT_PRIORITY"
+    assert sm.mps_pair_env("mps", 30) == ({cap: "30"}, {cap: "70"})
+    assert sm.mps_pair_env("unified", 30) == ({}, {cap: "70"}) and sm.mps_pair_env("unified", 0) == ({}, {})
+    assert sm.mps_pair_env("priority", 0) == ({prio: "0"}, {prio: "1"})
+    assert sm.mps_pair_env("priority", 25) == ({prio: "0"}, {cap: "75", prio: "1"})
+
+
+def test_the_mps_modes_are_skipped_without_the_daemon(tmp_path, monkeypatch, capsys):
+    """No nvidia-cuda-mps-control here: every MPS mode is recorded as skipped (the last ones too: the JSON was written
+    only after a measured mode), alone still measured."""
+    import shutil
+    import signal
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # main's SIGTERM handler is for its own process
+    monkeypatch.setattr(sm, "measure", lambda args, kind, value: {"decode": {"p50_ms": 1.0, "p99_ms": 1.0},
+                                                                  "prefill": {"tflops": 1.0}})
+    out = tmp_path / "sm.json"
+    argv = ["--modes", "alone,mps:25,unified:30,priority:0", "--out", str(out)]
+    assert sm.main(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [m for m, r in results.items() if "skipped" in r.get("error", "")] == ["mps:25", "unified:30",
+                                                                                   "priority:0"]
+
+
 def test_table_names_the_shares():
     alone = {"decode": {"p50_ms": 2.0, "p99_ms": 3.0}, "prefill": {"tflops": 600.0}}
     green = {"decode": {"p50_ms": 3.0, "p99_ms": 4.0}, "prefill": {"tflops": 450.0}, "green_sms": [32, 96]}
@@ -83,6 +113,13 @@ def test_table_names_the_shares():
     lines = sm.table({"alone": alone, "green:32": green, "mps:25": mps}).splitlines()
     assert lines[3] == "| green:32 | 32 / 96 SMs | 3.00 / 4.00 | 1.50 | 450.0 | 0.75 |"
     assert lines[4] == "| mps:25 | 25 / 75 % | 2.50 / 3.50 | 1.25 | 300.0 | 0.50 |"
+    free = {"decode": {"p50_ms": 4.0, "p99_ms": 5.0}, "prefill": {"tflops": 540.0}, "mps_percent": [None, None],
+            "mps_priority": ["0", "1"]}
+    capped = {"decode": {"p50_ms": 2.0, "p99_ms": 2.5}, "prefill": {"tflops": 390.0}, "mps_percent": [None, 70],
+              "mps_priority": [None, None]}
+    lines = sm.table({"alone": alone, "priority:0": free, "unified:30": capped}).splitlines()
+    assert lines[3] == "| priority:0 | all / all %, prefill low priority | 4.00 / 5.00 | 2.00 | 540.0 | 0.90 |"
+    assert lines[4] == "| unified:30 | all / 70 % | 2.00 / 2.50 | 1.00 | 390.0 | 0.65 |"
 
 
 @pytest.mark.parametrize("argv, needle", [

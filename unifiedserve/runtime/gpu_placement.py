@@ -13,6 +13,13 @@ reservations, so a guaranteed share for decode is made by capping everyone else:
   style; with two or more GPUs, encode/prefill on the first and decode on the second, uncapped.
 - ``monolithic``: one compute process (core, decode inside it) and vision, uncapped.
 
+``mps_priority`` (``serve --mps-priority``, unified and split) also makes vision and core below-normal-priority
+MPS clients (``CUDA_MPS_CLIENT_PRIORITY=1``) and decode a normal one (0): a hint by which the GPU dispatches the
+thread blocks of decode's waiting work before theirs, without holding SMs back as a cap does. With
+``--decode-sm-percent 0`` that is the paper's sharing: decode first, encode and prefill on whatever it leaves
+(§4, "prioritizing the decode stream while allowing the encoder to utilize leftover cycles"). What it buys on a
+given GPU is measured by ``bench/kernels/bench_sm_shares.py --modes alone,unified:0,priority:0``.
+
 Without MPS the processes time-slice the GPU: caps cannot be enforced, which ``unified`` tolerates
 (it says so once) and ``split`` on one GPU cannot (its point is the disjoint shares).
 """
@@ -32,6 +39,7 @@ class ProcessPlacement:
 
     gpu: int
     sm_percent: int | None
+    priority: int | None = None  # MPS client priority (0 normal, 1 below normal); None: not set
 
     def env(self, use_mps: bool, visible: str | None = None) -> dict[str, str]:
         """Environment the process must start with (before its CUDA context exists).
@@ -45,6 +53,8 @@ class ProcessPlacement:
         env = {"CUDA_VISIBLE_DEVICES": entries[self.gpu] if self.gpu < len(entries) else str(self.gpu)}
         if use_mps and self.sm_percent is not None:
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.sm_percent)
+        if use_mps and self.priority is not None:
+            env["CUDA_MPS_CLIENT_PRIORITY"] = str(self.priority)
         return env
 
 
@@ -60,7 +70,7 @@ class GpuPlacement:
 
 
 def plan_gpu_placement(policy: str, num_visible_gpus: int, gpus: list[int] | None = None,
-                       decode_sm_percent: int = 30, use_mps: bool = True) -> GpuPlacement:
+                       decode_sm_percent: int = 30, use_mps: bool = True, mps_priority: bool = False) -> GpuPlacement:
     """Place vision, core and decode on GPUs for ``policy``.
 
     Args:
@@ -70,6 +80,7 @@ def plan_gpu_placement(policy: str, num_visible_gpus: int, gpus: list[int] | Non
         decode_sm_percent: decode's guaranteed SM share (``unified``; 0: no caps at all) or its whole share
             (``split`` on one GPU), 1..99.
         use_mps: whether an MPS daemon serves these processes (see ``launch/mps.sh``).
+        mps_priority: vision and core at MPS's below-normal client priority, decode at normal (unified, split).
     Raises:
         ValueError: an unknown policy, no GPU, an ordinal that is not visible or repeated, a share
             outside 1..99 (0 under ``unified``), or ``split`` on one GPU without MPS. The message names the flag
@@ -81,6 +92,12 @@ def plan_gpu_placement(policy: str, num_visible_gpus: int, gpus: list[int] | Non
         raise ValueError("no CUDA device is visible; use --device cpu")
     if not isinstance(decode_sm_percent, int) or not 0 <= decode_sm_percent <= 99:
         raise ValueError(f"--decode-sm-percent must be an integer in 0..99, got {decode_sm_percent!r}")
+    if mps_priority and policy == "monolithic":
+        raise ValueError("--mps-priority: --policy monolithic has no decode process to put first (decode runs inside "
+                         "core's steps); use --policy unified or split")
+    if mps_priority and not use_mps:
+        raise ValueError("--mps-priority needs an MPS daemon (client priorities are MPS's): start one with "
+                         "launch/mps.sh start, or leave --mps-priority out")
     if decode_sm_percent == 0 and policy != "unified":
         raise ValueError(f"--decode-sm-percent 0 (no SM caps) applies to --policy unified; --policy {policy} "
                          f"takes a share in 1..99")
@@ -121,17 +138,25 @@ def plan_gpu_placement(policy: str, num_visible_gpus: int, gpus: list[int] | Non
         if not use_mps:
             notes.append("no MPS daemon: vision, core and decode time-slice the GPU, so decode's SM share "
                          "is not guaranteed (start one with launch/mps.sh start)")
+    if mps_priority:
+        procs = {name: ProcessPlacement(p.gpu, p.sm_percent, 0 if name == "decode" else 1) for name, p in procs.items()}
+        notes.append("--mps-priority: vision and core are below-normal-priority MPS clients, decode a normal one")
     return GpuPlacement(policy, use_mps, procs, tuple(notes))
+
+
+#: a worker's MPS settings, which its placement alone decides: never inherited from the server's environment
+INHERITED_MPS_SETTINGS = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_CLIENT_PRIORITY")
 
 
 def apply_process_env(env: dict[str, str]) -> None:
     """Set a worker's placement environment (:meth:`ProcessPlacement.env`) in this process, before CUDA starts.
 
-    An SM cap the server itself was started with (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, inherited) is dropped
+    An SM cap or client priority the server itself was started with (:data:`INHERITED_MPS_SETTINGS`) is dropped
     first whenever there is a placement: a process the placement leaves uncapped (monolithic's, unified's decode)
     must not run capped, nor a capped one at another share than its policy's."""
     if env:
-        os.environ.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
+        for name in INHERITED_MPS_SETTINGS:
+            os.environ.pop(name, None)
     os.environ.update(env)
 
 

@@ -42,11 +42,12 @@ def gpu_placement_fields(args: argparse.Namespace, device: str, num_visible_gpus
             daemon, two GPUs (their KV would have to move between devices, which is not built), or what
             :func:`~unifiedserve.runtime.gpu_placement.plan_gpu_placement` refuses.
     """
-    from unifiedserve.runtime.gpu_placement import plan_gpu_placement
+    from unifiedserve.runtime.gpu_placement import INHERITED_MPS_SETTINGS, plan_gpu_placement
 
     if device == "cpu":
         given = [flag for flag, value in (("--gpus", args.gpus), ("--decode-sm-percent", args.decode_sm_percent),
-                                          ("--mps", None if args.mps == "auto" else args.mps)) if value is not None]
+                                          ("--mps", None if args.mps == "auto" else args.mps),
+                                          ("--mps-priority", args.mps_priority or None)) if value is not None]
         if given:
             raise ValueError(f"{given[0]} applies to CUDA only and the server runs on the CPU")
         return {}
@@ -66,7 +67,7 @@ def gpu_placement_fields(args: argparse.Namespace, device: str, num_visible_gpus
                          "core's steps); use --policy unified or split")
     share = DEFAULT_DECODE_SM_PERCENT if args.decode_sm_percent is None else args.decode_sm_percent
     placement = plan_gpu_placement(args.policy, num_visible_gpus, gpus, share,
-                                   use_mps=mps_running and args.mps != "off")
+                                   use_mps=mps_running and args.mps != "off", mps_priority=args.mps_priority)
     physical = sorted({p.gpu for p in placement.processes.values()})
     if len(physical) > 1:
         raise ValueError(f"--gpus {','.join(map(str, physical))}: decode on its own GPU needs the KV cache moved "
@@ -74,10 +75,10 @@ def gpu_placement_fields(args: argparse.Namespace, device: str, num_visible_gpus
                          f"through MPS)")
     for note in placement.notes:
         log.warning("%s", note)
-    inherited = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-    if inherited is not None:  # runtime/gpu_placement.apply_process_env drops it in every worker
-        log.warning("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=%s in the server's environment is not passed on: each "
-                    "process's SM share comes from --policy and --decode-sm-percent", inherited)
+    for name in INHERITED_MPS_SETTINGS:  # runtime/gpu_placement.apply_process_env drops them in every worker
+        if os.environ.get(name) is not None:
+            log.warning("%s=%s in the server's environment is not passed on: each process's SM share and priority "
+                        "come from --policy, --decode-sm-percent and --mps-priority", name, os.environ[name])
     return {"gpu": physical[0], "process_env": {name: placement.env(name) for name in placement.processes}}
 
 

@@ -191,6 +191,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "are capped at the rest; 0: nobody is capped, and core's token budgets alone keep decode's "
                         "pace), its whole share under split on one GPU, 1..99 (default 30; monolithic has no "
                         "decode process)")
+    g.add_argument("--mps-priority", action="store_true",
+                   help="under MPS, vision and core run as below-normal-priority clients and decode as a normal "
+                        "one (CUDA_MPS_CLIENT_PRIORITY), so decode's waiting work is dispatched first; with "
+                        "--decode-sm-percent 0 that is the paper's sharing (unified and split; off by default: "
+                        "measure it first, bench/kernels/bench_sm_shares.py --modes alone,unified:0,priority:0)")
     g.add_argument("--mps", choices=("auto", "on", "off"), default="auto",
                    help="share the GPU through an MPS daemon (launch/mps.sh start): auto uses one when its control "
                         "pipe is there, on refuses to start without one, off time-slices (default auto)")

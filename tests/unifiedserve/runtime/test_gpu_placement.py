@@ -53,6 +53,22 @@ def test_split_one_gpu_disjoint_shares_and_two_gpus_uncapped():
     assert {pl.gpu for pl in plan_gpu_placement("split", num_visible_gpus=2).processes.values()} == {0}
 
 
+def test_mps_priority_puts_decode_first_and_keeps_the_caps():
+    """--mps-priority: vision and core below-normal MPS clients, decode normal, beside each policy's caps (none at
+    --decode-sm-percent 0: the paper's sharing)."""
+    free = plan_gpu_placement("unified", 1, decode_sm_percent=0, mps_priority=True)
+    assert free.env("core") == free.env("vision") == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_MPS_CLIENT_PRIORITY": "1"}
+    assert free.env("decode") == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_MPS_CLIENT_PRIORITY": "0"}
+    assert any("--mps-priority" in n for n in free.notes)
+    capped = plan_gpu_placement("unified", 1, decode_sm_percent=30, mps_priority=True)
+    assert capped.env("core") == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "70",
+                                  "CUDA_MPS_CLIENT_PRIORITY": "1"}
+    split = plan_gpu_placement("split", 1, decode_sm_percent=30, mps_priority=True)
+    assert split.env("decode")["CUDA_MPS_CLIENT_PRIORITY"] == "0" and split.env("core")["CUDA_MPS_CLIENT_PRIORITY"] == "1"
+    plain = plan_gpu_placement("unified", 1)
+    assert all("CUDA_MPS_CLIENT_PRIORITY" not in plain.env(n) for n in plain.processes)
+
+
 def test_monolithic_has_no_decode_process():
     p = plan_gpu_placement("monolithic", num_visible_gpus=2, gpus=[1])
     assert set(p.processes) == {"vision", "core"} and p.env("core") == {"CUDA_VISIBLE_DEVICES": "1"}
@@ -71,6 +87,8 @@ def test_monolithic_has_no_decode_process():
     (dict(policy="split", num_visible_gpus=4, gpus=[0, 1, 2]), "two GPUs per server"),
     (dict(policy="split", num_visible_gpus=1, use_mps=False), "needs MPS"),
     (dict(policy="unified", num_visible_gpus=1, gpus=[]), "--gpus is empty"),
+    (dict(policy="monolithic", num_visible_gpus=1, mps_priority=True), "no decode process to put first"),
+    (dict(policy="unified", num_visible_gpus=1, use_mps=False, mps_priority=True), "--mps-priority needs an MPS"),
 ])
 def test_mistakes_get_one_clear_error(kwargs, match):
     with pytest.raises(ValueError, match=match) as err:

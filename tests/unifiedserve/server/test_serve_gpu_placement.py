@@ -28,6 +28,7 @@ def flags(*argv: str) -> argparse.Namespace:
     (["--gpus", "0"], "--gpus applies to CUDA only"),
     (["--decode-sm-percent", "40"], "--decode-sm-percent applies to CUDA only"),
     (["--mps", "on"], "--mps applies to CUDA only"),
+    (["--mps-priority"], "--mps-priority applies to CUDA only"),
 ])
 def test_gpu_flags_on_the_cpu_are_refused(argv, needle):
     with pytest.raises(ValueError, match=needle):
@@ -130,25 +131,40 @@ def test_a_cuda_server_sizes_its_kv_cache_by_utilization_unless_given_a_size(mon
 
 
 def test_a_cap_in_the_servers_environment_reaches_no_worker(monkeypatch, caplog):
-    """CUDA_MPS_ACTIVE_THREAD_PERCENTAGE set where the server starts is said once and dropped in every placed
-    worker: monolithic's processes and unified's decode stay uncapped, the capped ones get their policy's share."""
+    """CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and CUDA_MPS_CLIENT_PRIORITY set where the server starts are said once and
+    dropped in every placed worker: monolithic's processes and unified's decode stay uncapped, the capped ones get
+    their policy's share, and no process a priority it was not given."""
     import logging
     import os
 
     from unifiedserve.runtime.gpu_placement import apply_process_env
 
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "40")
+    monkeypatch.setenv("CUDA_MPS_CLIENT_PRIORITY", "1")
     with caplog.at_level(logging.WARNING, logger="unifiedserve"):
         unified = gpu_placement_fields(flags(), "cuda", 1, True)["process_env"]
         mono = gpu_placement_fields(flags("--policy", "monolithic"), "cuda", 1, True)["process_env"]
     assert sum("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=40 in the server's environment is not passed on" in r.getMessage()
                for r in caplog.records) == 2
+    assert sum("CUDA_MPS_CLIENT_PRIORITY=1 in the server's environment" in r.getMessage() for r in caplog.records) == 2
     for env, want in ((unified["decode"], None), (unified["core"], "70"), (mono["core"], None),
                       (mono["vision"], None)):
         monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "40")
+        monkeypatch.setenv("CUDA_MPS_CLIENT_PRIORITY", "1")
         apply_process_env(env)  # as worker_main does, in the worker before CUDA starts
         assert os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") == want
+        assert "CUDA_MPS_CLIENT_PRIORITY" not in os.environ
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "40")
     apply_process_env({})  # no placement (the CPU server): the environment is left as it is
     assert os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
+
+
+def test_mps_priority_flag_reaches_each_workers_environment():
+    env = gpu_placement_fields(flags("--decode-sm-percent", "0", "--mps-priority"), "cuda", 1, True)["process_env"]
+    assert env["decode"] == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_MPS_CLIENT_PRIORITY": "0"}
+    assert env["core"] == env["vision"] == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_MPS_CLIENT_PRIORITY": "1"}
+    for argv, running, needle in ((["--policy", "monolithic", "--mps-priority"], True, "no decode process"),
+                                  (["--mps-priority"], False, "--mps-priority needs an MPS daemon")):
+        with pytest.raises(ValueError, match=needle):
+            gpu_placement_fields(flags(*argv), "cuda", 1, running)
