@@ -36,6 +36,10 @@
 #              arrivals would outlast the run are skipped (64 requests at 0.2 req/s alone are 320 s), so a
 #              policy's rates may take several runs (RATES=...), which --merge joins
 #   (serve and policies: SERVE_EXTRA_ARGS adds flags to every server they start, e.g. --no-async-scheduling)
+#   shares     bench/kernels/bench_sm_shares.py in the MPS settings of each policy (issue 14; pure torch, about two
+#              minutes): decode-shaped beside prefill-shaped work of the 7B's MLP, SM_SHARES_MODES (default
+#              alone,mps:30,unified:30,unified:0,priority:0,priority:30: split's caps, unified's, none, and
+#              --mps-priority's client priorities without and with unified's cap)
 #   tests      the `cuda` tests named in CUDA_TESTS again (pytest paths or node ids; default: every one), with the
 #              csrc/ build they need, on whichever wheels are carried (GPU_WHEELS); DECODE_BENCH=1 adds
 #              bench/decode/bench_open.py, bench_stream.py and bench_gpu.py --short $DECODE_BENCH_ARGS after them.
@@ -46,10 +50,11 @@
 # they are packed into OUTDIR/results.tar.gz (the device tool returns at most 8 files).
 # FULL_SUITE=1 also runs the whole CPU suite on the device's stack (torch 2.11, Python 3.12).
 set -uo pipefail
-out=${1:?usage: scripts/gpu_check.sh OUTDIR decode|attention|engine|serve|policies|tests}
+out=${1:?usage: scripts/gpu_check.sh OUTDIR decode|attention|engine|serve|policies|shares|tests}
 group=${2:-decode}
-case $group in decode|attention|engine|serve|policies|tests) ;;
-  *) echo "gpu_check.sh: error: group must be decode, attention, engine, serve, policies or tests" >&2; exit 2 ;; esac
+case $group in decode|attention|engine|serve|policies|shares|tests) ;;
+  *) echo "gpu_check.sh: error: group must be decode, attention, engine, serve, policies, shares or tests" >&2
+     exit 2 ;; esac
 policy=${POLICY:-unified}
 for p in ${policy//,/ }; do case $p in unified|monolithic|split) ;;
   *) echo "gpu_check.sh: error: POLICY must be unified, monolithic or split, or several with commas, got '$policy'" >&2
@@ -161,6 +166,7 @@ if [ "$group" = tests ] && [ -n "${CUDA_TESTS:-}" ]; then
   engine_free=1
   for t in $CUDA_TESTS; do case $t in tests/flashcodec|tests/flashcodec/*) ;; *) engine_free=0 ;; esac; done
 fi
+[ "$group" = shares ] && engine_free=1  # pure torch: no flashinfer kernels, no csrc/ build
 if [ -f "$wheels/flashinfer-kernels.tar.xz" ] && [ "$group" != decode ] && [ "$engine_free" = 0 ]; then
   step "flashinfer's kernels, compiled on the development machine (scripts/flashinfer_kernels.py): no JIT here"
   rm -f /tmp/flashinfer-fallback.env
@@ -171,7 +177,7 @@ if [ -f "$wheels/flashinfer-kernels.tar.xz" ] && [ "$group" != decode ] && [ "$e
 fi
 
 ops_build=""
-[ "$engine_free" = 1 ] && echo "tests of flashcodec only: no flashinfer kernels, no csrc/ build"
+[ "$engine_free" = 1 ] && [ "$group" = tests ] && echo "tests of flashcodec only: no flashinfer kernels, no csrc/ build"
 case $group$engine_free in attention0|engine0|serve0|policies0|tests0)
   # csrc/ (paged copy, fused layer ops) compiles with the device's nvcc, about a minute on its cores, while the
   # machine is probed and the 7B preset written; warm_kernels waits for it
@@ -420,6 +426,11 @@ policies)
     --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16 --patch-buffer-gb 4 --no-prefix-caching --media-cache-gb 0 ${SERVE_EXTRA_ARGS:-}" \
     --out "$out/policies-${policy//,/+}"
   stop_mps
+  ;;
+shares)
+  step "bench/kernels/bench_sm_shares.py: decode- beside prefill-shaped work in each policy's MPS settings"
+  run 300 bench-sm-shares python3 bench/kernels/bench_sm_shares.py --seconds 2 \
+    --modes "${SM_SHARES_MODES:-alone,mps:30,unified:30,unified:0,priority:0,priority:30}" --out "$out/sm_shares.json"
   ;;
 tests)
   if [ -n "$ops_build" ]; then
