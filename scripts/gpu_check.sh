@@ -23,9 +23,12 @@
 #              replay and host time; the skinny decode GEMMs' start-up timing against cuBLAS), then its decode on
 #              cuBLAS alone, then with the fused ops off
 #   serve      the multi-process server on the GPU, under a private MPS daemon: one long video's TTFT breakdown
-#              (streaming vs whole ingest) with 4 requests decoding, on the 7B preset; then an injected CUDA
-#              fault under serve-node.sh's MPS and its restart; then bench_stream.py on that video with the
-#              server's sampling and decoders (NVDEC + CPU)
+#              (streaming vs whole ingest, each after a warm-up video of the same format) with 4 requests decoding,
+#              on the 7B preset, every video's decode traced in the server's log (UNIFIEDSERVE_DECODE_TRACE) and
+#              the server's memory accounted (weights held once, bytes sent between processes); bench_stream.py
+#              on that video as an MPS client at 70 % of the SMs; then an injected CUDA fault under
+#              serve-node.sh's MPS and its restart; then bench_stream.py again without MPS, with the server's
+#              sampling and decoders (NVDEC + CPU)
 #   policies   issue 14's serving table, one policy per run, or several (POLICY=unified,monolithic: each gets an
 #              even share of the run's time left when its server starts):
 #              bench/policies on the 7B preset under a private MPS daemon, the long-video workload at 1-5
@@ -359,21 +362,30 @@ engine)
     --parts decode --agreement-steps 0 --out "$out/bench_engine_unfused.json"
   ;;
 serve)
+  # the two 3-minute clips (CPU work, kept in the media cache) while the 7B preset is written and MPS starts
+  run 120 serve-clips python3 bench/serve/ttft_breakdown.py --warm-video --prepare-only > /dev/null &
+  clips_job=$!
   serve_under_mps
+  wait "$clips_job" || true
   step "serve --device cuda on the 7B preset: one 3-minute video, 4 requests decoding, streaming vs whole ingest"
   rm -f bench/results/ttft_breakdown_server_*.log  # a warm machine's from an earlier call must not be packed as ours
   # --warm-video: a clip of the same format first, so the measured one finds its NVDEC decoders made (the first
-  # video's are reported apart); each video's decode trace (first segment, each rank) goes to the server's log
+  # video's are reported apart); each video's decode trace (first segment, each rank) goes to the server's log.
+  # A traced stream's last part waits for every slot to end its work: streaming's TTFT is then an upper bound, and
+  # its first_part_* milestones are what compares
   UNIFIEDSERVE_DECODE_TRACE=1 run 240 serve-7b python3 bench/serve/ttft_breakdown.py --ingest both --num-decoding 4 \
     --warm-video \
     --server-args "--device cuda --model /tmp/qwen2.5-vl-7b --kv-cache-gb 16 ${SERVE_EXTRA_ARGS:-}" --result-json "$out/ttft_cuda_7b.json"
   cp bench/results/ttft_breakdown_server_*.log "$out/" 2>/dev/null
   # flashcodec alone as an MPS client capped at 70 % of the SMs, as unified's vision process is (decode's default
   # 30 %): beside the same bench without MPS below, it says whether MPS is what slows the server's decode (issue 18)
-  step "bench/decode/bench_stream.py on the server's video as an MPS client at 70 % of the SMs (flashcodec alone)"
-  mkdir -p "$out/mps"
-  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=70 run 60 bench-stream-mps python3 bench/decode/bench_stream.py --device cuda:0,cpu --size 854x480 --duration 180 \
-    --gop 250 --max-pixels 112896 --output patches --repeat 2 --out "$out/mps"
+  if grep -q "mps-check: rc=0" "$out/status.txt"; then
+    step "bench/decode/bench_stream.py on the server's video as an MPS client at 70 % of the SMs (flashcodec alone)"
+    mkdir -p "$out/mps"
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=70 run 60 bench-stream-mps python3 bench/decode/bench_stream.py \
+      --device cuda:0,cpu --size 854x480 --duration 180 --gop 250 --max-pixels 112896 --output patches --repeat 2 \
+      --out "$out/mps"
+  fi
   stop_mps
   step "issue 14's fault: a device-side assert in decode under serve-node's own MPS daemon, then its restart"
   if [ $(( deadline - $(date +%s) )) -lt 200 ]; then  # two 7B server starts: cut short, it proves nothing
@@ -400,7 +412,8 @@ policies)
   if ! grep -q "mps-check: rc=0" "$out/status.txt"; then  # a row without MPS is not comparable, and split refuses
     echo "policies: stopped, MPS is not usable here: every policy's row runs under MPS (split needs it)" |
       tee -a "$out/status.txt"
-    kill "$media_job" 2>/dev/null || true
+    # the job is a subshell running timeout | tee: stop its children too, or they hold the call open until done
+    pkill -TERM -P "$media_job" 2>/dev/null; kill "$media_job" 2>/dev/null; wait "$media_job" 2>/dev/null || true
     pack_out
     exit 1
   fi

@@ -69,6 +69,59 @@ def iteration_summary(before: dict[str, dict[str, float]], after: dict[str, dict
     return out
 
 
+def memory_accounting(metrics: dict[str, float], device_used_bytes: float | None = None,
+                      media_bytes: float | None = None) -> dict:
+    """Issue 14's two memory claims from one :meth:`ServerProcess.metrics` reading: the LLM weights are held once
+    (core and decode map the shared weights pool: ``weights_shared``, counted once in the pools) and patches, visual
+    tokens and KV never cross between processes (what they send each other, ``unifiedserve_ipc_sent_bytes``, against
+    ``media_bytes``, the patch bytes the requests made).
+
+    ``device_used_bytes`` (NVML's used memory of the server's GPU, when known) adds ``unexplained_bytes``: used less
+    the pools and each process's torch allocator peak, i.e. CUDA contexts, NVDEC surfaces, libraries' workspaces and
+    the allocators' slack. A second copy of the weights would have to sit there (or in a process's
+    ``weights_own``), so ``weights_once`` is ``unexplained < weights pool`` and no process holds the weights as its
+    own."""
+    pools: dict[str, float] = {}
+    processes: dict[str, dict[str, float]] = {}
+    ipc = 0.0
+    for key, value in metrics.items():
+        name, _, labels = key.partition("{")
+        pool, process, kind = (re.search(rf'{label}="([^"]*)"', labels) for label in ("pool", "process", "kind"))
+        if name == "unifiedserve_pool_bytes" and pool:
+            pools[pool.group(1)] = pools.get(pool.group(1), 0.0) + value
+        elif name == "unifiedserve_process_memory_bytes" and process and kind:
+            entry = processes.setdefault(process.group(1), {})
+            entry[kind.group(1)] = entry.get(kind.group(1), 0.0) + value
+        elif name == "unifiedserve_ipc_sent_bytes":
+            ipc += value
+    weights = pools.get("weights", 0.0)
+    out = {"pools_bytes": pools, "processes_bytes": processes, "ipc_sent_bytes": ipc,
+           "shared_by": sorted(p for p, kinds in processes.items() if kinds.get("weights_shared", 0) > 0)}
+    if media_bytes:
+        out["ipc_over_media"] = ipc / media_bytes
+    if device_used_bytes is not None:
+        peaks = sum(kinds.get("device_peak", 0.0) for kinds in processes.values())
+        unexplained = device_used_bytes - sum(pools.values()) - peaks
+        own = max((kinds.get("weights_own", 0.0) for kinds in processes.values()), default=0.0)
+        out.update(device_used_bytes=device_used_bytes, unexplained_bytes=unexplained,
+                   weights_once=bool(weights) and unexplained < weights and own < weights / 2)
+    return out
+
+
+def nvml_used_bytes(index: int = 0) -> float | None:
+    """Used memory of NVML GPU ``index`` (every process's, MPS's server included), or None without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return float(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no nvidia-ml-py, no driver, no such GPU: the check says so
+        return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

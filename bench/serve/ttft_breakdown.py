@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import threading
 import time
@@ -41,7 +42,7 @@ sys.path.insert(0, str(HERE))
 import synthetic_video  # noqa: E402
 from unifiedserve.server.metrics import MILESTONES  # noqa: E402
 from server_process import (ServerProcess, engine_counters, histogram_totals, iteration_summary,  # noqa: E402
-                            run_main)
+                            memory_accounting, nvml_used_bytes, run_main)
 
 VIDEO = dict(codec="h264", width=854, height=480, duration_s=180.0, fps=30.0, gop=250, bframes=3, suffix=".mp4",
              preset="veryfast", seed=0)
@@ -107,6 +108,8 @@ def main(argv=None) -> int:
                         "the decoders of its format made (NVDEC's are per codec and size) and every kernel on its "
                         "path compiled; that request's TTFT and decode are reported as warm_video")
     p.add_argument("--result-json", type=Path, default=None)
+    p.add_argument("--prepare-only", action="store_true",
+                   help="make the clips (and --warm-video's) in the media cache, then exit: no server")
     args = p.parse_args(argv)
     if args.num_decoding < 0:
         p.error(f"--num-decoding must be >= 0, got {args.num_decoding}")
@@ -115,6 +118,9 @@ def main(argv=None) -> int:
 
     clip = synthetic_video.cached_video(VIDEO)
     warm = synthetic_video.cached_video({**VIDEO, "seed": 1}) if args.warm_video else None
+    if args.prepare_only:
+        print("\n".join(str(c) for c in (clip, warm) if c is not None))
+        return 0
     modes = ("streaming", "whole") if args.ingest == "both" else (args.ingest,)
     results = {mode: run_one(clip, mode, args, warm) for mode in modes}
     result = results[modes[0]] if len(modes) == 1 else {"runs": results}
@@ -141,6 +147,28 @@ def main(argv=None) -> int:
 
 def _fmt(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
+
+
+def gpu_index(server_args: str) -> int:
+    """The GPU a ``--device cuda[:N]`` server runs on (NVML's numbering, as long as CUDA_VISIBLE_DEVICES is unset)."""
+    found = re.search(r"--device[ =]cuda:(\d+)", server_args)
+    return int(found.group(1)) if found else 0
+
+
+def describe_memory(m: dict) -> str:
+    """One paragraph of :func:`server_process.memory_accounting`."""
+    gib = 2 ** 30
+    pools = ", ".join(f"{k} {v / gib:.2f}" for k, v in sorted(m["pools_bytes"].items()))
+    text = (f"memory: pools {pools} GiB; the weights pool mapped by {', '.join(m['shared_by']) or 'no process'}; "
+            f"own weights " + ", ".join(f"{p} {k.get('weights_own', 0) / gib:.2f}" for p, k in
+                                         sorted(m["processes_bytes"].items())) + " GiB; "
+            f"sent between processes {m['ipc_sent_bytes'] / 2 ** 20:.2f} MiB")
+    if "ipc_over_media" in m:
+        text += f" ({m['ipc_over_media']:.5f} x the videos' patch bytes)"
+    if "device_used_bytes" in m:
+        text += (f"; GPU used {m['device_used_bytes'] / gib:.2f} GiB, {m['unexplained_bytes'] / gib:.2f} beyond the "
+                 f"pools and the processes' allocator peaks: weights held once: {m['weights_once']}")
+    return text
 
 
 def ask_video(client, clip: Path, args) -> tuple[float, float, object]:
@@ -213,6 +241,12 @@ def run_one(clip: Path, mode: str, args, warm: Path | None = None) -> dict:
         metrics = server.metrics()
         after, iterations = stage_sums(metrics), iteration_summary(iterations_before, engine_counters(metrics))
         milestones = timeline(milestones_before, milestone_sums(metrics))
+        on_gpu = "cuda" in args.server_args
+        # the video's patches: about 4 rows of 1176 values per visual token (Qwen2.5-VL's 2x2 merge), bf16 on a GPU
+        patch_bytes = (usage.prompt_tokens if usage else 0) * 4 * 1176 * (2 if on_gpu else 4)
+        memory = memory_accounting(metrics, nvml_used_bytes(gpu_index(args.server_args)) if on_gpu else None,
+                                   media_bytes=patch_bytes * (2 if warm is not None else 1))
+        print(describe_memory(memory), flush=True)
         for t in threads:
             t.join(30)
 
@@ -240,6 +274,7 @@ def run_one(clip: Path, mode: str, args, warm: Path | None = None) -> dict:
         # each process's iterations from the request to its last token: how many, how long, how much work each
         "iterations": iterations,
         "warm_video": warm_video,  # --warm-video: the request on another clip of the format before this one
+        "memory": memory,  # weights held once, and what crossed between processes (server_process.memory_accounting)
     }
     print(json.dumps(result, indent=2), flush=True)
     return result

@@ -60,7 +60,8 @@ def describe_rank(rank: str, t: dict) -> str:
     """One rank of a :func:`trace_summary` in words."""
     return (f"{rank}: {t['segments']} segments ({t['stolen']} stolen, {t['backups']} backups) on {t['slots_used']}/"
             f"{t['slots']} slots, first decode {t['first_decode_s']:.3f} s, slowest segment "
-            f"{t['slowest_segment_s']:.3f} s, end {t['end_s']:.3f} s, busy {t['busy']:.2f}, opens "
+            f"{t['slowest_segment_s']:.3f} s, end {t['end_s']:.3f} s, busy "
+            f"{'n/a' if t['busy'] is None else format(t['busy'], '.2f')}, opens "
             f"{t['open_s_sum']:.3f} s (max {t['open_s_max']:.3f})")
 
 

@@ -382,6 +382,41 @@ def test_ttft_breakdown_timeline_from_two_readings(capsys):
     assert rows["first_token"] == ["3.500", "+3.000", "4.000", "+4.000"]
 
 
+def test_memory_accounting_says_the_weights_are_held_once_and_what_crossed():
+    """server_process.memory_accounting on a reading shaped like the H200 server's (2026-11-28): core and decode map
+    the 14.19 GiB weights pool, decode owns none, a few MiB crossed between processes; the GPU's used memory leaves
+    less than the weights pool unexplained. A second copy (decode owning the weights, or 14 GiB more used) fails."""
+    import server_process as sp
+    import ttft_breakdown as tb
+
+    gib, mib = 2 ** 30, 2 ** 20
+
+    def reading(decode_own=0.0):
+        m = {}
+        for pool, size in (("kv", 16 * gib), ("patch", 1 * gib), ("weights", 14.19 * gib)):
+            m[f'unifiedserve_pool_bytes{{device="cuda:0",model_name="m",pool="{pool}"}}'] = size
+        for process, own, shared, peak in (("core", 1299 * mib, 14525 * mib, 2107 * mib),
+                                           ("decode", decode_own, 14525 * mib, 365 * mib)):
+            for kind, v in (("weights_own", own), ("weights_shared", shared), ("device_peak", peak)):
+                m[f'unifiedserve_process_memory_bytes{{kind="{kind}",model_name="m",process="{process}"}}'] = v
+        m['unifiedserve_ipc_sent_bytes{dst="core",model_name="m",src="vision"}'] = 2 * mib
+        m['unifiedserve_ipc_sent_bytes{dst="decode",model_name="m",src="core"}'] = 1 * mib
+        return m
+
+    used = (16 + 1 + 14.19) * gib + (2107 + 365) * mib + 3 * gib  # three contexts, NVDEC surfaces, slack
+    m = sp.memory_accounting(reading(), used, media_bytes=200 * mib)
+    assert m["shared_by"] == ["core", "decode"] and m["ipc_sent_bytes"] == 3 * mib
+    assert m["ipc_over_media"] == pytest.approx(0.015) and m["unexplained_bytes"] == pytest.approx(3 * gib)
+    assert m["weights_once"] is True
+    assert sp.memory_accounting(reading(), used + 14.19 * gib)["weights_once"] is False
+    assert sp.memory_accounting(reading(decode_own=14525 * mib), used)["weights_once"] is False
+    assert "device_used_bytes" not in sp.memory_accounting(reading())  # the CPU: no GPU reading
+    line = tb.describe_memory(m)
+    assert "the weights pool mapped by core, decode" in line and "own weights core 1.27, decode 0.00 GiB" in line
+    assert line.endswith("weights held once: True") and "(0.01500 x the videos' patch bytes)" in line
+    assert tb.gpu_index("--device cuda:1 --model x") == 1 and tb.gpu_index("--device cuda") == 0
+
+
 def test_ttft_breakdown_asks_about_a_video_and_times_its_first_token(tmp_path):
     """ask_video (the measured request and --warm-video's): TTFT at the first chunk with a choice (not the role-less
     ones before it), the usage from the last chunk, the video by file:// URL with the run's sampling."""

@@ -5,7 +5,8 @@ interference an iteration can cause on the decode process sharing the device is 
 length. The derivation picks the largest prefill budget tau whose prefill iteration (one chunk of
 tau tokens) and the largest encode budget alpha whose encode iteration (alpha patch tokens) each
 take at most the SLO: doubling until the SLO is passed, then bisecting. Results are cached in
-``~/.cache/unifiedserve/budgets.json`` per model, device, dtype, thread count and SLO.
+``~/.cache/unifiedserve/budgets.json`` per model, device, dtype, thread count and SLO, and on a GPU per GPU
+name, policy and core's MPS SM share (a profile of an uncapped core is not one of a capped core).
 """
 
 from __future__ import annotations

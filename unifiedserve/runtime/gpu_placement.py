@@ -10,7 +10,8 @@ reservations, so a guaranteed share for decode is made by capping everyone else:
   nobody is capped: all three share every SM, and decode's pace rests on core's token budgets alone, the
   paper's own lever (§2, "Takeaway-4", and §4.5: the budgets of Algorithm 3 regulate decode's TBT).
 - ``split``: disjoint shares on one GPU (core and vision ``100 - d``, decode ``d``), DistServe/EPD
-  style; with two or more GPUs, encode/prefill on the first and decode on the second, uncapped.
+  style; given two GPUs (``gpus``), encode/prefill on the first and decode on the second, uncapped (planned
+  here, refused by ``serve`` until the KV cache can move between GPUs).
 - ``monolithic``: one compute process (core, decode inside it) and vision, uncapped.
 
 ``mps_priority`` (``serve --mps-priority``, unified and split) also makes vision and core below-normal-priority
@@ -83,8 +84,8 @@ def plan_gpu_placement(policy: str, num_visible_gpus: int, gpus: list[int] | Non
         mps_priority: vision and core at MPS's below-normal client priority, decode at normal (unified, split).
     Raises:
         ValueError: an unknown policy, no GPU, an ordinal that is not visible or repeated, a share
-            outside 1..99 (0 under ``unified``), or ``split`` on one GPU without MPS. The message names the flag
-            to change.
+            outside 1..99 (0 under ``unified``), ``split`` on one GPU without MPS, or ``mps_priority`` with
+            ``monolithic`` or without MPS. The message names the flag to change.
     """
     if policy not in POLICIES:
         raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -96,8 +97,8 @@ def plan_gpu_placement(policy: str, num_visible_gpus: int, gpus: list[int] | Non
         raise ValueError("--mps-priority: --policy monolithic has no decode process to put first (decode runs inside "
                          "core's steps); use --policy unified or split")
     if mps_priority and not use_mps:
-        raise ValueError("--mps-priority needs an MPS daemon (client priorities are MPS's): start one with "
-                         "launch/mps.sh start, or leave --mps-priority out")
+        raise ValueError("--mps-priority needs the server to run under MPS (client priorities are MPS's): start a "
+                         "daemon with launch/mps.sh start and leave out --mps off, or leave --mps-priority out")
     if decode_sm_percent == 0 and policy != "unified":
         raise ValueError(f"--decode-sm-percent 0 (no SM caps) applies to --policy unified; --policy {policy} "
                          f"takes a share in 1..99")

@@ -26,6 +26,7 @@ from unifiedserve.runtime import protocol
 
 log = logging.getLogger("unifiedserve")
 
+
 def decode_trace_enabled() -> bool:
     """``UNIFIEDSERVE_DECODE_TRACE=1``: each video's decode is traced and logged in one line (which rank and slot
     decoded its first segment and when, each rank's opens, segments and end). A diagnosis switch: a traced stream's
@@ -254,7 +255,6 @@ class MediaDecoding:
         except Exception as e:
             if not ended:
                 self.events.put(("failed", job.request_id, f"media {index}: {_one_line(e, job.media[index])}", index))
-
 
     def _log_trace(self, job: _Job, index: int, events, wall_s: float, first_part_s: float | None) -> None:
         """One line per traced video (``UNIFIEDSERVE_DECODE_TRACE=1``); never fails the decode."""

@@ -154,7 +154,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"--tbt-slo-ms)")
     g.add_argument("--tbt-slo-ms", type=_positive_float, default=None,
                    help="derive both budgets from this time-between-tokens SLO by a short profile at start "
-                        "(cached per model, device and dtype); explicit budget flags win (default: none, the budgets' own defaults)")
+                        "(cached per model, device, dtype and SLO, on a GPU also per policy and core's SM share); explicit "
+                        "budget flags win (default: none, the budgets' own defaults)")
     g.add_argument("--max-num-seqs", type=_positive_int, default=SchedulerConfig.max_num_seqs,
                    help="requests admitted to encode/prefill at once (default %(default)s)")
     g.add_argument("--max-decode-batch", type=_positive_int, default=SchedulerConfig.max_decode_batch,

@@ -49,6 +49,11 @@ def test_the_line_names_the_first_segment_and_each_busy_rank():
     assert "cuda:1" not in line and "\n" not in line
 
 
+def test_a_rank_without_slots_or_wall_time_still_reads():
+    line = describe_trace(trace_summary(EVENTS, 0.0, {"cpu": 16}))
+    assert "busy n/a" in line and line.startswith("0.000 s; first segment")
+
+
 def test_rank_slots_names_ranks_as_traces_do():
     class Layout:
         gpus, nvdec_sessions, cpu_threads = (0, 1), 14, 13

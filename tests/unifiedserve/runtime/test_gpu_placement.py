@@ -88,7 +88,7 @@ def test_monolithic_has_no_decode_process():
     (dict(policy="split", num_visible_gpus=1, use_mps=False), "needs MPS"),
     (dict(policy="unified", num_visible_gpus=1, gpus=[]), "--gpus is empty"),
     (dict(policy="monolithic", num_visible_gpus=1, mps_priority=True), "no decode process to put first"),
-    (dict(policy="unified", num_visible_gpus=1, use_mps=False, mps_priority=True), "--mps-priority needs an MPS"),
+    (dict(policy="unified", num_visible_gpus=1, use_mps=False, mps_priority=True), "--mps-priority needs the server to run under MPS"),
 ])
 def test_mistakes_get_one_clear_error(kwargs, match):
     with pytest.raises(ValueError, match=match) as err:

@@ -139,6 +139,9 @@ def test_a_cap_in_the_servers_environment_reaches_no_worker(monkeypatch, caplog)
 
     from unifiedserve.runtime.gpu_placement import apply_process_env
 
+    # apply_process_env writes the real environment: every variable it touches is recorded here first, so that the
+    # tests after this one find the environment as it was (monkeypatch restores only what it recorded)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "40")
     monkeypatch.setenv("CUDA_MPS_CLIENT_PRIORITY", "1")
     with caplog.at_level(logging.WARNING, logger="unifiedserve"):
@@ -165,6 +168,6 @@ def test_mps_priority_flag_reaches_each_workers_environment():
     assert env["decode"] == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_MPS_CLIENT_PRIORITY": "0"}
     assert env["core"] == env["vision"] == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_MPS_CLIENT_PRIORITY": "1"}
     for argv, running, needle in ((["--policy", "monolithic", "--mps-priority"], True, "no decode process"),
-                                  (["--mps-priority"], False, "--mps-priority needs an MPS daemon")):
+                                  (["--mps-priority"], False, "--mps-priority needs the server to run under MPS")):
         with pytest.raises(ValueError, match=needle):
             gpu_placement_fields(flags(*argv), "cuda", 1, running)
