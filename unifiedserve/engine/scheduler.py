@@ -64,6 +64,8 @@ from collections import deque
 from collections.abc import Sequence
 
 from unifiedserve.engine.request import Request, Status
+from unifiedserve.engine.scheduler_caches import CacheAdmission
+from unifiedserve.engine.scheduler_shares import BudgetShares
 from unifiedserve.engine.scheduler_types import (GPU_TOKEN_BUDGETS, SCHEDULING_POLICIES, EncodeWork,
                                                 MediaCacheIndex, PrefillChunk, SchedulerConfig, SchedulerOutput,
                                                 server_token_budgets)
@@ -74,10 +76,12 @@ __all__ = ["GPU_TOKEN_BUDGETS", "SCHEDULING_POLICIES", "EncodeWork", "MediaCache
            "SchedulerConfig", "SchedulerOutput", "server_token_budgets"]
 
 
-class Scheduler:
+class Scheduler(BudgetShares, CacheAdmission):
     """Owns request state and the allocators' policy (who gets KV blocks and patch/visual pages).
 
-    Built without allocators (:meth:`decode_only`) it only decodes requests prefilled elsewhere.
+    Built without allocators (:meth:`decode_only`) it only decodes requests prefilled elsewhere. The srpt
+    budget shares and overtake counts (:mod:`~unifiedserve.engine.scheduler_shares`) and the cache admission
+    (:mod:`~unifiedserve.engine.scheduler_caches`) are mixins of their own modules.
     """
 
     def __init__(self, config: SchedulerConfig, blocks: BlockManager | None, patch_pages: PageAllocator | None,
@@ -205,57 +209,6 @@ class Scheduler:
             req.ready_rows[media_index] = max(req.ready_rows.get(media_index, 0), num_rows)
         return True
 
-    def _use_caches(self, req: Request) -> tuple[int, list[int], set[int], set[int], int]:
-        """What of ``req`` the caches hold: ``(cached tokens, their blocks, skipped media, media-cache
-        media, covered encode items)``.
-
-        Pins the media-cache entries it returns (undo with :meth:`_unpin` if the request is not
-        admitted). The cached prefix always leaves the last prompt token to compute (its logits give
-        the first output token). A media it covers only partly needs the rest of its visual tokens:
-        from the media cache when it holds the media (the prefix may end anywhere in it, even inside
-        an encode item: that item's copy starts at the prefix's end), else the whole media is decoded
-        and encoded (the prefix is cut back to before it).
-        """
-        bs = self.blocks.block_size
-        matched = self.blocks.match(req.block_hashes(bs)) if self.blocks.enable_prefix_caching else []
-        n = min(len(matched) * bs, (req.prompt_len - 1) // bs * bs)
-        pinned = set()
-        if self.media_cache is not None and req.media_keys:
-            pinned = {m for m in range(req.num_media) if req.media_keys[m] and self.media_cache.pin(req.media_keys[m])}
-        media_spans = [(req.visual_positions[f], req.visual_positions[f + c - 1]) for f, c in req.media_visual_spans()]
-        changed = True
-        while changed:  # a partly covered media the media cache lacks: cut back to before it
-            changed = False
-            for m, (first, last) in enumerate(media_spans):
-                if first < n <= last and m not in pinned:
-                    n, changed = first // bs * bs, True
-        skipped = {m for m, (_, last) in enumerate(media_spans) if last < n}
-        for m in pinned & skipped:  # wholly inside the prefix: not needed after all
-            self.media_cache.unpin(req.media_keys[m])
-        covered = sum(1 for _, last in req.item_position_spans() if last < n)
-        return n, matched[:n // bs], skipped, pinned - skipped, covered
-
-    def _unpin(self, req: Request, media: set[int]) -> None:
-        for m in media:
-            self.media_cache.unpin(req.media_keys[m])
-
-    def _admit_caches(self, req: Request, n: int, blocks: list[int], skipped: set[int], from_cache: set[int],
-                      covered: int) -> None:
-        """Take what :meth:`_use_caches` found: hold the cached blocks, skip the covered items."""
-        self.blocks.allocate(req.request_id, n, cached_blocks=blocks)
-        req.num_computed_tokens = req.num_cached_tokens = n
-        req.skipped_media, req.cached_media, req.num_covered_items = skipped, from_cache, covered
-        # of the first uncovered item, the visual tokens already in the prefix (only a copy can drop them)
-        req.num_skipped_visual = self._skipped_visual(req, n, covered)
-        req.ready_media.update(skipped | from_cache)
-        req.num_scheduled_items = covered  # the covered items come first
-        self.prefix_queried_tokens += req.prompt_len
-        self.prefix_hit_tokens += n
-        uncovered = [(i, item) for i, item in enumerate(req.encode_items) if i >= covered]
-        self.media_queried_tokens += sum(item.num_visual_tokens for _, item in uncovered
-                                         if req.media_keys and req.media_keys[item.media_index])
-        self.media_hit_tokens += sum(item.num_visual_tokens for _, item in uncovered if item.media_index in from_cache)
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         if self.is_decode_only:
@@ -333,90 +286,6 @@ class Scheduler:
         # 4. every request past its prompt decodes one token (up to max_decode_batch of them)
         out.decode = self._decode_rows()
         return out
-
-    def _by_remaining(self, requests) -> list[Request]:
-        """``requests`` in srpt order: those passed over ``max_passed_steps`` times first (oldest first), then
-        the fewest prompt tokens left to prefill (encoded or not), counted in whole prefill budgets; a tie, the
-        oldest first. Counted in tokens, a request one token longer than a later one waited for it: on the H200
-        (2026-11-28) 64 videos of 23,088-23,098 tokens were served by their last digits, and one waited 21.8 s
-        while later ones took 2.7 s, until max_passed_steps let it go first. Two sizes either side of a multiple
-        of the budget are still ordered, by one budget's worth at most; max_passed_steps bounds that wait too."""
-        budget = self.config.prefill_token_budget
-
-        def key(req: Request) -> tuple[bool, int]:
-            overdue = self.passed_steps.get(req.request_id, 0) >= self.config.max_passed_steps
-            return not overdue, 0 if overdue else -(-(req.prompt_len - req.num_computed_tokens) // budget)
-
-        return sorted(requests, key=key)  # stable: admission order within a key
-
-    def _encode_shares(self, order: list[Request], passed: set[str]) -> dict[str, int]:
-        """srpt: the patch tokens each request may encode this step: the budget given in ``order``
-        (:meth:`_by_remaining`) to the requests whose next item the page rules let them write now (:meth:`_may_write`; one they
-        stop would leave its share unused), each taking its ready items as the fcfs loop would (the last one may
-        pass the budget). Adds to ``passed`` the requests with a writable item that the budget left nothing for."""
-        left, shares, writable = self.config.encode_token_budget, {}, self._may_write()
-        for req in order:
-            if req.request_id not in writable:
-                continue
-            taken = 0
-            for index in range(req.num_scheduled_items, len(req.encode_items)):
-                if not req.item_ready(index):
-                    break
-                item = req.encode_items[index]
-                if item.media_index in req.cached_media:  # a copy: free of the budget
-                    continue
-                if taken >= left:
-                    if not taken:
-                        passed.add(req.request_id)
-                    break
-                taken += item.num_patch_tokens
-            if taken:
-                shares[req.request_id] = taken
-                left -= taken
-        return shares
-
-    def _may_write(self) -> set[str]:
-        """Requests whose next item is ready and whose visual tokens the page rules of :meth:`_schedule_encode` let
-        them write now (were nothing else written this step)."""
-        writable, reserve, free = set(), -1, self.visual_pages.num_free_pages
-        for req in self._page_priority():
-            index = req.num_scheduled_items
-            if index < len(req.encode_items) and req.item_ready(index):
-                drop = req.skipped_visual_of(index)
-                stream = self.visual_streams[req.request_id]
-                after = free - stream.num_pages_to_write(req.encode_items[index].num_visual_tokens - drop)
-                if after >= 0 and after >= reserve:
-                    writable.add(req.request_id)
-            reserve = max(reserve, self._pages_short(req))
-        return writable
-
-    def _prefill_shares(self, order: list[Request], passed: set[str]) -> dict[str, int]:
-        """srpt: the prompt tokens each request may prefill this step, the budget given in ``order``
-        (:meth:`_by_remaining`; after this step's encodes) to those that could prefill now: holding KV, or allowed to take it by
-        the rules of :meth:`_schedule_prefill` (one that is not would leave its share unused). Adds to ``passed``
-        those the budget left nothing for."""
-        stuck, blocked = set(), []  # in admission order, as the prefill loop takes KV
-        for req in self.running:
-            if req.has_kv or req.is_prefill_done or self._prefill_size(req, 1) <= 0:
-                continue
-            if not self._kv_fits(req, self._text_prefix(req)):
-                blocked.append(req.request_id)
-                stuck.add(req.request_id)
-            elif self._passed_too_often(blocked):
-                stuck.add(req.request_id)
-        left, shares = self.config.prefill_token_budget, {}
-        for req in order:
-            if req.is_prefill_done or req.request_id in stuck or self._prefill_size(req, max(left, 1)) <= 0:
-                continue
-            size = self._prefill_size(req, left) if left > 0 else 0
-            if size > left and shares:  # chunking off: a whole prompt past what is left waits for its own step
-                size = 0
-            if size > 0:
-                shares[req.request_id] = size
-                left -= size
-            else:
-                passed.add(req.request_id)
-        return shares
 
     def _schedule_encode(self, out: SchedulerOutput, shares: dict[str, int] | None) -> None:
         """Step 2: the encode items, their patch reads and visual-page writes (``shares``: srpt's first pass)."""
@@ -542,48 +411,6 @@ class Scheduler:
         req.has_kv, req.kv_order = True, next(self._kv_grants)
         out.block_tables[req.request_id] = self.blocks.block_table(req.request_id)
 
-    def _text_prefix(self, req: Request) -> list[int]:
-        """The prefix cache's blocks of the text before ``req``'s first visual token, for a request that has
-        computed nothing yet (its media are untouched by them); the last prompt token is always left to compute."""
-        if not self.blocks.enable_prefix_caching or req.num_computed_tokens or req.num_covered_items:
-            return []
-        bs = self.blocks.block_size
-        end = min(req.visual_positions[0] if req.num_visual_tokens else req.prompt_len, req.prompt_len - 1)
-        return self.blocks.match(req.block_hashes(bs)[:end // bs])
-
-    def _may_take_kv(self, req: Request, found: tuple) -> bool:
-        """Whether a request being admitted with what the caches hold (:meth:`_use_caches`) may take all its KV now:
-        the blocks and the visual pages its uncovered items need are free, and no admitted request waiting for its
-        own KV has been passed too often. Those it passes count one more overtake, as in step 3."""
-        n, cached_blocks, _, _, covered = found
-        if not self.blocks.can_allocate(req.max_total_tokens, cached_blocks):
-            return False
-        skip = self._skipped_visual(req, n, covered)
-        if self._pages_short(req, first=covered, skip=skip) > self.visual_pages.num_free_pages:  # as in step 3
-            return False
-        free = self.visual_pages.num_free_pages
-        waiting = [r.request_id for r in self.running if not r.has_kv and self._prefill_size(r, 1) > 0
-                   and (self._pages_short(r) > free or not self.blocks.can_append(r.request_id, r.max_total_tokens))]
-        if self._passed_too_often(waiting):
-            return False
-        self._pass(waiting)
-        return True
-
-    def _passed_too_often(self, request_ids) -> bool:
-        """Whether one of ``request_ids`` has been passed ``max_kv_overtakes`` times: nobody may pass it now."""
-        return any(self.kv_overtakes.get(r, 0) >= self.config.max_kv_overtakes for r in request_ids)
-
-    def _pass(self, request_ids) -> None:
-        """A later request took KV (or a seat) before each of ``request_ids``: one more overtake each."""
-        for r in request_ids:
-            self.kv_overtakes[r] = self.kv_overtakes.get(r, 0) + 1
-
-    @staticmethod
-    def _skipped_visual(req: Request, n: int, covered: int) -> int:
-        """Visual tokens of ``req``'s first uncovered item that lie in a cached prefix of ``n`` tokens covering its
-        first ``covered`` items (only a copy from the media cache can leave them out)."""
-        return req.visual_tokens_before(n) - sum(item.num_visual_tokens for item in req.encode_items[:covered])
-
     def _page_priority(self) -> list[Request]:
         """Running requests in the order they may take visual pages: those holding KV blocks by when they took
         them, then the others in admission order."""
@@ -667,11 +494,6 @@ class Scheduler:
         self._cache_outputs(req, output_token_ids)
         self.blocks.free(request_id)
         return True
-
-    def _cache_outputs(self, req: Request, output_token_ids: Sequence[int] | None = None) -> None:
-        """Register the full blocks a finished request's outputs filled (its prompt's are already in)."""
-        if self.blocks.enable_prefix_caching and req.request_id in self.blocks:
-            self.blocks.register(req.request_id, req.computed_block_hashes(self.blocks.block_size, output_token_ids))
 
     def finish(self, request_id: str, reason: str) -> Request:
         """Mark finished (or aborted) and free everything it holds: KV blocks and unread pages."""
