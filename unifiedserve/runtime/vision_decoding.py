@@ -244,11 +244,11 @@ class MediaDecoding:
                                              patch_dtype=self.patch_buffer.dtype, trace=decode_trace_enabled())
             for part in self.engine.stream_decoding_output(analysis.key_id):
                 first_part = time.perf_counter() - start if first_part is None else first_part
+                if part.trace is not None:  # the last part: logged before the loop thread hears of it
+                    self._log_trace(job, index, part.trace, time.perf_counter() - start, first_part)
                 self.events.put(("part", job.request_id, index, part.start, part.patches, part.decode_s, time.time(),
                                  part.is_last))
                 ended = part.is_last
-                if part.trace is not None:
-                    self._log_trace(job, index, part.trace, time.perf_counter() - start, first_part)
         except DecodeCancelledError:
             if not ended:
                 self.events.put(("cancelled", job.request_id))
