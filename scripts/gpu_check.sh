@@ -42,7 +42,8 @@
 #   shares     bench/kernels/bench_sm_shares.py in the MPS settings of each policy (issue 14; pure torch, about two
 #              minutes): decode-shaped beside prefill-shaped work of the 7B's MLP, SM_SHARES_MODES (default
 #              alone,mps:30,unified:30,unified:0,priority:0,priority:30: split's caps, unified's, none, and
-#              --mps-priority's client priorities without and with unified's cap)
+#              --mps-priority's client priorities without and with unified's cap); meanwhile at nice 19 the
+#              policies workload's videos, for a policies call after it on the warm machine (SHARES_MEDIA=0: not)
 #   tests      the `cuda` tests named in CUDA_TESTS again (pytest paths or node ids; default: every one), with the
 #              csrc/ build they need, on whichever wheels are carried (GPU_WHEELS); DECODE_BENCH=1 adds
 #              bench/decode/bench_open.py, bench_stream.py and bench_gpu.py --short $DECODE_BENCH_ARGS after them.
@@ -279,6 +280,11 @@ serve_under_mps() {
     launch/mps.sh stop || true
   fi
 }
+workload_media() {  # the policies workload's videos into the media cache (kept on a warm machine) and its requests
+  run 200 media python3 datasets/workloads.py --workload long-video --video-seconds "${VIDEO_SECONDS:-60,300}" \
+    --scale 1 --num-videos 4 --num-requests "${NUM_REQUESTS:-64}" --output-len 128 --max-frames "${MAX_FRAMES:-64}" \
+    --out "$out/policies-workload.jsonl" > /dev/null
+}
 stop_leftover_nodes() {  # a launch test killed by its limit runs no teardown: its node (own session) and MPS
   local d                 # daemon would outlive it and share the GPU with every later step
   for d in /tmp/pytest-of-*/pytest-*/test_*/node; do
@@ -404,9 +410,7 @@ policies)
   # its requests (the ones bench_policies replays, before arrival times are drawn) go into OUTDIR as the run's record;
   # encoding them is CPU work (60-145 s), the preset's writing GPU and disk work: one after the other, they left
   # bench_policies 150-250 s of a 510-s run, about one rate
-  run 200 media python3 datasets/workloads.py --workload long-video --video-seconds "${VIDEO_SECONDS:-60,300}" \
-    --scale 1 --num-videos 4 --num-requests "${NUM_REQUESTS:-64}" --output-len 128 --max-frames "${MAX_FRAMES:-64}" \
-    --out "$out/policies-workload.jsonl" > /dev/null &
+  workload_media &
   media_job=$!
   serve_under_mps
   if ! grep -q "mps-check: rc=0" "$out/status.txt"; then  # a row without MPS is not comparable, and split refuses
@@ -441,9 +445,23 @@ policies)
   stop_mps
   ;;
 shares)
+  # meanwhile, on the CPU at the lowest priority (the bench's host threads keep theirs), the policies workload's
+  # videos: a policies call after this one on the warm machine finds them made (76 s of a fresh call's set-up on
+  # 2026-11-28). SHARES_MEDIA=0 leaves them out
+  media_job=""
+  if [ "${SHARES_MEDIA:-1}" != 0 ]; then
+    step "the policies workload's videos, in the background at nice 19 (for a policies call after this one)"
+    (renice -n 19 -p "$BASHPID" > /dev/null; workload_media) &
+    media_job=$!
+  fi
   step "bench/kernels/bench_sm_shares.py: decode- beside prefill-shaped work in each policy's MPS settings"
   run 300 bench-sm-shares python3 bench/kernels/bench_sm_shares.py --seconds 2 \
     --modes "${SM_SHARES_MODES:-alone,mps:30,unified:30,unified:0,priority:0,priority:30}" --out "$out/sm_shares.json"
+  if [ -n "$media_job" ]; then
+    step "waiting for the workload's videos"
+    wait "$media_job" || true
+    grep "^media:" "$out/status.txt" || echo "media: no status (see media.log)"
+  fi
   ;;
 tests)
   if [ -n "$ops_build" ]; then

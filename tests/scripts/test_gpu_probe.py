@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +63,23 @@ def test_gpu_check_stops_the_policies_group_without_mps(tmp_path):
             assert "reached" not in status
         else:
             assert status.endswith("reached\n") and "stopped" not in status
+
+
+def test_gpu_check_shares_group_makes_the_policies_videos_at_nice_19_beside_its_bench(tmp_path):
+    """The shares group (its own lines, `run` stubbed): the policies workload's videos are made in the background
+    at the lowest CPU priority while the bench keeps its own, and the group waits for them; SHARES_MEDIA=0 skips
+    them."""
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    block = script.split("\nshares)\n", 1)[1].split("\n  ;;\n", 1)[0]
+    media = "workload_media() {" + script.split("workload_media() {", 1)[1].split("\n}\n", 1)[0] + "\n}\n"
+    for skip in ("", "0"):
+        out = tmp_path / f"out{skip}"
+        out.mkdir()
+        stubbed = (f'out={out}\nSHARES_MEDIA={skip or 1}\nstep() {{ :; }}\n'
+                   'run() { local name=$2; echo "$name nice=$(nice)" >> "$out/calls"; sleep 0.5; '
+                   'echo "$name: rc=0" >> "$out/status.txt"; }\n' + media + block + "\n")
+        assert subprocess.run(["bash", "-c", stubbed], timeout=30, capture_output=True).returncode == 0
+        calls = sorted((out / "calls").read_text().split("\n")[:-1])
+        bench = f"bench-sm-shares nice={os.nice(0)}"  # the bench keeps the caller's priority, whatever it is
+        assert calls == ([bench] if skip else sorted([bench, "media nice=19"]))
+        assert ("media: rc=0" in (out / "status.txt").read_text()) != bool(skip)
