@@ -75,14 +75,20 @@ def parse_mode(text: str) -> tuple[str, int | None]:
 
 
 def mps_pair_env(kind: str, percent: int) -> tuple[dict[str, str], dict[str, str]]:
-    """The decode and the prefill process's MPS settings for an MPS mode (the server's, policy by policy)."""
-    if kind == "mps":  # split: disjoint caps
-        return ({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percent)},
-                {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 - percent)})
-    prefill = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 - percent)} if percent else {}
-    if kind == "priority":
-        return {"CUDA_MPS_CLIENT_PRIORITY": "0"}, prefill | {"CUDA_MPS_CLIENT_PRIORITY": "1"}
-    return {}, prefill
+    """The decode and the prefill process's MPS settings for an MPS mode: the server's own placement
+    (``runtime/gpu_placement.py``) of split (``mps``) or unified (``unified``; ``priority`` with ``--mps-priority``)
+    on one GPU, core's for prefill, without the GPU ordinal."""
+    if str(ROOT) not in sys.path:  # run as a script from anywhere
+        sys.path.insert(0, str(ROOT))
+    from unifiedserve.runtime.gpu_placement import plan_gpu_placement
+
+    placement = plan_gpu_placement("split" if kind == "mps" else "unified", 1, decode_sm_percent=percent,
+                                   mps_priority=kind == "priority")
+
+    def settings(process: str) -> dict[str, str]:
+        return {k: v for k, v in placement.env(process).items() if k != "CUDA_VISIBLE_DEVICES"}
+
+    return settings("decode"), settings("core")
 
 
 def green_split(total_sms: int, decode_sms: int) -> tuple[int, int]:

@@ -42,7 +42,7 @@ import workload_synthetic  # noqa: E402
 import workloads  # noqa: E402
 from bench_serve import (CUT_ERROR, RequestRecord, compute_metrics, machine_info, meets_slo,  # noqa: E402
                          parse_goodput, run_benchmark, warm_up)
-from server_process import ServerProcess, run_main  # noqa: E402
+from server_process import ServerProcess, on_gpu, run_main  # noqa: E402
 
 POLICIES = ("unified", "monolithic", "split")
 
@@ -149,13 +149,6 @@ def targets(gpu: bool = False) -> tuple:
     return (("tbt_p99_vs_monolithic", "unified p99 TBT / monolithic p99 TBT", f"<= {tbt:g}", lambda x: x <= tbt),
             ("ttft_mean_vs_split", "unified mean TTFT / split mean TTFT", "<= 0.7", lambda x: x <= 0.7),
             ("goodput_vs_best_baseline", "unified goodput / better baseline's goodput", ">= 1.3", lambda x: x >= 1.3))
-
-
-def on_gpu(server_args: str) -> bool:
-    """Whether the servers ran on a GPU (``--device cuda`` or ``cuda:N`` among their extra flags)."""
-    words = server_args.split()
-    return any(w.startswith("--device=cuda") or (w == "--device" and i + 1 < len(words)
-                                                  and words[i + 1].startswith("cuda")) for i, w in enumerate(words))
 
 
 def comparison_reason(results: dict, rate: float) -> str:

@@ -15,6 +15,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def server_device(server_args: str) -> str | None:
+    """The ``--device`` a server's extra flags give (``--device cuda:1`` or ``--device=cuda``), None without one."""
+    words = server_args.split()
+    for i, w in enumerate(words):
+        if w.startswith("--device="):
+            return w.split("=", 1)[1]
+        if w == "--device" and i + 1 < len(words):
+            return words[i + 1]
+    return None
+
+
+def on_gpu(server_args: str) -> bool:
+    """Whether a server with these extra flags runs on a GPU (``--device cuda`` or ``cuda:N``)."""
+    return (server_device(server_args) or "").startswith("cuda")
+
+
+def _label(labels: str, name: str) -> str | None:
+    """The value of label ``name`` in a metric key's ``{...}`` part, None without it."""
+    found = re.search(rf'{name}="([^"]*)"', labels)
+    return found.group(1) if found else None
+
+
 def histogram_totals(metrics: dict[str, float], name: str, label: str | None = None) -> dict[str, tuple[float, float]]:
     """``(sum, count)`` of the Prometheus histogram ``name`` in ``metrics`` (:meth:`ServerProcess.metrics`),
     per value of ``label`` (everything under ``""`` without one), summed over every other label (a
@@ -25,10 +47,9 @@ def histogram_totals(metrics: dict[str, float], name: str, label: str | None = N
         field = base[len(name) + 1:] if base.startswith(name + "_") else None
         if field not in ("sum", "count"):
             continue
-        found = re.search(rf'{label}="([^"]*)"', labels) if label else None
-        if label and found is None:
+        group = _label(labels, label) if label else ""
+        if group is None:
             continue
-        group = found.group(1) if found else ""
         s, c = out.get(group, (0.0, 0.0))
         out[group] = (s + value, c) if field == "sum" else (s, c + value)
     return out
@@ -43,11 +64,10 @@ def engine_counters(metrics: dict[str, float]) -> dict[str, dict[str, float]]:
         name, _, labels = key.partition("{")
         if not name.startswith("unifiedserve_engine_"):
             continue
-        process = re.search(r'process="([^"]*)"', labels)
-        kind = re.search(r'kind="([^"]*)"', labels)
+        process, kind = _label(labels, "process"), _label(labels, "kind")
         field = name[len("unifiedserve_engine_"):]
-        field = f"{kind.group(1)}_tokens" if field == "tokens" and kind else field
-        entry = out.setdefault(process.group(1) if process else "", {})
+        field = f"{kind}_tokens" if field == "tokens" and kind else field
+        entry = out.setdefault(process or "", {})
         entry[field] = entry.get(field, 0.0) + value
     return out
 
@@ -86,12 +106,13 @@ def memory_accounting(metrics: dict[str, float], device_used_bytes: float | None
     ipc = 0.0
     for key, value in metrics.items():
         name, _, labels = key.partition("{")
-        pool, process, kind = (re.search(rf'{label}="([^"]*)"', labels) for label in ("pool", "process", "kind"))
-        if name == "unifiedserve_pool_bytes" and pool:
-            pools[pool.group(1)] = pools.get(pool.group(1), 0.0) + value
-        elif name == "unifiedserve_process_memory_bytes" and process and kind:
-            entry = processes.setdefault(process.group(1), {})
-            entry[kind.group(1)] = entry.get(kind.group(1), 0.0) + value
+        if name == "unifiedserve_pool_bytes" and (pool := _label(labels, "pool")):
+            pools[pool] = pools.get(pool, 0.0) + value
+        elif name == "unifiedserve_process_memory_bytes":
+            process, kind = _label(labels, "process"), _label(labels, "kind")
+            if process and kind:
+                entry = processes.setdefault(process, {})
+                entry[kind] = entry.get(kind, 0.0) + value
         elif name == "unifiedserve_ipc_sent_bytes":
             ipc += value
     weights = pools.get("weights", 0.0)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import threading
 import time
@@ -42,7 +41,7 @@ sys.path.insert(0, str(HERE))
 import synthetic_video  # noqa: E402
 from unifiedserve.server.metrics import MILESTONES  # noqa: E402
 from server_process import (ServerProcess, engine_counters, histogram_totals, iteration_summary,  # noqa: E402
-                            memory_accounting, nvml_used_bytes, run_main)
+                            memory_accounting, nvml_used_bytes, on_gpu, run_main, server_device)
 
 VIDEO = dict(codec="h264", width=854, height=480, duration_s=180.0, fps=30.0, gop=250, bframes=3, suffix=".mp4",
              preset="veryfast", seed=0)
@@ -60,6 +59,11 @@ def stage_sums(metrics: dict[str, float]) -> dict[str, float]:
     if lag:
         out["first_encode_lag"] = lag[0]
     return out
+
+
+def stage_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Seconds each stage took between two :func:`stage_sums` readings."""
+    return {stage: after.get(stage, 0) - before.get(stage, 0) for stage in STAGES}
 
 
 def milestone_sums(metrics: dict[str, float]) -> dict[str, tuple[float, float]]:
@@ -151,8 +155,8 @@ def _fmt(x) -> str:
 
 def gpu_index(server_args: str) -> int:
     """The GPU a ``--device cuda[:N]`` server runs on (NVML's numbering, as long as CUDA_VISIBLE_DEVICES is unset)."""
-    found = re.search(r"--device[ =]cuda:(\d+)", server_args)
-    return int(found.group(1)) if found else 0
+    device = server_device(server_args) or ""
+    return int(device[5:]) if device.startswith("cuda:") and device[5:].isdigit() else 0
 
 
 def describe_memory(m: dict) -> str:
@@ -171,11 +175,13 @@ def describe_memory(m: dict) -> str:
     return text
 
 
-def ask_video(client, clip: Path, args) -> tuple[float, float, object]:
-    """One streamed question about ``clip``: (TTFT, end to end, usage), in seconds from sending it."""
+def ask_video(client, clip: Path, args, model: str | None = None) -> tuple[float, float, object]:
+    """One streamed question about ``clip``: (TTFT, end to end, usage), in seconds from sending it (the model's
+    name, when not given, is asked for before: its round trip is not the request's)."""
+    model = model or client.models.list().data[0].id
     sent = time.perf_counter()
     stream = client.chat.completions.create(
-        model=client.models.list().data[0].id, stream=True, max_tokens=16, temperature=0,
+        model=model, stream=True, max_tokens=16, temperature=0,
         messages=[{"role": "user", "content": [
             {"type": "video_url", "video_url": {"url": f"file://{clip}", "fps": args.fps,
                                                 "max_pixels": args.max_pixels}},
@@ -225,7 +231,7 @@ def run_one(clip: Path, mode: str, args, warm: Path | None = None) -> dict:
             ttft, _, _ = ask_video(client, warm, args)
             metrics = server.metrics()
             after = stage_sums(metrics)
-            warm_video = {"ttft_s": ttft, "stages_s": {st: after.get(st, 0) - before.get(st, 0) for st in STAGES},
+            warm_video = {"ttft_s": ttft, "stages_s": stage_delta(before, after),
                           "timeline_s": timeline(milestones_before, milestone_sums(metrics))}
             print(f"warm-up video ({warm.name}): TTFT {ttft:.3f} s, "
                   f"decode {warm_video['stages_s']['video_decode']:.3f} s", flush=True)
@@ -241,10 +247,10 @@ def run_one(clip: Path, mode: str, args, warm: Path | None = None) -> dict:
         metrics = server.metrics()
         after, iterations = stage_sums(metrics), iteration_summary(iterations_before, engine_counters(metrics))
         milestones = timeline(milestones_before, milestone_sums(metrics))
-        on_gpu = "cuda" in args.server_args
+        gpu = on_gpu(args.server_args)
         # the video's patches: about 4 rows of 1176 values per visual token (Qwen2.5-VL's 2x2 merge), bf16 on a GPU
-        patch_bytes = (usage.prompt_tokens if usage else 0) * 4 * 1176 * (2 if on_gpu else 4)
-        memory = memory_accounting(metrics, nvml_used_bytes(gpu_index(args.server_args)) if on_gpu else None,
+        patch_bytes = (usage.prompt_tokens if usage else 0) * 4 * 1176 * (2 if gpu else 4)
+        memory = memory_accounting(metrics, nvml_used_bytes(gpu_index(args.server_args)) if gpu else None,
                                    media_bytes=patch_bytes * (2 if warm is not None else 1))
         print(describe_memory(memory), flush=True)
         for t in threads:
@@ -254,7 +260,7 @@ def run_one(clip: Path, mode: str, args, warm: Path | None = None) -> dict:
         return [(b - a) * 1000 for times in token_times for a, b in zip(times, times[1:]) if lo <= a and b <= hi]
 
     quiet, busy = gaps(quiet_start, sent), gaps(sent, first)
-    stages = {s: after.get(s, 0) - before.get(s, 0) for s in STAGES}
+    stages = stage_delta(before, after)
     lag = after.get("first_encode_lag", 0) - before.get("first_encode_lag", 0)
     encode_after = lag if lag > 0 else None
     result = {
