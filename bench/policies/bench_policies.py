@@ -70,16 +70,19 @@ def _at(results: dict, rate: float) -> dict[str, dict | None]:
 
 #: --time-budget-s: after a rate's last arrival its queue still drains; a rate is started only if its predicted
 #: length (:func:`predicted_s`) fits what is left, and a rate still running when the budget ends is cut with
-#: REPORT_S left to write the results (its unfinished requests count as failed, and the run says "cut")
-DRAIN_SHARE, DRAIN_S, REPORT_S = 1 / 6, 20.0, 15.0
+#: REPORT_S left to write the results (its unfinished requests count as failed, and the run says "cut").
+#: DRAIN_SHARE and DRAIN_S: on an H200 (2026-11-28, 64 requests) the three rates ended 12, 18 and 60 s after their
+#: last arrival, 9 s before to 8 s after what the two allow for (docs/gpu-runs/2026-11-28-h200-b)
+DRAIN_SHARE, DRAIN_S, REPORT_S = 1 / 6, 10.0, 15.0
 
 
-def predicted_s(rate: float, num_requests: int, alone: RequestRecord | None = None) -> float:
-    """About how long a rate's run takes: its arrivals (``num_requests / rate``) and a sixth more for the queue to
-    drain, or, when one request served alone (``alone``, the last warm-up) says the server cannot keep up, the
-    requests' first tokens one after another (each request's TTFT alone: its decode, encode and prefill, which
-    no policy overlaps with another request's on one GPU) and the last one's remaining tokens; plus 20 s."""
-    span = num_requests / rate * (1 + DRAIN_SHARE)
+def predicted_s(last_arrival_s: float, num_requests: int, alone: RequestRecord | None = None) -> float:
+    """About how long a rate's run takes: its arrivals (until the seeded schedule's last one, ``last_arrival_s``)
+    and a sixth more for the queue to drain, or, when one request served alone (``alone``, the last warm-up) says
+    the server cannot keep up, the requests' first tokens one after another (each request's TTFT alone: its
+    decode, encode and prefill, which no policy overlaps with another request's on one GPU) and the last one's
+    remaining tokens; plus DRAIN_S."""
+    span = last_arrival_s * (1 + DRAIN_SHARE)
     if alone is not None and alone.is_success and alone.ttft_s is not None:
         span = max(span, num_requests * alone.ttft_s + (alone.e2e_s - alone.ttft_s))
     return span + DRAIN_S
@@ -328,8 +331,8 @@ def main(argv=None) -> int:
     p.add_argument("--server-args", default="", help="extra flags for every server (same for all policies)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "policies")
     p.add_argument("--time-budget-s", type=float, default=None, metavar="S",
-                   help="skip a rate whose arrivals (num_requests / rate) and the drain after them (a sixth of "
-                        "the arrivals and 20 s) would end more than S s after this program started (a device run's "
+                   help="skip a rate whose arrivals (until the seeded schedule's last one) and the drain after "
+                        "them (a sixth of the arrivals and 10 s) would end more than S s after this program started (a device run's "
                         "time limit); with several policies each gets an even share of what is left when its "
                         "server starts; finished rates are kept")
     p.add_argument("--merge", nargs="+", type=Path, metavar="RUN",
@@ -377,7 +380,9 @@ def main(argv=None) -> int:
             print(f"{policy}: one request alone: TTFT {alone_ttft:.2f} s, {alone.e2e_s:.2f} s in all "
                   f"({alone.prompt_tokens} prompt tokens)", flush=True)
             for rate in rates:
-                need = predicted_s(rate, a.num_requests, alone)
+                reqs = workload_config.with_arrivals(base, rate, arrival="gamma" if a.burstiness != 1 else "poisson",
+                                                     burstiness=a.burstiness, seed=a.seed)
+                need = predicted_s(max((r["arrival_s"] for r in reqs), default=0.0), a.num_requests, alone)
                 left = None if share_end is None else share_end - time.monotonic()
                 if left is not None and need > left:
                     share = "" if len(policies) == 1 else f" (its share: 1/{len(policies) - i} of what was left)"
@@ -386,8 +391,6 @@ def main(argv=None) -> int:
                     continue
                 print(f"{policy} @ {rate} req/s: offered load {rate * alone_ttft:.2f} (rate x one request's TTFT "
                       f"alone), about {need:.0f} s", flush=True)
-                reqs = workload_config.with_arrivals(base, rate, arrival="gamma" if a.burstiness != 1 else "poisson",
-                                                     burstiness=a.burstiness, seed=a.seed)
                 started = time.perf_counter()
                 records, duration = asyncio.run(run_benchmark(
                     server.url, reqs, max_concurrency=a.max_concurrency, progress=True,

@@ -172,7 +172,9 @@ def fake_bench(monkeypatch, run_benchmark, warm_ups):
     monkeypatch.setattr(bp, "warm_up", warm_up)
     monkeypatch.setattr(bp.workload_synthetic, "generate_workload", lambda cfg, progress=False: [
         {"id": f"q{i}", "media": [], "prompt": "hi", "output_len": 5} for i in range(4)])
-    monkeypatch.setattr(bp.workload_config, "with_arrivals", lambda base, rate, **kw: base)
+    # evenly spaced arrivals, the last one at len(base) / rate
+    monkeypatch.setattr(bp.workload_config, "with_arrivals",
+                        lambda base, rate, **kw: [{**r, "arrival_s": (i + 1) / rate} for i, r in enumerate(base)])
 
 
 def alone(ttft_s: float, e2e_s: float, rid: str = "w") -> RequestRecord:
@@ -198,23 +200,36 @@ def test_time_budget_skips_rates_and_results_survive_each_rate(tmp_path, monkeyp
     fake_bench(monkeypatch, fake_run, [alone(8.0, 9.0, "cold"), alone(2.0, 3.0)])
     # 4 requests, one alone takes 2 s to its first token and 1 s more (the last warm-up; the first, cold, is not
     # used): 8 s of arrivals at 0.5 req/s (9.3 s with the drain; 9 s of first tokens); 400 s at 0.01 req/s (over
-    # the 60-s budget); 40 s at 0.1 req/s, which fit alone but not with the drain (40 + 40/6 + 20 s); at 2 req/s
-    # 2 s of arrivals, but the first tokens one after another take 4 x 2 + 1 s: about 29 s, which fits
-    argv = ["--policies", "unified", "--rates", "0.5,0.01,0.1,2", "--num-requests", "4", "--time-budget-s", "60",
+    # the 52-s budget); 40 s at 0.1 req/s, which fit with DRAIN_S but not with the drain's share too (40 + 40/6 +
+    # 10 s); at 2 req/s 2 s of arrivals, but the first tokens one after another take 4 x 2 + 1 s: about 19 s
+    argv = ["--policies", "unified", "--rates", "0.5,0.01,0.1,2", "--num-requests", "4", "--time-budget-s", "52",
             "--warmups", "2", "--goodput", "ttft:1000", "tbt:100", "--out", str(tmp_path / "out")]
     assert bp.main(argv) == 0
     out = capsys.readouterr().out
     assert "unified: one request alone: TTFT 2.00 s, 3.00 s in all" in out
-    assert "unified @ 0.01 req/s: skipped: its arrivals and their drain take about 487 s" in out
-    assert "unified @ 0.1 req/s: skipped: its arrivals and their drain take about 67 s" in out
-    assert "unified @ 2.0 req/s: offered load 4.00 (rate x one request's TTFT alone), about 29 s" in out
+    assert "unified @ 0.01 req/s: skipped: its arrivals and their drain take about 477 s" in out
+    assert "unified @ 0.1 req/s: skipped: its arrivals and their drain take about 57 s" in out
+    assert "unified @ 2.0 req/s: offered load 4.00 (rate x one request's TTFT alone), about 19 s" in out
     assert seen[0] is None and [r["rate"] for r in seen[1]] == [0.5]  # rate 0.5 was on disk before rate 2 ran
-    assert len(deadlines) == 2 and all(0 < d <= 60 - bp.REPORT_S for d in deadlines)
+    assert len(deadlines) == 2 and all(0 < d <= 52 - bp.REPORT_S for d in deadlines)
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     assert "partial" not in data and [r["rate"] for r in data["results"]["unified"]] == [0.5, 2.0]
-    argv[argv.index("60")] = "1"
+    argv[argv.index("52")] = "1"
     assert bp.main(argv) == 1
     assert "no rate fits --time-budget-s" in capsys.readouterr().err
+
+
+def test_predicted_length_of_a_rate_follows_its_schedule():
+    """A rate's predicted length runs to its seeded schedule's last arrival (not num_requests / rate), a sixth more
+    and DRAIN_S, or the first tokens one after another past what one request alone says the server keeps up
+    with: the H200 runs of 2026-11-28 (64 requests, TTFT alone 1.57 s, 2.69 s in all) took 139 s at 0.45 req/s
+    (last arrival 127.2 s) and 108 s at 1.2 req/s (last arrival 47.7 s)."""
+    one = alone(1.57, 2.69)
+    assert bp.predicted_s(127.2, 64, one) == pytest.approx(127.2 * 7 / 6 + bp.DRAIN_S)
+    assert 139 <= bp.predicted_s(127.2, 64, one) <= 139 * 1.2
+    assert bp.predicted_s(47.7, 64, one) == pytest.approx(64 * 1.57 + 1.12 + bp.DRAIN_S)
+    assert 108 <= bp.predicted_s(47.7, 64, one) <= 108 * 1.2
+    assert bp.predicted_s(47.7, 64, None) == pytest.approx(47.7 * 7 / 6 + bp.DRAIN_S)  # no warm-up to go by
 
 
 def test_policies_of_one_budgeted_run_share_the_budget(tmp_path, monkeypatch, capsys):
@@ -226,14 +241,14 @@ def test_policies_of_one_budgeted_run_share_the_budget(tmp_path, monkeypatch, ca
         return bp.records_of(run(0.5, 0.5, 0.02)), 10.0
 
     fake_bench(monkeypatch, fake_run, [alone(2.0, 3.0)])
-    # 4 requests: 0.5 req/s takes about 29 s (the first tokens one after another, 4 x 2 + 1 s, and 20 s), 0.2 req/s
-    # about 43 s (20 s of arrivals, a sixth more, 20 s): within the 60-s budget, not within unified's half of it
+    # 4 requests: 0.5 req/s takes about 19 s (the first tokens one after another, 4 x 2 + 1 s, and 10 s), 0.2 req/s
+    # about 33 s (20 s of arrivals, a sixth more, 10 s): within the 60-s budget, not within unified's half of it
     argv = ["--policies", "unified,monolithic", "--rates", "0.5,0.2", "--num-requests", "4", "--time-budget-s", "60",
             "--goodput", "ttft:1000", "tbt:100", "--out", str(tmp_path / "out")]
     assert bp.main(argv) == 0
     out = capsys.readouterr().out
     assert "unified @ 0.5 req/s: offered load" in out
-    assert "unified @ 0.2 req/s: skipped: its arrivals and their drain take about 43 s" in out
+    assert "unified @ 0.2 req/s: skipped: its arrivals and their drain take about 33 s" in out
     assert "(its share: 1/2 of what was left)" in out
     assert "monolithic @ 0.2 req/s: offered load" in out  # the last policy: all that is left
     data = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
