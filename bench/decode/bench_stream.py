@@ -32,7 +32,7 @@ from bench_open import positive_int, size_arg  # noqa: E402
 
 import flashcodec  # noqa: E402
 from flashcodec import FlashCodecError  # noqa: E402
-from flashcodec.decode import fast_open, scheduler  # noqa: E402
+from flashcodec.decode import fast_open, rank_job  # noqa: E402
 from flashcodec.decode.trace import describe_rank, rank_slots, trace_summary  # noqa: E402
 
 QUARTERS = (0.25, 0.5, 0.75, 1.0)
@@ -64,17 +64,17 @@ class _Plans:
 
     def __init__(self):
         self.in_order = True
-        self._init = scheduler.RankJob.__init__
+        self._init = rank_job.RankJob.__init__
         plans = self
 
         def init(job, *args, **kwargs):
             kwargs["in_order"] = kwargs.get("in_order", False) and plans.in_order
             plans._init(job, *args, **kwargs)
 
-        scheduler.RankJob.__init__ = init
+        rank_job.RankJob.__init__ = init
 
     def restore(self):
-        scheduler.RankJob.__init__ = self._init
+        rank_job.RankJob.__init__ = self._init
 
 
 def sampling(args) -> dict:

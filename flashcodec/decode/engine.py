@@ -21,7 +21,8 @@ import torch
 from flashcodec._errors import DecodeCancelledError, NoFramesError, OutputTooLargeError
 from flashcodec.decode.backends import Backend, get_backend
 from flashcodec.decode.request import BitstreamAnalysis, DecodedSlice, DecodedVideo, DecodeRequest
-from flashcodec.decode.scheduler import RankGroup, RankJob, RankScheduler
+from flashcodec.decode.rank_job import RankJob
+from flashcodec.decode.scheduler import RankGroup, RankScheduler
 from flashcodec.devices import (DEFAULT_NVDEC_SESSIONS, make_layout, parse_devices, resolve_output_device,
                                 video_nvdec_engines, video_nvdec_reason)
 from flashcodec.plan.sampling import MAX_FRAME_PIXELS, SamplingOptions

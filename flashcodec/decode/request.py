@@ -18,7 +18,7 @@ import torch
 
 from flashcodec._errors import CorruptVideoError
 from flashcodec._probe import VideoInfo
-from flashcodec.decode.scheduler import RankJob, SlotEvent
+from flashcodec.decode.rank_job import RankJob, SlotEvent
 from flashcodec.plan.video import VideoPlan
 from flashcodec.source import Source
 
@@ -54,7 +54,7 @@ class DecodedVideo:
     probe_s: float
     decode_s: float
     #: with ``add_decoding_request(..., trace=True)``: every decoder open and segment decode of the request,
-    #: in the order they ended (:class:`~flashcodec.decode.scheduler.SlotEvent`, times from the queueing)
+    #: in the order they ended (:class:`~flashcodec.decode.rank_job.SlotEvent`, times from the queueing)
     trace: list[SlotEvent] | None = None
 
     @property

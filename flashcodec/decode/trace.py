@@ -1,6 +1,6 @@
 """Where a traced request's decode time went (``add_decoding_request(..., trace=True)``), per rank and in one line.
 
-The trace is the request's :class:`~flashcodec.decode.scheduler.SlotEvent` list: every decoder open and segment
+The trace is the request's :class:`~flashcodec.decode.rank_job.SlotEvent` list: every decoder open and segment
 decode, with start and end in seconds from the request's queueing. :func:`trace_summary` sums it per rank;
 :func:`describe_trace` says it in one line (the server logs it per video with ``UNIFIEDSERVE_DECODE_TRACE=1``).
 """

@@ -149,7 +149,7 @@ def test_jpegs_are_distinct_baseline_jpegs():
 
 def test_the_note_names_a_traced_ranks_busy_share():
     """The summary itself is flashcodec.decode.trace's (tests/flashcodec/decode/test_trace.py)."""
-    from flashcodec.decode.scheduler import SlotEvent
+    from flashcodec.decode.rank_job import SlotEvent
     from flashcodec.decode.trace import trace_summary
 
     events = [SlotEvent("cpu", 0, "open", 0.0, 0.01, 0, 10, False), SlotEvent("cpu", 0, "decode", 0.01, 0.70, 0, 12,

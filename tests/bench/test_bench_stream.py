@@ -13,14 +13,14 @@ sys.path.insert(0, str(ROOT / "bench" / "decode"))
 
 import bench_stream  # noqa: E402
 
-from flashcodec.decode import scheduler  # noqa: E402
+from flashcodec.decode import rank_job  # noqa: E402
 
 
 def test_times_the_prefix_of_both_plans_and_restores_the_scheduler(tmp_path, capsys):
-    init = scheduler.RankJob.__init__
+    init = rank_job.RankJob.__init__
     assert bench_stream.main(["--size", "160x96", "--duration", "4", "--gop", "24", "--repeat", "1", "--threads", "2",
                               "--out", str(tmp_path), "--cache", str(tmp_path / "videos")]) == 0
-    assert scheduler.RankJob.__init__ is init
+    assert rank_job.RankJob.__init__ is init
     report = json.loads((tmp_path / "bench_stream_cpu.json").read_text())
     for name in ("in_order", "lanes"):
         (run,) = report["runs"][name]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from flashcodec import DecodeCancelledError, DecodeEngine
-from flashcodec.decode.scheduler import RankGroup, RankJob, RankScheduler
+from flashcodec.decode.rank_job import RankJob
+from flashcodec.decode.scheduler import RankGroup, RankScheduler
 from flashcodec.plan.segments import GopTable, plan_distribution
 from test_ranks import SLOTS, SleepBackend
 

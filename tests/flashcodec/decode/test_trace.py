@@ -2,7 +2,7 @@
 
 import pytest
 
-from flashcodec.decode.scheduler import SlotEvent
+from flashcodec.decode.rank_job import SlotEvent
 from flashcodec.decode.trace import describe_trace, rank_slots, trace_summary
 
 
