@@ -1,7 +1,8 @@
 """Synthetic media of the workloads: seeded video and image specs, and the files made from them.
 
-Media is made by ``synthetic_video`` (H.264, a GOP of 2-8 s) and cached by a content key in the
-media folder, so repeated runs reuse the files; missing files are made in parallel processes.
+Videos are made by ``synthetic_video`` (H.264, a GOP of 2-8 s) and images by ``synthetic_image``;
+both are cached by a content key in the media folder, so repeated runs reuse the files; missing
+files are made in parallel processes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 from tqdm import tqdm
 
+import synthetic_image
 import synthetic_video
 from workload_config import WorkloadConfig
 
@@ -94,7 +96,7 @@ def _cached_image(spec: dict, cache_dir: pathlib.Path) -> pathlib.Path:
         cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = cache_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}"
         try:
-            synthetic_video.make_image(tmp, width=spec["width"], height=spec["height"], seed=spec["seed"])
+            synthetic_image.make_image(tmp, width=spec["width"], height=spec["height"], seed=spec["seed"])
             os.replace(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)

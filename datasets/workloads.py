@@ -9,8 +9,8 @@ One line per request::
 
 ``arrival_s`` is the offset from the benchmark start. ``media`` is empty for a text-only request.
 
-Synthetic workloads (media made by ``synthetic_video``, H.264, a GOP of 2-8 s, cached by a
-content key in ``--media-dir`` so repeated runs reuse the files):
+Synthetic workloads (media made by ``synthetic_video`` and ``synthetic_image``, videos H.264 with a
+GOP of 2-8 s, cached by a content key in ``--media-dir`` so repeated runs reuse the files):
 
 * ``long-video``  MLVU-like: 8-10 minute 720p30 videos.
 * ``short-video`` EgoSchema-like: 3 minute 480p30 videos.

@@ -75,6 +75,7 @@ def flashcodec_decode() -> dict:
     import flashcodec
 
     sys.path.insert(0, str(ROOT / "datasets"))
+    import frame_code
     import synthetic_video
 
     with tempfile.TemporaryDirectory() as folder:
@@ -84,7 +85,7 @@ def flashcodec_decode() -> dict:
         result = flashcodec.decode_video(str(path), backend="pyav", num_frames=4)
         seconds = time.perf_counter() - began
     # flashcodec reads the display matrix's angle anticlockwise, as FFmpeg does: the generator's 90 is 270
-    shown = [synthetic_video.try_read_frame_index(frame.permute(1, 2, 0).numpy(), rotation=90)
+    shown = [frame_code.try_read_frame_index(frame.permute(1, 2, 0).numpy(), rotation=90)
              for frame in result.frames[:len(result.frame_indices)]]
     if info.rotation != 270 or result.failed_frame_indices or shown != list(result.frame_indices):
         raise RuntimeError(f"read rotation {info.rotation} (made 270 anticlockwise), frames {result.frame_indices} "

@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 for extra in (ROOT / "datasets", ROOT / "bench" / "serve"):
     sys.path.insert(0, str(extra))
 
+import damaged_media  # noqa: E402
+import synthetic_image  # noqa: E402
 import synthetic_video  # noqa: E402
 from server_process import ServerProcess, ServerStartError  # noqa: E402
 
@@ -356,13 +358,13 @@ def main(argv=None) -> int:
     outside_dir.mkdir()
     media = {"clip": synthetic_video.make_video(media_dir / "clip.mp4", codec="h264", width=320, height=240,
                                                 duration_s=4.0, fps=10.0, gop=10, seed=1),
-             "png": synthetic_video.make_image(media_dir / "tiny.png", width=8, height=8, seed=2)}
-    media["corrupt"] = synthetic_video.corrupt_middle(media["clip"], media_dir / "corrupt.mp4", seed=3)
+             "png": synthetic_image.make_image(media_dir / "tiny.png", width=8, height=8, seed=2)}
+    media["corrupt"] = damaged_media.corrupt_middle(media["clip"], media_dir / "corrupt.mp4", seed=3)
     media["bomb"] = media_dir / "bomb.png"  # 169 M pixels declared in a few KB: refused from its header
     from PIL import Image
     Image.new("1", (13000, 13000)).save(media["bomb"])
-    media["truncated"] = synthetic_video.truncate_file(media["clip"], media_dir / "truncated.mp4", 0.4)
-    outside = synthetic_video.make_image(outside_dir / "secret.png", seed=4)
+    media["truncated"] = damaged_media.truncate_file(media["clip"], media_dir / "truncated.mp4", 0.4)
+    outside = synthetic_image.make_image(outside_dir / "secret.png", seed=4)
     media["escape"] = media_dir / "escape.png"
     media["escape"].symlink_to(outside)
     try:

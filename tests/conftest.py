@@ -1,6 +1,6 @@
 """Shared pytest fixtures and markers for flashcodec.
 
-* ``datasets/`` is put on ``sys.path`` so tests can ``import synthetic_video``.
+* ``datasets/`` is put on ``sys.path`` so tests can ``import synthetic_video`` and its siblings.
 * Session-scoped media fixtures (tiny clips, generated once per session into a
   temporary directory): ``video_factory``, ``image_factory``, ``tiny_h264``,
   ``tiny_hevc``, ``tiny_vp9``, ``tiny_av1``, ``tiny_mpeg4``.
@@ -23,6 +23,7 @@ _DATASETS = str(ROOT / "datasets")
 if _DATASETS not in sys.path:
     sys.path.insert(0, _DATASETS)
 
+import synthetic_image  # noqa: E402
 import synthetic_video  # noqa: E402
 
 # ---------------------------------------------------------------------------
@@ -99,7 +100,7 @@ def image_factory(media_dir):
         key = _key({"suffix": suffix, **kwargs})
         if key not in cache:
             out = media_dir / "images" / f"img_{key}{suffix}"
-            cache[key] = synthetic_video.make_image(out, **kwargs)
+            cache[key] = synthetic_image.make_image(out, **kwargs)
         return cache[key]
 
     return factory

@@ -27,6 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "datasets"))
 
+import synthetic_image  # noqa: E402
 import synthetic_video  # noqa: E402
 
 import flashcodec  # noqa: E402
@@ -165,7 +166,7 @@ def image_fidelity(cache: Path | None) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "fidelity_4032x3024_s0.jpg"
     if not path.exists():
-        synthetic_video.make_image(path, width=4032, height=3024, seed=0)
+        synthetic_image.make_image(path, width=4032, height=3024, seed=0)
     print("\n| image | output | mode | ms (best of 5) | mean / p99 / max vs exact |")
     print("|---|---|---|---|---|")
     exact = None

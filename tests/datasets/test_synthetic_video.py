@@ -1,4 +1,4 @@
-"""Tests for datasets/synthetic_video.py (the synthetic media generator)."""
+"""Tests for datasets/synthetic_video.py (synthetic clips, their cache and the CLI)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import av
 import numpy as np
 import pytest
 
+import frame_code
 import synthetic_video as sv
 
 SMALL = dict(width=128, height=96, duration_s=1.0, fps=24.0, gop=8)
@@ -38,10 +39,10 @@ def decode_all(path, scale=1):
         for f in c.decode(video=0):
             small = None
             if scale > 1:
-                small = sv.try_read_frame_index(
+                small = frame_code.try_read_frame_index(
                     f.reformat(width=f.width // scale, height=f.height // scale, format="rgb24")
                 )
-            out.append((sv.try_read_frame_index(f.to_ndarray(format="rgb24")), small, f))
+            out.append((frame_code.try_read_frame_index(f.to_ndarray(format="rgb24")), small, f))
     return out
 
 
@@ -150,9 +151,9 @@ def test_rotation(video_factory, rotation, suffix):
         # pixels are stored unrotated
         assert (f.width, f.height) == (128, 96)
         rgb = f.to_ndarray(format="rgb24")
-    assert sv.read_frame_index(rgb) == 0
+    assert frame_code.read_frame_index(rgb) == 0
     displayed = np.rot90(rgb, k=-(rotation // 90))  # what a player shows (clockwise)
-    assert sv.read_frame_index(displayed, rotation=rotation) == 0
+    assert frame_code.read_frame_index(displayed, rotation=rotation) == 0
     assert displayed.shape[:2] == ((96, 128) if rotation == 180 else (128, 96))
 
 
@@ -229,152 +230,6 @@ def test_bad_arguments(tmp_path, name, kwargs, match):
 
 
 # ---------------------------------------------------------------------------
-# frame-index code
-# ---------------------------------------------------------------------------
-
-
-def test_read_frame_index_inputs(tiny_h264):
-    with av.open(str(tiny_h264)) as c:
-        frames = [f for _, f in zip(range(6), c.decode(video=0))]
-    f = frames[5]
-    rgb = f.to_ndarray(format="rgb24")
-    assert sv.read_frame_index(f) == 5
-    assert sv.read_frame_index(rgb) == 5
-    assert sv.read_frame_index(np.moveaxis(rgb, 2, 0)) == 5  # CHW
-    assert sv.read_frame_index(rgb.astype(np.float32) / 255.0) == 5  # float [0, 1]
-    assert sv.read_frame_index(f.to_ndarray(format="gray")) == 5  # luma only
-    torch = pytest.importorskip("torch")
-    assert sv.read_frame_index(torch.from_numpy(rgb).permute(2, 0, 1)) == 5
-
-
-def test_read_frame_index_rejects_garbage():
-    rng = np.random.default_rng(0)
-    for img in (
-        np.zeros((96, 128, 3), np.uint8),
-        np.full((96, 128, 3), 255, np.uint8),
-    ):
-        with pytest.raises(sv.FrameIndexError):
-            sv.read_frame_index(img)
-    misses = sum(
-        sv.try_read_frame_index(rng.integers(0, 256, (96, 128, 3), dtype=np.uint8)) is None
-        for _ in range(50)
-    )
-    assert misses >= 40  # a 6-bit check passes ~1/64 of random patterns
-
-
-def test_code_roundtrip_all_bits():
-    synth = sv._FrameSynth(64, 48, 0)
-    buf = np.empty(64 * 48 * 3 // 2, np.uint8)
-    for idx in (0, 1, 2, 63, 64, 4095, 12345, sv.MAX_FRAMES - 1):
-        synth.render(idx, buf)
-        y = buf[: 64 * 48].reshape(48, 64)
-        assert sv.read_frame_index(y) == idx
-    with pytest.raises(ValueError):
-        synth.render(sv.MAX_FRAMES, buf)
-
-
-def test_frame_times():
-    cfr = sv.frame_times(duration_s=2.0, fps=24.0)
-    assert len(cfr) == 48 and cfr[1] - cfr[0] == sv.Fraction(1, 24)
-    ntsc = sv.frame_times(duration_s=1.0, fps=29.97)
-    assert ntsc[1] == sv.Fraction(1001, 30000)
-    v0 = sv.frame_times(duration_s=2.0, fps=24.0, vfr=True, seed=0)
-    assert v0 == sv.frame_times(duration_s=2.0, fps=24.0, vfr=True, seed=0)
-    assert v0 != sv.frame_times(duration_s=2.0, fps=24.0, vfr=True, seed=1)
-    steps = {b - a for a, b in zip(v0, v0[1:])}
-    assert steps == {sv.Fraction(1, 24), sv.Fraction(2, 24)}
-    assert v0[-1] < 2 and 24 <= len(v0) < 48
-
-
-# ---------------------------------------------------------------------------
-# images
-# ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "suffix,alpha,fmt,mode",
-    [
-        (".jpg", False, "JPEG", "RGB"),
-        (".jpeg", False, "JPEG", "RGB"),
-        (".png", False, "PNG", "RGB"),
-        (".png", True, "PNG", "RGBA"),
-        (".webp", False, "WEBP", "RGB"),
-        (".webp", True, "WEBP", "RGBA"),
-    ],
-)
-def test_images(image_factory, suffix, alpha, fmt, mode):
-    Image = pytest.importorskip("PIL.Image")
-    path = image_factory(suffix, seed=7, alpha=alpha)
-    with Image.open(path) as im:
-        assert (im.format, im.mode, im.size) == (fmt, mode, (97, 61))
-        assert sv.read_frame_index(np.asarray(im.convert("RGB"))) == 7
-    with av.open(str(path)) as c:
-        f = next(c.decode(video=0))
-        assert (f.width, f.height) == (97, 61)
-        assert sv.read_frame_index(f) == 7
-
-
-def test_image_seeds_differ(image_factory):
-    a = image_factory(".png", seed=1).read_bytes()
-    assert a == image_factory(".png", seed=1).read_bytes()
-    assert a != image_factory(".png", seed=2).read_bytes()
-    with pytest.raises(ValueError):
-        image_factory(".jpg", alpha=True)
-    with pytest.raises(ValueError):
-        image_factory(".gif")
-
-
-# ---------------------------------------------------------------------------
-# damaged files
-# ---------------------------------------------------------------------------
-
-
-def test_truncate(tiny_h264, video_factory, tmp_path):
-    src = tiny_h264.read_bytes()
-    dst = sv.truncate_file(tiny_h264, tmp_path / "t.mp4", keep_fraction=0.5)
-    data = dst.read_bytes()
-    assert len(data) == len(src) // 2 and src.startswith(data) and data != src
-    # mkv is streamable: the truncated file opens and yields a prefix of the frames
-    mkv = video_factory(codec="h264", suffix=".mkv", **dict(SMALL, duration_s=2.0))
-    cut = sv.truncate_file(mkv, tmp_path / "t.mkv", keep_fraction=0.5)
-    got = []
-    with av.open(str(cut)) as c:
-        try:
-            for f in c.decode(video=0):
-                got.append(sv.try_read_frame_index(f))
-        except av.error.FFmpegError:
-            pass
-    assert 0 < len(got) < 48 and got[:5] == [0, 1, 2, 3, 4]
-    with pytest.raises(ValueError):
-        sv.truncate_file(mkv, tmp_path / "x.mkv", keep_fraction=0)
-
-
-@pytest.mark.parametrize(
-    "codec,suffix,bframes", [("h264", ".mp4", 2), ("hevc", ".mkv", 0), ("vp9", ".webm", 0)]
-)
-def test_corrupt_middle(video_factory, tmp_path, codec, suffix, bframes):
-    src = video_factory(codec=codec, bframes=bframes, suffix=suffix, **dict(SMALL, duration_s=2.0))
-    dst = sv.corrupt_middle(src, tmp_path / f"bad{suffix}", seed=1)
-    a, b = src.read_bytes(), dst.read_bytes()
-    assert len(a) == len(b) and a != b
-    # container untouched: demuxing yields the same packets (sizes, timestamps)
-    assert packets(src) == packets(dst)
-    # ...but decoding the middle GOP yields errors or wrong/garbage frames
-    got, errors = [], 0
-    with av.open(str(dst)) as c:
-        s = c.streams.video[0]
-        for pkt in c.demux(s):
-            try:
-                got.extend(sv.try_read_frame_index(f) for f in s.decode(pkt))
-            except av.error.FFmpegError:
-                errors += 1
-    good = [k for k, i in enumerate(got) if i == k]
-    assert errors > 0 or len(good) < 48
-    assert got[:8] == list(range(8)), "the first GOP is intact"
-    assert sv.corrupt_middle(src, tmp_path / f"bad2{suffix}", seed=1).read_bytes() == b
-
-
-# ---------------------------------------------------------------------------
 # cache and CLI
 # ---------------------------------------------------------------------------
 
@@ -433,14 +288,3 @@ def test_720p_quarter_scale(video_factory):
     frames = decode_all(path, scale=4)
     assert [i for i, _, _ in frames] == list(range(60))
     assert [i for _, i, _ in frames] == list(range(60))
-
-
-@pytest.mark.cuda
-def test_read_frame_index_cuda_tensor(tiny_h264):
-    import torch
-
-    with av.open(str(tiny_h264)) as c:
-        f = next(c.decode(video=0))
-    t = torch.from_numpy(f.to_ndarray(format="rgb24")).cuda()
-    assert sv.read_frame_index(t) == 0
-    assert sv.read_frame_index(t.permute(2, 0, 1).float() / 255) == 0
