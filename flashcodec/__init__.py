@@ -27,9 +27,9 @@ from flashcodec._errors import (
 # neither torch nor PyAV until a name that needs them is touched. (The probe lives in `_probe`, so
 # that importing that module never replaces the package's `probe` function with the module.)
 _EXPORTS = {
-    "available_backends": "decode.backends", "BitstreamAnalysis": "decode.request", "DecodedVideo": "decode.request",
+    "available_backends": "decode.cpu", "BitstreamAnalysis": "decode.request", "DecodedVideo": "decode.request",
     "DecodedSlice": "decode.request",
-    "DecodeEngine": "decode.engine", "decode_video": "decode.engine", "default_engine": "decode.engine",
+    "DecodeEngine": "decode.engine", "decode_video": "decode.shared_engine", "default_engine": "decode.shared_engine",
     "DeviceError": "devices", "DecodedImage": "image", "ImageDecodeError": "image", "decode_image": "image",
     "decode_images": "image_batch", "SamplingOptions": "plan.sampling", "VideoPlan": "plan.video",
     "plan_video": "plan.video", "Gop": "_probe", "VideoInfo": "_probe", "probe": "_probe",

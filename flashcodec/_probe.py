@@ -164,7 +164,7 @@ def per_probe(build: Callable[[VideoInfo], _T]) -> Callable[[VideoInfo], _T]:
 #: ``av.open`` options that tell FFmpeg's stream-info pass to decode no picture. For H.264 that pass otherwise
 #: decodes the first 7 or more in software only to guess the reorder depth (``has_b_frames``): 164 ms per open of
 #: a 1080p clip on the development machine, against 0.4 ms for HEVC, and about 0.1 s on the H100 machine's host.
-#: Used by the probe (below) and by PyAV's segment decoders (``decode.backends.FAST_OPEN_OPTIONS``).
+#: Used by the probe (below) and by PyAV's segment decoders (``decode.pyav.FAST_OPEN_OPTIONS``).
 SKIP_STREAM_INFO_DECODE = {"skip_frame": "all"}
 #: The probe's open, on every request's path. What it needs of a decoded picture (its pixel format and rotation)
 #: comes from the first keyframe, which it decodes anyway; a stream whose size or codec that pass could not tell

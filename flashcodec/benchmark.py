@@ -23,7 +23,7 @@ import flashcodec
 from flashcodec._probe import open_input
 from flashcodec._provenance import source_commit
 from flashcodec.decode import fast_open
-from flashcodec.decode.backends import DEFAULT_INTERPOLATION, PyAVSegmentDecoder, convert_frame
+from flashcodec.decode.pyav import DEFAULT_INTERPOLATION, PyAVSegmentDecoder, convert_frame
 from flashcodec.plan.video import VideoPlan, floor_cost
 from flashcodec.resize import DEFAULT_RESIZE_MODE, RESIZE_MODES
 from flashcodec.source import Source

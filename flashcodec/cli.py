@@ -255,7 +255,7 @@ def _decode(args) -> int:
 
     _check_out(args)
     from flashcodec.resize import check_resize_mode
-    from flashcodec.decode.engine import check_output_memory
+    from flashcodec.decode.request import check_output_memory
 
     check_resize_mode(args.resize)  # before any decoding work
     if Path(args.file).suffix.lower() in IMAGE_SUFFIXES:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import time
 
-from flashcodec.decode.backends import Backend, SegmentDecoder, get_backend, never
+from flashcodec.decode.backends import Backend, SegmentDecoder, never
+from flashcodec.decode.cpu import get_backend
 
 
 class SlowDecoder(SegmentDecoder):

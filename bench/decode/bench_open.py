@@ -5,7 +5,7 @@ Every segment decoder opens the video (each NVDEC session, each CPU thread). For
 pass decodes the first pictures in software at each open. This times, on one clip:
 
 - an open through PyAV and through torchcodec (CPU, or ``--device cuda:N`` for an NVDEC session), each full and
-  without that decode (PyAV: ``backends.FAST_OPEN_OPTIONS``; torchcodec: ``flashcodec/decode/fast_open.py``);
+  without that decode (PyAV: ``pyav.FAST_OPEN_OPTIONS``; torchcodec: ``flashcodec/decode/fast_open.py``);
 - flashcodec's ``decode_video`` of 32 sparse frames and of the dense plan on that device (the torchcodec backend on
   the CPU, NVDEC on a GPU), with fast opens and with every open full (``fast_open.full_opens``).
 
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     installed = fast_open.install()  # before torchcodec is imported
     import av
     import flashcodec
-    from flashcodec.decode import backends
+    from flashcodec.decode import backends, pyav
     from torchcodec.decoders import VideoDecoder
 
     path = str(args.clip or make_clip("h264", *args.size, args.duration, 30.0, args.cache))
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         return run
 
     opens = {"pyav_full": median_seconds(pyav_open(None), args.opens),
-             "pyav_fast": median_seconds(pyav_open(backends.FAST_OPEN_OPTIONS["h264"]), args.opens)}
+             "pyav_fast": median_seconds(pyav_open(pyav.FAST_OPEN_OPTIONS["h264"]), args.opens)}
     torchcodec_open()  # warm: torchcodec's libraries and, on a GPU, its decoder cache
     opens["torchcodec_fast"] = median_seconds(torchcodec_open, args.opens)
     with fast_open.full_opens():

@@ -31,7 +31,7 @@ import synthetic_image  # noqa: E402
 import synthetic_video  # noqa: E402
 
 import flashcodec  # noqa: E402
-from flashcodec.decode.backends import convert_frame  # noqa: E402
+from flashcodec.decode.pyav import convert_frame  # noqa: E402
 from flashcodec.resize import RESIZE_MODES, resize_frames  # noqa: E402
 
 #: (width, height, output (height, width) or None for the Qwen default video size)

@@ -1,10 +1,12 @@
-"""The asynchronous decode API (paper §5) and the one-call ``decode_video``.
+"""The asynchronous decode API (paper §5): :class:`DecodeEngine`.
 
 ``analyse_bitstream`` probes and plans (cheap, demux only) and returns a key id;
 ``add_decoding_request`` queues the key's GOP segments on every rank's decoder slots;
 ``get_decoding_output`` blocks, without holding the GIL, until a request is done. A request
 queued with ``stream=True`` is read with ``stream_decoding_output`` instead: its output arrives in
-display order, one contiguous part at a time, as soon as the earliest incomplete part is decoded.
+display order, one contiguous part at a time, as soon as the earliest incomplete part is decoded
+(the parts are cut by :mod:`flashcodec.decode.streaming`). The process-wide engines and the one-call
+``decode_video`` are in :mod:`flashcodec.decode.shared_engine`.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ from typing import Callable
 import torch
 
 from flashcodec._errors import DecodeCancelledError, NoFramesError, OutputTooLargeError
-from flashcodec.decode.backends import Backend, get_backend
-from flashcodec.decode.request import BitstreamAnalysis, DecodedSlice, DecodedVideo, DecodeRequest
+from flashcodec.decode.backends import Backend
+from flashcodec.decode.cpu import get_backend
+from flashcodec.decode.request import (BitstreamAnalysis, DecodedSlice, DecodedVideo, DecodeRequest,
+                                       check_output_memory)
 from flashcodec.decode.rank_job import RankJob
 from flashcodec.decode.scheduler import RankGroup, RankScheduler
-from flashcodec.devices import (DEFAULT_NVDEC_SESSIONS, make_layout, parse_devices, resolve_output_device,
-                                video_nvdec_engines, video_nvdec_reason)
+from flashcodec.decode.streaming import StreamParts, wait_until
+from flashcodec.devices import (DEFAULT_NVDEC_SESSIONS, make_layout, resolve_output_device, video_nvdec_engines,
+                                video_nvdec_reason)
 from flashcodec.plan.sampling import MAX_FRAME_PIXELS, SamplingOptions
 from flashcodec.plan.video import plan_video
 from flashcodec._probe import VideoInfo, check_source_size, probe
@@ -40,34 +45,6 @@ ON_CORRUPT = ("error", "repeat")
 #: The largest stored picture decoded by default: the most luma samples any H.264 or HEVC level allows
 #: (:data:`flashcodec.plan.sampling.MAX_FRAME_PIXELS`, 8192x4352; 8K UHD fits).
 MAX_SOURCE_PIXELS = MAX_FRAME_PIXELS
-
-
-def output_bytes(plan, output: str, patch_dtype: torch.dtype = torch.float32) -> int:
-    """Host memory a whole decode's output takes at its peak: the uint8 RGB frames, and for ``"patches"`` the
-    patches too (both are alive while the frames are cut into patches)."""
-    pixels = plan.num_output_frames * plan.height * plan.width
-    return pixels * 3 + (pixels * 3 * patch_dtype.itemsize if output == "patches" else 0)
-
-
-def check_output_memory(plan, output: str, patch_dtype: torch.dtype = torch.float32) -> None:
-    """Refuse, before decoding, a whole output larger than the memory this process can still take (the kernel's
-    available memory, or a container's limit: :func:`flashcodec._sysmem.available_memory`). Against the machine's
-    whole memory, an output just under it ran the machine out; unchecked, the library allocated 193 GB and failed
-    inside a decoder thread.
-
-    Raises:
-        OutputTooLargeError: naming the size and the options that shrink it.
-    """
-    from flashcodec._sysmem import available_memory
-
-    need = output_bytes(plan, output, patch_dtype)
-    found = available_memory()
-    if found is not None and need > found[0]:
-        memory, what = found
-        raise OutputTooLargeError(
-            f"the output would take {need / 2**30:.1f} GiB ({plan.num_output_frames} frames of {plan.height}x"
-            f"{plan.width}, {output}), more than this machine's {memory / 2**30:.1f} GiB of {what}; lower "
-            f"max_pixels, the size, fps or max_frames (--max-pixels, --size, --fps, --max-frames)")
 
 
 class DecodeEngine:
@@ -217,7 +194,7 @@ class DecodeEngine:
         Raises:
             KeyError: ``key_id`` is not an analysed request (unknown, cancelled, or queued already).
             OutputTooLargeError: a whole output on the CPU (``stream=False``) larger than the memory this process
-                can still take (:func:`check_output_memory`); the analysis is forgotten.
+                can still take (:func:`~flashcodec.decode.request.check_output_memory`); the analysis is forgotten.
             ValueError: a bad ``output``, ``on_corrupt``, ``resize`` or ``patch_dtype``.
         """
         check_resize_mode(resize)
@@ -241,8 +218,8 @@ class DecodeEngine:
             if self._analyses.pop(key_id, None) is None:  # cancelled (or queued by another thread) meanwhile
                 raise KeyError(f"unknown or already queued key id {key_id}")
             self._in_flight.add(key_id)
-        request = DecodeRequest(analysis, output, on_corrupt, patch_spec, progress, self._request_done, self.output_device,
-                           stream=stream, patch_dtype=patch_dtype, trace=trace)
+        request = DecodeRequest(analysis, output, on_corrupt, patch_spec, progress, self._request_done,
+                                self.output_device, stream=stream, patch_dtype=patch_dtype, trace=trace)
         if stream:
             with self._done:
                 self._streams[key_id] = request
@@ -315,7 +292,7 @@ class DecodeEngine:
                         raise KeyError(f"key id {key_id} was never queued (call add_decoding_request first)")
                     if key_id is None and not self._in_flight - self._streams.keys():
                         raise KeyError("no decoding request is in flight")
-                    _wait(self._done, deadline, timeout)
+                    wait_until(self._done, deadline, timeout)
                     continue
                 request = self._finished.pop(key)
                 break
@@ -350,52 +327,14 @@ class DecodeEngine:
 
     def _stream(self, request: DecodeRequest, timeout: float | None) -> Iterator[DecodedSlice]:
         key_id = request.analysis.key_id
-        plan = request.analysis.plan
-        spec = request.patch_spec
-        if request.output == "patches" and spec is None:
-            from flashcodec.patches import PatchSpec
-
-            spec = PatchSpec()
-        grid = plan.grid_thw(spec.patch_size, spec.temporal_patch_size) if spec is not None else plan.grid_thw()
-        unit = 1  # frames per step of a part
-        rows_per_unit = 1  # output rows per step
-        if request.output == "patches":  # whole temporal patches of grid_h * grid_w patch rows each
-            unit, rows_per_unit = spec.temporal_patch_size, grid[1] * grid[2]
+        parts = StreamParts(request)
         deadline = None if timeout is None else time.monotonic() + timeout
-        delivered = 0  # frames handed out
         ended = False
         try:
-            while True:
-                with request.changed:
-                    while not (request.finished or request.cancelled
-                               or request.num_ready - request.num_ready % unit > delivered):
-                        _wait(request.changed, deadline, timeout)
-                    ready = request.num_ready - request.num_ready % unit
-                    stopped = request.cancelled
-                if stopped or ready == delivered:  # the end: cancelled, or every final row handed out
-                    break
-                trace = None
-                if request.trace is not None and ready == request.num_frames:  # the last part: the whole trace
-                    with request.changed:
-                        while not (request.finished or request.cancelled):
-                            _wait(request.changed, deadline, timeout)
-                    if request.cancelled:  # as untraced: no part after a cancel (its trace would be partial)
-                        break
-                    trace = list(request.trace[1])
-                frames = request.take_rows(delivered, ready).permute(0, 3, 1, 2)  # [n, 3, H, W]
-                patches = None
-                if request.output == "patches":
-                    from flashcodec.patches import frames_to_patches
-
-                    patches, _ = frames_to_patches(frames, spec, dtype=request.patch_dtype)
-                    frames = None
-                yield DecodedSlice(key_id, delivered // unit * rows_per_unit, ready // unit * rows_per_unit,
-                                   request.num_frames // unit * rows_per_unit, frames, patches, tuple(grid),
-                                   time.perf_counter() - request.started, trace)
-                delivered = ready
+            yield from parts.read(deadline, timeout)
             with self._done:  # finished, or about to be when cancelled: wait for its end to be recorded
                 while key_id in self._in_flight:
-                    _wait(self._done, deadline, timeout)
+                    wait_until(self._done, deadline, timeout)
                 ended = True
                 self._streams.pop(key_id, None)
                 if key_id in self._cancelled:
@@ -437,48 +376,3 @@ class DecodeEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-_engines: dict[str, DecodeEngine] = {}
-_default_lock = threading.Lock()
-
-
-def _wait(cond: threading.Condition, deadline: float | None, timeout: float | None) -> None:
-    """``cond.wait()`` (held) until notified or ``deadline`` (``time.monotonic()``; None: no limit).
-
-    Raises:
-        TimeoutError: the deadline has passed (``timeout`` is the caller's, for the message).
-    """
-    remaining = None if deadline is None else deadline - time.monotonic()
-    if remaining is not None and remaining <= 0:
-        raise TimeoutError(f"decoding did not finish within {timeout} s")
-    cond.wait(remaining)
-
-
-def default_engine(device: str = "cpu") -> DecodeEngine:
-    """The process-wide engine for ``device`` used by the module-level functions (kept warm).
-
-    ``"cpu"``: one slot per core. Other devices as :class:`DecodeEngine` ``devices``; the
-    engine, its threads and its NVDEC sessions live as long as the process.
-    """
-    key = ",".join(parse_devices(device))
-    with _default_lock:
-        engine = _engines.get(key)
-        if engine is None:
-            engine = _engines[key] = DecodeEngine(devices=device)
-        return engine
-
-
-def decode_video(source: SourceLike, *, device: str = "cpu", backend: str | None = None,
-                 num_threads: int | None = None, output_device: str | None = None, **kwargs) -> DecodedVideo:
-    """One-call decode on ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"``).
-
-    The default backend and thread count use the process-wide engine for that device; other
-    ``backend``/``num_threads``/``output_device`` values use a private engine for this call.
-    ``kwargs`` are :meth:`DecodeEngine.decode_video`'s. Raises what it raises, and
-    :class:`~flashcodec.devices.DeviceError` for a device this machine lacks.
-    """
-    if backend in (None, "auto") and num_threads is None and output_device is None:
-        return default_engine(device).decode_video(source, **kwargs)
-    with DecodeEngine(backend or "auto", num_threads, devices=device, output_device=output_device) as engine:
-        return engine.decode_video(source, **kwargs)

@@ -4,7 +4,7 @@ Every segment decoder opens the video: each NVDEC session of a GPU rank, each th
 FFmpeg's stream-info pass decodes the first 7 or more pictures in software at every open, only to guess the
 reorder depth: 70 ms per 1080p open through torchcodec on the development machine, about 0.1 s per NVDEC session
 on the H100 machine's host, where it was the whole of issue 12's gap to the static GOP split (docs/gpu.md). PyAV's
-opens skip it with an option (``backends.FAST_OPEN_OPTIONS``); torchcodec takes no FFmpeg options.
+opens skip it with an option (``pyav.FAST_OPEN_OPTIONS``); torchcodec takes no FFmpeg options.
 
 So this module builds and loads, before torchcodec is imported, a small library (``fast_open.c``) that sits in
 front of FFmpeg's ``avformat_find_stream_info`` in the process's global symbol scope. Around one decoder's

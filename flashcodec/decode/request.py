@@ -3,7 +3,8 @@
 :class:`BitstreamAnalysis` is what a probe and plan learned; :class:`DecodeRequest` collects a queued request's
 frames from every rank (each rank's rows written in place as its decoder threads emit them) and assembles the
 output, or, streamed, tracks how long its final prefix is; :class:`DecodedVideo` is a whole request's output,
-:class:`DecodedSlice` the next part of a streamed one.
+:class:`DecodedSlice` the next part of a streamed one. :func:`check_output_memory` refuses, before it is queued, a
+request whose whole output this process has no memory left for.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from flashcodec._errors import CorruptVideoError
+from flashcodec._errors import CorruptVideoError, OutputTooLargeError
 from flashcodec._probe import VideoInfo
 from flashcodec.decode.rank_job import RankJob, SlotEvent
 from flashcodec.plan.video import VideoPlan
 from flashcodec.source import Source
 
-__all__ = ["BitstreamAnalysis", "DecodeRequest", "DecodedSlice", "DecodedVideo"]
+__all__ = ["BitstreamAnalysis", "DecodeRequest", "DecodedSlice", "DecodedVideo", "check_output_memory", "output_bytes"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,6 +101,34 @@ class DecodedSlice:
                else f"patches=float32{list(self.patches.shape)}")
         return (f"DecodedSlice(key_id={self.key_id}, rows [{self.start}, {self.stop}) of {self.num_rows}, {out}, "
                 f"decode_s={self.decode_s:.3f})")
+
+
+def output_bytes(plan, output: str, patch_dtype: torch.dtype = torch.float32) -> int:
+    """Host memory a whole decode's output takes at its peak: the uint8 RGB frames, and for ``"patches"`` the
+    patches too (both are alive while the frames are cut into patches)."""
+    pixels = plan.num_output_frames * plan.height * plan.width
+    return pixels * 3 + (pixels * 3 * patch_dtype.itemsize if output == "patches" else 0)
+
+
+def check_output_memory(plan, output: str, patch_dtype: torch.dtype = torch.float32) -> None:
+    """Refuse, before decoding, a whole output larger than the memory this process can still take (the kernel's
+    available memory, or a container's limit: :func:`flashcodec._sysmem.available_memory`). Against the machine's
+    whole memory, an output just under it ran the machine out; unchecked, the library allocated 193 GB and failed
+    inside a decoder thread.
+
+    Raises:
+        OutputTooLargeError: naming the size and the options that shrink it.
+    """
+    from flashcodec._sysmem import available_memory
+
+    need = output_bytes(plan, output, patch_dtype)
+    found = available_memory()
+    if found is not None and need > found[0]:
+        memory, what = found
+        raise OutputTooLargeError(
+            f"the output would take {need / 2**30:.1f} GiB ({plan.num_output_frames} frames of {plan.height}x"
+            f"{plan.width}, {output}), more than this machine's {memory / 2**30:.1f} GiB of {what}; lower "
+            f"max_pixels, the size, fps or max_frames (--max-pixels, --size, --fps, --max-frames)")
 
 
 class DecodeRequest:

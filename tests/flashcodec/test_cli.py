@@ -101,7 +101,7 @@ def test_an_output_larger_than_memory_is_refused_before_decoding(tiny_h264, monk
     from types import SimpleNamespace
 
     import flashcodec._sysmem
-    from flashcodec.decode.engine import check_output_memory
+    from flashcodec.decode.request import check_output_memory
 
     plan = SimpleNamespace(num_output_frames=768, height=4480, width=7980)  # 82 GB of RGB frames
     monkeypatch.setattr(flashcodec._sysmem, "available_memory", lambda: (2**34, "available memory"))  # 16 GiB free

@@ -103,7 +103,7 @@ def test_a_segment_stopped_midway_leaves_its_decoder_to_seek_afresh(tiny_h264, m
     decoder's next segment seeks to its own keyframe, neither scanning on from the stopped one to the end of the file
     nor opening the video again."""
     from flashcodec._probe import probe
-    from flashcodec.decode.backends import PyAVSegmentDecoder
+    from flashcodec.decode.pyav import PyAVSegmentDecoder
     from flashcodec.plan.segments import GopSegment
     from flashcodec.source import Source
 

@@ -11,7 +11,7 @@ import torch
 import synthetic_video
 
 import flashcodec
-from flashcodec.decode.backends import convert_frame, rotate_display
+from flashcodec.decode.pyav import convert_frame, rotate_display
 from flashcodec.resize import RESIZE_MODES
 
 TINY = dict(width=128, height=96, duration_s=2.0, fps=24.0, gop=12)
@@ -282,18 +282,18 @@ def test_a_traced_request_says_which_slot_opened_and_decoded_what_and_when(video
 def test_a_traced_stream_cancelled_while_its_slots_end_yields_no_partial_last_part(video_factory, monkeypatch):
     """The last part of a traced stream waits for every slot's end (its trace whole); a cancel in that wait ends the
     stream as an untraced one would (no further part, DecodeCancelledError), not with a part carrying half a trace."""
-    from flashcodec.decode import backends
+    from flashcodec.decode import pyav
 
     path = video_factory(codec="h264", suffix=".mp4", bframes=2, seed=5, width=128, height=96, duration_s=4.0,
                          fps=24.0, gop=12)
-    decode = backends.PyAVSegmentDecoder.decode_segment
+    decode = pyav.PyAVSegmentDecoder.decode_segment
 
     def slow(self, *args, **kwargs):  # a slot still working after its frames are out
         failed = decode(self, *args, **kwargs)
         time.sleep(0.5)
         return failed
 
-    monkeypatch.setattr(backends.PyAVSegmentDecoder, "decode_segment", slow)
+    monkeypatch.setattr(pyav.PyAVSegmentDecoder, "decode_segment", slow)
     with flashcodec.DecodeEngine("pyav", num_threads=2) as engine:
         analysis = engine.analyse_bitstream(path, num_frames=16)
         engine.add_decoding_request(analysis.key_id, trace=True, stream=True)
@@ -316,7 +316,7 @@ def test_a_traced_stream_cancelled_while_its_slots_end_yields_no_partial_last_pa
 
 
 def test_segment_decoders_of_one_probe_share_its_pts_index(tiny_h264):
-    from flashcodec.decode.backends import PyAVSegmentDecoder, pts_index
+    from flashcodec.decode.pyav import PyAVSegmentDecoder, pts_index
     from flashcodec.source import Source
 
     info = flashcodec.probe(tiny_h264)
@@ -372,7 +372,7 @@ def test_a_seek_that_lands_past_its_packet_demuxes_no_further(tiny_h264, tmp_pat
     """Matroska seeks to the next keyframe when none is at or before the packet (a stream that starts mid-GOP):
     the first packet past it ends that search, and the decoder starts again from the top, instead of demuxing the
     rest of the file first (36 of 47 packets here; a long video's whole file)."""
-    from flashcodec.decode import backends
+    from flashcodec.decode import pyav
 
     path = _remux(tiny_h264, tmp_path / "nokey.mkv", drop=1)  # 47 packets, keyframes at 11, 23, 35
     demuxed = []
@@ -389,20 +389,20 @@ def test_a_seek_that_lands_past_its_packet_demuxes_no_further(tiny_h264, tmp_pat
                 demuxed[-1] += 1
                 yield packet
 
-    opened = backends.PyAVSegmentDecoder._open
+    opened = pyav.PyAVSegmentDecoder._open
 
     def counting_open(self):
         opened(self)
         self._container = Counting(self._container)
 
-    monkeypatch.setattr(backends.PyAVSegmentDecoder, "_open", counting_open)
-    original_scan = backends.PyAVSegmentDecoder._scan_to
+    monkeypatch.setattr(pyav.PyAVSegmentDecoder, "_open", counting_open)
+    original_scan = pyav.PyAVSegmentDecoder._scan_to
 
     def scan(self, *args, **kwargs):
         demuxed.append(0)
         return original_scan(self, *args, **kwargs)
 
-    monkeypatch.setattr(backends.PyAVSegmentDecoder, "_scan_to", scan)
+    monkeypatch.setattr(pyav.PyAVSegmentDecoder, "_scan_to", scan)
     result = flashcodec.decode_video(str(path), backend="pyav", on_corrupt="repeat", num_threads=1)
     assert result.failed_frame_indices == [0]
     # the seek for position 0 landed on the keyframe at 11, past it: one packet (37 before, to the end of the
@@ -443,7 +443,7 @@ def test_pictures_that_grow_past_the_cap_midway_are_not_decoded(tmp_path):
     """The probe checks the header's size; a stream may change size later (a 12000x12000 picture after 64x48 ones
     was decoded at 1.3 GB): the PyAV decoders refuse pictures well past the engine's cap, which count as corrupt
     frames; pictures within it decode, whatever their padding (FFmpeg counts 50x48 as 64x48)."""
-    from flashcodec.decode.backends import decoder_pixel_limit
+    from flashcodec.decode.pyav import decoder_pixel_limit
 
     path = _size_switch_ts(tmp_path / "switch.ts", small=(200, 150), large=(600, 450))
     info = flashcodec.probe(str(path))
@@ -470,9 +470,9 @@ def test_a_raw_stream_without_timestamps_is_refused_by_its_probe_with_the_way_ou
     path = _remux(tiny_h264, tmp_path / "raw.h264", raw=True)
     with pytest.raises(flashcodec.CorruptVideoError, match=r"raw.h264: its packets carry no timestamps .* -c copy"):
         flashcodec.probe(str(path))
-    from flashcodec.decode import backends
+    from flashcodec.decode import pyav
 
-    monkeypatch.setattr(backends.PyAVSegmentDecoder, "_seek_to", lambda *a: pytest.fail("a raw stream was decoded"))
+    monkeypatch.setattr(pyav.PyAVSegmentDecoder, "_seek_to", lambda *a: pytest.fail("a raw stream was decoded"))
     for backend in ["pyav"] + (["torchcodec"] if "torchcodec" in flashcodec.available_backends() else []):
         with pytest.raises(flashcodec.CorruptVideoError, match=r"raw.h264: its packets carry no timestamps"):
             flashcodec.decode_video(str(path), backend=backend)
@@ -490,7 +490,7 @@ def test_a_video_torchcodec_cannot_open_is_decoded_by_pyav(tiny_h264, tmp_path, 
     opened = flashcodec.decode_video(str(tiny_h264), num_frames=6, backend="torchcodec")  # no notice for a good one
     assert opened.failed_frame_indices == []
     notices = {r.getMessage() for r in caplog.records if "decoding it with PyAV" in r.getMessage()}
-    from flashcodec.decode.backends import TorchCodecSegmentDecoder
+    from flashcodec.decode.cpu import TorchCodecSegmentDecoder
     from flashcodec.source import Source
 
     try:  # (a torchcodec that opens it decodes it itself, and says nothing)
@@ -505,7 +505,7 @@ def test_a_video_torchcodec_cannot_open_is_decoded_by_pyav(tiny_h264, tmp_path, 
 def test_a_file_torchcodec_cannot_open_is_one_clear_error(tiny_h264, tmp_path):
     """torchcodec's open raises a plain, three-line ValueError or RuntimeError (a file that changed after its
     probe, here one that is no video any more)."""
-    from flashcodec.decode.backends import TorchCodecSegmentDecoder
+    from flashcodec.decode.cpu import TorchCodecSegmentDecoder
     from flashcodec.source import Source
 
     info = flashcodec.probe(str(tiny_h264))

@@ -17,7 +17,7 @@ import torch
 
 from flashcodec import DecodeEngine
 from flashcodec._probe import probe
-from flashcodec.decode import backends, fast_open
+from flashcodec.decode import backends, fast_open, pyav
 from flashcodec.source import Source
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -39,14 +39,14 @@ def test_a_fast_open_decodes_what_a_full_open_decodes(video_factory, monkeypatch
     info = probe(Source.of(path))
     opened = []
     real_open = av.open
-    monkeypatch.setattr(backends.av, "open", lambda *a, **kw: (opened.append(kw.get("options")), real_open(*a, **kw))[1])
+    monkeypatch.setattr(pyav.av, "open", lambda *a, **kw: (opened.append(kw.get("options")), real_open(*a, **kw))[1])
     for indices in (list(range(info.num_frames)), list(range(1, info.num_frames, 5))):  # dense; sparse (NONREF skips)
         with DecodeEngine("pyav", num_threads=2) as engine:
             fast = engine.decode_video(path, frame_indices=indices)
         decoders = [o for o in opened if o is not None]  # the probe's own open is the full one
         assert decoders and all(o == {"skip_frame": "all"} for o in decoders)
         with monkeypatch.context() as full_open:
-            full_open.setattr(backends, "FAST_OPEN_OPTIONS", {})
+            full_open.setattr(pyav, "FAST_OPEN_OPTIONS", {})
             with DecodeEngine("pyav", num_threads=2) as engine:
                 full = engine.decode_video(path, frame_indices=indices)
         assert opened[-1] is None  # the full open's decoders: no options
@@ -58,7 +58,7 @@ def test_a_fast_open_decodes_what_a_full_open_decodes(video_factory, monkeypatch
 def test_the_fast_decoder_holds_back_at_least_our_depth(video_factory):
     path = _h264(video_factory, 3)
     info = probe(Source.of(path))
-    decoder = backends.PyAVBackend().open(Source.of(path), info, 32, 32)
+    decoder = pyav.PyAVBackend().open(Source.of(path), info, 32, 32)
     try:
         assert decoder._context.reorder_depth >= backends.reorder_depth(info) == 2
     finally:
@@ -276,7 +276,7 @@ def test_timestamps_that_run_backwards_get_ffmpegs_own_open_not_an_abort(video_f
             packet.stream = stream
             out.mux(packet)
     src.close()
-    assert backends.reorder_depth(probe(Source.of(path))) > backends.MAX_REORDER_DEPTH
+    assert backends.reorder_depth(probe(Source.of(path))) > pyav.MAX_REORDER_DEPTH
     code = ("import sys, flashcodec; r = flashcodec.decode_video(sys.argv[1], backend='pyav'); "
             "print(tuple(r.frames.shape))")
     run = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=ROOT,

@@ -9,7 +9,7 @@ import torch
 
 import flashcodec
 from flashcodec._probe import probe
-from flashcodec.decode.backends import PyAVBackend
+from flashcodec.decode.pyav import PyAVBackend
 from flashcodec.decode.frame_mappings import frame_mappings, use_parsed_mappings
 from flashcodec.source import Source
 

@@ -14,7 +14,8 @@ import flashcodec
 from flashcodec.decode import engine as engine_module
 from flashcodec.decode import nvdec
 from flashcodec.decode import request as request_module
-from flashcodec.decode.backends import Backend, PyAVBackend, SegmentDecoder, emit_many, never
+from flashcodec.decode.backends import Backend, SegmentDecoder, emit_many, never
+from flashcodec.decode.pyav import PyAVBackend
 from flashcodec.devices import DeviceError, canonical_codec, make_layout, nvdec_reject_reason
 from flashcodec._probe import probe
 from flashcodec.source import Source

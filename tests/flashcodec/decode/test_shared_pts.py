@@ -11,7 +11,7 @@ import pytest
 import synthetic_video
 
 import flashcodec
-from flashcodec.decode.backends import pts_index
+from flashcodec.decode.pyav import pts_index
 
 CLIP = dict(codec="h264", suffix=".mp4", width=128, height=96, duration_s=2.0, fps=24.0, gop=12)
 
@@ -65,7 +65,7 @@ def test_a_segment_whose_keyframe_has_its_own_pts_is_sought_not_counted_from_the
                                                                                       monkeypatch):
     """Counting packets from the start for every segment of such a file made decoding a long one quadratic: only a
     packet whose pts another frame shares is counted to; the rest are sought as in any file."""
-    from flashcodec.decode import backends
+    from flashcodec.decode import pyav
 
     src = video_factory(**CLIP)
     path = tmp_path / "one-pair.mkv"
@@ -78,8 +78,8 @@ def test_a_segment_whose_keyframe_has_its_own_pts_is_sought_not_counted_from_the
     info = flashcodec.probe(path)
     assert pts_index(info)[3] == {int(info.frame_pts[5])} and info.frame_pts[5] == info.frame_pts[6]
     opens = []
-    real_open = backends.PyAVSegmentDecoder._open
-    monkeypatch.setattr(backends.PyAVSegmentDecoder, "_open", lambda self: opens.append(1) or real_open(self))
+    real_open = pyav.PyAVSegmentDecoder._open
+    monkeypatch.setattr(pyav.PyAVSegmentDecoder, "_open", lambda self: opens.append(1) or real_open(self))
     wanted = [37, 40, 47, 5, 6]  # a late GOP first, then the shared pair's GOP: both keyframes' pts are their own
     with flashcodec.DecodeEngine("pyav", num_threads=1) as engine:
         late = engine.decode_video(str(path), frame_indices=wanted[:3])

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from flashcodec import DecodeCancelledError, DecodeEngine, DecodedSlice
-from flashcodec.decode.backends import Backend, SegmentDecoder, get_backend, never
+from flashcodec.decode.backends import Backend, SegmentDecoder, never
+from flashcodec.decode.cpu import get_backend
 from flashcodec.decode.request import BitstreamAnalysis, DecodeRequest
 from flashcodec.patches import PatchSpec
 from flashcodec.plan.sampling import SamplingOptions
