@@ -332,8 +332,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "policies")
     p.add_argument("--time-budget-s", type=float, default=None, metavar="S",
                    help="skip a rate whose arrivals (until the seeded schedule's last one) and the drain after "
-                        "them (a sixth of the arrivals and 10 s) would end more than S s after this program started (a device run's "
-                        "time limit); with several policies each gets an even share of what is left when its "
+                        "them (a sixth of the arrivals and 10 s) would end more than S s after this program started "
+                        "(a device run's time limit); with several policies each gets an even share of what is left when its "
                         "server starts; finished rates are kept")
     p.add_argument("--merge", nargs="+", type=Path, metavar="RUN",
                    help="no server: merge the results.json of these runs (one policy or some rates of one each, same "

@@ -99,7 +99,15 @@ async def admit(state: ServerState, body: SamplingRequest, request: Request, str
 
 async def add_choices(state: ServerState, body: SamplingRequest, a: Admitted, open_stream, response_id: str,
                       arrival: float, shape: Shape) -> list[Generation]:
-    """Add an admitted prompt's choices to the engine: the first, then, once it has its first token, the others."""
+    """Add an admitted prompt's choices to the engine: the first, then, once it has its first token, the others.
+
+    Returns:
+        one :class:`Generation` per choice, the first choice's first.
+
+    Raises:
+        RequestError: the first choice's error (as the engine reported it), or 409 when a media part changed
+            while the other choices were being added.
+    """
     client, n, keys = state.client, body.n, [ref.key for ref in a.prompt.media]
     base = a.index * n  # the prompt's first choice's index
     await client.add(a.stream, protocol.AddRequest(a.request_id, a.ids, a.plans, a.params, sorted(a.stop_ids), keys))
