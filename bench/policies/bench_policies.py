@@ -40,8 +40,8 @@ for extra in (ROOT / "datasets", ROOT / "bench" / "serve"):
 import workload_config  # noqa: E402
 import workload_synthetic  # noqa: E402
 import workloads  # noqa: E402
-from bench_serve import (CUT_ERROR, RequestRecord, compute_metrics, machine_info, meets_slo,  # noqa: E402
-                         parse_goodput, run_benchmark, warm_up)
+from bench_serve import CUT_ERROR, machine_info, run_benchmark, warm_up  # noqa: E402
+from serve_metrics import RequestRecord, compute_metrics, meets_slo, parse_goodput  # noqa: E402
 from server_process import ServerProcess, on_gpu, run_main  # noqa: E402
 
 POLICIES = ("unified", "monolithic", "split")
@@ -333,8 +333,8 @@ def main(argv=None) -> int:
     p.add_argument("--time-budget-s", type=float, default=None, metavar="S",
                    help="skip a rate whose arrivals (until the seeded schedule's last one) and the drain after "
                         "them (a sixth of the arrivals and 10 s) would end more than S s after this program started "
-                        "(a device run's time limit); with several policies each gets an even share of what is left when its "
-                        "server starts; finished rates are kept")
+                        "(a device run's time limit); with several policies each gets an even share of what is left "
+                        "when its server starts; finished rates are kept")
     p.add_argument("--merge", nargs="+", type=Path, metavar="RUN",
                    help="no server: merge the results.json of these runs (one policy or some rates of one each, same "
                         "workload and SLOs) into one summary and plots in --out")

@@ -25,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench" / "serve"))
 
-from bench_serve import (RequestRecord, _client, _error_text, chat_messages, compute_metrics,  # noqa: E402
-                         format_metrics, machine_info, media_urls, parse_goodput)
+from bench_serve import _client, _error_text, chat_messages, machine_info, media_urls  # noqa: E402
+from serve_metrics import RequestRecord, compute_metrics, format_metrics, parse_goodput  # noqa: E402
 import workloads  # noqa: E402  (bench_serve put datasets/ on sys.path)
 from server_process import ServerProcess, run_main  # noqa: E402
 

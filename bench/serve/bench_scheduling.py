@@ -29,7 +29,8 @@ for extra in (ROOT / "datasets", HERE):
 import workload_config  # noqa: E402
 import workload_media  # noqa: E402
 import workloads  # noqa: E402
-from bench_serve import compute_metrics, machine_info, parse_goodput, run_benchmark  # noqa: E402
+from bench_serve import machine_info, run_benchmark  # noqa: E402
+from serve_metrics import compute_metrics, parse_goodput  # noqa: E402
 from server_process import ServerProcess, run_main  # noqa: E402
 
 from flashcodec import probe  # noqa: E402

@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench" / "policies"))
 
 import bench_policies as bp  # noqa: E402
-from bench_serve import RequestRecord, compute_metrics  # noqa: E402
+from serve_metrics import RequestRecord, compute_metrics  # noqa: E402
 
 SLO = {"ttft": 1000.0, "tbt": 100.0}
 
