@@ -102,9 +102,10 @@ def test_the_cuda_tests_collect_and_the_server_imports_with_the_device_packages(
                    "-p", "no:cacheprovider", "tests", timeout=240)
     assert collect.returncode == 0, collect.stdout[-3000:] + collect.stderr[-2000:]
     assert "error" not in collect.stdout.splitlines()[-1]
-    modules = ["unifiedserve.server.serve", "unifiedserve.server.api", "unifiedserve.runtime.core_worker",
-               "unifiedserve.runtime.decode_worker", "unifiedserve.runtime.vision_worker", "unifiedserve.engine.llm",
-               "unifiedserve.runtime.cuda_pools", "flashcodec.decode.nvdec", "flashcodec.telemetry"]
+    modules = ["unifiedserve.server.serve", "unifiedserve.server.serve_setup", "unifiedserve.server.api",
+               "unifiedserve.runtime.core_worker", "unifiedserve.runtime.decode_worker",
+               "unifiedserve.runtime.vision_worker", "unifiedserve.engine.llm", "unifiedserve.runtime.cuda_pools",
+               "flashcodec.decode.nvdec", "flashcodec.telemetry"]
     imported = tool("run", group, "--", sys.executable, "-c", "import " + ", ".join(modules), timeout=120)
     assert imported.returncode == 0, imported.stderr[-3000:]
 

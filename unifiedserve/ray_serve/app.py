@@ -99,7 +99,7 @@ class NodeReplica:
         from unifiedserve.runtime.worker import setup_logging
         from unifiedserve.server.api import build_app
         from unifiedserve.server.engine_client import EngineClient
-        from unifiedserve.server.serve import build_runtime, build_state, request_limits, worker_timeout
+        from unifiedserve.server.serve_setup import build_runtime, build_state, request_limits, worker_timeout
 
         setup_logging("api")
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -241,7 +241,7 @@ class Ingress:
     """The one HTTP entry: media key -> handle call -> the replica's streamed response."""
 
     def __init__(self, replicas, args: argparse.Namespace):
-        from unifiedserve.server.serve import media_policy, request_limits
+        from unifiedserve.server.serve_setup import media_policy, request_limits
 
         self.replicas = replicas.options(stream=True)  # DeploymentHandle of NodeReplica; every method streams
         self.draining = asyncio.Event()  # set by drain(): streams in flight end with an in-band error

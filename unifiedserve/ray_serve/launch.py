@@ -230,7 +230,7 @@ def run_ray(args: argparse.Namespace, limits) -> int:
     except ImportError:
         raise ValueError("--ray needs Ray Serve, which is not installed: pip install 'unifiedserve[ray]'") from None
     from unifiedserve.ray_serve.app import build_application
-    from unifiedserve.server.serve import resolve_model
+    from unifiedserve.server.serve_setup import resolve_model
 
     if not args.ray_address:
         check_port_free(args.host, args.port)  # before anything slow (the demo model, Ray) starts

@@ -87,11 +87,11 @@ def test_ray_missing_says_how_to_install_it(tmp_path):
 def test_the_plain_server_never_imports_ray():
     code = ("import sys\n"
             "from unifiedserve.cli import build_parser\n"
-            "from unifiedserve.server import api, serve\n"
+            "from unifiedserve.server import api, serve, serve_setup\n"
             "from unifiedserve.ray_serve.launch import ray_requested\n"
             "args = build_parser().parse_args(['serve', '--port', '8123'])\n"
             "assert not ray_requested(args)\n"
-            "serve.request_limits(args); serve.media_policy(args)\n"
+            "serve_setup.request_limits(args); serve_setup.media_policy(args)\n"
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -107,19 +107,19 @@ def test_zero_model_has_the_checkpoints_shapes_and_reads_nothing(demo_path, tmp_
 def test_the_server_refuses_conflicting_or_misplaced_flags(monkeypatch):
     import argparse
 
-    from unifiedserve.server import serve
+    from unifiedserve.server import serve_setup
     from unifiedserve.server.serve_flags import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)
     with pytest.raises(ValueError, match="applies to a CUDA server"):
-        serve.build_runtime(p.parse_args(["--device", "cpu", "--gpu-memory-utilization", "0.9"]))
+        serve_setup.build_runtime(p.parse_args(["--device", "cpu", "--gpu-memory-utilization", "0.9"]))
     monkeypatch.setattr("unifiedserve.engine.device.resolve_device", lambda device: "cuda")  # checks before any GPU
     for extra in (["--kv-cache-gb", "4"], ["--num-kv-blocks", "100"]):
         with pytest.raises(ValueError, match="not both"):
-            serve.build_runtime(p.parse_args(["--gpu-memory-utilization", "0.9", *extra]))
+            serve_setup.build_runtime(p.parse_args(["--gpu-memory-utilization", "0.9", *extra]))
     with pytest.raises(ValueError, match=r"must be in \(0, 1\], got 1.5"):
-        serve.build_runtime(p.parse_args(["--gpu-memory-utilization", "1.5"]))
+        serve_setup.build_runtime(p.parse_args(["--gpu-memory-utilization", "1.5"]))
 
 
 @pytest.mark.cuda

@@ -93,7 +93,7 @@ def test_a_bad_generation_config_is_one_line(tmp_path):
 def test_a_config_refusal_names_its_flag():
     from argparse import Namespace
 
-    from unifiedserve.server.serve import _name_flag
+    from unifiedserve.server.serve_setup import _name_flag
 
     args = Namespace(block_size=0, policy="unified")
     assert _name_flag("block_size must be a positive integer, got 0", args) == \
@@ -184,7 +184,7 @@ def test_a_patch_buffer_too_small_for_the_largest_image_is_said_at_start(caplog)
     from types import SimpleNamespace
 
     from unifiedserve.server.limits import RequestLimits
-    from unifiedserve.server.serve import warn_if_images_cannot_fit
+    from unifiedserve.server.serve_setup import warn_if_images_cannot_fit
 
     def config(pages):
         return SimpleNamespace(engine=SimpleNamespace(num_patch_pages=pages, page_size=1024))
@@ -204,14 +204,14 @@ def test_the_image_source_cap_reaches_the_vision_process(tmp_path):
     import argparse
 
     from unifiedserve.model.demo import write_demo_model
-    from unifiedserve.server import serve
+    from unifiedserve.server import serve_setup
     from unifiedserve.server.serve_flags import add_arguments
 
     model = write_demo_model(tmp_path / "demo")
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     for argv, pixels in (([], 50_000_000), (["--max-image-source-mp", "108"], 108_000_000)):
-        runtime = serve.build_runtime(parser.parse_args(["--model", str(model), "--device", "cpu", *argv]))
+        runtime = serve_setup.build_runtime(parser.parse_args(["--model", str(model), "--device", "cpu", *argv]))
         try:
             assert runtime.config.max_image_source_pixels == pixels
         finally:
@@ -220,7 +220,7 @@ def test_the_image_source_cap_reaches_the_vision_process(tmp_path):
 
 def test_a_model_path_with_a_quoted_tilde_is_expanded(tmp_path, monkeypatch):
     """--model '~/...' (or --model=~/..., which bash leaves as it is), as --help prints the default."""
-    from unifiedserve.server.serve import resolve_model
+    from unifiedserve.server.serve_setup import resolve_model
 
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text("{}")

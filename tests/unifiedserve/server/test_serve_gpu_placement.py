@@ -9,8 +9,8 @@ import socket
 import pytest
 
 from unifiedserve.runtime.gpu_placement import mps_running
-from unifiedserve.server.serve import gpu_placement_fields
 from unifiedserve.server.serve_flags import add_arguments
+from unifiedserve.server.serve_setup import gpu_placement_fields
 
 
 @pytest.fixture(autouse=True)
@@ -108,7 +108,7 @@ def test_a_cuda_server_sizes_its_kv_cache_by_utilization_unless_given_a_size(mon
     import torch
 
     from unifiedserve.runtime import memory_plan
-    from unifiedserve.server import serve
+    from unifiedserve.server import serve_setup
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr("unifiedserve.runtime.gpu_placement.mps_running", lambda: False)
@@ -122,7 +122,7 @@ def test_a_cuda_server_sizes_its_kv_cache_by_utilization_unless_given_a_size(mon
 
     monkeypatch.setattr(memory_plan, "size_server_kv", profile)
     try:  # the CPU builds a CUDA config without a GPU only as far as the first thing that needs one
-        runtime = serve.build_runtime(flags("--model", str(demo_path), *argv))
+        runtime = serve_setup.build_runtime(flags("--model", str(demo_path), *argv))
     except ValueError as e:
         assert expected is None or f"profiled at {expected}" in str(e)
     else:
