@@ -24,8 +24,9 @@ def trace_summary(events, wall_s: float, slots: dict[str, int]) -> dict:
     ``opens``, ``open_s_sum``/``open_s_max`` and ``open_end_s`` (when its last open ended), its decoder opens
     (opens that run one after another in the driver show as a late ``open_end_s`` with short opens);
     ``first_decode_s``, when its first segment started; ``slowest_segment_s``, its longest segment decode (a slot's
-    first segment also pays for creating its hardware decoder); ``end_s``, when its last work ended. ``first_segment``: the decode of the video's earliest segment
-    (the first decode of the lowest ``start_position``), which bounds when a stream's first part can come out, with
+    first segment also pays for creating its hardware decoder); ``end_s``, when its last work ended.
+    ``first_segment``: the decode of the video's earliest segment (the first decode of the lowest
+    ``start_position``), which bounds when a stream's first part can come out, with
     ``open_start_s``/``open_end_s``, the open its slot made just before it (None: its slot had a decoder open).
     ``last``: the event that ended last (the request's tail).
     """
