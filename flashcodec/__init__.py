@@ -60,7 +60,8 @@ def get_decoding_output(key_id: int | None = None, timeout: float | None = None)
 __version__ = "0.1.0"
 
 __all__ = [
-    "BitstreamAnalysis", "CorruptVideoError", "DecodeCancelledError", "DecodeEngine", "DecodedImage", "DecodedSlice", "DecodedVideo", "DeviceError", "ImageDecodeError",
+    "BitstreamAnalysis", "CorruptVideoError", "DecodeCancelledError", "DecodeEngine", "DecodedImage", "DecodedSlice",
+    "DecodedVideo", "DeviceError", "ImageDecodeError",
     "FlashCodecError", "Gop",
     "NoFramesError", "NotAVideoError", "SamplingOptions", "SourceNotFoundError", "UnsupportedCodecError",
     "VideoInfo", "VideoPlan", "VideoTooLargeError", "add_decoding_request", "analyse_bitstream", "available_backends",

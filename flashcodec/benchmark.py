@@ -41,7 +41,8 @@ def peer_pyav(path, indices, height, width, threads):
         stream.thread_type = "AUTO"
         for i, frame in enumerate(container.decode(stream)):
             if i in wanted:
-                frames[i] = frame.to_ndarray(width=width, height=height, format="rgb24", interpolation=DEFAULT_INTERPOLATION)
+                frames[i] = frame.to_ndarray(width=width, height=height, format="rgb24",
+                                             interpolation=DEFAULT_INTERPOLATION)
             if i >= last:
                 break
     return np.stack([frames[i] for i in indices]).transpose(0, 3, 1, 2)

@@ -48,14 +48,16 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("frame sampling (defaults: Qwen2.5-VL rules, as qwen-vl-utils)")
     x = g.add_mutually_exclusive_group()
     x.add_argument("--fps", type=_positive_float, help="frames sampled per second of video (default 2)")
-    x.add_argument("--num-frames", type=_positive_int, help="sample exactly this many frames (rounded to even; default: by --fps)")
+    x.add_argument("--num-frames", type=_positive_int,
+                   help="sample exactly this many frames (rounded to even; default: by --fps)")
     g.add_argument("--min-frames", type=_positive_int, help="lower bound on sampled frames (default 4)")
     g.add_argument("--max-frames", type=_positive_int, help="upper bound on sampled frames (default 768)")
     s = p.add_argument_group("output size (multiples of 28; defaults: Qwen2.5-VL video budgets)")
     s.add_argument("--size", type=_size, metavar="HxW", help="explicit output size, rounded to multiples of 28")
     s.add_argument("--min-pixels", type=_positive_int, help="minimum pixels per frame (default 128*28*28)")
     s.add_argument("--max-pixels", type=_positive_int, help="maximum pixels per frame (default 768*28*28)")
-    s.add_argument("--total-pixels", type=_positive_int, help="pixel budget of the whole video (default: 90%% of a 128k-token context)")
+    s.add_argument("--total-pixels", type=_positive_int,
+                   help="pixel budget of the whole video (default: 90%% of a 128k-token context)")
 
 
 def _sampling_kwargs(args) -> dict:
@@ -112,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dense (default): Qwen rules (2 fps, <= 768 frames); sparse: 32 frames spread uniformly")
     b.add_argument("--peers", default="all", help="comma-separated peers, or 'all' installed (default)")
     b.add_argument("--repeat", type=_positive_int, default=1, help="timed runs per decoder, the best kept (default 1)")
-    b.add_argument("--threads", type=_positive_int, default=None, help="flashcodec decoder threads (default: one per core)")
+    b.add_argument("--threads", type=_positive_int, default=None,
+                   help="flashcodec decoder threads (default: one per core)")
     b.add_argument("--json", type=Path, help="also write the results as JSON to this file")
     return parser
 

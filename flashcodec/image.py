@@ -75,7 +75,8 @@ class DecodedImage:
     def __repr__(self) -> str:
         h, w = self.size
         oh, ow = self.original_size
-        return f"DecodedImage(size={h}x{w}, original_size={oh}x{ow}, dtype={self.pixels.dtype}, device={self.pixels.device})"
+        return (f"DecodedImage(size={h}x{w}, original_size={oh}x{ow}, dtype={self.pixels.dtype}, "
+                f"device={self.pixels.device})")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -146,7 +146,8 @@ class Nvml:
             for g, h in self._handles.items():
                 notes: list[str] = []
                 aggregate = {}
-                for key, fn in (("decoder", "nvmlDeviceGetDecoderUtilization"), ("jpeg", "nvmlDeviceGetJpgUtilization")):
+                for key, fn in (("decoder", "nvmlDeviceGetDecoderUtilization"),
+                                ("jpeg", "nvmlDeviceGetJpgUtilization")):
                     try:
                         aggregate[key] = float(getattr(self._nvml, fn)(h)[0])
                     except Exception as e:  # NOT_SUPPORTED on GPUs without that engine kind

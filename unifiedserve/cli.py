@@ -32,8 +32,8 @@ def _add_demo_model(sub) -> None:
                     "tests; qwen2.5-vl-3b / qwen2.5-vl-7b have the public checkpoints' architecture, so GPU "
                     "benchmarks run offline at real size. The weights are random: the model's text is gibberish.")
     p.add_argument("path", nargs="?", default=str(DEFAULT_DEMO_PATH),
-                   help=f"output directory (default {DEFAULT_DEMO_PATH}): new, empty, or one demo-model wrote before (its "
-                        "checkpoint is replaced); a folder holding other files is refused")
+                   help=f"output directory (default {DEFAULT_DEMO_PATH}): new, empty, or one demo-model wrote before "
+                        "(its checkpoint is replaced); a folder holding other files is refused")
     p.add_argument("--preset", choices=PRESETS, default="tiny", help="architecture (default tiny)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="dtype of the stored weights (default float32; bfloat16 halves a 7B's 33 GB)")

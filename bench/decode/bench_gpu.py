@@ -81,8 +81,10 @@ def parse_args(argv=None):
                         "measurement; a 60-s clip then has 30 GOPs for 14 sessions)")
     p.add_argument("--gpu", type=int, default=0, help="CUDA ordinal to decode on (default 0)")
     p.add_argument("--sessions", type=int, default=DEFAULT_NVDEC_SESSIONS,
-                   help=f"NVDEC sessions of flashcodec, the ceiling and the naive split (default {DEFAULT_NVDEC_SESSIONS})")
-    p.add_argument("--cpu-threads", type=int, default=os.cpu_count() or 1, help="CPU decoder threads (default: all cores)")
+                   help="NVDEC sessions of flashcodec, the ceiling and the naive split "
+                        f"(default {DEFAULT_NVDEC_SESSIONS})")
+    p.add_argument("--cpu-threads", type=int, default=os.cpu_count() or 1,
+                   help="CPU decoder threads (default: all cores)")
     p.add_argument("--mixed-cpu-threads", type=int, default=None,
                    help="CPU decoder threads beside the GPU in the GPU+CPU run (default: the engine's own, "
                         f"--cpu-threads less the {NVDEC_HOST_CORES} host cores an NVDEC rank keeps busy)")
@@ -424,7 +426,8 @@ def bench_jpegs(args) -> dict:
         from torchvision.io import ImageReadMode, decode_jpeg
 
         encoded = [torch.frombuffer(bytearray(j), dtype=torch.uint8) for j in jpegs]
-        call = lambda: (decode_jpeg(encoded, mode=ImageReadMode.RGB, device=f"cuda:{args.gpu}"), _sync(args.gpu))  # noqa: E731
+        call = lambda: (decode_jpeg(encoded, mode=ImageReadMode.RGB, device=f"cuda:{args.gpu}"),  # noqa: E731
+                        _sync(args.gpu))
         call()
         seconds, _ = best_time(call, args.repeat)
         return {"seconds": seconds, "note": "decode only, full size, no resize"}

@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     rows, ok = [], True
     for (h0, w0), (h, w) in CASES:
         # as decoders hand frames over: NCHW viewed over channels-last memory (torchcodec permutes its HWC output)
-        frames = torch.randint(0, 256, (args.frames, h0, w0, 3), generator=g, dtype=torch.uint8).cuda().permute(0, 3, 1, 2)
+        frames = torch.randint(0, 256, (args.frames, h0, w0, 3), generator=g,
+                               dtype=torch.uint8).cuda().permute(0, 3, 1, 2)
         fused_s, fused_mem = timed(lambda: resize_frames_fused(frames, h, w), repeats)
         ref_s, ref_mem = timed(lambda: resize_frames(frames, h, w), repeats)
         diff = (resize_frames_fused(frames, h, w).int() - resize_frames(frames, h, w).int()).abs()

@@ -44,7 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu",
                    help="cpu, cuda:N (NVDEC sessions only), or a list such as cuda:0,cpu (NVDEC and the CPU's "
                         "threads, as the GPU server's vision process); default cpu")
-    p.add_argument("--threads", type=positive_int, default=None, help="CPU decoder threads (default: flashcodec's default)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU decoder threads (default: flashcodec's default)")
     p.add_argument("--clip", type=Path, help="a video to use instead of the generated clip")
     p.add_argument("--size", type=size_arg, default=(1280, 720), help="generated clip's size WxH (default 1280x720)")
     p.add_argument("--duration", type=float, default=60.0, help="generated clip's length in seconds (default 60)")

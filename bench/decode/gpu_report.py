@@ -57,7 +57,8 @@ def _note(v: dict) -> str:
         parts.append(f"host cores busy {v['host_cores_busy']:.1f}")
     if v.get("seconds_full_opens") is not None:  # flashcodec/decode/fast_open.py
         parts.append(f"{v['fast_opens_per_run']:.0f} opens without FFmpeg's stream-info decode per run; all full: "
-                     f"{v['seconds_full_opens']:.3f} s" + (f" ({v['full_opens_because']})" if v.get("full_opens_because")
+                     f"{v['seconds_full_opens']:.3f} s" + (f" ({v['full_opens_because']})"
+                                                           if v.get("full_opens_because")
                                                            else ""))
     if v.get("cpu_threads") is not None:
         parts.append(f"{v['cpu_threads']} CPU threads")
@@ -65,7 +66,8 @@ def _note(v: dict) -> str:
         parts.append("segments " + ", ".join(f"{k} {n}" for k, n in v["segments_per_rank"].items()))
     for rank, t in (v.get("trace") or {}).get("ranks", {}).items():
         if t["segments"]:
-            parts.append(f"traced {rank}: busy {t['busy']:.2f}, opens {t['open_s_sum']:.3f} s (max {t['open_s_max']:.3f}), "
+            parts.append(f"traced {rank}: busy {t['busy']:.2f}, opens {t['open_s_sum']:.3f} s "
+                         f"(max {t['open_s_max']:.3f}), "
                          f"first decode {t['first_decode_s']:.3f} s, end {t['end_s']:.3f} s")
     return "; ".join(parts)
 
@@ -82,7 +84,8 @@ def markdown(report: dict) -> str:
             continue
         c = r["clip"]
         lines += ["", f"## {codec}: {c['size'][0]}x{c['size'][1]}, {c['duration_s']:.0f} s, {c['measured_mbit_s']:.1f} "
-                  f"Mbit/s ({c['encoder']}); dense {r['dense_frames']} frames at {r['out_size'][0]}x{r['out_size'][1]}, "
+                  f"Mbit/s ({c['encoder']}); dense {r['dense_frames']} frames at "
+                  f"{r['out_size'][0]}x{r['out_size'][1]}, "
                   f"{r['frames_must_decode']} decoded", "", "| measurement | seconds | decoded frames/s | note |",
                   "|---|---|---|---|"]
         for name, v in r["measurements"].items():
@@ -101,7 +104,8 @@ def markdown(report: dict) -> str:
     lines += ["", f"## {j['count']} JPEGs of {j['size'][0]}x{j['size'][1]}", ""]
     for name in ("cpu", "nvjpeg", "nvjpeg_bare"):
         v = j[name]
-        lines.append(f"- {name}: " + (f"{v['seconds'] * 1e3:.1f} ms" if "seconds" in v else v.get("skipped") or v.get("error")))
+        lines.append(f"- {name}: " + (f"{v['seconds'] * 1e3:.1f} ms" if "seconds" in v
+                                      else v.get("skipped") or v.get("error")))
     if "nvjpeg_speedup_vs_cpu" in j:
         lines.append(f"- nvJPEG vs CPU: {j['nvjpeg_speedup_vs_cpu']:.2f}x")
     return "\n".join(lines) + "\n"

@@ -86,7 +86,8 @@ def _print(results: dict, device: str, dtype: str) -> None:
                else "")
         chunk = f", ours in chunks of {r['chunk']}" if r.get("chunk") else ""
         print(f"{name} ({r[unit]} {unit}{chunk}): ours {r[f'ours_{unit}_per_s']:.0f}/s "
-              f"({r['ours_tflops']:.3g} TFLOP/s), transformers {r[f'transformers_{unit}_per_s']:.0f}/s ({r['transformers_tflops']:.3g} TFLOP/s), "
+              f"({r['ours_tflops']:.3g} TFLOP/s), transformers {r[f'transformers_{unit}_per_s']:.0f}/s "
+              f"({r['transformers_tflops']:.3g} TFLOP/s), "
               f"{r['speedup']:.2f}x{mfu}")
     split = results.get("vision", {}).get("split")
     if split:

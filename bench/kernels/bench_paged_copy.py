@@ -155,7 +155,8 @@ def machine_info(device: str = "cpu") -> dict:
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return {"machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__, "commit": source_commit(),
             "dirty": bool(git("status", "--porcelain", "--", "csrc", "unifiedserve/ops")),
             "native_build": ops.build_info(), **gpu_info(device)}
@@ -177,9 +178,11 @@ def print_table(rows: list[dict]) -> None:
         ms = {k: v * 1e3 for k, v in r.items() if k.endswith("_s")}  # best of repeats
         print(f"{r['kind']:6} {r['dim']:>5} {r['rows']:>7} {r['page_size']:>4} {r['mib']:>6.1f} | "
               f"{ms['scatter_native_s']:>9.3f}/{ms['scatter_reference_s']:<9.3f} "
-              f"{r['scatter_reference_s'] / r['scatter_native_s']:>5.1f} {100 * r['copy_s'] / r['scatter_native_s']:>5.0f}% | "
+              f"{r['scatter_reference_s'] / r['scatter_native_s']:>5.1f} "
+              f"{100 * r['copy_s'] / r['scatter_native_s']:>5.0f}% | "
               f"{ms['gather_native_s']:>9.3f}/{ms['gather_reference_s']:<9.3f} "
-              f"{r['gather_reference_s'] / r['gather_native_s']:>5.1f} {100 * r['clone_s'] / r['gather_native_s']:>5.0f}%")
+              f"{r['gather_reference_s'] / r['gather_native_s']:>5.1f} "
+              f"{100 * r['clone_s'] / r['gather_native_s']:>5.0f}%")
     print("best of repeats; x = reference / native; floor = contiguous copy_ (scatter) or clone (gather) time "
           "/ native time, 100% = memory-bandwidth floor")
 

@@ -170,7 +170,8 @@ def summarize(results: dict, rate: float, slo: dict, gpu: bool = False) -> str:
     slo_text = " and ".join(f"{'TTFT' if k == 'ttft' else 'p90 of its TBTs'} <= {v:g} ms" for k, v in slo.items())
     rows = [f"Comparison rate: **{rate:g} req/s** ({comparison_reason(results, rate)}). "
             f"A request meets the SLO when {slo_text}.", "",
-            "| policy | completed | mean TTFT (s) | p90 TTFT (s) | p50 TBT (ms) | p99 TBT (ms) | SLO attainment | goodput (req/s) |",
+            "| policy | completed | mean TTFT (s) | p90 TTFT (s) | p50 TBT (ms) | p99 TBT (ms) | SLO attainment "
+            "| goodput (req/s) |",
             "|---|---|---|---|---|---|---|---|"]
     at = _at(results, rate)
     for policy, m in at.items():

@@ -43,7 +43,8 @@ FOLLOW_UPS = [("What happens in this video?", True), ("What colours do you see?"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--followup-video-s", type=float, default=60.0, help="length of the follow-up video (default 60)")
     p.add_argument("--num-requests", type=int, default=16, help="multi-question requests (default 16; 0 skips part 2)")
     p.add_argument("--request-rate", type=float, default=0.5, help="multi-question arrivals per second (default 0.5)")

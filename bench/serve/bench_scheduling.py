@@ -4,8 +4,8 @@
 ``unifiedserve serve`` runs twice, ``--scheduling-policy srpt`` (default) then ``fcfs``, same model, pools and
 budgets, with the caches off (each request's cost is then its own). Each replays one seeded workload
 (``datasets/workloads.py --workload mixed``: long and short videos, images and text, Poisson arrivals; or one
-kind alone, ``--workload``) with the ``bench/serve`` client. Prints TTFT percentiles per kind of request and overall, goodput under ``--goodput``,
-and the ratios srpt / fcfs.
+kind alone, ``--workload``) with the ``bench/serve`` client. Prints TTFT percentiles per kind of request and
+overall, goodput under ``--goodput``, and the ratios srpt / fcfs.
 
     python bench/serve/bench_scheduling.py --num-requests 24 --request-rate 0.5 --scale 0.25 \\
         --goodput ttft:5000 --out bench/results/scheduling

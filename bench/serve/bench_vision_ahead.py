@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| --vision-ahead-gb | peak held ahead (GiB) | videos waiting | peak RSS (GiB) | mean TTFT (s) | vs first |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['bound_gb']:g} | {r['peak_ahead_gib']:.2f} | {r['peak_videos_waiting']} | {r['peak_rss_gib']:.2f} | "
+        print(f"| {r['bound_gb']:g} | {r['peak_ahead_gib']:.2f} | {r['peak_videos_waiting']} | "
+              f"{r['peak_rss_gib']:.2f} | "
               f"{r['mean_ttft_s']:.1f} | RSS {r['peak_rss_gib'] / ref['peak_rss_gib']:.2f}x, "
               f"TTFT {r['mean_ttft_s'] / ref['mean_ttft_s']:.2f}x |")
     (args.out / "results.json").write_text(json.dumps(rows, indent=1))

@@ -98,7 +98,8 @@ def print_timelines(runs: dict[str, dict]) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--num-decoding", type=int, default=8, help="requests decoding meanwhile (default 8; 0: an idle server)")
+    p.add_argument("--num-decoding", type=int, default=8,
+                   help="requests decoding meanwhile (default 8; 0: an idle server)")
     p.add_argument("--ingest", choices=("both", "streaming", "whole"), default="both",
                    help="the server's --ingest mode, or both one after the other (default both)")
     p.add_argument("--max-pixels", type=int, default=112896,
@@ -272,7 +273,8 @@ def run_one(clip: Path, mode: str, args, warm: Path | None = None) -> dict:
         # seconds from the request's arrival to each milestone, stamped in the server (MILESTONES)
         "timeline_s": milestones,
         "first_encode_after_decode_start_s": encode_after,
-        "first_encode_over_decode": encode_after / stages["video_decode"] if encode_after is not None and stages["video_decode"]
+        "first_encode_over_decode": encode_after / stages["video_decode"]
+        if encode_after is not None and stages["video_decode"]
         else None,
         "num_decoding": args.num_decoding,
         "tbt_quiet_ms": {"p50": percentile(quiet, 50), "p99": percentile(quiet, 99), "n": len(quiet)},

@@ -52,7 +52,8 @@ def test_patch_rows_count_toward_the_same_quarters(tmp_path):
 
 
 def test_bad_arguments_get_one_error_line(tmp_path, capsys):
-    args = ["--size", "160x96", "--duration", "2", "--repeat", "1", "--out", str(tmp_path), "--cache", str(tmp_path / "v")]
+    args = ["--size", "160x96", "--duration", "2", "--repeat", "1", "--out", str(tmp_path),
+            "--cache", str(tmp_path / "v")]
     assert bench_stream.main([*args, "--device", "bogus"]) == 2  # was taken for the CPU
     assert capsys.readouterr().err.startswith("error: unknown device 'bogus'")
     for bad in (["--gop", "0"], ["--max-pixels", "-5"], ["--repeat", "0"]):

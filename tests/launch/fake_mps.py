@@ -12,7 +12,8 @@ pipe=$CUDA_MPS_PIPE_DIRECTORY
 if [ "${1:-}" = -d ]; then "$0" --serve </dev/null >/dev/null 2>&1 & exit 0; fi
 if [ "${1:-}" = --serve ]; then
   echo $$ > "$pipe/fake.pid"
-  [ "${FAKE_MPS_SOCKET:-0}" = 1 ] && python3 -c "import socket, sys; socket.socket(socket.AF_UNIX).bind(sys.argv[1])" "$pipe/control"
+  [ "${FAKE_MPS_SOCKET:-0}" = 1 ] && \
+    python3 -c "import socket, sys; socket.socket(socket.AF_UNIX).bind(sys.argv[1])" "$pipe/control"
   trap '' TERM
   while :; do sleep 0.2; done
 fi

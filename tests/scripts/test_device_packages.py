@@ -17,7 +17,8 @@ SCRIPT = ROOT / "scripts" / "device_packages.py"
 def make_wheel(folder: Path, name: str, version: str, *requires: str) -> None:
     """A minimal wheel: only the METADATA the check reads."""
     dist = name.replace("-", "_")
-    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
+    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}",
+             *(f"Requires-Dist: {r}" for r in requires)]
     with zipfile.ZipFile(folder / f"{dist}-{version}-py3-none-any.whl", "w") as z:
         z.writestr(f"{dist}-{version}.dist-info/METADATA", "\n".join(lines) + "\n")
 

@@ -40,7 +40,8 @@ def test_kernel_configs_follow_the_models():
     with pytest.raises(ValueError, match="unknown preset 'qwen3'"):
         fk.kernel_configs(("qwen3",))
     proc = tool("configs", "--presets", "qwen2.5-vl-3b")
-    assert proc.returncode == 0 and proc.stdout.splitlines() == ["fa2 bfloat16 head_dim 128", "fa3 bfloat16 head_dim 128"]
+    assert proc.returncode == 0 and proc.stdout.splitlines() == ["fa2 bfloat16 head_dim 128",
+                                                                  "fa3 bfloat16 head_dim 128"]
     proc = tool("configs", "--presets", "nope")
     assert proc.returncode == 1 and proc.stderr.strip().startswith("flashinfer_kernels: error: unknown preset")
     proc = tool("build", "out.tar.xz", "--presets", ",")
@@ -76,7 +77,8 @@ def test_slim_wheel_drops_cutlass_and_its_record_lines(tmp_path):
 @pytest.fixture
 def device_site(tmp_path, monkeypatch):
     """A site folder with stand-ins for flashinfer 0.6.13 (no CUTLASS headers: a slim wheel) and tvm-ffi (whose
-    ``load_module`` fails for a library starting with ``bad`` and kills the process for ``crash``), importable here and in child processes."""
+    ``load_module`` fails for a library starting with ``bad`` and kills the process for ``crash``), importable here
+    and in child processes."""
     site = tmp_path / "site"
     (site / "flashinfer" / "jit").mkdir(parents=True)
     (site / "flashinfer" / "data" / "include").mkdir(parents=True)

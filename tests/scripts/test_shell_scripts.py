@@ -27,7 +27,8 @@ def test_script_parses(script):
 
 @pytest.mark.parametrize("args, env, needle", [
     ([], {}, "usage: scripts/gpu_check.sh OUTDIR"),
-    (["OUT", "benchmarks"], {}, "gpu_check.sh: error: group must be decode, attention, engine, serve, policies, shares or tests"),
+    (["OUT", "benchmarks"], {},
+     "gpu_check.sh: error: group must be decode, attention, engine, serve, policies, shares or tests"),
     (["OUT", "policies"], {"POLICY": "fast"}, "gpu_check.sh: error: POLICY must be unified, monolithic or split"),
     (["OUT", "policies"], {"POLICY": "unified,fast"}, "gpu_check.sh: error: POLICY must be unified, monolithic or"),
     (["OUT", "policies"], {"POLICY": "unified,,split"}, "gpu_check.sh: error: POLICY has an empty name"),

@@ -214,8 +214,8 @@ class EngineCore:
         With ``async_scheduling``, a step that only decodes (nothing waiting, every running request past
         its prompt) is launched with each row's last token
         taken on the device from the previous step's samples, and only then is the previous step read back
-        (its ids and asked-for logprobs, copied to the host behind its sampler, then stop checks): the host work of one step
-        overlaps the kernels of the next, and its tokens come out one call later. When a row samples under a
+        (its ids and asked-for logprobs, copied to the host behind its sampler, then stop checks): the host work of
+        one step overlaps the kernels of the next, and its tokens come out one call later. When a row samples under a
         grammar, the read-back comes between the forward's launch and the sampling, since the grammar's mask
         needs the previous token: the host's grammar work then overlaps the forward only. A request that ended in
         the step read back has had one more row computed for it in the step just launched (its last token

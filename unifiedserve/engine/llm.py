@@ -225,7 +225,8 @@ class LLM:
         self.core.finish(request_id, reason)
         self._live.pop(request_id)
 
-    def generate(self, prompts: Sequence[tuple[list[int], Sequence[VisionInput], SamplingParams]]) -> list[RequestOutput]:
+    def generate(self, prompts: Sequence[tuple[list[int], Sequence[VisionInput], SamplingParams]]
+                 ) -> list[RequestOutput]:
         """Run requests ``(prompt_token_ids, vision, params)`` to completion; outputs in input order."""
         ids = [self.add_request(p, v, s) for p, v, s in prompts]
         final: dict[str, RequestOutput] = {}

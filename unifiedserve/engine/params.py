@@ -110,7 +110,8 @@ class SamplingParams:
 
     def _check_response_format(self) -> None:
         if self.response_format not in RESPONSE_FORMATS:
-            raise ValueError(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {self.response_format!r}")
+            raise ValueError(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, "
+                             f"got {self.response_format!r}")
         if (self.json_schema is not None) != (self.response_format == "json_schema"):
             raise ValueError('json_schema is given exactly when response_format is "json_schema"')
         if self.strict_schema and self.json_schema is None:

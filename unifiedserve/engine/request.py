@@ -58,7 +58,8 @@ class Request:
     cached_media: set[int] = field(default_factory=set)
     #: leading encode items whose visual tokens all lie in the cached prefix (never encoded or read)
     num_covered_items: int = 0
-    #: visual tokens of the first uncovered item that lie in the cached prefix (copied from the media cache without them)
+    #: visual tokens of the first uncovered item that lie in the cached prefix
+    #: (copied from the media cache without them)
     num_skipped_visual: int = 0
     has_kv: bool = False  # KV blocks for prompt + max_tokens are allocated (prefill may run)
     kv_order: int = -1  # when it took them, among the scheduler's grants (who takes visual pages first)

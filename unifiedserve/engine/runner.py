@@ -299,7 +299,8 @@ class ModelRunner(RunnerStartup):
             rows.extend(p for m, p in enumerate(media) if m not in skip)
             self._tensors[r].patches = None  # now only in the patch buffer
         if rows:
-            self.patch_buffer.write(to_device(torch.cat(rows).to(self.dtype), self.device), out.patch_write)  # [P, patch_dim]
+            # [P, patch_dim]
+            self.patch_buffer.write(to_device(torch.cat(rows).to(self.dtype), self.device), out.patch_write)
         for r, table in out.block_tables.items():  # int32 once, sliced at every step (attention.metadata)
             self._tensors[r].block_table = as_block_table(table)
         self._encode_s, self._encode_events = 0.0, None

@@ -170,7 +170,8 @@ class RaggedIndex:
                 raise ValueError(f"request {b}: negative row count, page count or pv_cu_page_len")
             if have != _pages_spanned(self.pv_cu_page_len[b], n, self.page_size):
                 raise ValueError(f"request {b}: {n} rows from token {self.pv_cu_page_len[b]} span "
-                                 f"{_pages_spanned(self.pv_cu_page_len[b], n, self.page_size)} pages, index lists {have}")
+                                 f"{_pages_spanned(self.pv_cu_page_len[b], n, self.page_size)} pages, "
+                                 f"index lists {have}")
 
     def row_locations(self) -> list[tuple[int, int]]:
         """``(page, slot)`` of every chunk row in order: the per-row meaning of the index, spelled out."""

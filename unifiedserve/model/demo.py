@@ -97,8 +97,10 @@ CHAT_TEMPLATE = (
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog while the farmer watches from the old wooden fence.
-A video is a sequence of frames, and every frame is a picture taken a small fraction of a second after the one before it.
-The model looks at the picture, describes what it sees, and answers questions about the people, animals and objects in it.
+A video is a sequence of frames, and every frame is a picture taken a small fraction of a second \
+after the one before it.
+The model looks at the picture, describes what it sees, and answers questions about the people, \
+animals and objects in it.
 In the morning the market fills with people buying bread, fruit, fish, cheese and fresh flowers for the weekend.
 She opened the window, and the cold air of the mountains came into the small kitchen with the smell of pine trees.
 Children were playing football in the park near the river until the sun went down behind the tall buildings.
@@ -108,8 +110,10 @@ A red car stopped at the corner, a man stepped out with a black umbrella, and it
 What is the color of the sky? The sky is blue during the day and dark at night, with stars and a bright moon.
 How many people are in the room? There are three people sitting at the table and one person standing by the door.
 Please describe this image in detail. The image shows a cat sleeping on a sofa next to a large window.
-Please summarize the video. The video shows a cooking lesson: first the teacher cuts the vegetables, then she boils water.
-The weather today is sunny with a light wind from the west, and tomorrow it will be cloudy with some rain in the evening.
+Please summarize the video. The video shows a cooking lesson: first the teacher cuts the vegetables, \
+then she boils water.
+The weather today is sunny with a light wind from the west, and tomorrow it will be cloudy \
+with some rain in the evening.
 Engineers measure the time it takes to decode a frame, to encode the patches, and to generate each new token.
 Serving many users at once means sharing the memory of the machine between their requests in small blocks.
 The scheduler decides which requests run in the next step, and the model runner executes them on the device.

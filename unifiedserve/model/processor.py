@@ -209,7 +209,8 @@ class IncrementalDecoder:
     tokens after them would have completed a character begun among them.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, special_ids: frozenset[int] = frozenset(),
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 special_ids: frozenset[int] = frozenset(),
                  vocab_size: int | None = None):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens

@@ -95,7 +95,8 @@ class DriverApi:
     def alloc(self, device: int, num_bytes: int) -> int:
         ptr = ctypes.c_uint64()
         self._in_context(device, lambda: self._check(self._cuda.cuMemAlloc_v2(ctypes.byref(ptr),
-                                                                              ctypes.c_size_t(num_bytes)), "cuMemAlloc"))
+                                                                              ctypes.c_size_t(num_bytes)),
+                                                     "cuMemAlloc"))
         return ptr.value
 
     def free(self, device: int, ptr: int) -> None:

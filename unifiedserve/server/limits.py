@@ -110,7 +110,8 @@ def check_message_sizes(num_chars: int, num_messages: int, num_parts: int, max_m
                          "messages")
     if num_messages * MIN_TOKENS_PER_MESSAGE > max_model_len:
         raise LimitError(f"the request has {num_messages} messages; the chat template adds at least "
-                         f"{MIN_TOKENS_PER_MESSAGE} tokens to each, so at most {max_model_len // MIN_TOKENS_PER_MESSAGE} "
+                         f"{MIN_TOKENS_PER_MESSAGE} tokens to each, so at most "
+                         f"{max_model_len // MIN_TOKENS_PER_MESSAGE} "
                          f"fit this server's {max_model_len}-token context (--max-model-len)", "messages")
     if num_parts > max_model_len:
         raise LimitError(f"the messages have {num_parts} content parts; this server accepts at most {max_model_len} "

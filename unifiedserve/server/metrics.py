@@ -69,7 +69,8 @@ class Metrics:
         self.running = Gauge("unifiedserve_num_requests_running", "Requests admitted: encoding, prefilling or "
                              "decoding.", ["model_name"], registry=r).labels(**labels)
         self.waiting = Gauge("unifiedserve_num_requests_waiting", "Requests whose prefill has not started: probing, "
-                             "decoding video, or waiting for patch pages or KV blocks.", ["model_name"], registry=r).labels(**labels)
+                             "decoding video, or waiting for patch pages or KV blocks.", ["model_name"],
+                             registry=r).labels(**labels)
         pool_used = Gauge("unifiedserve_pool_used", "Pages or blocks in use, per pool.", ["model_name", "pool"],
                           registry=r)
         pool_total = Gauge("unifiedserve_pool_capacity", "Pages or blocks, per pool.", ["model_name", "pool"],

@@ -70,11 +70,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "body is read (default: $UNIFIEDSERVE_API_KEY, or none)")
     g.add_argument("--policy", choices=POLICIES, default=RuntimeConfig.policy,
                    help="unified (default): encode+prefill (core) and decode in separate processes sharing every "
-                        "core/device and the KV cache, decode at priority (see --decode-threads). monolithic: one process batches decode tokens into the "
+                        "core/device and the KV cache, decode at priority (see --decode-threads). monolithic: one "
+                        "process batches decode tokens into the "
                         "encode/prefill iterations (vLLM/SGLang chunked prefill; the encoder blocks decode). "
                         "split: core and decode on disjoint CPU sets (half each) with matching thread counts "
                         "(DistServe/EPD style)")
-    g.add_argument("--startup-timeout", type=_positive_float, default=600.0, help="seconds to wait for the workers (default 600)")
+    g.add_argument("--startup-timeout", type=_positive_float, default=600.0,
+                   help="seconds to wait for the workers (default 600)")
     g.add_argument("--worker-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="once serving, a worker process that sends nothing for this long (each reports every second "
                         "between its steps) counts as stuck, as a dead one does: in-flight requests fail, /health "
@@ -154,8 +156,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"--tbt-slo-ms)")
     g.add_argument("--tbt-slo-ms", type=_positive_float, default=None,
                    help="derive both budgets from this time-between-tokens SLO by a short profile at start "
-                        "(cached per model, device, dtype and SLO, on a GPU also per policy and core's SM share); explicit "
-                        "budget flags win (default: none, the budgets' own defaults)")
+                        "(cached per model, device, dtype and SLO, on a GPU also per policy and core's SM share); "
+                        "explicit budget flags win (default: none, the budgets' own defaults)")
     g.add_argument("--max-num-seqs", type=_positive_int, default=SchedulerConfig.max_num_seqs,
                    help="requests admitted to encode/prefill at once (default %(default)s)")
     g.add_argument("--max-decode-batch", type=_positive_int, default=SchedulerConfig.max_decode_batch,
@@ -172,7 +174,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gb", type=_positive_float, default=None,
                    help=f"KV cache size in GiB (default {PoolBudgets.kv_cache_gb:g}; on CUDA see also "
                         f"--gpu-memory-utilization)")
-    g.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="KV cache size in blocks (overrides --kv-cache-gb)")
+    g.add_argument("--num-kv-blocks", type=_positive_int, default=None,
+                   help="KV cache size in blocks (overrides --kv-cache-gb)")
     g.add_argument("--block-size", type=_positive_int, default=EngineConfig.block_size,
                    help="tokens per KV block (default %(default)s)")
     g.add_argument("--patch-buffer-gb", type=_positive_float, default=PoolBudgets.patch_buffer_gb,
@@ -181,7 +184,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="visual-token buffer (encode -> prefill) in GiB (default %(default)g)")
     g.add_argument("--page-size", type=_positive_int, default=EngineConfig.page_size,
                    help="rows per page of both buffers (default %(default)s)")
-    g.add_argument("--shm-dir", default=DEFAULT_SHM_DIR, help=f"tmpfs folder for the CPU pools (default {DEFAULT_SHM_DIR})")
+    g.add_argument("--shm-dir", default=DEFAULT_SHM_DIR,
+                   help=f"tmpfs folder for the CPU pools (default {DEFAULT_SHM_DIR})")
 
     g = p.add_argument_group("GPU placement (CUDA; see docs/architecture.md and launch/serve-node.sh)")
     g.add_argument("--gpus", type=_gpu_list, default=None, metavar="N[,M]",

@@ -61,7 +61,8 @@ def engine():
 
 
 @pytest.mark.parametrize("resize", RESIZE_MODES)
-@pytest.mark.parametrize("codec,suffix,extra", CASES, ids=[f"{c}{s}{'-' + '-'.join(e) if e else ''}" for c, s, e in CASES])
+@pytest.mark.parametrize("codec,suffix,extra", CASES,
+                         ids=[f"{c}{s}{'-' + '-'.join(e) if e else ''}" for c, s, e in CASES])
 def test_pyav_backend_equals_sequential_decode(video_factory, engine, codec, suffix, extra, resize):
     path = video_factory(codec=codec, suffix=suffix, **TINY, **extra)
     result = engine.decode_video(path, num_frames=16, resize=resize)  # spread over every GOP
@@ -332,5 +333,6 @@ def test_frame_indices_are_integers_and_no_more_than_the_video_has(tiny_h264):
 
 def test_too_few_frames_to_sample_names_the_file(video_factory):
     path = video_factory(codec="h264", suffix=".mp4", width=64, height=48, duration_s=1 / 24, fps=24.0, gop=1)
-    with pytest.raises(flashcodec.NoFramesError, match=rf"^{re.escape(str(path))}: the video has 1 frame; sampling needs"):
+    with pytest.raises(flashcodec.NoFramesError,
+                       match=rf"^{re.escape(str(path))}: the video has 1 frame; sampling needs"):
         flashcodec.decode_video(str(path), backend="pyav")

@@ -235,7 +235,8 @@ def test_gpu_and_cpu_ranks_together_equal_the_cpu_decode(tiny_h264, fake_gpus, m
     batches = []
     one_copy = request_module.DecodeRequest.emit_many
     monkeypatch.setattr(request_module.DecodeRequest, "emit_many",
-                        lambda self, displays, frames: (batches.append(len(displays)), one_copy(self, displays, frames)))
+                        lambda self, displays, frames: (batches.append(len(displays)),
+                                                        one_copy(self, displays, frames)))
     with flashcodec.DecodeEngine("pyav", num_threads=2) as cpu:
         reference = cpu.decode_video(tiny_h264, fps=24)
     with flashcodec.DecodeEngine("pyav", devices="cuda,cpu", cpu_threads=2, nvdec_sessions=2,

@@ -248,7 +248,8 @@ def test_constructor_rejects_cpu_and_fp32_caches():
     with pytest.raises(ValueError, match="cannot serve this KV cache: device cpu is not CUDA"):
         fib.FlashInferAttention(KVCache(1, 4, BS, 2, 8, dtype=torch.bfloat16), 4, 2, 8)
     fp32 = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)
-    with pytest.raises(ValueError, match="cannot serve this KV cache: flashinfer.s kernels take float16/bfloat16, the KV cache is torch.float32"):
+    with pytest.raises(ValueError, match="cannot serve this KV cache: flashinfer.s kernels take float16/bfloat16, "
+                                         "the KV cache is torch.float32"):
         fib.FlashInferAttention._validate_cache(fp32)
 
 

@@ -356,7 +356,8 @@ def test_cuda_async_equals_sync_with_graphs(demo_path, dtype):
     batch = [(*prompts[0], SamplingParams(max_tokens=12, ignore_eos=True)),
              (*prompts[1], SamplingParams(max_tokens=7, ignore_eos=True)),
              (*prompts[2], SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)),
-             (*prompts[0], SamplingParams(max_tokens=9, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.4))]
+             (*prompts[0], SamplingParams(max_tokens=9, ignore_eos=True, repetition_penalty=1.3,
+                                          frequency_penalty=0.4))]
     launched = []
     orig = overlapped.core._read_back
 

@@ -1,4 +1,5 @@
-"""Presence, frequency and repetition penalties: the arithmetic, the count table, and the engine against transformers."""
+"""Presence, frequency and repetition penalties: the arithmetic, the count table, and the engine against
+transformers."""
 
 from __future__ import annotations
 

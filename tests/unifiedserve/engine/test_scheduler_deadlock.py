@@ -64,7 +64,8 @@ def test_every_request_finishes(workload, kv_blocks, visual_pages, encode_budget
             for media in range(len(arrivals[rid])):
                 due.append((step + 1 + sum(arrivals[rid][:media + 1]), rid, media))
         assert not out.is_empty or due, (
-            f"stalled with nothing on its way: {[(r.request_id, r.has_kv, r.num_scheduled_items) for r in scheduler.running]}"
+            "stalled with nothing on its way: "
+            f"{[(r.request_id, r.has_kv, r.num_scheduled_items) for r in scheduler.running]}"
             f", waiting {[r.request_id for r in scheduler.waiting]}, free blocks {blocks.num_free_blocks}, "
             f"free visual pages {scheduler.visual_pages.num_free_pages}")
         scheduler.commit(out)  # frees the pages the step's reads consumed

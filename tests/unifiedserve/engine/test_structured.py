@@ -30,7 +30,8 @@ def prompt(engine, text="Describe a person as JSON."):
     return engine.build_prompt([{"role": "user", "content": text}])[0]
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(temperature=1.0, seed=7), dict(temperature=0.7, top_k=50, top_p=0.9, seed=3)],
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=1.0, seed=7),
+                                dict(temperature=0.7, top_k=50, top_p=0.9, seed=3)],
                          ids=["greedy", "random", "top-k-top-p"])
 def test_output_validates_against_the_schema(engine, kw):
     ids = prompt(engine)

@@ -94,6 +94,7 @@ def test_greedy_tokens_and_logits_match_transformers(models, media, case, parts,
     logits = logits.cpu()
     ref_tokens, ref_logits = hf_generate(hf, ids, vision, NEW_TOKENS)
     diff = (logits - ref_logits).abs().max().item()
-    print(f"\n{engine.model_config.text.hidden_size}-wide {case}: {len(ids)} prompt tokens, logits max |diff| {diff:.2e}")
+    print(f"\n{engine.model_config.text.hidden_size}-wide {case}: {len(ids)} prompt tokens, "
+          f"logits max |diff| {diff:.2e}")
     assert tokens == ref_tokens
     assert diff < LOGITS_ATOL

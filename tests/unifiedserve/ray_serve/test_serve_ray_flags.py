@@ -175,7 +175,8 @@ def test_a_stop_while_replicas_cannot_be_placed_is_heard():
     assert time.perf_counter() - started < 0.2 + 2 * launch.START_POLL_S
 
 
-@pytest.mark.parametrize("reply, ok", [(b"HTTP/1.1 400 Bad Request\r\n\r\n", False), (b"SSH-2.0-OpenSSH_9.2\r\n", False),
+@pytest.mark.parametrize("reply, ok", [(b"HTTP/1.1 400 Bad Request\r\n\r\n", False),
+                                       (b"SSH-2.0-OpenSSH_9.2\r\n", False),
                                        (b"", False), (bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]), True)])
 def test_an_address_that_answers_but_is_not_a_ray_head_is_refused(reply, ok):
     """ray.init retried its GCS client for more than 10 minutes against a port that answered HTTP/1."""

@@ -186,7 +186,7 @@ def test_a_failed_free_after_a_fault_still_cleans_up(monkeypatch, caplog, tmp_pa
 # A stand-in for libcuda.so.1 with the driver's ABI and two of its rules that no Python fake can check: a
 # primary context is reset (its allocations and IPC mappings gone) when its last reference is released,
 # and cuIpcOpenMemHandle takes the 64-byte handle by value.
-STUB_DRIVER = r"""
+STUB_DRIVER = """
 #include <stdint.h>
 #include <string.h>
 typedef struct { char reserved[64]; } CUipcMemHandle;
@@ -209,7 +209,8 @@ int cuMemAlloc_v2(uint64_t *p, size_t n) {
   if (!current) return 201;
   *p = 0x7000000 + 0x1000 * (uint64_t)n_live; live[n_live] = *p; live_gen[n_live++] = generation; return 0;
 }
-int cuMemFree_v2(uint64_t p) { int i = valid(live, live_gen, n_live, p); if (i < 0) return 1; live_gen[i] = -1; return 0; }
+int cuMemFree_v2(uint64_t p) { int i = valid(live, live_gen, n_live, p); if (i < 0) return 1; \
+live_gen[i] = -1; return 0; }
 int cuIpcGetMemHandle(CUipcMemHandle *h, uint64_t p) {
   if (!current || valid(live, live_gen, n_live, p) < 0) return 1;
   memset(h->reserved, 0xAB, 64); memcpy(h->reserved, &p, 8); return 0;
@@ -223,8 +224,10 @@ int cuMemGetInfo_v2(size_t *free, size_t *total) {
   if (!current) return 201;
   *total = (size_t)80 << 30; *free = *total - ((size_t)n_live << 20); return 0;
 }
-int cuIpcCloseMemHandle(uint64_t p) { int i = valid(maps, map_gen, n_maps, p); if (i < 0) return 1; map_gen[i] = -1; return 0; }
-int stub_live_allocations(void) { int k = 0; for (int i = 0; i < n_live; i++) k += live_gen[i] == generation; return k; }
+int cuIpcCloseMemHandle(uint64_t p) { int i = valid(maps, map_gen, n_maps, p); if (i < 0) return 1; \
+map_gen[i] = -1; return 0; }
+int stub_live_allocations(void) { int k = 0; for (int i = 0; i < n_live; i++) \
+k += live_gen[i] == generation; return k; }
 int stub_live_mappings(void) { int k = 0; for (int i = 0; i < n_maps; i++) k += map_gen[i] == generation; return k; }
 int stub_context_refs(void) { return refs; }
 """

@@ -64,7 +64,8 @@ def test_mps_priority_puts_decode_first_and_keeps_the_caps():
     assert capped.env("core") == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "70",
                                   "CUDA_MPS_CLIENT_PRIORITY": "1"}
     split = plan_gpu_placement("split", 1, decode_sm_percent=30, mps_priority=True)
-    assert split.env("decode")["CUDA_MPS_CLIENT_PRIORITY"] == "0" and split.env("core")["CUDA_MPS_CLIENT_PRIORITY"] == "1"
+    assert split.env("decode")["CUDA_MPS_CLIENT_PRIORITY"] == "0" and \
+        split.env("core")["CUDA_MPS_CLIENT_PRIORITY"] == "1"
     plain = plan_gpu_placement("unified", 1)
     assert all("CUDA_MPS_CLIENT_PRIORITY" not in plain.env(n) for n in plain.processes)
 
@@ -88,7 +89,8 @@ def test_monolithic_has_no_decode_process():
     (dict(policy="split", num_visible_gpus=1, use_mps=False), "needs MPS"),
     (dict(policy="unified", num_visible_gpus=1, gpus=[]), "--gpus is empty"),
     (dict(policy="monolithic", num_visible_gpus=1, mps_priority=True), "no decode process to put first"),
-    (dict(policy="unified", num_visible_gpus=1, use_mps=False, mps_priority=True), "--mps-priority needs the server to run under MPS"),
+    (dict(policy="unified", num_visible_gpus=1, use_mps=False, mps_priority=True),
+     "--mps-priority needs the server to run under MPS"),
 ])
 def test_mistakes_get_one_clear_error(kwargs, match):
     with pytest.raises(ValueError, match=match) as err:

@@ -32,7 +32,8 @@ MESSAGES = [
 ]
 
 
-@pytest.mark.parametrize("union,message", MESSAGES, ids=[type(m).__name__ + str(i) for i, (_, m) in enumerate(MESSAGES)])
+@pytest.mark.parametrize("union,message", MESSAGES,
+                         ids=[type(m).__name__ + str(i) for i, (_, m) in enumerate(MESSAGES)])
 def test_round_trip(union, message):
     back = p.decoder(union).decode(p.encode(message))
     assert back == message and type(back) is type(message)

@@ -255,7 +255,8 @@ def test_fields_that_are_not_implemented_are_named(processor, media_dir):
                          ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
                          ({"tool_choice": "auto"}, "tool_choice"),
-                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+                          "response_format"),
                          ({"frobnicate": 1}, "frobnicate")]:
         r = http.post("/v1/chat/completions", json=chat(**fields))
         assert r.status_code == 400 and name in r.json()["error"]["message"], (fields, r.text)

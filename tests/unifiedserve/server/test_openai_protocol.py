@@ -69,7 +69,8 @@ def test_the_developer_role_reaches_the_template_as_system(tmp_path):
         {"role": "developer", "content": [{"type": "text", "text": "Answer in French."}]}]})
     messages, media = convert_messages(body, MediaPolicy(tmp_path))
     assert [m["role"] for m in messages] == ["system", "user", "system"] and media == []
-    assert messages[0]["content"] == "Be terse." and messages[2]["content"] == [{"type": "text", "text": "Answer in French."}]
+    assert messages[0]["content"] == "Be terse." and \
+        messages[2]["content"] == [{"type": "text", "text": "Answer in French."}]
 
 
 @pytest.mark.parametrize("stop", ["", ["a", ""]])

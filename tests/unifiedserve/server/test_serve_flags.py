@@ -69,7 +69,8 @@ def test_bad_values_are_one_line_before_anything_starts(args, needle, capsys):
     (["--worker-timeout", "nan"], "--worker-timeout must be 0 (never) or a number of seconds, got nan"),
     (["--api-key", " "], "--api-key (or UNIFIEDSERVE_API_KEY) is empty"),
     (["--visual-buffer-gb", "1e-9"], "the visual-token buffer budget holds no page at all; raise --visual-buffer-gb"),
-    (["--generation-config", "/nonexistent/dir"], "--generation-config /nonexistent/dir: no generation_config.json there"),
+    (["--generation-config", "/nonexistent/dir"],
+     "--generation-config /nonexistent/dir: no generation_config.json there"),
     (["--max-request-mb", "8", "--max-inflight-request-mb", "4"],
      "--max-inflight-request-mb must be at least --max-request-mb (one whole body)"),
 ])

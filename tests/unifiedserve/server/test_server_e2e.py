@@ -280,7 +280,8 @@ def _engine_reference(files):
     image = VisionInput.from_image(flashcodec.decode_image(str(files["image"])), spec)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     cases = {
-        "video": [{"role": "user", "content": [{"type": "video", "vision": video}, {"type": "text", "text": QUESTION}]}],
+        "video": [{"role": "user", "content": [{"type": "video", "vision": video},
+                                               {"type": "text", "text": QUESTION}]}],
         "video2": [{"role": "user", "content": [{"type": "video", "vision": video2},
                                                 {"type": "text", "text": "Count the objects."}]}],
         "image": [{"role": "user", "content": [{"type": "image", "vision": image},
@@ -326,7 +327,8 @@ def test_parity_and_concurrency_then_no_leaks(server, client, media):
     # decode start -> first encode step, for each request that encoded media vision decoded for it
     lag_count = m["unifiedserve_request_first_encode_lag_seconds_count"]
     assert 3 <= lag_count <= counts["encode"], (lag_count, counts)
-    assert 0 < m["unifiedserve_request_first_encode_lag_seconds_sum"] < m["unifiedserve_time_to_first_token_seconds_sum"]
+    assert 0 < m["unifiedserve_request_first_encode_lag_seconds_sum"] < \
+        m["unifiedserve_time_to_first_token_seconds_sum"]
 
 
 def _error(status_body, status):
