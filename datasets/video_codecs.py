@@ -35,6 +35,8 @@ _ROTATION_CONTAINERS = frozenset({".mp4", ".mov", ".mkv", ".webm"})
 #: Codecs for which B-frames / open GOP can be requested.
 BFRAME_CODECS = frozenset({"h264", "hevc", "mpeg4"})
 _OPEN_GOP_CODECS = frozenset({"h264", "hevc", "mpeg4"})
+#: codec -> (the encoder's parameter option, what its parameters add to the common ones)
+_X26X_PARAMS = {"h264": ("x264-params", ""), "hevc": ("x265-params", ":log-level=error")}
 
 
 def codec_options(
@@ -45,19 +47,13 @@ def codec_options(
     ``preset``: the encoder's speed preset, None for its default.
     """
     opts: dict[str, str] = {}
-    if codec == "h264":
+    if codec in _X26X_PARAMS:  # x264 and x265 take the same GOP parameters
+        key, extra = _X26X_PARAMS[codec]
         if preset is not None:
             opts["preset"] = str(preset)
-        opts["x264-params"] = (
+        opts[key] = (
             f"keyint={gop}:min-keyint={gop}:scenecut=0:bframes={bframes}"
-            f":open-gop={int(open_gop)}:b-adapt=0"
-        )
-    elif codec == "hevc":
-        if preset is not None:
-            opts["preset"] = str(preset)
-        opts["x265-params"] = (
-            f"keyint={gop}:min-keyint={gop}:scenecut=0:bframes={bframes}"
-            f":open-gop={int(open_gop)}:b-adapt=0:log-level=error"
+            f":open-gop={int(open_gop)}:b-adapt=0{extra}"
         )
     elif codec == "vp9":
         opts.update({"crf": "32", "b": "0", "keyint_min": str(gop)})

@@ -24,10 +24,10 @@ from flashcodec._errors import DecodeCancelledError, NoFramesError, OutputTooLar
 from flashcodec.decode.backends import Backend
 from flashcodec.decode.cpu import get_backend
 from flashcodec.decode.request import (BitstreamAnalysis, DecodedSlice, DecodedVideo, DecodeRequest,
-                                       check_output_memory)
+                                       check_output_memory, wait_until)
 from flashcodec.decode.rank_job import RankJob
 from flashcodec.decode.scheduler import RankGroup, RankScheduler
-from flashcodec.decode.streaming import StreamParts, wait_until
+from flashcodec.decode.streaming import StreamParts
 from flashcodec.devices import (DEFAULT_NVDEC_SESSIONS, make_layout, resolve_output_device, video_nvdec_engines,
                                 video_nvdec_reason)
 from flashcodec.plan.sampling import MAX_FRAME_PIXELS, SamplingOptions

@@ -23,7 +23,8 @@ from flashcodec.decode.rank_job import RankJob, SlotEvent
 from flashcodec.plan.video import VideoPlan
 from flashcodec.source import Source
 
-__all__ = ["BitstreamAnalysis", "DecodeRequest", "DecodedSlice", "DecodedVideo", "check_output_memory", "output_bytes"]
+__all__ = ["BitstreamAnalysis", "DecodeRequest", "DecodedSlice", "DecodedVideo", "check_output_memory", "output_bytes",
+           "wait_until"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,6 +130,18 @@ def check_output_memory(plan, output: str, patch_dtype: torch.dtype = torch.floa
             f"the output would take {need / 2**30:.1f} GiB ({plan.num_output_frames} frames of {plan.height}x"
             f"{plan.width}, {output}), more than this machine's {memory / 2**30:.1f} GiB of {what}; lower "
             f"max_pixels, the size, fps or max_frames (--max-pixels, --size, --fps, --max-frames)")
+
+
+def wait_until(cond: threading.Condition, deadline: float | None, timeout: float | None) -> None:
+    """``cond.wait()`` (held) until notified or ``deadline`` (``time.monotonic()``; None: no limit).
+
+    Raises:
+        TimeoutError: the deadline has passed (``timeout`` is the caller's, for the message).
+    """
+    remaining = None if deadline is None else deadline - time.monotonic()
+    if remaining is not None and remaining <= 0:
+        raise TimeoutError(f"decoding did not finish within {timeout} s")
+    cond.wait(remaining)
 
 
 class DecodeRequest:

@@ -9,23 +9,10 @@ concerns its other requests: the request's end, a cancel, and a reader that goes
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 
-from flashcodec.decode.request import DecodedSlice, DecodeRequest
-
-
-def wait_until(cond: threading.Condition, deadline: float | None, timeout: float | None) -> None:
-    """``cond.wait()`` (held) until notified or ``deadline`` (``time.monotonic()``; None: no limit).
-
-    Raises:
-        TimeoutError: the deadline has passed (``timeout`` is the caller's, for the message).
-    """
-    remaining = None if deadline is None else deadline - time.monotonic()
-    if remaining is not None and remaining <= 0:
-        raise TimeoutError(f"decoding did not finish within {timeout} s")
-    cond.wait(remaining)
+from flashcodec.decode.request import DecodedSlice, DecodeRequest, wait_until
 
 
 class StreamParts:
